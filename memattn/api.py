@@ -1,0 +1,65 @@
+"""The public attention function: thin, documented, everything else lives below it."""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    window: tuple[int, int] | None = None,
+    align: str = "top_left",
+    bias: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    return_lse: bool = False,
+    deterministic: bool = False,
+):
+    """Exact attention, memory O(S) per head: softmax(scale * q @ k^T + mods) @ v.
+
+    Layout, dense mode: q (B, Sq, H, Dqk), k (B, Sk, Hkv, Dqk), v (B, Sk, Hkv, Dv);
+    returns out (B, Sq, H, Dv) in q's dtype. Varlen mode (cu_seqlens_q/k given, int32,
+    (B+1,), starting at 0, non-decreasing): q (Tq, H, Dqk), k (Tk, Hkv, Dqk),
+    v (Tk, Hkv, Dv), out (Tq, H, Dv); masks, ALiBi and alignment apply per sequence.
+    H must be a multiple of Hkv (GQA/MQA); Dqk and Dv in [1, 256]. dtypes: float16,
+    bfloat16, float32 (float32 follows torch.backends.cuda.matmul.allow_tf32). Any
+    strides.
+
+    Options (``off`` = 0 for align="top_left", Sk - Sq for "bottom_right", per sequence):
+      causal:       key j visible from query i only when j <= i + off.
+      window:       (left, right): j visible when i + off - left <= j <= i + off + right;
+                    -1 leaves a side unbounded. Combines with causal.
+      bias:         additive float tensor broadcastable to (B, H, Sq, Sk); in varlen
+                    mode to (B, H, max_seqlen_q, max_seqlen_k), indexed by positions
+                    inside each sequence. Read through zero strides, never expanded.
+      alibi_slopes: float32 (H,) or (B, H): adds -slope * |i + off - j|.
+      softcap:      > 0: s = softcap * tanh(s / softcap) on the scaled score, before
+                    bias, ALiBi and masks.
+      scale:        score scale, default 1 / sqrt(Dqk).
+      dropout_p:    drops probabilities with Philox keyed by a seed/offset drawn from
+                    PyTorch's generator (``torch.manual_seed`` repeats runs); see
+                    ``memattn.dropout_mask`` and ``memattn.ops.forward``.
+      max_seqlen_q/k: longest sequence (varlen); read from cu_seqlens when None.
+      return_lse:   also return lse, float32, natural log, (B, H, Sq) or (H, Tq);
+                    -inf (and out = 0) for a query row with no visible key.
+      deterministic: bit-identical results across runs (the forward always is).
+    """
+    out, lse, _ = ops.forward(
+        q, k, v, causal=causal, window=window, align=align, bias=bias,
+        alibi_slopes=alibi_slopes, softcap=softcap, scale=scale, dropout_p=dropout_p,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, deterministic=deterministic,
+    )  # fmt: skip
+    return (out, lse) if return_lse else out

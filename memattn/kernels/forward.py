@@ -1,0 +1,290 @@
+"""Forward kernel: online softmax over key tiles (FlashAttention-2 style), every feature
+a compile-time switch, dense and varlen batches in one kernel.
+
+Reads top to bottom: the tile loop, the kernel, the launcher. Only the launcher knows
+about torch tensors and strides.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..spec import AttentionSpec
+from . import tuning
+from .common import (
+    LN2,
+    diagonal_offset,
+    dropout_keep,
+    key_range,
+    scores_log2,
+    sequence_bounds,
+    visible,
+)
+
+
+@triton.jit
+def _fwd_tiles(
+    acc, m_i, l_i, q,
+    k_base, v_base, bias_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    stride_bm, stride_bn,
+    offs_m, offs_dqk, offs_dv, lo, hi,
+    seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
+    seed, rng_offset, bh, dropout_p,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MASKED: tl.constexpr, BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Accumulates key tiles [lo, hi) into (acc, m_i, l_i). MASKED tiles apply the
+    visibility mask; the others are known to be fully visible and skip it."""
+    arange_n = tl.arange(0, BLOCK_N)
+    arange_m = tl.arange(0, BLOCK_M)  # bias_base already points at row start_m
+    row_ok = offs_m < seqlen_q
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        offs_n = start_n + arange_n
+        col_ok = offs_n < seqlen_k
+        # 64-bit: start_n * stride can pass 2**31 on long sequences; the in-tile part can't.
+        start_n64 = tl.cast(start_n, tl.int64)
+        k_ptrs = (k_base + start_n64 * stride_kn
+                  + arange_n[None, :] * stride_kn + offs_dqk[:, None] * stride_kd)
+        if MASKED:
+            k_mask = col_ok[None, :] & (offs_dqk[:, None] < DQK)
+        else:
+            k_mask = offs_dqk[:, None] < DQK
+        k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+        qk = tl.dot(q, k, input_precision=DOT_PRECISION)
+
+        bias = None
+        if HAS_BIAS:
+            b_ptrs = (bias_base + start_n64 * stride_bn
+                      + arange_m[:, None] * stride_bm + arange_n[None, :] * stride_bn)
+            bias = tl.load(b_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+            bias = bias.to(tl.float32)
+        s, _ = scores_log2(qk, offs_m, offs_n, off, scale, softcap, slope, bias,
+                           HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI)
+        if MASKED:
+            mask = visible(offs_m, offs_n, seqlen_k, off, window_left, window_right,
+                           BOUNDED_LEFT, BOUNDED_RIGHT)
+            s = tl.where(mask, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no visible key yet keeps m = -inf; subtract 0 there
+        # instead, so that exp2(-inf - -inf) never makes a NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, rng_offset, bh, offs_m, offs_n, dropout_p)
+            p = tl.where(keep, p, 0.0)
+
+        v_ptrs = (v_base + start_n64 * stride_vn
+                  + arange_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd)
+        if MASKED:
+            v_mask = col_ok[:, None] & (offs_dv[None, :] < DV)
+        else:
+            v_mask = offs_dv[None, :] < DV
+        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, Out, Lse, Bias, Alibi, Rng, CuSeqQ, CuSeqK,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_ob, stride_om, stride_oh, stride_od,
+    stride_lb, stride_lh, stride_lm,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_ab, stride_ah,
+    H, GROUP, seqlen_q, seqlen_k, num_m_blocks,
+    scale, softcap, window_left, window_right, dropout_p,
+    DQK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    # One program per (query block, batch * head), on a 1-D grid: no 65,535 limit on
+    # batch * heads. Query blocks of one head run back to back, last block first: with
+    # causal masks the last blocks are the longest.
+    pid = tl.program_id(0)
+    bh = pid // num_m_blocks
+    m_block = num_m_blocks - 1 - pid % num_m_blocks
+    b = bh // H
+    h = bh % H
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
+        CuSeqQ, CuSeqK, b, seqlen_q, seqlen_k, IS_VARLEN)
+    start_m = m_block * BLOCK_M
+    off = diagonal_offset(seqlen_q, seqlen_k, BOTTOM_RIGHT)
+
+    # 64-bit base offsets: batch * stride and token * stride can pass 2**31.
+    b64 = tl.cast(b, tl.int64)
+    h64 = tl.cast(h, tl.int64)
+    hk64 = tl.cast(h // GROUP, tl.int64)
+    row0 = tl.cast(q_start + start_m, tl.int64)
+    q_base = Q + b64 * stride_qb + h64 * stride_qh + row0 * stride_qm
+    k_base = K + b64 * stride_kb + hk64 * stride_kh + tl.cast(k_start, tl.int64) * stride_kn
+    v_base = V + b64 * stride_vb + hk64 * stride_vh + tl.cast(k_start, tl.int64) * stride_vn
+    o_base = Out + b64 * stride_ob + h64 * stride_oh + row0 * stride_om
+    l_base = Lse + b64 * stride_lb + h64 * stride_lh + row0 * stride_lm
+    bias_base = Bias
+    if HAS_BIAS:  # indexed by positions inside the sequence, also in varlen mode
+        bias_base = (Bias + b64 * stride_bb + h64 * stride_bh
+                     + tl.cast(start_m, tl.int64) * stride_bm)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(Alibi + b64 * stride_ab + h64 * stride_ah)
+    seed = 0
+    rng_offset = 0
+    if HAS_DROPOUT:
+        seed = tl.load(Rng)
+        rng_offset = tl.load(Rng + 1)
+
+    arange_m = tl.arange(0, BLOCK_M)
+    offs_m = start_m + arange_m
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < seqlen_q
+    q = tl.load(q_base + arange_m[:, None] * stride_qm + offs_dqk[None, :] * stride_qd,
+                mask=row_ok[:, None] & (offs_dqk[None, :] < DQK), other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+    lo, full_lo, full_hi, hi = key_range(
+        start_m, seqlen_k, off, window_left, window_right,
+        BLOCK_M, BLOCK_N, BOUNDED_LEFT, BOUNDED_RIGHT)
+    # Blocks past this sequence's end (varlen, padded to max_seqlen_q) do no work.
+    hi = tl.where(start_m < seqlen_q, hi, lo)
+    full_lo = tl.minimum(full_lo, hi)
+    full_hi = tl.minimum(full_hi, hi)
+
+    # Three passes over the keys: masked tiles on the left edge of the window, fully
+    # visible tiles (no mask arithmetic), masked tiles on the right edge / past Sk.
+    acc, m_i, l_i = _fwd_tiles(
+        acc, m_i, l_i, q, k_base, v_base, bias_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+        offs_m, offs_dqk, offs_dv, lo, full_lo,
+        seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
+        seed, rng_offset, bh, dropout_p,
+        DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, BOUNDED_LEFT, BOUNDED_RIGHT,
+        HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
+    acc, m_i, l_i = _fwd_tiles(
+        acc, m_i, l_i, q, k_base, v_base, bias_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+        offs_m, offs_dqk, offs_dv, full_lo, full_hi,
+        seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
+        seed, rng_offset, bh, dropout_p,
+        DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, BOUNDED_LEFT, BOUNDED_RIGHT,
+        HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
+    acc, m_i, l_i = _fwd_tiles(
+        acc, m_i, l_i, q, k_base, v_base, bias_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+        offs_m, offs_dqk, offs_dv, full_hi, hi,
+        seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
+        seed, rng_offset, bh, dropout_p,
+        DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, BOUNDED_LEFT, BOUNDED_RIGHT,
+        HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
+
+    # Rows with no visible key: l = 0, out = 0, lse = -inf.
+    empty = l_i == 0.0
+    inv_l = 1.0 / tl.where(empty, 1.0, l_i)
+    if HAS_DROPOUT:
+        inv_l = inv_l / (1.0 - dropout_p)
+    out = acc * inv_l[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    tl.store(o_base + arange_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    tl.store(l_base + arange_m * stride_lm, lse, mask=row_ok)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 inputs follow torch.backends.cuda.matmul.allow_tf32, like torch.matmul."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def bias_strides(bias: torch.Tensor | None, spec: AttentionSpec) -> tuple[int, int, int, int]:
+    """Strides of bias broadcast to (B, H, Sq, Sk): 0 along broadcast dimensions, so
+    the kernel reads the original tensor and no expanded copy is made."""
+    if bias is None:
+        return (0, 0, 0, 0)
+    return tuple(bias.expand(spec.bias_shape).stride())
+
+
+def alibi_strides(alibi: torch.Tensor | None) -> tuple[int, int]:
+    if alibi is None:
+        return (0, 0)
+    if alibi.dim() == 1:
+        return (0, alibi.stride(0))
+    return (alibi.stride(0), alibi.stride(1))
+
+
+def dense_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int, int]:
+    """(batch, token, head, dim) strides; batch stride 0 for packed (T, H, D) tensors."""
+    if varlen:
+        return (0, *t.stride())
+    return tuple(t.stride())
+
+
+def lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, head, token) strides of lse: (B, H, Sq) dense, (H, Tq) varlen."""
+    if varlen:
+        return (0, *lse.stride())
+    return tuple(lse.stride())
+
+
+def forward(
+    spec: AttentionSpec,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    rng_state: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launches the forward kernel. Returns out (q's layout, Dv) and lse (float32)."""
+    if spec.varlen:
+        out = q.new_empty(q.shape[0], spec.heads, spec.head_dim_v)
+        lse = torch.empty(spec.heads, q.shape[0], device=q.device, dtype=torch.float32)
+    else:
+        out = q.new_empty(spec.batch, spec.seqlen_q, spec.heads, spec.head_dim_v)
+        lse = torch.empty(spec.bias_shape[:3], device=q.device, dtype=torch.float32)
+    if out.numel() == 0 or spec.seqlen_q == 0:
+        return out, lse.fill_(float("-inf"))
+
+    cfg = tuning.forward_config(spec)
+    num_m_blocks = triton.cdiv(spec.seqlen_q, cfg.block_m)
+    grid = (num_m_blocks * spec.batch * spec.heads,)
+    _fwd_kernel[grid](
+        q, k, v, out, lse, bias, alibi_slopes, rng_state, cu_seqlens_q, cu_seqlens_k,
+        *dense_strides(q, spec.varlen), *dense_strides(k, spec.varlen),
+        *dense_strides(v, spec.varlen), *dense_strides(out, spec.varlen),
+        *lse_strides(lse, spec.varlen), *bias_strides(bias, spec), *alibi_strides(alibi_slopes),
+        spec.heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_m_blocks,
+        spec.scale, spec.softcap, spec.window_left, spec.window_right, spec.dropout_p,
+        DQK=spec.head_dim_qk, DV=spec.head_dim_v,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_DQK=tuning.padded_head_dim(spec.head_dim_qk),
+        BLOCK_DV=tuning.padded_head_dim(spec.head_dim_v),
+        IS_VARLEN=spec.varlen, BOTTOM_RIGHT=spec.bottom_right,
+        BOUNDED_LEFT=spec.window_left >= 0, BOUNDED_RIGHT=spec.window_right >= 0,
+        HAS_BIAS=bias is not None, HAS_ALIBI=alibi_slopes is not None,
+        HAS_SOFTCAP=spec.softcap > 0, HAS_DROPOUT=spec.dropout_p > 0,
+        DOT_PRECISION=dot_precision(spec.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out, lse

@@ -1,0 +1,42 @@
+"""Tile shapes, warps and pipeline depth per head dim and device.
+
+A table, not a search: the launchers ask for a config and get one. Under Triton's
+interpreter (CPU) tiles are small so that tests at small, odd sizes cross several tiles.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import triton
+
+from ..spec import AttentionSpec
+
+
+@dataclass(frozen=True)
+class Config:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def padded_head_dim(d: int) -> int:
+    """Head dims are padded to a power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, triton.next_power_of_2(d))
+
+
+def forward_config(spec: AttentionSpec) -> Config:
+    if interpreting():
+        return Config(block_m=32, block_n=16, num_warps=1, num_stages=1)
+    d = max(padded_head_dim(spec.head_dim_qk), padded_head_dim(spec.head_dim_v))
+    if d <= 64:
+        return Config(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if d <= 128:
+        return Config(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    return Config(block_m=64, block_n=64, num_warps=8, num_stages=2)
