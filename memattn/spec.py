@@ -69,7 +69,10 @@ def _is_number(x) -> bool:
 def _check_real(name: str, value, *, minimum: float = 0.0) -> float:
     if not _is_number(value):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int too large for a float
+        value = math.inf
     if not math.isfinite(value) or value < minimum:
         raise ValueError(f"{name} must be a finite number >= {minimum}, got {value}")
     return value
@@ -84,7 +87,7 @@ def _check_bool(name: str, value) -> bool:
 def _check_window(window) -> tuple[int, int]:
     if window is None:
         return (-1, -1)
-    if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise TypeError(f"window must be None or a pair (left, right) of ints, got {window!r}")
     sides = []
     for i, w in enumerate(window):

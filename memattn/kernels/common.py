@@ -6,11 +6,22 @@ Scores travel in the log2 domain inside the kernels: ``s2 = s * log2(e)``, so th
 softmax uses exp2. Feature switches are ``tl.constexpr`` and named the same everywhere.
 """
 
+import os
+
+import torch
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634
-LN2: tl.constexpr = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialised output buffer. With MEMATTN_POISON_OUTPUTS=1 (the test suites
+    set it) it is filled with NaN, so an element a kernel fails to write fails a test."""
+    if os.environ.get("MEMATTN_POISON_OUTPUTS") == "1":
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 @triton.jit
@@ -71,6 +82,35 @@ def key_range(
 
 
 @triton.jit
+def query_range(
+    start_n, seqlen_q, seqlen_k, off, window_left, window_right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
+):  # fmt: skip
+    """Queries that may see keys [start_n, start_n + BLOCK_N): key_range seen from the
+    keys' side. Returns (lo, full_lo, full_hi, hi) as key_range does, for query tiles."""
+    last_n = start_n + BLOCK_N - 1
+    lo = 0
+    hi = seqlen_q
+    full_lo = 0
+    full_hi = seqlen_q
+    if BOUNDED_RIGHT:  # j <= i + off + right  <=>  i >= j - off - right
+        lo = (tl.maximum(start_n - off - window_right, 0) // BLOCK_M) * BLOCK_M
+        full_lo = tl.maximum(last_n - off - window_right, 0)
+        full_lo = ((full_lo + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    if BOUNDED_LEFT:  # j >= i + off - left  <=>  i <= j - off + left
+        hi = tl.minimum(hi, last_n - off + window_left + 1)
+        full_hi = tl.minimum(full_hi, start_n - off + window_left + 1)
+    # Keys past Sk make every query tile of this block a masked one.
+    full_hi = tl.where(last_n < seqlen_k, full_hi, 0)
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = (tl.maximum(full_hi, 0) // BLOCK_M) * BLOCK_M
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
 def visible(
     offs_m, offs_n, seqlen_k, off, window_left, window_right,
     BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
@@ -93,27 +133,27 @@ def tanh(x):
 
 
 @triton.jit
-def scores_log2(
-    qk, offs_m, offs_n, off, scale, softcap, slope, bias,
-    HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
-):  # fmt: skip
-    """The score before masking, times log2(e): softcap, then bias and ALiBi.
-
-    qk is the raw q.k tile (fp32); bias the loaded bias tile (fp32) or None.
-    Also returns the softcap's tanh (needed by the backward's chain rule), else None.
-    """
-    t = None
+def capped_score_log2(qk, scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """The scaled (and softcapped) score times log2(e), from the raw q.k tile (fp32).
+    The backward recovers softcap's tanh from it: t = s2 / (softcap * log2(e))."""
     if HAS_SOFTCAP:
-        t = tanh(qk * (scale / softcap))
-        s = t * (softcap * LOG2E)
+        return tanh(qk * (scale / softcap)) * (softcap * LOG2E)
     else:
-        s = qk * (scale * LOG2E)
+        return qk * (scale * LOG2E)
+
+
+@triton.jit
+def add_bias_alibi_log2(
+    s, offs_m, offs_n, off, slope, bias, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
+):  # fmt: skip
+    """Adds the bias tile (fp32, natural units) and ALiBi's -slope * |i + off - j| to a
+    log2-domain score: the score before masking."""
     if HAS_BIAS:
         s += bias * LOG2E
     if HAS_ALIBI:
         dist = tl.abs(offs_m[:, None] + off - offs_n[None, :]).to(tl.float32)
         s -= (slope * LOG2E) * dist
-    return s, t
+    return s
 
 
 @triton.jit

@@ -15,10 +15,12 @@ from ..spec import AttentionSpec
 from . import tuning
 from .common import (
     LN2,
+    add_bias_alibi_log2,
+    capped_score_log2,
     diagonal_offset,
     dropout_keep,
     key_range,
-    scores_log2,
+    new_output,
     sequence_bounds,
     visible,
 )
@@ -57,14 +59,14 @@ def _fwd_tiles(
         k = tl.load(k_ptrs, mask=k_mask, other=0.0)
         qk = tl.dot(q, k, input_precision=DOT_PRECISION)
 
-        bias = None
+        bias = qk  # placeholder, unused without a bias
         if HAS_BIAS:
             b_ptrs = (bias_base + start_n64 * stride_bn
                       + arange_m[:, None] * stride_bm + arange_n[None, :] * stride_bn)
             bias = tl.load(b_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
             bias = bias.to(tl.float32)
-        s, _ = scores_log2(qk, offs_m, offs_n, off, scale, softcap, slope, bias,
-                           HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI)
+        s = capped_score_log2(qk, scale, softcap, HAS_SOFTCAP)
+        s = add_bias_alibi_log2(s, offs_m, offs_n, off, slope, bias, HAS_BIAS, HAS_ALIBI)
         if MASKED:
             mask = visible(offs_m, offs_n, seqlen_k, off, window_left, window_right,
                            BOUNDED_LEFT, BOUNDED_RIGHT)
@@ -258,11 +260,12 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launches the forward kernel. Returns out (q's layout, Dv) and lse (float32)."""
     if spec.varlen:
-        out = q.new_empty(q.shape[0], spec.heads, spec.head_dim_v)
-        lse = torch.empty(spec.heads, q.shape[0], device=q.device, dtype=torch.float32)
+        out = new_output((q.shape[0], spec.heads, spec.head_dim_v), q.dtype, q.device)
+        lse = new_output((spec.heads, q.shape[0]), torch.float32, q.device)
     else:
-        out = q.new_empty(spec.batch, spec.seqlen_q, spec.heads, spec.head_dim_v)
-        lse = torch.empty(spec.bias_shape[:3], device=q.device, dtype=torch.float32)
+        out = new_output((spec.batch, spec.seqlen_q, spec.heads, spec.head_dim_v), q.dtype,
+                         q.device)  # fmt: skip
+        lse = new_output(spec.bias_shape[:3], torch.float32, q.device)
     if out.numel() == 0 or spec.seqlen_q == 0:
         return out, lse.fill_(float("-inf"))
 

@@ -1,0 +1,243 @@
+"""Checking the kernels against the float64 reference: the cases, the inputs, the
+tolerance. ``memattn check`` and the test suites both run through here.
+
+The tolerance is relative to what plain PyTorch achieves in the same precision: the
+kernel's error against the float64 reference, ``|x - ref| / |ref|`` in the Frobenius
+norm, may be at most twice the error of ``memattn.reference`` run in the inputs' own
+dtype, plus a small floor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from . import ops, reference
+from .dropout import dropout_mask
+
+FLOOR = {torch.float32: 2e-6, torch.float16: 1e-4, torch.bfloat16: 1e-4}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One configuration to check. Sizes are per sequence; ``lengths_q``/``lengths_k``
+    switch to varlen mode with those sequence lengths.
+
+    ``bias`` spells the bias's shape with the letters B, H, Q, K (sizes B, H, Sq, Sk)
+    and 1 (broadcast), e.g. "BHQK", "1H1K", "QK". ``alibi`` is "H" or "BH".
+    ``layout`` is "contiguous", "transposed" (q/k/v as (B, H, S, D).transpose) or
+    "strided" (last-dim stride 2, nothing contiguous).
+    """
+
+    name: str
+    batch: int = 2
+    seqlen_q: int = 37
+    seqlen_k: int = 53
+    heads: int = 4
+    kv_heads: int = 2
+    dqk: int = 40
+    dv: int = 24
+    lengths_q: tuple[int, ...] | None = None
+    lengths_k: tuple[int, ...] | None = None
+    bias: str | None = None
+    alibi: str | None = None
+    layout: str = "contiguous"
+    options: dict = field(default_factory=dict)
+
+    @property
+    def varlen(self) -> bool:
+        return self.lengths_q is not None
+
+    def scaled(self, **sizes) -> Case:
+        return replace(self, **sizes)
+
+    def describe(self) -> str:
+        if self.varlen:
+            shape = f"varlen q{list(self.lengths_q)} k{list(self.lengths_k)}"
+        else:
+            shape = f"B{self.batch} Sq{self.seqlen_q} Sk{self.seqlen_k}"
+        return f"{shape} H{self.heads}/{self.kv_heads} D{self.dqk}/{self.dv}"
+
+
+@dataclass
+class Inputs:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    kwargs: dict  # bias, alibi_slopes, cu_seqlens, options
+
+
+def make_inputs(case: Case, dtype: torch.dtype, device, seed: int = 0) -> Inputs:
+    """Fresh random inputs for a case (normal q/k/v, bias and slopes; never zeros)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device)
+
+    if case.varlen:
+        batch = len(case.lengths_q)
+        tq, tk = sum(case.lengths_q), sum(case.lengths_k)
+        sq, sk = max(case.lengths_q, default=0), max(case.lengths_k, default=0)
+        tokens_q, tokens_k = (tq,), (tk,)
+    else:
+        batch, sq, sk = case.batch, case.seqlen_q, case.seqlen_k
+        tokens_q, tokens_k = (batch, sq), (batch, sk)
+
+    def tensor(tokens, heads, dim):
+        if case.layout == "transposed":
+            return randn(*tokens[:-1], heads, tokens[-1], dim).to(dtype).transpose(-2, -3)
+        if case.layout == "strided":
+            return randn(*tokens, heads, 2 * dim).to(dtype)[..., ::2]
+        return randn(*tokens, heads, dim).to(dtype)
+
+    kwargs = dict(case.options)
+    q = tensor(tokens_q, case.heads, case.dqk)
+    k = tensor(tokens_k, case.kv_heads, case.dqk)
+    v = tensor(tokens_k, case.kv_heads, case.dv)
+    if case.varlen:
+        for name, lengths in (("q", case.lengths_q), ("k", case.lengths_k)):
+            cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
+            kwargs[f"cu_seqlens_{name}"] = cu.to(device)
+    if case.bias is not None:
+        sizes = {"B": batch, "H": case.heads, "Q": sq, "K": sk, "1": 1}
+        kwargs["bias"] = randn(*(sizes[c] for c in case.bias)).to(dtype)
+    if case.alibi is not None:
+        shape = (case.heads,) if case.alibi == "H" else (batch, case.heads)
+        kwargs["alibi_slopes"] = torch.rand(*shape, generator=gen).to(device) * 0.5
+    return Inputs(q, k, v, kwargs)
+
+
+def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """|x - ref| / |ref| in the Frobenius norm, in float64; NaN anywhere gives NaN."""
+    x, ref = x.double(), ref.double()
+    denom = ref.norm().item()
+    err = (x - ref).norm().item()
+    if denom == 0.0:
+        return err
+    return err / denom
+
+
+def lse_error(lse: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest |lse - ref| where ref is finite; inf if the -inf patterns differ."""
+    lse, ref = lse.double(), ref.double()
+    if not torch.equal(torch.isneginf(lse), torch.isneginf(ref)):
+        return math.inf
+    finite = torch.isfinite(ref)
+    if not finite.any():
+        return 0.0
+    return (lse[finite] - ref[finite]).abs().max().item()
+
+
+@dataclass
+class Result:
+    case: Case
+    dtype: torch.dtype
+    what: str  # "out", "lse", "dq", ...
+    error: float
+    allowed: float
+
+    @property
+    def passed(self) -> bool:
+        return self.error <= self.allowed  # False for NaN
+
+
+def _to64(kwargs: dict) -> dict:
+    return {
+        k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point()
+            and k != "alibi_slopes" else v)
+        for k, v in kwargs.items()
+    }  # fmt: skip
+
+
+def check_forward(case: Case, dtype: torch.dtype, device, seed: int = 0) -> list[Result]:
+    """Runs the forward kernel on fresh inputs and compares out and lse with the float64
+    reference, against the tolerance set by the reference in ``dtype``."""
+    x = make_inputs(case, dtype, device, seed)
+    before = [t.clone() for t in (x.q, x.k, x.v)]
+    out, lse, rng_state = ops.forward(x.q, x.k, x.v, **x.kwargs)
+    for t, t0 in zip((x.q, x.k, x.v), before):
+        if not torch.equal(t, t0):
+            raise AssertionError(f"{case.name}: the kernel modified its inputs")
+    keep = None
+    if x.kwargs.get("dropout_p", 0.0) > 0:
+        spec = reference_spec(x)
+        keep = dropout_mask(rng_state, x.kwargs["dropout_p"], *spec.bias_shape)
+    ref, ref_lse = reference.attention(
+        x.q.double(), x.k.double(), x.v.double(), **_to64(x.kwargs), dropout_keep=keep,
+        return_lse=True,
+    )  # fmt: skip
+    low, low_lse = reference.attention(x.q, x.k, x.v, **x.kwargs, dropout_keep=keep,
+                                       return_lse=True)  # fmt: skip
+    floor = FLOOR[dtype]
+    return [
+        Result(case, dtype, "out", relative_error(out, ref),
+               2 * relative_error(low, ref) + floor),
+        Result(case, dtype, "lse", lse_error(lse, ref_lse),
+               2 * lse_error(low_lse, ref_lse) + 10 * floor),
+    ]  # fmt: skip
+
+
+def reference_spec(x: Inputs):
+    from .spec import check_call
+
+    names = ("causal", "window", "align", "bias", "alibi_slopes", "softcap", "scale",
+             "dropout_p", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+    return check_call(x.q, x.k, x.v, **{k: v for k, v in x.kwargs.items() if k in names})
+
+
+# The feature grid. Sizes are small and odd (the CPU interpreter runs them); GPU runs
+# scale them with Case.scaled.
+FEATURE_CASES = [
+    Case("plain"),
+    Case("causal", options=dict(causal=True)),
+    Case("causal bottom-right", options=dict(causal=True, align="bottom_right")),
+    Case("causal Sq>Sk bottom-right", seqlen_q=53, seqlen_k=37,
+         options=dict(causal=True, align="bottom_right")),
+    Case("window (7, 3)", options=dict(window=(7, 3))),
+    Case("window (-1, 5) bottom-right", options=dict(window=(-1, 5), align="bottom_right")),
+    Case("window (6, 0) causal", options=dict(window=(6, 0), causal=True)),
+    Case("bias BHQK", bias="BHQK"),
+    Case("bias 1H1K", bias="1H1K"),
+    Case("bias QK", bias="QK"),
+    Case("bias B1Q1", bias="B1Q1"),
+    Case("alibi H", alibi="H"),
+    Case("alibi BH causal bottom-right", alibi="BH",
+         options=dict(causal=True, align="bottom_right")),
+    Case("softcap", options=dict(softcap=3.0)),
+    Case("scale 0.3", options=dict(scale=0.3)),
+    Case("dropout 0.25", options=dict(dropout_p=0.25)),
+    Case("MQA", heads=3, kv_heads=1),
+    Case("MHA Dqk=Dv", kv_heads=4, dv=40),
+    Case("head dims 1/17", dqk=1, dv=17),
+    Case("transposed layout", layout="transposed", options=dict(causal=True)),
+    Case("strided layout", layout="strided", bias="1HQK"),
+    Case("varlen", lengths_q=(5, 0, 37, 12), lengths_k=(9, 3, 53, 0)),
+    Case("varlen causal bottom-right window", lengths_q=(5, 19, 1), lengths_k=(9, 7, 30),
+         options=dict(causal=True, align="bottom_right", window=(4, -1))),
+    Case("varlen+causal+bias+GQA+dropout", lengths_q=(5, 0, 37, 12), lengths_k=(9, 3, 53, 0),
+         bias="BHQK", options=dict(causal=True, dropout_p=0.2)),
+    Case("varlen+alibi+softcap+window", lengths_q=(21, 8), lengths_k=(17, 33), alibi="BH",
+         options=dict(softcap=2.0, window=(5, 9))),
+    Case("everything dense", bias="1HQK", alibi="H",
+         options=dict(causal=True, align="bottom_right", window=(20, 0), softcap=4.0,
+                      dropout_p=0.1, scale=0.2)),
+]
+
+
+def gpu_sized(case: Case, tokens: int = 1024, head_dim: int = 128) -> Case:
+    """The same case at GPU sizes: sequence lengths scaled ~tokens/53, the default head
+    dims (40/24) replaced by head_dim."""
+    f = tokens / 53
+    if case.varlen:
+        sizes = dict(lengths_q=tuple(round(n * f) for n in case.lengths_q),
+                     lengths_k=tuple(round(n * f) for n in case.lengths_k))
+    else:
+        sizes = dict(seqlen_q=round(case.seqlen_q * f), seqlen_k=round(case.seqlen_k * f))
+    dims = dict(dqk=head_dim, dv=head_dim) if (case.dqk, case.dv) == (40, 24) else {}
+    return case.scaled(**sizes, **dims)
+
+
+# What `memattn check` runs for each case and dtype.
+RUNS = [check_forward]

@@ -1,0 +1,30 @@
+"""Test set-up: CPU runs go through Triton's interpreter; every output is poisoned.
+
+TRITON_INTERPRET must be set before memattn's kernels are decorated; memattn imports
+them lazily, so setting it here, before any test imports them, is early enough.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ["MEMATTN_POISON_OUTPUTS"] = "1"
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on the device)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device():
+    return DEVICE

@@ -1,0 +1,178 @@
+"""The forward kernel against the float64 reference.
+
+CPU (CI): Triton's interpreter at small odd sizes, float32 and float16 (the interpreter
+computes bfloat16 dots wrongly). GPU (`pytest -m gpu`): real sizes, bfloat16/float16.
+"""
+
+import pytest
+import torch
+
+import memattn
+from memattn.check import FEATURE_CASES, Case, check_forward, gpu_sized
+
+from .conftest import DEVICE
+
+cpu_only = pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes; the GPU has its own")
+
+
+def assert_results(results):
+    failed = [f"{r.what}: error {r.error:.3g} > allowed {r.allowed:.3g}"
+              for r in results if not r.passed]  # fmt: skip
+    assert not failed, f"{results[0].case.name} {results[0].dtype}: " + "; ".join(failed)
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("case", FEATURE_CASES, ids=lambda c: c.name)
+def test_features_cpu(case, dtype):
+    assert_results(check_forward(case, dtype, "cpu", seed=hash(case.name) % 1000))
+
+
+EDGE_CASES = [
+    Case("Sq=0", seqlen_q=0),
+    Case("Sk=0: every row empty", seqlen_k=0),
+    Case("no visible key rows", seqlen_q=20, seqlen_k=6,
+         options=dict(causal=True, align="bottom_right")),
+    Case("window (0, 0)", options=dict(window=(0, 0))),
+    Case("single query, many keys", seqlen_q=1, seqlen_k=67, options=dict(causal=True)),
+    Case("all-empty varlen", lengths_q=(0, 0), lengths_k=(0, 0)),
+    Case("varlen keys but no queries", lengths_q=(0, 3), lengths_k=(5, 0)),
+    Case("head dim 256", dqk=256, dv=256, seqlen_q=17, seqlen_k=19, heads=2, kv_heads=1),
+]
+
+
+@cpu_only
+@pytest.mark.parametrize("case", EDGE_CASES, ids=lambda c: c.name)
+def test_edges_cpu(case):
+    assert_results(check_forward(case, torch.float32, "cpu", seed=7))
+
+
+@cpu_only
+def test_bias_minus_inf_masks_rows():
+    """An additive -inf bias may mask whole rows: out 0 and lse -inf, never NaN."""
+    q, k, v = (torch.randn(1, 9, 2, 16) for _ in range(3))
+    bias = torch.randn(1, 2, 9, 9)
+    bias[:, :, 3] = float("-inf")
+    bias[:, 1, :, 4:] = float("-inf")
+    out, lse = memattn.attention(q, k, v, bias=bias, return_lse=True)
+    ref, ref_lse = memattn.reference.attention(q.double(), k.double(), v.double(),
+                                               bias=bias.double(), return_lse=True)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[:, 3], torch.zeros_like(out[:, 3]))
+    assert torch.isneginf(lse[:, :, 3]).all()
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@cpu_only
+def test_dropout_mask_statistics_and_replay():
+    """The keep mask keeps 1 - p of the elements, differs between heads, rows and
+    seeds, and repeats under torch.manual_seed; ops.forward replays a given state."""
+    p = 0.3
+    torch.manual_seed(11)
+    rng = memattn.dropout.new_rng_state("cpu")
+    keep = memattn.dropout_mask(rng, p, 2, 3, 64, 80)
+    n = keep.numel()
+    frac = keep.float().mean().item()
+    assert abs(frac - (1 - p)) < 4 * (p * (1 - p) / n) ** 0.5
+    assert not torch.equal(keep[0, 0], keep[0, 1])
+    assert not torch.equal(keep[0, 0], keep[1, 0])
+    assert not torch.equal(keep[0, 0, 0], keep[0, 0, 1])
+    torch.manual_seed(11)
+    assert torch.equal(memattn.dropout.new_rng_state("cpu"), rng)
+    other = memattn.dropout_mask(memattn.dropout.new_rng_state("cpu"), p, 2, 3, 64, 80)
+    assert not torch.equal(keep, other)
+
+    q, k, v = (torch.randn(2, 19, 3, 16) for _ in range(3))
+    out1, _, rng1 = memattn.ops.forward(q, k, v, dropout_p=p)
+    out2, _, rng2 = memattn.ops.forward(q, k, v, dropout_p=p, rng_state=rng1)
+    assert torch.equal(rng1, rng2) and torch.equal(out1, out2)
+    torch.manual_seed(3)
+    a = memattn.attention(q, k, v, dropout_p=p)
+    torch.manual_seed(3)
+    b = memattn.attention(q, k, v, dropout_p=p)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, memattn.attention(q, k, v, dropout_p=p))
+
+
+@cpu_only
+def test_cpu_without_interpreter_is_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q = torch.randn(1, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        memattn.attention(q, q, q)
+
+
+# ---------------------------------------------------------------- GPU, real sizes
+
+GPU_DTYPES = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("case", FEATURE_CASES, ids=lambda c: c.name)
+def test_features_gpu(case, dtype):
+    assert_results(check_forward(gpu_sized(case), dtype, "cuda", seed=1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 192, 256])
+@pytest.mark.parametrize("options", [{}, {"causal": True}], ids=["full", "causal"])
+def test_head_dims_gpu(head_dim, options, dtype):
+    case = Case(f"D={head_dim}", batch=2, heads=4, kv_heads=4, seqlen_q=1531, seqlen_k=2048,
+                dqk=head_dim, dv=head_dim, options=options)
+    assert_results(check_forward(case, dtype, "cuda", seed=head_dim))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("options", [{}, {"causal": True}], ids=["full", "causal"])
+def test_long_sequences_gpu(options, dtype):
+    case = Case("S=8192", batch=1, heads=2, kv_heads=1, seqlen_q=8192, seqlen_k=8192,
+                dqk=128, dv=128, bias="1HQK", options=options)
+    assert_results(check_forward(case, dtype, "cuda", seed=5))
+
+
+@pytest.mark.gpu
+def test_dqk_192_dv_128_gpu():
+    case = Case("Dqk=192 Dv=128", seqlen_q=2048, seqlen_k=2048, dqk=192, dv=128,
+                options=dict(causal=True))
+    assert_results(check_forward(case, torch.bfloat16, "cuda", seed=3))
+
+
+@pytest.mark.gpu
+def test_float32_follows_allow_tf32_gpu():
+    case = Case("fp32", seqlen_q=777, seqlen_k=901, dqk=64, dv=64)
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for allow in (False, True):
+            torch.backends.cuda.matmul.allow_tf32 = allow
+            assert_results(check_forward(case, torch.float32, "cuda", seed=2))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.mark.gpu
+def test_batch_heads_beyond_grid_limit_gpu():
+    """batch * heads = 70,000 > 65,535: the 1-D grid has no such limit."""
+    case = Case("B*H=70000", batch=7, heads=10_000, kv_heads=10_000, seqlen_q=16, seqlen_k=24,
+                dqk=32, dv=32, options=dict(causal=True))
+    assert_results(check_forward(case, torch.float16, "cuda", seed=4))
+
+
+@pytest.mark.gpu
+def test_offsets_beyond_int32_gpu():
+    """q/k/v views whose batch stride puts elements past 2**31: offsets must be int64."""
+    b, s, h, d = 3, 64, 2, 64
+    stride = 2**30 + 4096  # batch 2 starts past element 2**31
+    base = torch.randn(3, b, stride, device="cuda", dtype=torch.float16)
+    q, k, v = (base[i, :, : s * h * d].view(b, s, h, d) for i in range(3))
+    out, lse = memattn.attention(q, k, v, causal=True, return_lse=True)
+    ref, ref_lse = memattn.reference.attention(q.double(), k.double(), v.double(),
+                                               causal=True, return_lse=True)
+    low = memattn.reference.attention(q, k, v, causal=True)
+    from memattn.check import relative_error
+
+    assert relative_error(out, ref) <= 2 * relative_error(low, ref) + 1e-4
+    assert relative_error(out[2], ref[2]) <= 2 * relative_error(low[2], ref[2]) + 1e-4
