@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
+from .spec import check_call
 
 
 def attention(
@@ -54,12 +55,18 @@ def attention(
       max_seqlen_q/k: longest sequence (varlen); read from cu_seqlens when None.
       return_lse:   also return lse, float32, natural log, (B, H, Sq) or (H, Tq);
                     -inf (and out = 0) for a query row with no visible key.
-      deterministic: bit-identical results across runs (the forward always is).
+      deterministic: bit-identical gradients across runs (the forward always is);
+                    also on under torch.use_deterministic_algorithms(True).
+
+    Differentiable with respect to q, k, v and bias (dbias is reduced over the bias's
+    broadcast dimensions); alibi_slopes and softcap are constants. The autograd saves
+    q, k, v, out, lse and the dropout state: memory O(B * H * S), never O(S^2).
     """
-    out, lse, _ = ops.forward(
+    spec = check_call(
         q, k, v, causal=causal, window=window, align=align, bias=bias,
         alibi_slopes=alibi_slopes, softcap=softcap, scale=scale, dropout_p=dropout_p,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, deterministic=deterministic,
     )  # fmt: skip
+    out, lse = ops.Attention.apply(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, spec)
     return (out, lse) if return_lse else out

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from . import ops, reference
-from .dropout import dropout_mask
+from .api import attention
+from .dropout import dropout_mask, new_rng_state
 
 FLOOR = {torch.float32: 2e-6, torch.float16: 1e-4, torch.bfloat16: 1e-4}
 
@@ -109,10 +110,11 @@ def make_inputs(case: Case, dtype: torch.dtype, device, seed: int = 0) -> Inputs
     return Inputs(q, k, v, kwargs)
 
 
-def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """|x - ref| / |ref| in the Frobenius norm, in float64; NaN anywhere gives NaN."""
+def relative_error(x: torch.Tensor, ref: torch.Tensor, scale: float = 0.0) -> float:
+    """|x - ref| / max(|ref|, scale) in the Frobenius norm, in float64; NaN anywhere
+    gives NaN."""
     x, ref = x.double(), ref.double()
-    denom = ref.norm().item()
+    denom = max(ref.norm().item(), scale)
     err = (x - ref).norm().item()
     if denom == 0.0:
         return err
@@ -187,6 +189,64 @@ def reference_spec(x: Inputs):
     return check_call(x.q, x.k, x.v, **{k: v for k, v in x.kwargs.items() if k in names})
 
 
+def check_backward(case: Case, dtype: torch.dtype, device, seed: int = 0) -> list[Result]:
+    """Runs forward and backward through memattn.attention's autograd on fresh inputs
+    and compares dq, dk, dv (and dbias when the case has a bias) with float64 autograd
+    through the reference, against the tolerance set by the reference in ``dtype``.
+    Dropout is checked with the keep mask the call used (same torch seed)."""
+    x = make_inputs(case, dtype, device, seed)
+    leaves = {"dq": x.q, "dk": x.k, "dv": x.v}
+    if "bias" in x.kwargs:
+        leaves["dbias"] = x.kwargs["bias"]
+    for t in leaves.values():
+        t.requires_grad_(True)
+    gen = torch.Generator(device="cpu").manual_seed(seed + 1)
+    torch.manual_seed(seed)  # the dropout state the call draws, drawn again below
+    out = attention(x.q, x.k, x.v, **x.kwargs)
+    grad = torch.randn(out.shape, generator=gen).to(device=out.device, dtype=out.dtype)
+    grads = torch.autograd.grad(out, list(leaves.values()), grad)
+    keep = None
+    if x.kwargs.get("dropout_p", 0.0) > 0:
+        torch.manual_seed(seed)
+        rng_state = new_rng_state(x.q.device)
+        keep = dropout_mask(rng_state, x.kwargs["dropout_p"], *reference_spec(x).bias_shape)
+
+    def reference_grads(to, expand_bias=False):
+        ls = {n: t.detach().to(to).requires_grad_(True) for n, t in leaves.items()}
+        kw = {k: (v.detach().to(to) if k == "bias" else v) for k, v in x.kwargs.items()}
+        if "dbias" in ls:
+            if expand_bias:  # differentiate dS itself; reduced to the bias's shape below
+                full = reference_spec(x).bias_shape
+                ls["dbias"] = kw["bias"].expand(full).clone().requires_grad_(True)
+            kw["bias"] = ls["dbias"]
+        o = reference.attention(ls["dq"], ls["dk"], ls["dv"], **kw, dropout_keep=keep)
+        return list(torch.autograd.grad(o, list(ls.values()), grad.to(to)))
+
+    exact = reference_grads(torch.float64, expand_bias=True)
+    low = reference_grads(dtype)
+    scales = [0.0] * len(exact)
+    if "dbias" in leaves:
+        # A bias broadcast over keys shifts whole rows, which softmax ignores: its exact
+        # gradient is 0 and only rounding remains. Errors are measured against the
+        # scale of dS, the unreduced gradient, wherever the reduced one cancels.
+        d_s = exact[-1]
+        exact[-1] = _reduce_to(d_s, leaves["dbias"].shape)
+        scales[-1] = 1e-3 * d_s.norm().item()
+    floor = FLOOR[dtype]
+    return [
+        Result(case, dtype, name, relative_error(g, ref, scale),
+               2 * relative_error(g_low, ref, scale) + floor)
+        for name, g, ref, g_low, scale in zip(leaves, grads, exact, low, scales)
+    ]  # fmt: skip
+
+
+def _reduce_to(full: torch.Tensor, shape) -> torch.Tensor:
+    """Sums a (B, H, Sq, Sk) gradient over the dimensions a bias of `shape` broadcasts."""
+    padded = (1,) * (4 - len(shape)) + tuple(shape)
+    dims = [d for d in range(4) if padded[d] == 1 and full.shape[d] != 1]
+    return full.sum(dim=dims, keepdim=True).reshape(shape) if dims else full.reshape(shape)
+
+
 # The feature grid. Sizes are small and odd (the CPU interpreter runs them); GPU runs
 # scale them with Case.scaled.
 FEATURE_CASES = [
@@ -240,4 +300,4 @@ def gpu_sized(case: Case, tokens: int = 1024, head_dim: int = 128) -> Case:
 
 
 # What `memattn check` runs for each case and dtype.
-RUNS = [check_forward]
+RUNS = [check_forward, check_backward]

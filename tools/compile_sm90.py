@@ -100,10 +100,13 @@ def run_compile_only(run, x):
     """Calls the ops directly; outputs are garbage (nothing runs), only compiling counts."""
     from memattn import ops
 
-    if run.__name__ == "check_forward":
-        ops.forward(x.q, x.k, x.v, **x.kwargs)
-    else:
-        run.compile_only(x)
+    out, lse, rng_state = ops.forward(x.q, x.k, x.v, **x.kwargs)
+    if run.__name__ == "check_backward":
+        needs = (True, True, True, "bias" in x.kwargs)
+        for deterministic in (False, True):
+            kwargs = dict(x.kwargs, deterministic=deterministic)
+            ops.backward(out, x.q, x.k, x.v, out, lse, **kwargs, rng_state=rng_state,
+                         needs=needs)
 
 
 if __name__ == "__main__":

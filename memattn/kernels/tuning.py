@@ -40,3 +40,26 @@ def forward_config(spec: AttentionSpec) -> Config:
     if d <= 128:
         return Config(block_m=128, block_n=64, num_warps=8, num_stages=3)
     return Config(block_m=64, block_n=64, num_warps=8, num_stages=2)
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    block_m_dkdv: int  # query tile walked by the dK/dV kernel
+    block_n_dkdv: int  # key block it holds
+    num_warps_dkdv: int
+    num_stages_dkdv: int
+    block_m_dq: int  # query block the dQ kernel holds
+    block_n_dq: int  # key tile it walks
+    num_warps_dq: int
+    num_stages_dq: int
+
+
+def backward_config(spec: AttentionSpec) -> BackwardConfig:
+    if interpreting():
+        return BackwardConfig(16, 32, 1, 1, 32, 16, 1, 1)
+    d = max(padded_head_dim(spec.head_dim_qk), padded_head_dim(spec.head_dim_v))
+    if d <= 64:
+        return BackwardConfig(32, 128, 4, 2, 128, 32, 4, 2)
+    if d <= 128:
+        return BackwardConfig(32, 128, 8, 2, 128, 32, 8, 2)
+    return BackwardConfig(32, 64, 8, 1, 64, 32, 8, 1)

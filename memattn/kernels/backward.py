@@ -1,0 +1,580 @@
+"""Backward kernels: the preprocess (delta = rowsum(dO * O)), dK/dV (and the bias
+gradient) walking queries for a block of keys, dQ walking keys for a block of queries.
+
+With P = exp(s - lse) the probabilities, Z the dropout keep mask over (1 - p), and s
+the score before masking (natural units):
+    dV = (P Z)^T dO        dP = (dO V^T) Z        dS = P (dP - delta)
+    dbias = dS             dQK = dS * scale * (1 - tanh^2)  (softcap; else dS * scale)
+    dQ = dQK K             dK = dQK^T Q
+Each dK/dV program owns a block of keys of one (batch, kv head) and loops over every
+query head of its GQA group, so dK and dV are summed in registers: no atomics, no
+repeated K/V. dQ has its own kernel for the same reason. The one atomic path is a bias
+gradient broadcast over batch, heads or keys, and deterministic=True replaces it with
+an expanded buffer reduced afterwards.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..spec import AttentionSpec
+from . import tuning
+from .common import (
+    LOG2E,
+    add_bias_alibi_log2,
+    capped_score_log2,
+    diagonal_offset,
+    dropout_keep,
+    key_range,
+    new_output,
+    query_range,
+    sequence_bounds,
+    visible,
+)
+from .forward import (
+    alibi_strides,
+    bias_strides,
+    dense_strides,
+    dot_precision,
+    lse_strides,
+)
+
+
+@triton.jit
+def _delta_kernel(
+    Out, DOut, Delta,
+    stride_ob, stride_om, stride_oh, stride_od,
+    stride_gb, stride_gm, stride_gh, stride_gd,
+    stride_lb, stride_lh, stride_lm,
+    CuSeqQ, H, seqlen_q, num_m_blocks,
+    DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    bh = pid // num_m_blocks
+    start_m = (pid % num_m_blocks) * BLOCK_M
+    b = bh // H
+    h = bh % H
+    q_start, _, seqlen_q, _ = sequence_bounds(CuSeqQ, CuSeqQ, b, seqlen_q, seqlen_q, IS_VARLEN)
+    row0 = tl.cast(q_start + start_m, tl.int64)
+    b64 = tl.cast(b, tl.int64)
+    h64 = tl.cast(h, tl.int64)
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_DV)
+    mask = ((start_m + rows) < seqlen_q)[:, None] & (cols < DV)[None, :]
+    o = tl.load(Out + b64 * stride_ob + h64 * stride_oh + row0 * stride_om
+                + rows[:, None] * stride_om + cols[None, :] * stride_od, mask=mask, other=0.0)
+    do = tl.load(DOut + b64 * stride_gb + h64 * stride_gh + row0 * stride_gm
+                 + rows[:, None] * stride_gm + cols[None, :] * stride_gd, mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + b64 * stride_lb + h64 * stride_lh + row0 * stride_lm + rows * stride_lm,
+             delta, mask=(start_m + rows) < seqlen_q)
+
+
+@triton.jit
+def _grad_scores(
+    q, k, do, v, lse2, delta, offs_m, offs_n, bias_ptrs, row_ok, col_ok,
+    seqlen_k, off, scale, softcap, slope, window_left, window_right,
+    seed, rng_offset, bh, dropout_p,
+    MASKED: tl.constexpr, BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Recomputes one (BLOCK_M, BLOCK_N) tile of the forward and returns (pz, ds, dqk):
+    the dropped probabilities P Z (for dV), dS (the bias gradient) and dQK = dS * dscore.
+
+    q (M, Dqk), k (N, Dqk), do (M, Dv), v (N, Dv); lse2 = lse * log2(e) with +inf for
+    rows that see no key, so that their P is 0 rather than NaN.
+    """
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    s_cap = capped_score_log2(qk, scale, softcap, HAS_SOFTCAP)
+    bias = qk  # placeholder, unused without a bias
+    if HAS_BIAS:
+        bias = tl.load(bias_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        bias = bias.to(tl.float32)
+    s = add_bias_alibi_log2(s_cap, offs_m, offs_n, off, slope, bias, HAS_BIAS, HAS_ALIBI)
+    if MASKED:
+        mask = visible(offs_m, offs_n, seqlen_k, off, window_left, window_right,
+                       BOUNDED_LEFT, BOUNDED_RIGHT)
+        s = tl.where(mask, s, float("-inf"))
+    p = tl.exp2(s - lse2[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    pz = p
+    if HAS_DROPOUT:
+        keep = dropout_keep(seed, rng_offset, bh, offs_m, offs_n, dropout_p)
+        inv_keep = 1.0 / (1.0 - dropout_p)
+        pz = tl.where(keep, p * inv_keep, 0.0)
+        dp = tl.where(keep, dp * inv_keep, 0.0)
+    ds = p * (dp - delta[:, None])
+    if HAS_SOFTCAP:
+        t = s_cap * (1.0 / (softcap * LOG2E))
+        dqk = ds * (scale * (1.0 - t * t))
+    else:
+        dqk = ds * scale
+    return pz, ds, dqk
+
+
+@triton.jit
+def _dkdv_tiles(
+    dk, dv, dbias_rows, k, v,
+    q_base, do_base, lse_base, delta_base, bias_base, dbias_base,
+    stride_qm, stride_qd, stride_gm, stride_gd, stride_lm,
+    stride_bm, stride_bn, stride_dbm, stride_dbn,
+    offs_n, offs_dqk, offs_dv, lo, hi,
+    seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
+    seed, rng_offset, bh, dropout_p,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_DBIAS: tl.constexpr, DBIAS_ROWS: tl.constexpr,
+    DBIAS_ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Accumulates query tiles [lo, hi) into dK, dV (and the bias gradient) of one key
+    block for one query head."""
+    arange_m = tl.arange(0, BLOCK_M)
+    arange_n = tl.arange(0, BLOCK_N)
+    col_ok = offs_n < seqlen_k
+    for start_m in tl.range(lo, hi, BLOCK_M):
+        offs_m = start_m + arange_m
+        row_ok = offs_m < seqlen_q
+        start_m64 = tl.cast(start_m, tl.int64)
+        if MASKED:
+            q_mask = row_ok[:, None] & (offs_dqk[None, :] < DQK)
+            do_mask = row_ok[:, None] & (offs_dv[None, :] < DV)
+        else:
+            q_mask = offs_dqk[None, :] < DQK
+            do_mask = offs_dv[None, :] < DV
+        q = tl.load(q_base + start_m64 * stride_qm + arange_m[:, None] * stride_qm
+                    + offs_dqk[None, :] * stride_qd, mask=q_mask, other=0.0)
+        do = tl.load(do_base + start_m64 * stride_gm + arange_m[:, None] * stride_gm
+                     + offs_dv[None, :] * stride_gd, mask=do_mask, other=0.0)
+        lse = tl.load(lse_base + (start_m64 + arange_m) * stride_lm, mask=row_ok,
+                      other=float("inf"))  # padded rows: P = 0
+        delta = tl.load(delta_base + (start_m64 + arange_m) * stride_lm, mask=row_ok, other=0.0)
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+        bias_ptrs = bias_base
+        if HAS_BIAS:
+            bias_ptrs = (bias_base + start_m64 * stride_bm
+                         + arange_m[:, None] * stride_bm + arange_n[None, :] * stride_bn)
+        pz, ds, dqk = _grad_scores(
+            q, k, do, v, lse2, delta, offs_m, offs_n, bias_ptrs, row_ok, col_ok,
+            seqlen_k, off, scale, softcap, slope, window_left, window_right,
+            seed, rng_offset, bh, dropout_p,
+            MASKED, BOUNDED_LEFT, BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP,
+            HAS_DROPOUT, DOT_PRECISION)
+        dv += tl.dot(tl.trans(pz.to(do.dtype)), do, input_precision=DOT_PRECISION)
+        dk += tl.dot(tl.trans(dqk.to(q.dtype)), q, input_precision=DOT_PRECISION)
+        if HAS_DBIAS:
+            ds = tl.where(row_ok[:, None] & col_ok[None, :], ds, 0.0)
+            if DBIAS_ROWS:  # bias broadcast over query rows: sum them in registers
+                dbias_rows += tl.sum(ds, 0)
+            else:
+                db_ptrs = (dbias_base + start_m64 * stride_dbm
+                           + arange_m[:, None] * stride_dbm + arange_n[None, :] * stride_dbn)
+                db_mask = row_ok[:, None] & col_ok[None, :]
+                if DBIAS_ATOMIC:
+                    tl.atomic_add(db_ptrs, ds, mask=db_mask, sem="relaxed")
+                else:
+                    tl.store(db_ptrs, ds.to(dbias_base.dtype.element_ty), mask=db_mask)
+    return dk, dv, dbias_rows
+
+
+@triton.jit
+def _dkdv_kernel(
+    Q, K, V, DOut, Lse, Delta, Bias, DBias, Alibi, Rng, CuSeqQ, CuSeqK, DK, DV_,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_gb, stride_gm, stride_gh, stride_gd,
+    stride_lb, stride_lh, stride_lm,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_dbb, stride_dbh, stride_dbm, stride_dbn,
+    stride_ab, stride_ah,
+    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
+    stride_dvb, stride_dvn, stride_dvh, stride_dvd,
+    H, HKV, GROUP, seqlen_q, seqlen_k, num_n_blocks,
+    scale, softcap, window_left, window_right, dropout_p,
+    DQK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_DBIAS: tl.constexpr, DBIAS_ROWS: tl.constexpr,
+    DBIAS_ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    # One program per (key block, batch * kv head) on a 1-D grid, as in the forward.
+    pid = tl.program_id(0)
+    bhk = pid // num_n_blocks
+    n_block = pid % num_n_blocks
+    b = bhk // HKV
+    hk = bhk % HKV
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
+        CuSeqQ, CuSeqK, b, seqlen_q, seqlen_k, IS_VARLEN)
+    start_n = n_block * BLOCK_N
+    off = diagonal_offset(seqlen_q, seqlen_k, BOTTOM_RIGHT)
+
+    b64 = tl.cast(b, tl.int64)
+    hk64 = tl.cast(hk, tl.int64)
+    col0 = tl.cast(k_start + start_n, tl.int64)
+    q_row0 = tl.cast(q_start, tl.int64)
+    arange_n = tl.arange(0, BLOCK_N)
+    offs_n = start_n + arange_n
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    col_ok = offs_n < seqlen_k
+    k = tl.load(K + b64 * stride_kb + hk64 * stride_kh + col0 * stride_kn
+                + arange_n[:, None] * stride_kn + offs_dqk[None, :] * stride_kd,
+                mask=col_ok[:, None] & (offs_dqk[None, :] < DQK), other=0.0)
+    v = tl.load(V + b64 * stride_vb + hk64 * stride_vh + col0 * stride_vn
+                + arange_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    seed = 0
+    rng_offset = 0
+    if HAS_DROPOUT:
+        seed = tl.load(Rng)
+        rng_offset = tl.load(Rng + 1)
+
+    lo, full_lo, full_hi, hi = query_range(
+        start_n, seqlen_q, seqlen_k, off, window_left, window_right,
+        BLOCK_M, BLOCK_N, BOUNDED_LEFT, BOUNDED_RIGHT)
+    hi = tl.where(start_n < seqlen_k, hi, lo)  # blocks past this sequence's keys
+    full_lo = tl.minimum(full_lo, hi)
+    full_hi = tl.minimum(full_hi, hi)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        h64 = tl.cast(h, tl.int64)
+        bh = b * H + h
+        q_base = Q + b64 * stride_qb + h64 * stride_qh + q_row0 * stride_qm
+        do_base = DOut + b64 * stride_gb + h64 * stride_gh + q_row0 * stride_gm
+        lse_base = Lse + b64 * stride_lb + h64 * stride_lh + q_row0 * stride_lm
+        delta_base = Delta + b64 * stride_lb + h64 * stride_lh + q_row0 * stride_lm
+        bias_base = Bias
+        if HAS_BIAS:
+            bias_base = (Bias + b64 * stride_bb + h64 * stride_bh
+                         + tl.cast(start_n, tl.int64) * stride_bn)
+        dbias_base = DBias
+        if HAS_DBIAS:
+            dbias_base = (DBias + b64 * stride_dbb + h64 * stride_dbh
+                          + tl.cast(start_n, tl.int64) * stride_dbn)
+        slope = 0.0
+        if HAS_ALIBI:
+            slope = tl.load(Alibi + b64 * stride_ab + h64 * stride_ah)
+        dbias_rows = tl.zeros([BLOCK_N], dtype=tl.float32)
+        # Masked query tiles at the window's edges, unmasked ones between them.
+        dk, dv, dbias_rows = _dkdv_tiles(
+            dk, dv, dbias_rows, k, v, q_base, do_base, lse_base, delta_base, bias_base,
+            dbias_base, stride_qm, stride_qd, stride_gm, stride_gd, stride_lm,
+            stride_bm, stride_bn, stride_dbm, stride_dbn, offs_n, offs_dqk, offs_dv,
+            lo, full_lo, seqlen_q, seqlen_k, off, scale, softcap, slope,
+            window_left, window_right, seed, rng_offset, bh, dropout_p,
+            DQK, DV, BLOCK_M, BLOCK_N, True, BOUNDED_LEFT, BOUNDED_RIGHT,
+            HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, HAS_DBIAS, DBIAS_ROWS,
+            DBIAS_ATOMIC, DOT_PRECISION)
+        dk, dv, dbias_rows = _dkdv_tiles(
+            dk, dv, dbias_rows, k, v, q_base, do_base, lse_base, delta_base, bias_base,
+            dbias_base, stride_qm, stride_qd, stride_gm, stride_gd, stride_lm,
+            stride_bm, stride_bn, stride_dbm, stride_dbn, offs_n, offs_dqk, offs_dv,
+            full_lo, full_hi, seqlen_q, seqlen_k, off, scale, softcap, slope,
+            window_left, window_right, seed, rng_offset, bh, dropout_p,
+            DQK, DV, BLOCK_M, BLOCK_N, False, BOUNDED_LEFT, BOUNDED_RIGHT,
+            HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, HAS_DBIAS, DBIAS_ROWS,
+            DBIAS_ATOMIC, DOT_PRECISION)
+        dk, dv, dbias_rows = _dkdv_tiles(
+            dk, dv, dbias_rows, k, v, q_base, do_base, lse_base, delta_base, bias_base,
+            dbias_base, stride_qm, stride_qd, stride_gm, stride_gd, stride_lm,
+            stride_bm, stride_bn, stride_dbm, stride_dbn, offs_n, offs_dqk, offs_dv,
+            full_hi, hi, seqlen_q, seqlen_k, off, scale, softcap, slope,
+            window_left, window_right, seed, rng_offset, bh, dropout_p,
+            DQK, DV, BLOCK_M, BLOCK_N, True, BOUNDED_LEFT, BOUNDED_RIGHT,
+            HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, HAS_DBIAS, DBIAS_ROWS,
+            DBIAS_ATOMIC, DOT_PRECISION)
+        if HAS_DBIAS:
+            if DBIAS_ROWS:
+                db_ptrs = dbias_base + arange_n * stride_dbn
+                if DBIAS_ATOMIC:
+                    tl.atomic_add(db_ptrs, dbias_rows, mask=col_ok, sem="relaxed")
+                else:
+                    tl.store(db_ptrs, dbias_rows.to(DBias.dtype.element_ty), mask=col_ok)
+
+    dk_ptrs = (DK + b64 * stride_dkb + hk64 * stride_dkh + col0 * stride_dkn
+               + arange_n[:, None] * stride_dkn + offs_dqk[None, :] * stride_dkd)
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty),
+             mask=col_ok[:, None] & (offs_dqk[None, :] < DQK))
+    dv_ptrs = (DV_ + b64 * stride_dvb + hk64 * stride_dvh + col0 * stride_dvn
+               + arange_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd)
+    tl.store(dv_ptrs, dv.to(DV_.dtype.element_ty),
+             mask=col_ok[:, None] & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def _dq_tiles(
+    dq, q, do, lse2, delta, k_base, v_base, bias_base,
+    stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+    offs_m, offs_dqk, offs_dv, lo, hi,
+    seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
+    seed, rng_offset, bh, dropout_p,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    arange_m = tl.arange(0, BLOCK_M)
+    arange_n = tl.arange(0, BLOCK_N)
+    row_ok = offs_m < seqlen_q
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        offs_n = start_n + arange_n
+        col_ok = offs_n < seqlen_k
+        start_n64 = tl.cast(start_n, tl.int64)
+        if MASKED:
+            k_mask = col_ok[:, None] & (offs_dqk[None, :] < DQK)
+            v_mask = col_ok[:, None] & (offs_dv[None, :] < DV)
+        else:
+            k_mask = offs_dqk[None, :] < DQK
+            v_mask = offs_dv[None, :] < DV
+        k = tl.load(k_base + start_n64 * stride_kn + arange_n[:, None] * stride_kn
+                    + offs_dqk[None, :] * stride_kd, mask=k_mask, other=0.0)
+        v = tl.load(v_base + start_n64 * stride_vn + arange_n[:, None] * stride_vn
+                    + offs_dv[None, :] * stride_vd, mask=v_mask, other=0.0)
+        bias_ptrs = bias_base
+        if HAS_BIAS:
+            bias_ptrs = (bias_base + start_n64 * stride_bn
+                         + arange_m[:, None] * stride_bm + arange_n[None, :] * stride_bn)
+        _, _, dqk = _grad_scores(
+            q, k, do, v, lse2, delta, offs_m, offs_n, bias_ptrs, row_ok, col_ok,
+            seqlen_k, off, scale, softcap, slope, window_left, window_right,
+            seed, rng_offset, bh, dropout_p,
+            MASKED, BOUNDED_LEFT, BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP,
+            HAS_DROPOUT, DOT_PRECISION)
+        dq += tl.dot(dqk.to(k.dtype), k, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, V, DOut, Lse, Delta, Bias, Alibi, Rng, CuSeqQ, CuSeqK, DQ,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_gb, stride_gm, stride_gh, stride_gd,
+    stride_lb, stride_lh, stride_lm,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_ab, stride_ah,
+    stride_dqb, stride_dqm, stride_dqh, stride_dqd,
+    H, GROUP, seqlen_q, seqlen_k, num_m_blocks,
+    scale, softcap, window_left, window_right, dropout_p,
+    DQK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    bh = pid // num_m_blocks
+    m_block = num_m_blocks - 1 - pid % num_m_blocks
+    b = bh // H
+    h = bh % H
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
+        CuSeqQ, CuSeqK, b, seqlen_q, seqlen_k, IS_VARLEN)
+    start_m = m_block * BLOCK_M
+    off = diagonal_offset(seqlen_q, seqlen_k, BOTTOM_RIGHT)
+
+    b64 = tl.cast(b, tl.int64)
+    h64 = tl.cast(h, tl.int64)
+    hk64 = tl.cast(h // GROUP, tl.int64)
+    row0 = tl.cast(q_start + start_m, tl.int64)
+    k_base = K + b64 * stride_kb + hk64 * stride_kh + tl.cast(k_start, tl.int64) * stride_kn
+    v_base = V + b64 * stride_vb + hk64 * stride_vh + tl.cast(k_start, tl.int64) * stride_vn
+    bias_base = Bias
+    if HAS_BIAS:
+        bias_base = (Bias + b64 * stride_bb + h64 * stride_bh
+                     + tl.cast(start_m, tl.int64) * stride_bm)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(Alibi + b64 * stride_ab + h64 * stride_ah)
+    seed = 0
+    rng_offset = 0
+    if HAS_DROPOUT:
+        seed = tl.load(Rng)
+        rng_offset = tl.load(Rng + 1)
+
+    arange_m = tl.arange(0, BLOCK_M)
+    offs_m = start_m + arange_m
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < seqlen_q
+    q = tl.load(Q + b64 * stride_qb + h64 * stride_qh + row0 * stride_qm
+                + arange_m[:, None] * stride_qm + offs_dqk[None, :] * stride_qd,
+                mask=row_ok[:, None] & (offs_dqk[None, :] < DQK), other=0.0)
+    do = tl.load(DOut + b64 * stride_gb + h64 * stride_gh + row0 * stride_gm
+                 + arange_m[:, None] * stride_gm + offs_dv[None, :] * stride_gd,
+                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    l_ptrs = b64 * stride_lb + h64 * stride_lh + row0 * stride_lm + arange_m * stride_lm
+    lse = tl.load(Lse + l_ptrs, mask=row_ok, other=float("inf"))  # padded rows: P = 0
+    delta = tl.load(Delta + l_ptrs, mask=row_ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+    lo, full_lo, full_hi, hi = key_range(
+        start_m, seqlen_k, off, window_left, window_right,
+        BLOCK_M, BLOCK_N, BOUNDED_LEFT, BOUNDED_RIGHT)
+    hi = tl.where(start_m < seqlen_q, hi, lo)
+    full_lo = tl.minimum(full_lo, hi)
+    full_hi = tl.minimum(full_hi, hi)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
+    dq = _dq_tiles(
+        dq, q, do, lse2, delta, k_base, v_base, bias_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+        offs_m, offs_dqk, offs_dv, lo, full_lo,
+        seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
+        seed, rng_offset, bh, dropout_p, DQK, DV, BLOCK_M, BLOCK_N, True,
+        BOUNDED_LEFT, BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
+        DOT_PRECISION)
+    dq = _dq_tiles(
+        dq, q, do, lse2, delta, k_base, v_base, bias_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+        offs_m, offs_dqk, offs_dv, full_lo, full_hi,
+        seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
+        seed, rng_offset, bh, dropout_p, DQK, DV, BLOCK_M, BLOCK_N, False,
+        BOUNDED_LEFT, BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
+        DOT_PRECISION)
+    dq = _dq_tiles(
+        dq, q, do, lse2, delta, k_base, v_base, bias_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+        offs_m, offs_dqk, offs_dv, full_hi, hi,
+        seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
+        seed, rng_offset, bh, dropout_p, DQK, DV, BLOCK_M, BLOCK_N, True,
+        BOUNDED_LEFT, BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
+        DOT_PRECISION)
+    tl.store(DQ + b64 * stride_dqb + h64 * stride_dqh + row0 * stride_dqm
+             + arange_m[:, None] * stride_dqm + offs_dqk[None, :] * stride_dqd,
+             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_dqk[None, :] < DQK))
+
+
+def _dbias_buffer(bias: torch.Tensor, spec: AttentionSpec):
+    """Where the kernel writes dS for a bias, and how to turn that into dbias.
+
+    Returns (buffer, strides as (B, H, Sq, Sk), rows, atomic). A bias broadcast over
+    query rows is reduced over them in registers (rows=True: the buffer's row stride
+    is unused). A bias broadcast over batch, heads or keys makes several programs add
+    into one element: with atomics into a float32 buffer of the bias's shape, or,
+    deterministic, into a buffer expanded over those dimensions and summed afterwards.
+    """
+    shape = (1,) * (4 - bias.dim()) + tuple(bias.shape)
+    full = spec.bias_shape
+    rows = shape[2] == 1 and full[2] != 1
+    summed = [d for d in (0, 1, 3) if shape[d] == 1 and full[d] != 1]
+    atomic = bool(summed) and not spec.deterministic
+    buf_shape = list(shape)
+    if not atomic:
+        for d in summed:
+            buf_shape[d] = full[d]
+    dtype = torch.float32 if (atomic or summed or rows) else bias.dtype
+    buf = torch.zeros(buf_shape, dtype=dtype, device=bias.device)
+    strides = buf.expand(*full[:2], buf_shape[2], full[3]).stride()
+    return buf, strides, rows, atomic
+
+
+def backward(
+    spec: AttentionSpec,
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    bias: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    rng_state: torch.Tensor | None,
+    needs: tuple[bool, bool, bool, bool],
+):
+    """Launches the backward kernels for the gradients in ``needs`` (dq, dk, dv, dbias).
+    Returns (dq, dk, dv, dbias) with None for those not needed."""
+    need_dq, need_dk, need_dv, need_dbias = needs
+    need_dbias = need_dbias and bias is not None
+    dq = new_output(q.shape, q.dtype, q.device) if need_dq else None
+    dk = new_output(k.shape, k.dtype, k.device) if need_dk or need_dv else None
+    dv = new_output(v.shape, v.dtype, v.device) if need_dk or need_dv else None
+    dbias = None
+    if q.shape[0] == 0 or spec.heads == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0:
+        zero = [None if t is None else t.zero_() for t in (dq, dk, dv)]
+        if need_dbias:
+            dbias = torch.zeros_like(bias)
+        return (*zero, dbias)
+
+    common = dict(
+        DQK=spec.head_dim_qk, DV=spec.head_dim_v,
+        BLOCK_DQK=tuning.padded_head_dim(spec.head_dim_qk),
+        BLOCK_DV=tuning.padded_head_dim(spec.head_dim_v),
+        IS_VARLEN=spec.varlen, BOTTOM_RIGHT=spec.bottom_right,
+        BOUNDED_LEFT=spec.window_left >= 0, BOUNDED_RIGHT=spec.window_right >= 0,
+        HAS_BIAS=bias is not None, HAS_ALIBI=alibi_slopes is not None,
+        HAS_SOFTCAP=spec.softcap > 0, HAS_DROPOUT=spec.dropout_p > 0,
+        DOT_PRECISION=dot_precision(spec.dtype),
+    )  # fmt: skip
+    options = (spec.scale, spec.softcap, spec.window_left, spec.window_right, spec.dropout_p)
+    rng = rng_state if spec.dropout_p > 0 else None
+    qkv_strides = (*dense_strides(q, spec.varlen), *dense_strides(k, spec.varlen),
+                   *dense_strides(v, spec.varlen), *dense_strides(grad_out, spec.varlen))
+
+    cfg = tuning.backward_config(spec)
+    delta = torch.empty_like(lse)
+    num_m = triton.cdiv(spec.seqlen_q, cfg.block_m_dq)
+    num_m_delta = triton.cdiv(spec.seqlen_q, 64)
+    _delta_kernel[(num_m_delta * spec.batch * spec.heads,)](
+        out, grad_out, delta, *dense_strides(out, spec.varlen),
+        *dense_strides(grad_out, spec.varlen), *lse_strides(lse, spec.varlen),
+        cu_seqlens_q, spec.heads, spec.seqlen_q, num_m_delta,
+        DV=spec.head_dim_v, BLOCK_M=64, BLOCK_DV=tuning.padded_head_dim(spec.head_dim_v),
+        IS_VARLEN=spec.varlen,
+    )  # fmt: skip
+
+    if dk is not None or need_dbias:
+        if dk is None:  # only dbias asked for: dK/dV go to scratch
+            dk, dv = torch.empty_like(k), torch.empty_like(v)
+            need_dk = need_dv = False
+        db_buf, db_strides, db_rows, db_atomic = None, (0, 0, 0, 0), False, False
+        if need_dbias:
+            db_buf, db_strides, db_rows, db_atomic = _dbias_buffer(bias, spec)
+        num_n = triton.cdiv(spec.seqlen_k, cfg.block_n_dkdv)
+        _dkdv_kernel[(num_n * spec.batch * spec.kv_heads,)](
+            q, k, v, grad_out, lse, delta, bias, db_buf, alibi_slopes, rng,
+            cu_seqlens_q, cu_seqlens_k, dk, dv, *qkv_strides,
+            *lse_strides(lse, spec.varlen), *bias_strides(bias, spec), *db_strides,
+            *alibi_strides(alibi_slopes), *dense_strides(dk, spec.varlen),
+            *dense_strides(dv, spec.varlen),
+            spec.heads, spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_n,
+            *options, BLOCK_M=cfg.block_m_dkdv, BLOCK_N=cfg.block_n_dkdv,
+            HAS_DBIAS=need_dbias, DBIAS_ROWS=db_rows, DBIAS_ATOMIC=db_atomic,
+            num_warps=cfg.num_warps_dkdv, num_stages=cfg.num_stages_dkdv, **common,
+        )  # fmt: skip
+        if need_dbias:
+            shape = (1,) * (4 - bias.dim()) + tuple(bias.shape)
+            summed = [d for d in range(4) if shape[d] == 1 and db_buf.shape[d] != 1]
+            if summed:
+                db_buf = db_buf.sum(dim=summed, keepdim=True)
+            dbias = db_buf.reshape(bias.shape).to(bias.dtype)
+        if not need_dk:
+            dk = None
+        if not need_dv:
+            dv = None
+
+    if dq is not None:
+        _dq_kernel[(num_m * spec.batch * spec.heads,)](
+            q, k, v, grad_out, lse, delta, bias, alibi_slopes, rng, cu_seqlens_q, cu_seqlens_k,
+            dq, *qkv_strides, *lse_strides(lse, spec.varlen), *bias_strides(bias, spec),
+            *alibi_strides(alibi_slopes), *dense_strides(dq, spec.varlen),
+            spec.heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_m, *options,
+            BLOCK_M=cfg.block_m_dq, BLOCK_N=cfg.block_n_dq,
+            num_warps=cfg.num_warps_dq, num_stages=cfg.num_stages_dq, **common,
+        )  # fmt: skip
+    return dq, dk, dv, dbias

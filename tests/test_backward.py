@@ -1,0 +1,185 @@
+"""The backward kernels against float64 autograd through the reference.
+
+CPU (CI): Triton's interpreter at small odd sizes, float32 and float16. GPU
+(`pytest -m gpu`): real sizes, bfloat16/float16, and determinism by comparing bits.
+"""
+
+import pytest
+import torch
+
+import memattn
+from memattn.check import FEATURE_CASES, Case, check_backward, gpu_sized, make_inputs
+
+from .conftest import DEVICE
+from .test_forward import assert_results
+
+cpu_only = pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes; the GPU has its own")
+
+# Every feature case, each with a bias that needs a gradient where the case has one.
+BIAS_BROADCASTS = ["BHQK", "1HQK", "B1QK", "BH1K", "BHQ1", "11Q1", "QK", "K"]
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("case", FEATURE_CASES, ids=lambda c: c.name)
+def test_gradients_cpu(case, dtype):
+    assert_results(check_backward(case, dtype, "cpu", seed=hash(case.name) % 1000))
+
+
+@cpu_only
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("bias", BIAS_BROADCASTS)
+def test_bias_gradient_broadcast_cpu(bias, deterministic):
+    """dbias is reduced over every broadcast dimension, returned in the bias's shape and
+    dtype; GQA and causal on, so heads and skipped tiles are in play."""
+    case = Case(f"bias {bias}", bias=bias, seqlen_q=29, seqlen_k=41,
+                options=dict(causal=True, deterministic=deterministic))
+    assert_results(check_backward(case, torch.float32, "cpu", seed=3))
+
+
+@cpu_only
+def test_bias_gradient_shape_and_dtype_cpu():
+    x = make_inputs(Case("bias", bias="1H1K"), torch.float16, "cpu")
+    bias = x.kwargs.pop("bias").float().requires_grad_(True)
+    out = memattn.attention(x.q, x.k, x.v, bias=bias)
+    (dbias,) = torch.autograd.grad(out.float().sum(), [bias])
+    assert dbias.shape == bias.shape and dbias.dtype == torch.float32
+
+
+@cpu_only
+def test_varlen_bias_gradient_and_empty_sequences_cpu():
+    case = Case("varlen bias grad", lengths_q=(5, 0, 21, 3), lengths_k=(9, 4, 0, 17),
+                bias="BHQK", options=dict(causal=True, align="bottom_right"))
+    assert_results(check_backward(case, torch.float32, "cpu", seed=8))
+
+
+@cpu_only
+def test_only_requested_gradients_cpu():
+    """ops.backward computes only what `needs` asks for."""
+    x = make_inputs(Case("needs", bias="1HQK"), torch.float32, "cpu")
+    out, lse, rng = memattn.ops.forward(x.q, x.k, x.v, **x.kwargs)
+    grad = torch.randn_like(out)
+    dq, dk, dv, dbias = memattn.ops.backward(grad, x.q, x.k, x.v, out, lse, **x.kwargs,
+                                             needs=(False, False, False, True))
+    assert dq is None and dk is None and dv is None and dbias.shape == x.kwargs["bias"].shape
+    full = memattn.ops.backward(grad, x.q, x.k, x.v, out, lse, **x.kwargs,
+                                needs=(True, True, True, True))
+    assert torch.equal(dbias, full[3])
+    dq, dk, dv, dbias = memattn.ops.backward(grad, x.q, x.k, x.v, out, lse, **x.kwargs,
+                                             needs=(True, False, False, False))
+    assert dk is None and dv is None and dbias is None and torch.equal(dq, full[0])
+
+
+@cpu_only
+def test_expanded_and_noncontiguous_grad_out_cpu():
+    x = make_inputs(Case("grad layout", layout="transposed"), torch.float32, "cpu")
+    for t in (x.q, x.k, x.v):
+        t.requires_grad_(True)
+    out = memattn.attention(x.q, x.k, x.v)
+    expanded = torch.randn(1, 1, 1, out.shape[-1]).expand_as(out)
+    grads = torch.autograd.grad(out, [x.q, x.k, x.v], expanded)
+    grads_contig = torch.autograd.grad(memattn.attention(x.q, x.k, x.v), [x.q, x.k, x.v],
+                                       expanded.contiguous())
+    for a, b in zip(grads, grads_contig):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@cpu_only
+def test_saved_tensors_are_linear_in_sequence_length():
+    """The autograd saves q, k, v, out, lse and the rng state: nothing (S, S)-sized."""
+    x = make_inputs(Case("saved", bias=None, seqlen_q=64, seqlen_k=64), torch.float32, "cpu")
+    x.q.requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        memattn.attention(x.q, x.k, x.v, dropout_p=0.1)
+    assert saved and max(t.numel() for t in saved) <= x.q.numel()
+    assert not any(t.dim() >= 2 and t.shape[-1] == t.shape[-2] == 64 for t in saved)
+
+
+@cpu_only
+def test_deterministic_gradients_repeat_bitwise_cpu():
+    case = Case("det", bias="1H1K", options=dict(causal=True, dropout_p=0.2, deterministic=True))
+    runs = []
+    for _ in range(2):
+        x = make_inputs(case, torch.float32, "cpu", seed=4)
+        leaves = [x.q, x.k, x.v, x.kwargs["bias"]]
+        for t in leaves:
+            t.requires_grad_(True)
+        torch.manual_seed(0)
+        out = memattn.attention(x.q, x.k, x.v, **x.kwargs)
+        runs.append(torch.autograd.grad(out, leaves, torch.ones_like(out)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- GPU, real sizes
+
+GPU_DTYPES = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("case", FEATURE_CASES, ids=lambda c: c.name)
+def test_gradients_gpu(case, dtype):
+    assert_results(check_backward(gpu_sized(case), dtype, "cuda", seed=1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("options", [{}, {"causal": True}], ids=["full", "causal"])
+def test_gradients_head_dims_gpu(head_dim, options, dtype):
+    case = Case(f"D={head_dim}", batch=2, heads=4, kv_heads=2, seqlen_q=1531, seqlen_k=2048,
+                dqk=head_dim, dv=head_dim, bias="1HQK", options=options)
+    assert_results(check_backward(case, dtype, "cuda", seed=head_dim))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [{}, {"causal": True}], ids=["full", "causal"])
+def test_gradients_long_sequence_gpu(options):
+    case = Case("S=8192", batch=1, heads=2, kv_heads=1, seqlen_q=8192, seqlen_k=8192,
+                dqk=128, dv=128, options=options)
+    assert_results(check_backward(case, torch.bfloat16, "cuda", seed=5))
+
+
+@pytest.mark.gpu
+def test_gradients_dqk_192_dv_128_gpu():
+    case = Case("Dqk=192 Dv=128", seqlen_q=2048, seqlen_k=2048, dqk=192, dv=128,
+                bias="BHQK", options=dict(causal=True))
+    assert_results(check_backward(case, torch.bfloat16, "cuda", seed=3))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias", BIAS_BROADCASTS)
+def test_bias_gradient_broadcast_gpu(bias):
+    case = Case(f"bias {bias}", bias=bias, batch=2, heads=8, kv_heads=2, seqlen_q=1000,
+                seqlen_k=1200, dqk=64, dv=64, options=dict(causal=True))
+    assert_results(check_backward(case, torch.bfloat16, "cuda", seed=9))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [True, "global"], ids=["flag", "torch-global"])
+def test_deterministic_three_runs_bitwise_gpu(deterministic):
+    """Three backward runs give bit-identical gradients, with GQA, dropout and a bias
+    gradient broadcast over batch and heads (the one atomic path by default)."""
+    case = Case("det", batch=2, heads=8, kv_heads=2, seqlen_q=1500, seqlen_k=1500,
+                dqk=128, dv=128, bias="11QK",
+                options=dict(causal=True, dropout_p=0.1,
+                             deterministic=deterministic is True))  # fmt: skip
+    old = torch.are_deterministic_algorithms_enabled()
+    runs = []
+    try:
+        torch.use_deterministic_algorithms(deterministic == "global", warn_only=True)
+        for _ in range(3):
+            x = make_inputs(case, torch.bfloat16, "cuda", seed=4)
+            leaves = [x.q, x.k, x.v, x.kwargs["bias"]]
+            for t in leaves:
+                t.requires_grad_(True)
+            torch.manual_seed(0)
+            out = memattn.attention(x.q, x.k, x.v, **x.kwargs)
+            runs.append(torch.autograd.grad(out, leaves, torch.ones_like(out)))
+    finally:
+        torch.use_deterministic_algorithms(old)
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            assert torch.equal(a, b)
