@@ -61,15 +61,18 @@ def _memattn(q, k, v, causal, bias):
     return memattn.attention(q, k, v, causal=causal, bias=bias)
 
 
-def implementations() -> dict:
+def implementations(quick: bool) -> dict:
     from torch.nn.attention import SDPBackend
 
-    return {
+    impls = {
         "memattn": _memattn,
         "sdpa_flash": _sdpa(SDPBackend.FLASH_ATTENTION),
         "sdpa_efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION),
         "sdpa_cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
     }
+    if quick:  # the floor: materialises (S, S) per head
+        impls["sdpa_math"] = _sdpa(SDPBackend.MATH)
+    return impls
 
 
 def time_one(fn, shape: Shape, backward: bool) -> float | None:
@@ -110,7 +113,7 @@ def main(args) -> int:
     if not torch.cuda.is_available():
         print("memattn bench needs a CUDA GPU")
         return 1
-    impls = implementations()
+    impls = implementations(args.quick)
     rows = []
     todo = [(s, name) for s in shapes(args.quick) for name in impls]
     for shape, name in track(todo, description="timing"):
@@ -134,8 +137,8 @@ def main(args) -> int:
             r = next(r for r in rows if r["impl"] == name and r["seqlen"] == shape.seqlen
                      and r["head_dim"] == shape.head_dim and r["causal"] == shape.causal
                      and r["feature"] == shape.feature)  # fmt: skip
-            f, b = r["fwd_tflops"], r["bwd_tflops"]
-            cells.append(f"{f or 0:.0f} / {b or 0:.0f}" if f or b else "-")
+            cells.append(" / ".join("-" if r[k] is None else f"{r[k]:.0f}"
+                                    for k in ("fwd_tflops", "bwd_tflops")))  # fmt: skip
         table.add_row(str(shape.batch), str(shape.heads), str(shape.seqlen),
                       str(shape.head_dim), str(shape.causal), shape.feature, *cells)  # fmt: skip
     Console(width=200).print(table)

@@ -183,3 +183,16 @@ def test_deterministic_three_runs_bitwise_gpu(deterministic):
     for run in runs[1:]:
         for a, b in zip(runs[0], run):
             assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_gradients_float32_follow_allow_tf32_gpu():
+    case = Case("fp32", seqlen_q=777, seqlen_k=901, dqk=64, dv=64, bias="1HQK",
+                options=dict(causal=True))
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for allow in (False, True):
+            torch.backends.cuda.matmul.allow_tf32 = allow
+            assert_results(check_backward(case, torch.float32, "cuda", seed=2))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
