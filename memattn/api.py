@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .spec import check_call
 
 
 def attention(
@@ -59,14 +58,15 @@ def attention(
                     also on under torch.use_deterministic_algorithms(True).
 
     Differentiable with respect to q, k, v and bias (dbias is reduced over the bias's
-    broadcast dimensions); alibi_slopes and softcap are constants. The autograd saves
-    q, k, v, out, lse and the dropout state: memory O(B * H * S), never O(S^2).
+    broadcast dimensions), and through lse; alibi_slopes and softcap are constants.
+    The autograd saves q, k, v, out, lse and the dropout state: memory O(B * H * S),
+    never O(S^2). Runs as the custom op torch.ops.memattn.forward: torch.compile
+    traces through it (fullgraph), CUDA graphs capture it (dropout included).
     """
-    spec = check_call(
+    out, lse, _ = ops.forward(
         q, k, v, causal=causal, window=window, align=align, bias=bias,
         alibi_slopes=alibi_slopes, softcap=softcap, scale=scale, dropout_p=dropout_p,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, deterministic=deterministic,
     )  # fmt: skip
-    out, lse = ops.Attention.apply(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, spec)
     return (out, lse) if return_lse else out

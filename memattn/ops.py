@@ -1,16 +1,20 @@
-"""The low-level ops, ``forward`` and ``backward``, and the autograd Function that
-joins them behind ``memattn.attention``.
+"""The low-level ops, ``forward`` and ``backward``, as PyTorch custom ops.
 
-Each op checks its call through ``spec.check_call`` and launches the kernels. They take
-the same options as ``memattn.attention`` and return everything a caller needs to
-differentiate later: out, lse and the dropout rng state.
+Two layers. The Python functions ``forward``/``backward`` are what users call: they
+validate through ``spec.check_call`` (every user-facing error, raised before any
+kernel) and call the custom ops ``torch.ops.memattn.forward``/``backward`` with the
+normalised options of the spec. The custom ops (torch.library: fake implementations for
+torch.compile, autograd registered on the forward) re-check shapes, and launch the
+kernels. Dropout's rng state is drawn in Python, before the op, so that an op's result
+depends on its inputs alone.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from typing import Optional
 
 import torch
+from torch import Tensor
 
 from . import dropout as _dropout
 from .spec import AttentionSpec, check_call
@@ -28,10 +32,10 @@ def require_runnable(device: torch.device) -> None:
         )
 
 
-def _check_rng_state(rng_state, spec: AttentionSpec) -> torch.Tensor:
+def _check_rng_state(rng_state, spec: AttentionSpec) -> Tensor:
     if rng_state is None:
         return _dropout.new_rng_state(spec.device)
-    if not isinstance(rng_state, torch.Tensor):
+    if not isinstance(rng_state, Tensor):
         raise TypeError(f"rng_state must be a torch.Tensor, got {type(rng_state).__name__}")
     if rng_state.dtype != torch.int64 or tuple(rng_state.shape) != (2,):
         raise ValueError(
@@ -43,27 +47,147 @@ def _check_rng_state(rng_state, spec: AttentionSpec) -> torch.Tensor:
     return rng_state
 
 
+# ------------------------------------------------------------------ the custom ops
+
+
+def _op_options(spec: AttentionSpec) -> tuple:
+    """The normalised options a custom op takes, in its schema's order."""
+    return (
+        spec.window_left, spec.window_right, spec.bottom_right, spec.softcap, spec.scale,
+        spec.dropout_p, spec.seqlen_q if spec.varlen else 0,
+        spec.seqlen_k if spec.varlen else 0, spec.deterministic,
+    )  # fmt: skip
+
+
+def _op_spec(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, window_left,
+             window_right, bottom_right, softcap, scale, dropout_p, max_seqlen_q,
+             max_seqlen_k, deterministic) -> AttentionSpec:  # fmt: skip
+    """The spec of an op call: shapes re-checked, cu_seqlens values not read again."""
+    varlen = cu_seqlens_q is not None
+    return check_call(
+        q, k, v, window=(window_left, window_right),
+        align="bottom_right" if bottom_right else "top_left", bias=bias,
+        alibi_slopes=alibi_slopes, softcap=softcap, scale=scale, dropout_p=dropout_p,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q if varlen else None,
+        max_seqlen_k=max_seqlen_k if varlen else None,
+        deterministic=deterministic, read_cu_seqlens=False,
+    )  # fmt: skip
+
+
+@torch.library.custom_op("memattn::forward", mutates_args=())
+def _forward_op(
+    q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], alibi_slopes: Optional[Tensor],
+    cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], rng_state: Optional[Tensor],
+    window_left: int, window_right: int, bottom_right: bool, softcap: float, scale: float,
+    dropout_p: float, max_seqlen_q: int, max_seqlen_k: int, deterministic: bool,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    spec = _op_spec(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, window_left,
+                    window_right, bottom_right, softcap, scale, dropout_p, max_seqlen_q,
+                    max_seqlen_k, deterministic)  # fmt: skip
+    require_runnable(spec.device)
+    from .kernels import forward as _fwd
+
+    return _fwd.forward(spec, q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                        rng_state if spec.dropout_p > 0 else None)  # fmt: skip
+
+
+@_forward_op.register_fake
+def _forward_fake(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state,
+                  *options):  # fmt: skip
+    spec = _op_spec(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *options)
+    if spec.varlen:
+        out = q.new_empty(q.shape[0], spec.heads, spec.head_dim_v)
+        lse = q.new_empty(spec.heads, q.shape[0], dtype=torch.float32)
+    else:
+        out = q.new_empty(spec.batch, spec.seqlen_q, spec.heads, spec.head_dim_v)
+        lse = q.new_empty(spec.bias_shape[:3], dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("memattn::backward", mutates_args=())
+def _backward_op(
+    grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
+    out: Tensor, lse: Tensor, bias: Optional[Tensor], alibi_slopes: Optional[Tensor],
+    cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], rng_state: Optional[Tensor],
+    window_left: int, window_right: int, bottom_right: bool, softcap: float, scale: float,
+    dropout_p: float, max_seqlen_q: int, max_seqlen_k: int, deterministic: bool,
+    needs: list[bool],
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """Returns (dq, dk, dv, dbias), an empty tensor for each gradient not needed."""
+    spec = _op_spec(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, window_left,
+                    window_right, bottom_right, softcap, scale, dropout_p, max_seqlen_q,
+                    max_seqlen_k, deterministic)  # fmt: skip
+    require_runnable(spec.device)
+    from .kernels import backward as _bwd
+
+    grads = _bwd.backward(spec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes,
+                          cu_seqlens_q, cu_seqlens_k, rng_state, tuple(needs))  # fmt: skip
+    return tuple(q.new_empty(0) if g is None else g for g in grads)
+
+
+@_backward_op.register_fake
+def _backward_fake(grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q,
+                   cu_seqlens_k, rng_state, *options_and_needs):  # fmt: skip
+    *options, needs = options_and_needs
+    _op_spec(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *options)
+    like = (q, k, v, bias)
+    return tuple(
+        torch.empty_like(t) if need and t is not None else q.new_empty(0)
+        for t, need in zip(like, needs)
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, bias, alibi, cu_q, cu_k, rng_state, *options = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, bias, alibi, cu_q, cu_k, rng_state)
+    ctx.options = options
+
+
+def _forward_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, bias, alibi, cu_q, cu_k, rng_state = ctx.saved_tensors
+    needs = [bool(n) for n in ctx.needs_input_grad[:4]]
+    *options, deterministic = ctx.options
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv, dbias = torch.ops.memattn.backward(
+        grad_out, grad_lse, q, k, v, out, lse, bias, alibi, cu_q, cu_k, rng_state,
+        *options, deterministic, needs,
+    )  # fmt: skip
+    grads = [g if need else None for g, need in zip((dq, dk, dv, dbias), needs)]
+    return (*grads, *([None] * (len(ctx.options) + 4)))
+
+
+_forward_op.register_autograd(_forward_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------ the Python entry points
+
+
 def forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
     *,
     causal: bool = False,
     window: tuple[int, int] | None = None,
     align: str = "top_left",
-    bias: torch.Tensor | None = None,
-    alibi_slopes: torch.Tensor | None = None,
+    bias: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
     softcap: float = 0.0,
     scale: float | None = None,
     dropout_p: float = 0.0,
-    cu_seqlens_q: torch.Tensor | None = None,
-    cu_seqlens_k: torch.Tensor | None = None,
+    cu_seqlens_q: Tensor | None = None,
+    cu_seqlens_k: Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
     deterministic: bool = False,
-    rng_state: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention forward. Same options as :func:`memattn.attention`.
+    rng_state: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention forward. Same options as :func:`memattn.attention`; differentiable
+    with respect to q, k, v and bias (and out's lse).
 
     ``rng_state``: an int64 ``[seed, offset]`` tensor to replay a dropout mask; drawn
     from PyTorch's generator when None and ``dropout_p > 0``.
@@ -78,56 +202,48 @@ def forward(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, deterministic=deterministic,
     )  # fmt: skip
-    if spec.dropout_p > 0:
-        rng_state = _check_rng_state(rng_state, spec)
-    else:
-        rng_state = torch.empty(0, dtype=torch.int64, device=spec.device)
-    out, lse = forward_checked(spec, q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                               rng_state)  # fmt: skip
-    return out, lse, rng_state
-
-
-def forward_checked(spec, q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state):
-    """forward() after check_call: the launch, for callers that already hold a spec."""
-    require_runnable(spec.device)
-    from .kernels import forward as _fwd
-
-    return _fwd.forward(spec, q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                        rng_state if spec.dropout_p > 0 else None)  # fmt: skip
+    rng = _check_rng_state(rng_state, spec) if spec.dropout_p > 0 else None
+    out, lse = torch.ops.memattn.forward(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                                         rng, *_op_options(spec))  # fmt: skip
+    if rng is None:
+        rng = torch.empty(0, dtype=torch.int64, device=spec.device)
+    return out, lse, rng
 
 
 def backward(
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
     *,
     causal: bool = False,
     window: tuple[int, int] | None = None,
     align: str = "top_left",
-    bias: torch.Tensor | None = None,
-    alibi_slopes: torch.Tensor | None = None,
+    bias: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
     softcap: float = 0.0,
     scale: float | None = None,
     dropout_p: float = 0.0,
-    cu_seqlens_q: torch.Tensor | None = None,
-    cu_seqlens_k: torch.Tensor | None = None,
+    cu_seqlens_q: Tensor | None = None,
+    cu_seqlens_k: Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
     deterministic: bool = False,
-    rng_state: torch.Tensor | None = None,
+    rng_state: Tensor | None = None,
+    grad_lse: Tensor | None = None,
     needs: tuple[bool, bool, bool, bool] = (True, True, True, False),
-) -> tuple[torch.Tensor | None, ...]:
-    """Attention backward: the gradients of out with respect to q, k, v and bias.
+) -> tuple[Tensor | None, ...]:
+    """Attention backward: the gradients with respect to q, k, v and bias.
 
     ``out``/``lse`` are what :func:`forward` returned, or any pair a caller combines
     itself (context-parallel attention passes the merged lse); ``rng_state`` the
-    forward's dropout state. ``needs`` = (dq, dk, dv, dbias) selects what is computed.
-    Returns (dq, dk, dv, dbias), None for what was not asked; dbias in the bias's own
-    shape and dtype. deterministic=True (or torch.use_deterministic_algorithms) makes
-    every gradient bit-identical across runs.
+    forward's dropout state; ``grad_lse`` an optional gradient flowing into lse.
+    ``needs`` = (dq, dk, dv, dbias) selects what is computed. Returns
+    (dq, dk, dv, dbias), None for what was not asked; dbias in the bias's own shape and
+    dtype. deterministic=True (or torch.use_deterministic_algorithms(True)) makes every
+    gradient bit-identical across runs.
     """
     spec = check_call(
         q, k, v, causal=causal, window=window, align=align, bias=bias,
@@ -135,63 +251,38 @@ def backward(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, deterministic=deterministic,
     )  # fmt: skip
-    out_shape = q.shape[:-1] + (spec.head_dim_v,)
+    out_shape = tuple(q.shape[:-1]) + (spec.head_dim_v,)
     for name, t in (("grad_out", grad_out), ("out", out)):
-        if not isinstance(t, torch.Tensor):
+        if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if tuple(t.shape) != tuple(out_shape) or t.dtype != q.dtype or t.device != q.device:
+        if tuple(t.shape) != out_shape or t.dtype != q.dtype or t.device != q.device:
             raise ValueError(
-                f"{name} must be a {q.dtype} tensor of shape {tuple(out_shape)} on {q.device}, "
+                f"{name} must be a {q.dtype} tensor of shape {out_shape} on {q.device}, "
                 f"got {t.dtype} {tuple(t.shape)} on {t.device}"
             )
     lse_shape = (spec.heads, q.shape[0]) if spec.varlen else spec.bias_shape[:3]
-    if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or \
-            tuple(lse.shape) != tuple(lse_shape) or lse.device != q.device:  # fmt: skip
-        raise ValueError(f"lse must be a float32 tensor of shape {tuple(lse_shape)} on {q.device}")
-    if not (isinstance(needs, tuple) and len(needs) == 4 and all(isinstance(n, bool) for n in needs)):
+    for name, t in (("lse", lse), ("grad_lse", grad_lse)):
+        if t is None and name == "grad_lse":
+            continue
+        if not isinstance(t, Tensor) or t.dtype != torch.float32 or \
+                tuple(t.shape) != tuple(lse_shape) or t.device != q.device:  # fmt: skip
+            raise ValueError(f"{name} must be a float32 tensor of shape {tuple(lse_shape)} "
+                             f"on {q.device}")  # fmt: skip
+    if not (isinstance(needs, tuple) and len(needs) == 4
+            and all(isinstance(n, bool) for n in needs)):  # fmt: skip
         raise TypeError(f"needs must be a tuple of 4 bools (dq, dk, dv, dbias), got {needs!r}")
+    if needs[3] and bias is None:
+        raise ValueError("needs[3] (dbias) asks for a bias gradient, but bias is None")
+    rng = None
     if spec.dropout_p > 0:
         if rng_state is None:
-            raise ValueError("rng_state (the forward's [seed, offset]) is required with dropout_p > 0")
-        rng_state = _check_rng_state(rng_state, spec)
-    return backward_checked(spec, grad_out, q, k, v, out, lse, bias, alibi_slopes,
-                            cu_seqlens_q, cu_seqlens_k, rng_state, needs)  # fmt: skip
-
-
-def backward_checked(spec, grad_out, q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q,
-                     cu_seqlens_k, rng_state, needs):  # fmt: skip
-    """backward() after check_call: the launch, for callers that already hold a spec."""
-    require_runnable(spec.device)
-    from .kernels import backward as _bwd
-
-    if torch.are_deterministic_algorithms_enabled() and not spec.deterministic:
-        spec = dataclasses.replace(spec, deterministic=True)
-    return _bwd.backward(spec, grad_out, q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q,
-                         cu_seqlens_k, rng_state, needs)  # fmt: skip
-
-
-class Attention(torch.autograd.Function):
-    """memattn.attention's autograd: saves q, k, v, out, lse and the rng state, memory
-    O(B * H * S), and recomputes the rest in the backward kernels."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, spec):
-        rng_state = torch.empty(0, dtype=torch.int64, device=spec.device)
-        if spec.dropout_p > 0:
-            rng_state = _dropout.new_rng_state(spec.device)
-        out, lse = forward_checked(spec, q, k, v, bias, alibi_slopes, cu_seqlens_q,
-                                   cu_seqlens_k, rng_state)  # fmt: skip
-        ctx.save_for_backward(q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q,
-                              cu_seqlens_k, rng_state)  # fmt: skip
-        ctx.spec = spec
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, grad_out, _grad_lse):
-        q, k, v, out, lse, bias, alibi, cu_q, cu_k, rng_state = ctx.saved_tensors
-        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2],
-                 ctx.needs_input_grad[3])  # fmt: skip
-        dq, dk, dv, dbias = backward_checked(ctx.spec, grad_out, q, k, v, out, lse, bias, alibi,
-                                             cu_q, cu_k, rng_state, needs)  # fmt: skip
-        return dq, dk, dv, dbias, None, None, None, None
+            raise ValueError("rng_state (the forward's [seed, offset]) is required with "
+                             "dropout_p > 0")  # fmt: skip
+        rng = _check_rng_state(rng_state, spec)
+    *options, det = _op_options(spec)
+    det = det or torch.are_deterministic_algorithms_enabled()
+    grads = torch.ops.memattn.backward(
+        grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+        rng, *options, det, list(needs),
+    )  # fmt: skip
+    return tuple(g if need else None for g, need in zip(grads, needs))

@@ -99,8 +99,11 @@ def _check_window(window) -> tuple[int, int]:
     return sides[0], sides[1]
 
 
-def _seqlens(name: str, cu: torch.Tensor, total: int, total_name: str, device) -> list[int]:
-    """Checks one cu_seqlens tensor and returns the per-sequence lengths."""
+def _seqlens(
+    name: str, cu: torch.Tensor, total: int, total_name: str, device, read_values: bool
+) -> list[int]:
+    """Checks one cu_seqlens tensor and returns the per-sequence lengths ([] when its
+    values are not read)."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -109,7 +112,7 @@ def _seqlens(name: str, cu: torch.Tensor, total: int, total_name: str, device) -
         raise ValueError(f"{name} must be 1-D of length B+1 >= 2, got shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name} must be on {device} like q, got {cu.device}")
-    if _cannot_read_values():
+    if not read_values or _cannot_read_values():
         return []
     values = cu.tolist()
     if values[0] != 0:
@@ -137,7 +140,10 @@ def _check_max_seqlen(name: str, value, lengths: list[int], cu_name: str) -> int
     actual = max(lengths, default=0)
     if value is None:
         if not lengths:
-            raise ValueError(f"{name} is required while values of {cu_name} cannot be read")
+            raise ValueError(
+                f"{name} is required where values of {cu_name} cannot be read (under "
+                f"torch.compile or CUDA graph capture)"
+            )
         return actual
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -167,11 +173,14 @@ def check_call(
     max_seqlen_k=None,
     deterministic=False,
     dtypes=KERNEL_DTYPES,
+    read_cu_seqlens=True,
 ) -> AttentionSpec:
     """Validates an attention call and returns its normalised :class:`AttentionSpec`.
 
     ``dtypes`` is the set of admitted q/k/v dtypes: the kernels take float16,
-    bfloat16 and float32; the reference also takes float64.
+    bfloat16 and float32; the reference also takes float64. ``read_cu_seqlens=False``
+    skips the checks of cu_seqlens values (a host sync): the custom ops use it, since
+    their Python callers have checked them already; max_seqlen_q/k are then required.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -225,8 +234,10 @@ def check_call(
             raise ValueError(f"{name} must be in [1, {MAX_HEAD_DIM}], got {d}")
 
     if varlen:
-        lengths_q = _seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q.shape[0]", q.device)
-        lengths_k = _seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k.shape[0]", q.device)
+        lengths_q = _seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q.shape[0]", q.device,
+                             read_cu_seqlens)  # fmt: skip
+        lengths_k = _seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k.shape[0]", q.device,
+                             read_cu_seqlens)  # fmt: skip
         if cu_seqlens_q.numel() != cu_seqlens_k.numel():
             raise ValueError(
                 f"cu_seqlens_q and cu_seqlens_k must have the same length B+1, got "

@@ -4,6 +4,8 @@ CPU (CI): Triton's interpreter at small odd sizes, float32 and float16 (the inte
 computes bfloat16 dots wrongly). GPU (`pytest -m gpu`): real sizes, bfloat16/float16.
 """
 
+import zlib
+
 import pytest
 import torch
 
@@ -25,7 +27,7 @@ def assert_results(results):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("case", FEATURE_CASES, ids=lambda c: c.name)
 def test_features_cpu(case, dtype):
-    assert_results(check_forward(case, dtype, "cpu", seed=hash(case.name) % 1000))
+    assert_results(check_forward(case, dtype, "cpu", seed=zlib.crc32(case.name.encode()) % 1000))
 
 
 EDGE_CASES = [

@@ -129,7 +129,7 @@ def _dkdv_tiles(
     MASKED: tl.constexpr, BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HAS_DBIAS: tl.constexpr, DBIAS_ROWS: tl.constexpr,
-    DBIAS_ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DBIAS_COLS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Accumulates query tiles [lo, hi) into dK, dV (and the bias gradient) of one key
     block for one query head."""
@@ -170,6 +170,9 @@ def _dkdv_tiles(
             ds = tl.where(row_ok[:, None] & col_ok[None, :], ds, 0.0)
             if DBIAS_ROWS:  # bias broadcast over query rows: sum them in registers
                 dbias_rows += tl.sum(ds, 0)
+            elif DBIAS_COLS:  # broadcast over keys: sum the tile's columns, then add
+                tl.atomic_add(dbias_base + start_m64 * stride_dbm + arange_m * stride_dbm,
+                              tl.sum(ds, 1), mask=row_ok, sem="relaxed")
             else:
                 db_ptrs = (dbias_base + start_m64 * stride_dbm
                            + arange_m[:, None] * stride_dbm + arange_n[None, :] * stride_dbn)
@@ -203,7 +206,7 @@ def _dkdv_kernel(
     BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HAS_DBIAS: tl.constexpr, DBIAS_ROWS: tl.constexpr,
-    DBIAS_ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DBIAS_COLS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     # One program per (key block, batch * kv head) on a 1-D grid, as in the forward.
     pid = tl.program_id(0)
@@ -275,7 +278,7 @@ def _dkdv_kernel(
             window_left, window_right, seed, rng_offset, bh, dropout_p,
             DQK, DV, BLOCK_M, BLOCK_N, True, BOUNDED_LEFT, BOUNDED_RIGHT,
             HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, HAS_DBIAS, DBIAS_ROWS,
-            DBIAS_ATOMIC, DOT_PRECISION)
+            DBIAS_COLS, DBIAS_ATOMIC, DOT_PRECISION)
         dk, dv, dbias_rows = _dkdv_tiles(
             dk, dv, dbias_rows, k, v, q_base, do_base, lse_base, delta_base, bias_base,
             dbias_base, stride_qm, stride_qd, stride_gm, stride_gd, stride_lm,
@@ -284,7 +287,7 @@ def _dkdv_kernel(
             window_left, window_right, seed, rng_offset, bh, dropout_p,
             DQK, DV, BLOCK_M, BLOCK_N, False, BOUNDED_LEFT, BOUNDED_RIGHT,
             HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, HAS_DBIAS, DBIAS_ROWS,
-            DBIAS_ATOMIC, DOT_PRECISION)
+            DBIAS_COLS, DBIAS_ATOMIC, DOT_PRECISION)
         dk, dv, dbias_rows = _dkdv_tiles(
             dk, dv, dbias_rows, k, v, q_base, do_base, lse_base, delta_base, bias_base,
             dbias_base, stride_qm, stride_qd, stride_gm, stride_gd, stride_lm,
@@ -293,9 +296,11 @@ def _dkdv_kernel(
             window_left, window_right, seed, rng_offset, bh, dropout_p,
             DQK, DV, BLOCK_M, BLOCK_N, True, BOUNDED_LEFT, BOUNDED_RIGHT,
             HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, HAS_DBIAS, DBIAS_ROWS,
-            DBIAS_ATOMIC, DOT_PRECISION)
+            DBIAS_COLS, DBIAS_ATOMIC, DOT_PRECISION)
         if HAS_DBIAS:
-            if DBIAS_ROWS:
+            if DBIAS_ROWS and DBIAS_COLS:
+                tl.atomic_add(dbias_base, tl.sum(dbias_rows, 0), sem="relaxed")
+            elif DBIAS_ROWS:
                 db_ptrs = dbias_base + arange_n * stride_dbn
                 if DBIAS_ATOMIC:
                     tl.atomic_add(db_ptrs, dbias_rows, mask=col_ok, sem="relaxed")
@@ -461,11 +466,12 @@ def _dq_kernel(
 def _dbias_buffer(bias: torch.Tensor, spec: AttentionSpec):
     """Where the kernel writes dS for a bias, and how to turn that into dbias.
 
-    Returns (buffer, strides as (B, H, Sq, Sk), rows, atomic). A bias broadcast over
-    query rows is reduced over them in registers (rows=True: the buffer's row stride
-    is unused). A bias broadcast over batch, heads or keys makes several programs add
-    into one element: with atomics into a float32 buffer of the bias's shape, or,
-    deterministic, into a buffer expanded over those dimensions and summed afterwards.
+    Returns (buffer, strides as (B, H, Sq, Sk), rows, cols, atomic). A bias broadcast
+    over query rows is reduced over them in registers (rows=True: the buffer's row
+    stride is unused). A bias broadcast over batch, heads or keys makes several programs
+    add into one element: with atomics into a float32 buffer of the bias's shape (keys
+    first summed over each tile in registers, cols=True), or, deterministic, into a
+    buffer expanded over those dimensions and summed afterwards.
     """
     shape = (1,) * (4 - bias.dim()) + tuple(bias.shape)
     full = spec.bias_shape
@@ -479,12 +485,14 @@ def _dbias_buffer(bias: torch.Tensor, spec: AttentionSpec):
     dtype = torch.float32 if (atomic or summed or rows) else bias.dtype
     buf = torch.zeros(buf_shape, dtype=dtype, device=bias.device)
     strides = buf.expand(*full[:2], buf_shape[2], full[3]).stride()
-    return buf, strides, rows, atomic
+    cols = atomic and 3 in summed
+    return buf, strides, rows, cols, atomic
 
 
 def backward(
     spec: AttentionSpec,
     grad_out: torch.Tensor,
+    grad_lse: torch.Tensor | None,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -498,7 +506,8 @@ def backward(
     needs: tuple[bool, bool, bool, bool],
 ):
     """Launches the backward kernels for the gradients in ``needs`` (dq, dk, dv, dbias).
-    Returns (dq, dk, dv, dbias) with None for those not needed."""
+    Returns (dq, dk, dv, dbias) with None for those not needed. ``grad_lse``, a gradient
+    flowing into lse, adds P * grad_lse to dS: it enters as delta - grad_lse."""
     need_dq, need_dk, need_dv, need_dbias = needs
     need_dbias = need_dbias and bias is not None
     dq = new_output(q.shape, q.dtype, q.device) if need_dq else None
@@ -537,14 +546,16 @@ def backward(
         DV=spec.head_dim_v, BLOCK_M=64, BLOCK_DV=tuning.padded_head_dim(spec.head_dim_v),
         IS_VARLEN=spec.varlen,
     )  # fmt: skip
+    if grad_lse is not None:
+        delta.sub_(grad_lse)
 
     if dk is not None or need_dbias:
         if dk is None:  # only dbias asked for: dK/dV go to scratch
             dk, dv = torch.empty_like(k), torch.empty_like(v)
             need_dk = need_dv = False
-        db_buf, db_strides, db_rows, db_atomic = None, (0, 0, 0, 0), False, False
+        db_buf, db_strides, db_rows, db_cols, db_atomic = None, (0, 0, 0, 0), False, False, False
         if need_dbias:
-            db_buf, db_strides, db_rows, db_atomic = _dbias_buffer(bias, spec)
+            db_buf, db_strides, db_rows, db_cols, db_atomic = _dbias_buffer(bias, spec)
         num_n = triton.cdiv(spec.seqlen_k, cfg.block_n_dkdv)
         _dkdv_kernel[(num_n * spec.batch * spec.kv_heads,)](
             q, k, v, grad_out, lse, delta, bias, db_buf, alibi_slopes, rng,
@@ -554,7 +565,8 @@ def backward(
             *dense_strides(dv, spec.varlen),
             spec.heads, spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_n,
             *options, BLOCK_M=cfg.block_m_dkdv, BLOCK_N=cfg.block_n_dkdv,
-            HAS_DBIAS=need_dbias, DBIAS_ROWS=db_rows, DBIAS_ATOMIC=db_atomic,
+            HAS_DBIAS=need_dbias, DBIAS_ROWS=db_rows, DBIAS_COLS=db_cols,
+            DBIAS_ATOMIC=db_atomic,
             num_warps=cfg.num_warps_dkdv, num_stages=cfg.num_stages_dkdv, **common,
         )  # fmt: skip
         if need_dbias:

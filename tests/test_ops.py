@@ -1,0 +1,237 @@
+"""The custom ops: torch.library checks, fake tensors, torch.compile, CUDA graphs, and
+the gradient through lse."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import memattn
+from memattn.check import FEATURE_CASES, Case, make_inputs, relative_error
+from memattn.ops import _op_options
+from memattn.spec import check_call
+
+from .conftest import DEVICE
+
+cpu_only = pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes; the GPU has its own")
+
+OPCHECK_CASES = [
+    Case("plain", seqlen_q=9, seqlen_k=11, dqk=16, dv=8),
+    Case("everything", seqlen_q=9, seqlen_k=11, dqk=16, dv=8, bias="1HQK", alibi="H",
+         options=dict(causal=True, align="bottom_right", window=(4, 0), softcap=2.0,
+                      dropout_p=0.2)),
+    Case("varlen", lengths_q=(3, 0, 6), lengths_k=(5, 2, 7), dqk=16, dv=16, bias="BHQK",
+         options=dict(causal=True)),
+]
+
+
+def op_args(case: Case, requires_grad: bool):
+    x = make_inputs(case, torch.float32, DEVICE, seed=1)
+    tensors = [x.q, x.k, x.v] + ([x.kwargs["bias"]] if "bias" in x.kwargs else [])
+    for t in tensors:
+        t.requires_grad_(requires_grad)
+    spec = check_call(x.q, x.k, x.v, **x.kwargs)
+    rng = memattn.dropout.new_rng_state(DEVICE) if spec.dropout_p > 0 else None
+    return (x.q, x.k, x.v, x.kwargs.get("bias"), x.kwargs.get("alibi_slopes"),
+            x.kwargs.get("cu_seqlens_q"), x.kwargs.get("cu_seqlens_k"), rng,
+            *_op_options(spec))  # fmt: skip
+
+
+@cpu_only
+@pytest.mark.parametrize("case", OPCHECK_CASES, ids=lambda c: c.name)
+def test_opcheck_forward(case):
+    torch.library.opcheck(torch.ops.memattn.forward.default, op_args(case, requires_grad=True),
+                          test_utils=("test_schema", "test_faketensor",
+                                      "test_autograd_registration"))  # fmt: skip
+
+
+@cpu_only
+@pytest.mark.parametrize("case", OPCHECK_CASES, ids=lambda c: c.name)
+def test_opcheck_backward(case):
+    args = op_args(case, requires_grad=False)
+    out, lse = torch.ops.memattn.forward(*args)
+    q, k, v, bias, alibi, cu_q, cu_k, rng, *options = args
+    needs = [True, True, True, bias is not None]
+    torch.library.opcheck(
+        torch.ops.memattn.backward.default,
+        (torch.randn_like(out), torch.randn_like(lse), q, k, v, out, lse, bias, alibi, cu_q,
+         cu_k, rng, *options, needs),
+        test_utils=("test_schema", "test_faketensor"),
+    )  # fmt: skip
+
+
+@cpu_only
+@pytest.mark.parametrize("case", FEATURE_CASES, ids=lambda c: c.name)
+def test_fake_tensor_shapes_every_option(case):
+    """The fake implementations give the real outputs' shapes and dtypes, every option."""
+    x = make_inputs(case, torch.float16, DEVICE, seed=2)
+    spec = check_call(x.q, x.k, x.v, **x.kwargs)
+    rng = memattn.dropout.new_rng_state(DEVICE) if spec.dropout_p > 0 else None
+    real = torch.ops.memattn.forward(x.q, x.k, x.v, x.kwargs.get("bias"),
+                                     x.kwargs.get("alibi_slopes"), x.kwargs.get("cu_seqlens_q"),
+                                     x.kwargs.get("cu_seqlens_k"), rng, *_op_options(spec))
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake_in = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
+                   for t in (x.q, x.k, x.v, x.kwargs.get("bias"), x.kwargs.get("alibi_slopes"),
+                             x.kwargs.get("cu_seqlens_q"), x.kwargs.get("cu_seqlens_k"), rng)]
+        fake = torch.ops.memattn.forward(*fake_in, *_op_options(spec))
+    for r, f in zip(real, fake):
+        assert r.shape == f.shape and r.dtype == f.dtype
+
+
+class Block(torch.nn.Module):
+    """A small attention block, as a model would call memattn."""
+
+    def __init__(self, dim=32, heads=4, kv_heads=2, **options):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
+        self.qkv = torch.nn.Linear(dim, (heads + 2 * kv_heads) * self.hd)
+        self.proj = torch.nn.Linear(heads * self.hd, dim)
+        self.options = options
+
+    def forward(self, x, **extra):
+        *lead, _ = x.shape
+        q, k, v = self.qkv(x).split(
+            [self.heads * self.hd, self.kv_heads * self.hd, self.kv_heads * self.hd], dim=-1)
+        q = q.unflatten(-1, (self.heads, self.hd))
+        k = k.unflatten(-1, (self.kv_heads, self.hd))
+        v = v.unflatten(-1, (self.kv_heads, self.hd))
+        out = memattn.attention(q, k, v, **self.options, **extra)
+        return self.proj(out.flatten(-2))
+
+
+@cpu_only
+@pytest.mark.parametrize("options", [dict(causal=True), dict(window=(3, 2), softcap=5.0)],
+                         ids=["causal", "window+softcap"])
+def test_compile_fullgraph_cpu(options):
+    """torch.compile(fullgraph=True) traces through memattn and matches eager, forward
+    and backward (the CPU path: the custom op runs the interpreted kernels)."""
+    torch.manual_seed(0)
+    block = Block(**options)
+    x = torch.randn(2, 13, 32, requires_grad=True)
+    eager = block(x)
+    (g_eager,) = torch.autograd.grad(eager.sum(), [x])
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    (g,) = torch.autograd.grad(out.sum(), [x])
+    torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(g, g_eager, atol=1e-5, rtol=1e-5)
+
+
+@cpu_only
+def test_compile_fullgraph_varlen_and_dropout_cpu():
+    torch.manual_seed(0)
+    block = Block(dropout_p=0.1, causal=True)
+    x = torch.randn(20, 32, requires_grad=True)
+    cu = torch.tensor([0, 7, 7, 20], dtype=torch.int32)
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    out = compiled(x, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=13, max_seqlen_k=13)
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+    torch.manual_seed(1)
+    a = compiled(x, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=13, max_seqlen_k=13)
+    torch.manual_seed(1)
+    b = compiled(x, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=13, max_seqlen_k=13)
+    assert torch.equal(a, b), "dropout under compile repeats after the same seed"
+
+
+@cpu_only
+def test_gradient_through_lse():
+    """lse is differentiable: d lse / d s = P, checked against float64 autograd."""
+    x = make_inputs(Case("lse", bias="1HQK", options=dict(causal=True)), torch.float32, DEVICE)
+    leaves = [x.q, x.k, x.v, x.kwargs["bias"]]
+    for t in leaves:
+        t.requires_grad_(True)
+    out, lse = memattn.attention(x.q, x.k, x.v, **x.kwargs, return_lse=True)
+    g_lse = torch.randn_like(lse)
+    loss = (out * out).sum() + (torch.where(torch.isinf(lse), 0, lse) * g_lse).sum()
+    grads = torch.autograd.grad(loss, leaves)
+    l64 = [t.detach().double().requires_grad_(True) for t in leaves]
+    kw = dict(x.kwargs, bias=l64[3])
+    o64, lse64 = memattn.reference.attention(*l64[:3], **kw, return_lse=True)
+    loss64 = (o64 * o64).sum() + (torch.where(torch.isinf(lse64), 0, lse64) * g_lse.double()).sum()
+    for g, r in zip(grads, torch.autograd.grad(loss64, l64)):
+        assert relative_error(g, r) < 1e-5
+
+
+# ---------------------------------------------------------------- GPU
+
+
+def _training_step(model, x, **kw):
+    out = model(x, **kw)
+    grads = torch.autograd.grad(out.float().square().mean(), [x, *model.parameters()])
+    return out, grads
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["max-autotune-no-cudagraphs", "reduce-overhead"])
+def test_compile_modes_match_eager_gpu(mode):
+    torch.manual_seed(0)
+    block = Block(dim=256, heads=8, kv_heads=2, causal=True, softcap=20.0).cuda().bfloat16()
+    x = torch.randn(2, 512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    eager, g_eager = _training_step(block, x)
+    compiled = torch.compile(block, fullgraph=True, mode=mode)
+    for _ in range(3):  # reduce-overhead records its CUDA graph on a later call
+        out, grads = _training_step(compiled, x)
+    assert relative_error(out, eager) < 1e-2
+    for g, ge in zip(grads, g_eager):
+        assert relative_error(g, ge) < 2e-2
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_dropout_gpu():
+    """Each replay draws a fresh mask, as eager calls do; the same torch.manual_seed
+    before two replays gives the same masks."""
+    q, k, v = (torch.randn(2, 256, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    static_out = None
+    memattn.attention(q, k, v, dropout_p=0.3)  # compile the kernel outside the capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        memattn.attention(q, k, v, dropout_p=0.3)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = memattn.attention(q, k, v, dropout_p=0.3)
+    outs = []
+    for seed in (5, 5, 6):
+        torch.manual_seed(seed)
+        graph.replay()
+        first = static_out.clone()
+        graph.replay()
+        outs.append((first, static_out.clone()))
+    assert not torch.equal(outs[0][0], outs[0][1]), "two replays drew the same mask"
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert not torch.equal(outs[0][0], outs[2][0])
+    # a replay equals the eager call after the same seed
+    torch.manual_seed(7)
+    graph.replay()
+    torch.manual_seed(7)
+    eager = memattn.attention(q, k, v, dropout_p=0.3)
+    assert relative_error(static_out, eager) == 0.0
+
+
+@pytest.mark.gpu
+def test_cuda_graph_varlen_backward_gpu():
+    """A whole training step with varlen inputs captured in a CUDA graph."""
+    cu = torch.tensor([0, 100, 100, 357], dtype=torch.int32, device="cuda")
+    q = torch.randn(357, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(357, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+
+    def step():
+        out = memattn.attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                max_seqlen_q=257, max_seqlen_k=257)
+        return torch.autograd.grad(out.float().sum(), [q, k, v])
+
+    eager = step()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    graph.replay()
+    for a, b in zip(static, eager):
+        assert torch.equal(a, b)
