@@ -1,8 +1,17 @@
 """memattn: exact, memory-efficient attention for PyTorch, in Triton."""
 
-from . import ops, reference
+from . import compat, ops, reference
 from .api import attention
+from .compat import scaled_dot_product_attention
 from .dropout import dropout_mask
 
 __version__ = "0.1.0"
-__all__ = ["attention", "dropout_mask", "ops", "reference", "__version__"]
+__all__ = [
+    "attention",
+    "compat",
+    "dropout_mask",
+    "ops",
+    "reference",
+    "scaled_dot_product_attention",
+    "__version__",
+]

@@ -59,6 +59,76 @@ def check(args) -> int:
     return 1 if failures else 0
 
 
+def info(args) -> int:
+    """Versions, the device, which features run on it (each tried with a tiny call, not
+    assumed), and the tuned configurations, in the style of `python -m xformers.info`."""
+    device = _prepare_device()
+    import platform
+
+    import torch
+    import triton
+    from rich.console import Console
+    from rich.table import Table
+
+    import memattn
+
+    from . import check as checks
+    from .kernels import tuning
+    from .spec import AttentionSpec
+
+    console = Console()
+    table = Table(title="memattn info", show_header=False)
+    rows = [("memattn", memattn.__version__), ("python", platform.python_version()),
+            ("torch", torch.__version__), ("triton", triton.__version__),
+            ("cuda (torch)", str(torch.version.cuda))]  # fmt: skip
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        rows += [("device", f"{props.name}, sm_{props.major}{props.minor}, "
+                            f"{props.multi_processor_count} SMs, "
+                            f"{props.total_memory / 2**30:.0f} GiB")]  # fmt: skip
+    else:
+        rows += [("device", "CPU: kernels run in Triton's interpreter (slow; for tests)")]
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+
+    features = Table(title=f"features on {device} (a tiny call each, against the reference)")
+    for col in ("feature", "dtype", "forward", "backward"):
+        features.add_column(col)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    tiny = dict(seqlen_q=9, seqlen_k=12, dqk=16, dv=16)
+    for case in checks.FEATURE_CASES:
+        case = case.scaled(**tiny) if not case.varlen else case.scaled(dqk=16, dv=16)
+        cells = []
+        for run in checks.RUNS:
+            try:
+                ok = all(r.passed for r in run(case, dtype, device))
+                cells.append("[green]yes[/]" if ok else "[red]WRONG[/]")
+            except Exception as e:  # noqa: BLE001 - reported, not raised: this is a survey
+                cells.append(f"[red]no: {type(e).__name__}[/]")
+        features.add_row(case.name, str(dtype).removeprefix("torch."), *cells)
+    console.print(features)
+
+    configs = Table(title="tuned configurations (kernels/tuning.py)")
+    for col in ("head dim", "forward BMxBN/warps/stages", "dK/dV", "dQ"):
+        configs.add_column(col)
+    for d in (64, 128, 256):
+        spec = AttentionSpec(
+            batch=1, heads=1, kv_heads=1, seqlen_q=1, seqlen_k=1, head_dim_qk=d, head_dim_v=d,
+            varlen=False, window_left=-1, window_right=-1, bottom_right=False,
+            scale=1.0, softcap=0.0, dropout_p=0.0, has_bias=False, has_alibi=False,
+            deterministic=False, dtype=torch.bfloat16, device=torch.device(device),
+        )  # fmt: skip
+        f, b = tuning.forward_config(spec), tuning.backward_config(spec)
+        configs.add_row(
+            str(d), f"{f.block_m}x{f.block_n}/{f.num_warps}/{f.num_stages}",
+            f"{b.block_m_dkdv}x{b.block_n_dkdv}/{b.num_warps_dkdv}/{b.num_stages_dkdv}",
+            f"{b.block_m_dq}x{b.block_n_dq}/{b.num_warps_dq}/{b.num_stages_dq}",
+        )  # fmt: skip
+    console.print(configs)
+    return 0
+
+
 def bench(args) -> int:
     from . import bench as _bench
 
@@ -69,11 +139,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="memattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("check", help="check the kernels against the float64 reference")
+    sub.add_parser("info", help="versions, device, features that run here, tuned configs")
     p = sub.add_parser("bench", help="time memattn against torch's attention backends")
     p.add_argument("--quick", action="store_true", help="a subset that runs in ~2 minutes")
     p.add_argument("--json", default="bench.json", help="where to write the results")
     args = parser.parse_args(argv)
-    return {"check": check, "bench": bench}[args.command](args)
+    return {"check": check, "info": info, "bench": bench}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ class AttentionSpec:
 
     ``seqlen_q``/``seqlen_k`` are the padded lengths: Sq/Sk in dense mode,
     max_seqlen_q/max_seqlen_k in varlen mode. Causal masking is folded into the
-    window: ``window_right == 0`` when causal. ``-1`` means an unbounded side.
+    window (``window_right == 0`` when causal), so the spec has no causal flag of its
+    own. ``-1`` means an unbounded side.
     """
 
     batch: int
@@ -38,7 +39,6 @@ class AttentionSpec:
     head_dim_qk: int
     head_dim_v: int
     varlen: bool
-    causal: bool
     window_left: int
     window_right: int
     bottom_right: bool
@@ -299,7 +299,6 @@ def check_call(
         head_dim_qk=dqk,
         head_dim_v=dv,
         varlen=varlen,
-        causal=causal,
         window_left=window_left,
         window_right=window_right,
         bottom_right=align == "bottom_right",

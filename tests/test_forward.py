@@ -67,6 +67,22 @@ def test_bias_minus_inf_masks_rows():
 
 
 @cpu_only
+def test_bias_finfo_min_rows_average():
+    """A finite bias at finfo.min (eager-style masks) must not overflow to -inf in the
+    kernels' log2 scaling: a row it hides everywhere averages v, as the reference does;
+    -inf still empties a row."""
+    q, k, v = (torch.randn(1, 9, 2, 16) for _ in range(3))
+    bias = torch.zeros(1, 2, 9, 9)
+    bias[:, :, 3] = torch.finfo(torch.float32).min
+    bias[:, :, 5] = float("-inf")
+    out = memattn.attention(q, k, v, bias=bias)
+    ref = memattn.reference.attention(q.double(), k.double(), v.double(), bias=bias.double())
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[0, 3], v.mean(dim=1)[0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[0, 5], torch.zeros_like(out[0, 5]))
+
+
+@cpu_only
 def test_dropout_mask_statistics_and_replay():
     """The keep mask keeps 1 - p of the elements, differs between heads, rows and
     seeds, and repeats under torch.manual_seed; ops.forward replays a given state."""

@@ -4,7 +4,7 @@ Each invalid call must raise ``ValueError`` or ``TypeError`` whose message names
 offending argument, through every entry point (``memattn.attention``,
 ``memattn.ops.forward``, ``memattn.reference.attention`` and ``check_call`` itself),
 and must leave every input untouched (same values, same version counter). The kernel
-launch, ``ops.forward_checked``, is replaced by a stub that records calls, so "raised
+launch, ``memattn.kernels.forward.forward``, is replaced by a stub that records calls, so "raised
 before any kernel runs" is checked directly, not inferred. Valid calls are checked for
 the normalised fields of the returned :class:`AttentionSpec`, by hand and by fuzzing.
 """
@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import memattn
+import memattn.kernels.forward
 from memattn import ops
 from memattn.spec import (
     KERNEL_DTYPES,
@@ -373,14 +374,15 @@ class KernelReached(Exception):
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """Replaces ops.forward_checked (the one path to the kernels); records its calls."""
+    """Replaces the forward launcher (the one path to the forward kernel, behind the
+    custom op); records its calls."""
     calls = []
 
     def stub(spec, *args):
         calls.append(spec)
         raise KernelReached
 
-    monkeypatch.setattr(ops, "forward_checked", stub)
+    monkeypatch.setattr(memattn.kernels.forward, "forward", stub)
     return calls
 
 
@@ -594,7 +596,7 @@ def test_spec_defaults_dense():
     assert (spec.seqlen_q, spec.seqlen_k, spec.head_dim_qk, spec.head_dim_v) == (SQ, SK, DQK, DV)
     assert spec.group == H // HKV == 2
     assert spec.bias_shape == (B, H, SQ, SK)
-    assert not spec.varlen and not spec.causal and not spec.bottom_right
+    assert not spec.varlen and not spec.bottom_right
     assert (spec.window_left, spec.window_right) == (-1, -1)
     assert spec.scale == pytest.approx(1 / math.sqrt(DQK), rel=1e-15)  # Dqk, not Dv
     assert isinstance(spec.scale, float)
@@ -620,7 +622,6 @@ def test_spec_defaults_dense():
 )
 def test_causal_folds_into_window(causal, window, expected):
     spec = check_call(*dense(), causal=causal, window=window)
-    assert spec.causal is causal
     assert (spec.window_left, spec.window_right) == expected
     assert all(type(w) is int for w in (spec.window_left, spec.window_right))
 
@@ -628,7 +629,7 @@ def test_causal_folds_into_window(causal, window, expected):
 def test_spec_options():
     args, kw = _full_dense_call()
     spec = check_call(*args, **kw)
-    assert spec.bottom_right and spec.causal and spec.deterministic
+    assert spec.bottom_right and spec.window_right == 0 and spec.deterministic
     assert (spec.window_left, spec.window_right) == (2, 0)
     assert (spec.scale, spec.softcap, spec.dropout_p) == (0.25, 3.5, 0.2)
     assert spec.has_bias and spec.has_alibi
@@ -769,7 +770,7 @@ def valid_calls(draw):
         kw["alibi_slopes"] = torch.zeros(alibi)
     expected = dict(
         batch=b, heads=h, kv_heads=hkv, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim_qk=dqk,
-        head_dim_v=dv, varlen=is_varlen, causal=kw["causal"],
+        head_dim_v=dv, varlen=is_varlen,
         window_left=-1 if window is None else window[0],
         window_right=0 if kw["causal"] else (-1 if window is None else window[1]),
         bottom_right=kw["align"] == "bottom_right",

@@ -149,7 +149,11 @@ def add_bias_alibi_log2(
     """Adds the bias tile (fp32, natural units) and ALiBi's -slope * |i + off - j| to a
     log2-domain score: the score before masking."""
     if HAS_BIAS:
-        s += bias * LOG2E
+        # A finite bias below -FLT_MAX / log2(e) (eager-style masks use finfo.min) would
+        # overflow to -inf and turn a row the reference averages into an empty row:
+        # clamp finite values, keep -inf as -inf.
+        scaled = tl.maximum(bias, -2.0e38) * LOG2E
+        s += tl.where(bias == float("-inf"), float("-inf"), scaled)
     if HAS_ALIBI:
         dist = tl.abs(offs_m[:, None] + off - offs_n[None, :]).to(tl.float32)
         s -= (slope * LOG2E) * dist

@@ -31,7 +31,13 @@ def padded_head_dim(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
+# Set by tools and benchmarks to try other configurations; None uses the table.
+forward_override: Config | None = None
+
+
 def forward_config(spec: AttentionSpec) -> Config:
+    if forward_override is not None:
+        return forward_override
     if interpreting():
         return Config(block_m=32, block_n=16, num_warps=1, num_stages=1)
     d = max(padded_head_dim(spec.head_dim_qk), padded_head_dim(spec.head_dim_v))
