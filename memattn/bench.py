@@ -1,145 +1,787 @@
-"""``memattn bench``: memattn against torch's attention backends, same inputs, one process.
+"""``memattn bench``: memattn against the attention kernels PyTorch ships, in one process,
+on the same inputs.
 
-Times are medians from triton.testing.do_bench. TFLOP/s count 4*B*H*Sq*Sk*D for the
-forward (halved for causal) and 2.5x that for the backward.
+Peers: torch SDPA's three fused backends (``sdpa_flash``, ``sdpa_efficient``,
+``sdpa_cudnn``) and FlexAttention (``flex``, ``torch.nn.attention.flex_attention`` under
+``torch.compile``, features as block masks and score_mods). Rows, implementation names and
+feature names follow the peer measurements in ``shared/peers-*.json``:
+
+- the grid: D in {64, 128, 256} (H = 32, 16, 8), S from 512 to 16384 at 16k tokens
+  (B = 16384 // S), causal and not;
+- feature rows at B=4, H=16, S=4096, D=128: bias_grad, dropout0.1, window1024_causal,
+  alibi, softcap30, gqa8, varlen_causal_docs (13 documents packed into 16384 tokens),
+  dqk192_dv128_causal.
+
+Inputs are fresh ``torch.randn`` in bfloat16, made once per row and shared by every
+implementation. Each implementation is warmed up once (forward and backward: the first
+call compiles), then timed with ``triton.testing.do_bench`` medians: the forward with
+autograd recording (the training forward, whose output the backward uses), the backward
+as ``out.backward(grad, retain_graph=True)``.
+
+TFLOP/s count 4*B*H*Sq*Sk*D for the forward (2*B*H*Sq*Sk*(Dqk + Dv) when they differ),
+halved for causal as the peers count it; sliding-window and varlen rows count their
+visible (i, j) pairs exactly. The backward counts 2.5x the forward.
+
+A peer that cannot run a row (no kernel for it, a feature it lacks, out of memory) is
+recorded with the reason; nothing stops the run. Output: a table (memattn's ratio to the
+best peer on each row, forward and backward apart), a JSON file (rewritten after every
+row, so an interrupted run keeps what it measured) and a PNG plot.
+
+Layout of this file: the rows (a dataclass and a table), the flop count, the inputs, the
+implementations (a registry of functions ``(row, inputs) -> out``), the one timing
+function, the run loop, the report (ratios, JSON, table, plot), ``main``.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import functools
+import gc
 import json
-from dataclasses import asdict, dataclass
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
-import memattn
+from .api import attention
+
+TOKENS = 16384  # B * S of every grid row
+HEADS = {64: 32, 128: 16, 256: 8}  # heads per head dim, as in the peers' file
+SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+# Document lengths of the varlen row: mixed, none a multiple of 128, sum 16384.
+DOC_LENGTHS = (1300, 4000, 200, 2100, 700, 284, 2900, 500, 1700, 400, 1100, 300, 900)
+
+# ------------------------------------------------------------------ the rows
 
 
 @dataclass(frozen=True)
-class Shape:
+class Row:
+    """One configuration to time. q (B, S, H, Dqk), k (B, S, Hkv, Dqk), v (B, S, Hkv, Dv);
+    with ``docs``, B = 1 and the S tokens are packed documents of those lengths."""
+
+    feature: str  # "" for the grid; the peers' feature name otherwise
     batch: int
     heads: int
+    kv_heads: int
     seqlen: int
-    head_dim: int
-    causal: bool
-    feature: str = ""  # "bias_grad" for a full (B, H, S, S) bias that needs a gradient
+    dqk: int
+    dv: int
+    causal: bool = False
+    window: tuple[int, int] | None = None  # memattn's (left, right)
+    docs: tuple[int, ...] | None = None
+    bias_grad: bool = False  # a full (B, H, S, S) bias that requires grad
+    dropout: float = 0.0
+    alibi: bool = False
+    softcap: float = 0.0
+    quick: bool = False  # in the --quick subset
+
+    @property
+    def name(self) -> str:
+        if self.feature:
+            return self.feature
+        return f"D{self.dqk}_S{self.seqlen}" + ("_causal" if self.causal else "")
+
+    def describe(self) -> str:
+        if self.docs:
+            shape = f"T{self.seqlen} ({len(self.docs)} docs)"
+        else:
+            shape = f"B{self.batch} S{self.seqlen}"
+        heads = f"H{self.heads}" + (f"/{self.kv_heads}" if self.kv_heads != self.heads else "")
+        dims = f"D{self.dqk}" + (f"/{self.dv}" if self.dv != self.dqk else "")
+        return f"{shape} {heads} {dims}" + (" causal" if self.causal else "")
 
     def flops_fwd(self) -> float:
-        f = 4.0 * self.batch * self.heads * self.seqlen**2 * self.head_dim
-        return f / 2 if self.causal else f
+        """Forward flops: two matmuls over the visible (i, j) pairs, every head."""
+        return 2.0 * self.heads * pairs(self) * (self.dqk + self.dv)
 
 
-def shapes(quick: bool) -> list[Shape]:
-    if quick:
-        return [Shape(4, 16, 4096, 128, c) for c in (False, True)] + [
-            Shape(4, 16, 4096, 128, False, "bias_grad")
-        ]
-    out = []
-    for d, h in ((64, 32), (128, 16), (256, 8)):
-        for s in (512, 1024, 2048, 4096, 8192, 16384):
-            for c in (False, True):
-                out.append(Shape(16384 // s, h, s, d, c))
-    out += [Shape(4, 16, 4096, 128, c, "bias_grad") for c in (False, True)]
-    return out
+def grid_rows() -> list[Row]:
+    return [
+        Row("", TOKENS // s, HEADS[d], HEADS[d], s, d, d, causal=c,
+            quick=d == 128 and s in (1024, 4096))
+        for d in (64, 128, 256) for s in SEQLENS for c in (False, True)
+    ]  # fmt: skip
 
 
-def _sdpa(backend):
-    from torch.nn.attention import sdpa_kernel
-    from torch.nn.functional import scaled_dot_product_attention
+_BASE = Row("", batch=4, heads=16, kv_heads=16, seqlen=4096, dqk=128, dv=128)
+FEATURE_ROWS = [
+    replace(_BASE, feature="bias_grad", bias_grad=True, quick=True),
+    replace(_BASE, feature="dropout0.1", dropout=0.1),
+    replace(_BASE, feature="window1024_causal", causal=True, window=(1023, 0)),
+    replace(_BASE, feature="alibi", alibi=True),
+    replace(_BASE, feature="softcap30", softcap=30.0),
+    replace(_BASE, feature="gqa8", kv_heads=2, quick=True),
+    replace(
+        _BASE, feature="varlen_causal_docs", batch=1, seqlen=TOKENS, causal=True, docs=DOC_LENGTHS
+    ),  # fmt: skip
+    replace(_BASE, feature="dqk192_dv128_causal", dqk=192, causal=True),
+]
 
-    def run(q, k, v, causal, bias):  # q (B, S, H, D): SDPA wants (B, H, S, D)
-        with sdpa_kernel(backend):
-            o = scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                attn_mask=bias, is_causal=causal and bias is None,
+
+def all_rows() -> list[Row]:
+    return grid_rows() + FEATURE_ROWS
+
+
+def select_rows(quick: bool, patterns: str | None = None) -> list[Row]:
+    """The rows to run: the quick subset or all, filtered by comma-separated globs on
+    their names (``D128_*,gqa8``)."""
+    rows = [r for r in all_rows() if r.quick or not quick]
+    if patterns:
+        globs = [p.strip() for p in patterns.split(",") if p.strip()]
+        rows = [r for r in rows if any(fnmatch.fnmatchcase(r.name, g) for g in globs)]
+        if not rows:
+            raise ValueError(f"--rows {patterns!r} matches no row (see memattn bench --list)")
+    return rows
+
+
+# ------------------------------------------------------------------ flops
+
+
+@functools.cache
+def visible_pairs(seqlen: int, causal: bool, window: tuple[int, int] | None = None) -> int:
+    """Exact number of pairs (i, j), 0 <= i, j < seqlen, with key j visible from query i
+    (memattn's definition, top-left aligned: causal j <= i; window i - left <= j <= i + right,
+    -1 leaving a side unbounded)."""
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    total = 0
+    for i in range(seqlen):
+        lo = 0 if left < 0 else max(0, i - left)
+        hi = seqlen - 1 if right < 0 else min(seqlen - 1, i + right)
+        total += max(0, hi - lo + 1)
+    return total
+
+
+def pairs(row: Row) -> float:
+    """Visible (i, j) pairs summed over the batch (per head). Plain causal rows count
+    S*S/2, the convention of the peers' numbers; windows and documents count exactly."""
+    if row.docs:
+        return float(sum(visible_pairs(n, row.causal, row.window) for n in row.docs))
+    if row.window is None:
+        full = row.batch * row.seqlen * row.seqlen
+        return full / 2 if row.causal else float(full)
+    return float(row.batch * visible_pairs(row.seqlen, row.causal, row.window))
+
+
+def tflops(row: Row, ms: float | None, backward: bool) -> float | None:
+    if ms is None:
+        return None
+    return row.flops_fwd() * (2.5 if backward else 1.0) / ms / 1e9
+
+
+# ------------------------------------------------------------------ inputs
+
+
+@dataclass
+class Inputs:
+    """A row's tensors, shared by every implementation. q (B, S, H, Dqk), k (B, S, Hkv,
+    Dqk), v (B, S, Hkv, Dv); varlen: (T, H, D) with ``cu_seqlens`` and ``doc_ids`` (the
+    document of each token). ``memo`` keeps what an implementation builds on its first,
+    untimed call (block masks, score_mods), so timed calls reuse it."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    bias: torch.Tensor | None = None
+    slopes: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    doc_ids: torch.Tensor | None = None
+    memo: dict = field(default_factory=dict)
+
+    @property
+    def leaves(self) -> list[torch.Tensor]:
+        return [t for t in (self.q, self.k, self.v, self.bias) if t is not None]
+
+
+def alibi_slopes(heads: int) -> torch.Tensor:
+    """The ALiBi paper's slopes, 2^(-8 (h + 1) / H), float32 (H,)."""
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)])
+
+
+def make_inputs(row: Row, device="cuda", dtype=torch.bfloat16) -> Inputs:
+    """Fresh random inputs (never zeros); q, k, v and the bias require grad."""
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+
+    lead = (row.seqlen,) if row.docs else (row.batch, row.seqlen)
+    t = Inputs(
+        q=randn(*lead, row.heads, row.dqk),
+        k=randn(*lead, row.kv_heads, row.dqk),
+        v=randn(*lead, row.kv_heads, row.dv),
+    )
+    if row.bias_grad:
+        t.bias = randn(row.batch, row.heads, row.seqlen, row.seqlen)
+    if row.alibi:
+        t.slopes = alibi_slopes(row.heads).to(device)
+    if row.docs:
+        lengths = torch.tensor(row.docs)
+        t.cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(
+            device=device, dtype=torch.int32)  # fmt: skip
+        t.doc_ids = torch.repeat_interleave(torch.arange(len(row.docs)), lengths).to(device)
+    return t
+
+
+# ------------------------------------------------------------------ implementations
+# Each takes a row and its inputs and returns out in memattn's layout ((B, S, H, Dv), or
+# (T, H, Dv) for varlen). What a peer cannot express at all is in ``unsupported``.
+
+
+def memattn_kwargs(row: Row, t: Inputs) -> dict:
+    """memattn.attention's options for a row (memattn.reference takes the same ones)."""
+    kw = dict(causal=row.causal, window=row.window, bias=t.bias, alibi_slopes=t.slopes,
+              softcap=row.softcap, dropout_p=row.dropout)  # fmt: skip
+    if row.docs:
+        longest = max(row.docs)  # memattn still reads cu_seqlens (a host sync) to check them
+        kw.update(cu_seqlens_q=t.cu_seqlens, cu_seqlens_k=t.cu_seqlens,
+                  max_seqlen_q=longest, max_seqlen_k=longest)  # fmt: skip
+    return kw
+
+
+def _memattn(row: Row, t: Inputs) -> torch.Tensor:
+    return attention(t.q, t.k, t.v, **memattn_kwargs(row, t))
+
+
+def _sdpa(backend_name: str):
+    def run(row: Row, t: Inputs) -> torch.Tensor:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention
+
+        q, k, v = (x.transpose(1, 2) for x in (t.q, t.k, t.v))  # SDPA: (B, H, S, D) views
+        with sdpa_kernel(getattr(SDPBackend, backend_name)):
+            out = scaled_dot_product_attention(
+                q, k, v, attn_mask=t.bias, dropout_p=row.dropout, is_causal=row.causal,
+                enable_gqa=row.kv_heads != row.heads,
             )  # fmt: skip
-        return o.transpose(1, 2)
+        return out.transpose(1, 2)
 
     return run
 
 
-def _memattn(q, k, v, causal, bias):
-    return memattn.attention(q, k, v, causal=causal, bias=bias)
+@functools.cache
+def _compiled_flex():
+    import torch._dynamo
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # Every row is a new shape or score_mod, hence a recompile: past dynamo's default
+    # limit (8) flex would silently fall back to its slow eager path.
+    name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else (
+        "cache_size_limit")  # fmt: skip
+    setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 4096))
+    return torch.compile(flex_attention, dynamic=False)
 
 
-def implementations(quick: bool) -> dict:
-    from torch.nn.attention import SDPBackend
+def flex_mods(row: Row, t: Inputs):
+    """(block_mask, score_mod) for a row: masks (causal, window, documents) as a block
+    mask, value changes (softcap, bias, ALiBi, in memattn's order) as a score_mod."""
+    from torch.nn.attention.flex_attention import and_masks, create_block_mask
 
-    impls = {
-        "memattn": _memattn,
-        "sdpa_flash": _sdpa(SDPBackend.FLASH_ATTENTION),
-        "sdpa_efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION),
-        "sdpa_cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
-    }
-    if quick:  # the floor: materialises (S, S) per head
-        impls["sdpa_math"] = _sdpa(SDPBackend.MATH)
-    return impls
+    masks = []
+    if row.causal:
+        masks.append(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
+    if row.window is not None:
+        left, right = row.window
+        if left >= 0:
+            masks.append(lambda b, h, q_idx, kv_idx: q_idx - kv_idx <= left)
+        if right >= 0:
+            masks.append(lambda b, h, q_idx, kv_idx: kv_idx - q_idx <= right)
+    if t.doc_ids is not None:
+        doc = t.doc_ids
+        masks.append(lambda b, h, q_idx, kv_idx: doc[q_idx] == doc[kv_idx])
+    block_mask = None
+    if masks:
+        mask_mod = masks[0] if len(masks) == 1 else and_masks(*masks)
+        block_mask = create_block_mask(mask_mod, None, None, row.seqlen, row.seqlen,
+                                       device=t.q.device)  # fmt: skip
+
+    cap, bias, slopes = row.softcap, t.bias, t.slopes
+    if not (cap or bias is not None or slopes is not None):
+        return block_mask, None
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        if cap:
+            score = cap * torch.tanh(score / cap)
+        if bias is not None:
+            score = score + bias[b, h, q_idx, kv_idx]
+        if slopes is not None:
+            score = score - slopes[h] * torch.abs(q_idx - kv_idx)
+        return score
+
+    return block_mask, score_mod
 
 
-def time_one(fn, shape: Shape, backward: bool) -> float | None:
-    """Median milliseconds of one forward (or backward) call; None if it cannot run."""
-    from triton.testing import do_bench
+def _flex(row: Row, t: Inputs) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import flex_attention
 
-    b, h, s, d = shape.batch, shape.heads, shape.seqlen, shape.head_dim
-    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16,
-                           requires_grad=backward) for _ in range(3))  # fmt: skip
-    bias = None
-    if shape.feature == "bias_grad":
-        bias = torch.randn(b, h, s, s, device="cuda", dtype=torch.bfloat16,
-                           requires_grad=backward)  # fmt: skip
-        if shape.causal:  # SDPA takes no is_causal with a mask: fold causal into the bias
-            with torch.no_grad():
-                bias.masked_fill_(torch.ones(s, s, device="cuda", dtype=torch.bool).triu(1),
-                                  float("-inf"))  # fmt: skip
-    causal = shape.causal and bias is None
-    try:
-        if not backward:
-            return do_bench(lambda: fn(q, k, v, causal, bias), return_mode="median")
-        out = fn(q, k, v, causal, bias)
-        grad = torch.randn_like(out)
-        leaves = [t for t in (q, k, v, bias) if t is not None]
-        return do_bench(lambda: out.backward(grad, retain_graph=True), grad_to_none=leaves,
-                        return_mode="median")  # fmt: skip
-    except (RuntimeError, NotImplementedError):
-        return None
-    finally:
+    if "flex" not in t.memo:
+        t.memo["flex"] = flex_mods(row, t)
+    block_mask, score_mod = t.memo["flex"]
+    q, k, v = (x.unsqueeze(0) if row.docs else x for x in (t.q, t.k, t.v))
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (B, H, S, D) views
+    # Compiled on the GPU, as it is meant to run; eager on the CPU (the tests).
+    fn = _compiled_flex() if q.is_cuda else flex_attention
+    out = fn(q, k, v, score_mod=score_mod, block_mask=block_mask,
+             enable_gqa=row.kv_heads != row.heads).transpose(1, 2)  # fmt: skip
+    return out[0] if row.docs else out
+
+
+IMPLS: dict[str, Callable[[Row, Inputs], torch.Tensor]] = {
+    "memattn": _memattn,
+    "sdpa_flash": _sdpa("FLASH_ATTENTION"),
+    "sdpa_efficient": _sdpa("EFFICIENT_ATTENTION"),
+    "sdpa_cudnn": _sdpa("CUDNN_ATTENTION"),
+    "flex": _flex,
+}
+PEERS = [name for name in IMPLS if name != "memattn"]
+# --quick keeps flex where its compile is cheap: two rows (a compile costs ~10-30 s).
+QUICK_FLEX_ROWS = ("D128_S4096", "D128_S4096_causal")
+
+
+def unsupported(impl: str, row: Row) -> str | None:
+    """Why ``impl`` cannot express ``row`` at all, or None (then it is tried: a backend
+    may still refuse, e.g. SDPA's "No available kernel", which is recorded too)."""
+    if impl.startswith("sdpa_"):
+        if row.window is not None:
+            return "unsupported: SDPA has no sliding window (only a dense mask)"
+        if row.alibi:
+            return "unsupported: SDPA has no ALiBi (only a materialised bias)"
+        if row.softcap:
+            return "unsupported: SDPA has no softcap"
+        if row.docs:
+            return "unsupported: SDPA takes packed varlen batches only as nested tensors"
+    if impl == "flex" and row.dropout:
+        return "unsupported: flex_attention has no dropout"
+    return None
+
+
+def skipped(impl: str, row: Row, quick: bool) -> str | None:
+    if quick and impl == "flex" and row.name not in QUICK_FLEX_ROWS:
+        return "skipped: --quick compiles flex only on " + ", ".join(QUICK_FLEX_ROWS)
+    return None
+
+
+def select_impls(names: str | None = None) -> list[str]:
+    if not names:
+        return list(IMPLS)
+    chosen = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in chosen if n not in IMPLS]
+    if unknown or not chosen:
+        raise ValueError(f"--impls: unknown {unknown}; choose from {', '.join(IMPLS)}")
+    return [n for n in IMPLS if n in chosen]
+
+
+# ------------------------------------------------------------------ timing
+
+
+@dataclass
+class Timing:
+    fwd_ms: float | None = None
+    bwd_ms: float | None = None
+    fwd_error: str | None = None
+    bwd_error: str | None = None
+    first_call_s: float | None = None  # warm-up forward + backward: compiles included
+
+
+def _sync():
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
-def main(args) -> int:
-    from rich.console import Console
-    from rich.progress import track
+def _reason(e: BaseException, caught: list) -> str:
+    """One line: the exception, plus the warnings it came with (SDPA explains its "No
+    available kernel" in warnings). Whole messages, whitespace collapsed: a compile error
+    names its cause on a later line ("backend='inductor' raised:\nOutOfResources: ...")."""
+    why = list(dict.fromkeys(" ".join(str(w.message).split()) for w in caught))
+    text = f"{type(e).__name__}: {' '.join(str(e).split())}"
+    text += f" (warnings: {'; '.join(w for w in why if w)})" if any(why) else ""
+    return text if len(text) <= 800 else text[:797] + "..."
+
+
+def measure(run: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> Timing:
+    """The timing function: warm up once (the first call compiles), then the medians of
+    do_bench for the forward and for the backward. Errors come back per pass, not raised."""
+    from triton.testing import do_bench
+
+    timing = Timing()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            start = time.perf_counter()
+            out = run()
+            _sync()
+            timing.first_call_s = time.perf_counter() - start
+            timing.fwd_ms = do_bench(run, return_mode="median")
+        except Exception as e:  # noqa: BLE001 - recorded: a peer may not run a row
+            timing.fwd_error = _reason(e, caught)
+            timing.bwd_error = timing.fwd_error  # no forward, no backward
+            return timing
+        try:
+            grad = torch.randn_like(out)
+            start = time.perf_counter()
+            out.backward(grad, retain_graph=True)
+            _sync()
+            timing.first_call_s += time.perf_counter() - start
+            timing.bwd_ms = do_bench(lambda: out.backward(grad, retain_graph=True),
+                                     grad_to_none=leaves, return_mode="median")  # fmt: skip
+        except Exception as e:  # noqa: BLE001
+            timing.bwd_error = _reason(e, caught)
+        finally:
+            for x in leaves:
+                x.grad = None
+    return timing
+
+
+# ------------------------------------------------------------------ the run
+
+
+@dataclass
+class Result:
+    row: Row
+    impl: str
+    timing: Timing
+
+    def ms(self, bwd: bool) -> float | None:
+        return self.timing.bwd_ms if bwd else self.timing.fwd_ms
+
+    def tflops(self, bwd: bool) -> float | None:
+        return tflops(self.row, self.ms(bwd), bwd)
+
+    def error(self, bwd: bool) -> str | None:
+        return self.timing.bwd_error if bwd else self.timing.fwd_error
+
+
+def _free(collect: bool = True):
+    """Return freed memory to the device (gc.collect, slow with torch loaded: per row)."""
+    if collect:
+        gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def bench_one(
+    row: Row, impl: str, t: Inputs | None, quick: bool, input_error: str | None = None
+) -> Result:
+    """One implementation on one row (``t`` None: making the inputs failed, with
+    ``input_error``)."""
+    reason = unsupported(impl, row) or skipped(impl, row, quick)
+    if reason is None and t is None:
+        reason = f"inputs: {input_error}"
+    if reason:
+        return Result(row, impl, Timing(fwd_error=reason, bwd_error=reason))
+    try:
+        return Result(row, impl, measure(lambda: IMPLS[impl](row, t), t.leaves))
+    finally:
+        t.memo.clear()
+        _free(collect=False)
+
+
+def collect(
+    rows: list[Row],
+    impls: list[str],
+    quick: bool,
+    device="cuda",
+    progress=None,
+    on_row: Callable[[list[Result]], None] | None = None,
+) -> list[Result]:
+    """Time every (row, implementation); ``on_row`` gets the results so far after each row."""
+    results: list[Result] = []
+    task = progress.add_task("", total=len(rows) * len(impls)) if progress else None
+    for row in rows:
+        torch.manual_seed(0)
+        t, input_error = None, None
+        try:
+            t = make_inputs(row, device)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory: recorded per impl
+            input_error = _reason(e, [])
+        for impl in impls:
+            if progress is not None:
+                progress.update(task, description=f"{row.name:<22} {impl:<15}")
+            results.append(bench_one(row, impl, t, quick, input_error))
+            if progress is not None:
+                progress.advance(task)
+        del t
+        _free()
+        if on_row is not None:
+            on_row(results)
+    return results
+
+
+# ------------------------------------------------------------------ the report
+
+
+def status(error: str | None) -> str:
+    """ok | unavailable (the impl cannot run the row) | oom | skipped | error."""
+    if error is None:
+        return "ok"
+    if error.startswith("skipped"):
+        return "skipped"
+    if "OutOfMemoryError" in error or "out of memory" in error:
+        return "oom"
+    unavailable = ("unsupported:", "No available kernel", "NotImplementedError",
+                   "OutOfResources", "out of resource")  # fmt: skip
+    return "unavailable" if any(s in error for s in unavailable) else "error"
+
+
+def best_peers(results: list[Result]) -> dict[str, dict]:
+    """Per row name: memattn's TFLOP/s over the best peer's, fwd and bwd apart.
+    ``{"fwd": (ratio or None, best peer or None), "bwd": (...)}``."""
+    out: dict[str, dict] = {}
+    for name in dict.fromkeys(r.row.name for r in results):
+        mine = [r for r in results if r.row.name == name]
+        entry = {}
+        for pass_, bwd in (("fwd", False), ("bwd", True)):
+            ours = next((r.tflops(bwd) for r in mine if r.impl == "memattn"), None)
+            peers = [(r.tflops(bwd), r.impl) for r in mine
+                     if r.impl != "memattn" and r.tflops(bwd) is not None]  # fmt: skip
+            best = max(peers, default=None)
+            ratio = ours / best[0] if ours is not None and best else None
+            entry[pass_] = (ratio, best[1] if best else None)
+        out[name] = entry
+    return out
+
+
+def result_json(r: Result) -> dict:
+    """A row of the JSON, keyed like the peers' files (B, H, N, D, causal, feature)."""
+    row = r.row
+    d = dict(row=row.name, impl=r.impl, feature=row.feature, B=row.batch, H=row.heads,
+             Hkv=row.kv_heads, N=row.seqlen, D=row.dqk, Dv=row.dv, causal=row.causal)  # fmt: skip
+    if row.window is not None:
+        d["window"] = list(row.window)
+    if row.docs:
+        d.update(T=row.seqlen, docs=len(row.docs), doc_lengths=list(row.docs))
+    for name in ("bias_grad", "dropout", "alibi", "softcap"):
+        if getattr(row, name):
+            d[name] = getattr(row, name)
+    d["flops_fwd"] = row.flops_fwd()
+    for pass_, bwd in (("fwd", False), ("bwd", True)):
+        d[f"{pass_}_ms"] = r.ms(bwd)
+        d[f"{pass_}_tflops"] = r.tflops(bwd)
+        d[f"{pass_}_error"] = r.error(bwd)
+    d["first_call_s"] = r.timing.first_call_s
+    worst = [status(r.error(bwd)) for bwd in (False, True)]
+    d["status"] = next((s for s in worst if s != "ok"), "ok")
+    return d
+
+
+def environment(device) -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def ver(pkg):
+        try:
+            return version(pkg)
+        except PackageNotFoundError:
+            return None
+
+    name = torch.cuda.get_device_name() if str(device).startswith("cuda") else str(device)
+    from . import __version__
+
+    return dict(device=name, torch=torch.__version__, triton=ver("triton"),
+                cuda=torch.version.cuda, memattn=__version__)  # fmt: skip
+
+
+def report_json(results: list[Result], env: dict, quick: bool) -> dict:
+    ratios = best_peers(results)
+    return dict(
+        **env, quick=quick, date=time.strftime("%Y-%m-%d %H:%M:%S"),
+        flops="fwd 4*B*H*Sq*Sk*D (2*B*H*Sq*Sk*(Dqk+Dv)), causal /2, window and varlen exact "
+              "visible pairs; bwd 2.5x fwd",
+        timing="triton.testing.do_bench medians, bf16; fwd with autograd recording",
+        rows=[result_json(r) for r in results],
+        ratios=[dict(row=name, **{f"{p}_ratio": e[p][0] for p in ("fwd", "bwd")},
+                     **{f"{p}_best_peer": e[p][1] for p in ("fwd", "bwd")})
+                for name, e in ratios.items()],
+    )  # fmt: skip
+
+
+def _cell(r: Result) -> str:
+    def one(bwd):
+        value = r.tflops(bwd)
+        if value is not None:
+            return f"{value:.0f}"
+        return {"unavailable": "n/a", "oom": "OOM", "skipped": "skip"}.get(
+            status(r.error(bwd)), "err")  # fmt: skip
+
+    return f"{one(False)} / {one(True)}"
+
+
+def _ratio_cell(ratio, peer) -> str:
+    if ratio is None:
+        return "-"
+    color = "green" if ratio >= 1 else "red"
+    return f"[{color}]{ratio:.2f}[/] [dim]{peer}[/]"
+
+
+def make_table(results: list[Result], impls: list[str], title: str):
     from rich.table import Table
 
-    if not torch.cuda.is_available():
-        print("memattn bench needs a CUDA GPU")
-        return 1
-    impls = implementations(args.quick)
-    rows = []
-    todo = [(s, name) for s in shapes(args.quick) for name in impls]
-    for shape, name in track(todo, description="timing"):
-        row = dict(impl=name, **asdict(shape))
-        for pass_, backward in (("fwd", False), ("bwd", True)):
-            ms = time_one(impls[name], shape, backward)
-            flops = shape.flops_fwd() * (2.5 if backward else 1.0)
-            row[f"{pass_}_ms"] = ms
-            row[f"{pass_}_tflops"] = None if ms is None else flops / ms / 1e9
-        rows.append(row)
-    with open(args.json, "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                       rows=rows), f, indent=1)  # fmt: skip
+    table = Table(title=title)
+    for col in ("row", "shape", *impls):
+        table.add_column(col, justify="left" if col in ("row", "shape") else "right")
+    table.add_column("memattn / best peer, fwd")
+    table.add_column("bwd")
+    ratios = best_peers(results)
+    for name, entry in ratios.items():
+        mine = {r.impl: r for r in results if r.row.name == name}
+        row = next(iter(mine.values())).row
+        table.add_row(name, row.describe(),
+                      *(_cell(mine[i]) if i in mine else "" for i in impls),
+                      _ratio_cell(*entry["fwd"]), _ratio_cell(*entry["bwd"]))  # fmt: skip
+    return table
 
-    table = Table(title=f"TFLOP/s on {torch.cuda.get_device_name()} (bf16, fwd / bwd)")
-    for col in ("B", "H", "S", "D", "causal", "feature", *impls):
+
+def error_lines(results: list[Result]) -> list[str]:
+    """The reasons behind every "n/a", "OOM" and "err" cell (skips left out), one line
+    per implementation and reason, with the rows it applies to."""
+    rows_by_reason: dict[tuple[str, str, str], list[str]] = {}
+    for r in results:
+        fwd, bwd = r.timing.fwd_error, r.timing.bwd_error
+        passes = [("fwd+bwd", fwd)] if fwd == bwd else [("fwd", fwd), ("bwd", bwd)]
+        for which, e in passes:
+            if e is not None and status(e) != "skipped":
+                rows_by_reason.setdefault((r.impl, which, e), []).append(r.row.name)
+    return [f"{impl} ({which}) on {', '.join(rows)}: {e}"
+            for (impl, which, e), rows in rows_by_reason.items()]  # fmt: skip
+
+
+def plot(results: list[Result], path: Path, title: str, console) -> bool:
+    """TFLOP/s against S (log 2), one line per implementation, one panel per
+    (D, causal, fwd/bwd); grid rows only. False (with a message) if it cannot."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        console.print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return False
+    grid = [r for r in results if not r.row.feature]
+    dims = sorted({r.row.dqk for r in grid})
+    if not dims:
+        console.print("no grid rows: no plot")
+        return False
+    impls = list(dict.fromkeys(r.impl for r in grid))
+    panels = [(c, bwd) for c in (False, True) for bwd in (False, True)]
+    fig, axes = plt.subplots(len(dims), 4, figsize=(18, 3.8 * len(dims)), squeeze=False)
+    for d, ax_row in zip(dims, axes, strict=True):
+        for (causal, bwd), ax in zip(panels, ax_row, strict=True):
+            seqlens = set()
+            for n, impl in enumerate(impls):
+                points = sorted((r.row.seqlen, r.tflops(bwd)) for r in grid
+                                if r.row.dqk == d and r.row.causal == causal
+                                and r.impl == impl and r.tflops(bwd) is not None)  # fmt: skip
+                if points:
+                    xs, ys = zip(*points, strict=True)
+                    seqlens.update(xs)
+                    ax.plot(xs, ys, marker="o", color=f"C{n}", label=impl,
+                            linewidth=2.5 if impl == "memattn" else 1.2)  # fmt: skip
+            ax.set_xscale("log", base=2)
+            if seqlens:
+                ax.set_xticks(sorted(seqlens), [str(s) for s in sorted(seqlens)])
+            ax.set_title(f"D={d} {'causal' if causal else 'non-causal'} "
+                         f"{'bwd' if bwd else 'fwd'}")  # fmt: skip
+            ax.set_xlabel(f"S (B = {TOKENS} / S)")
+            ax.set_ylabel("TFLOP/s")
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    console.print(f"plot: {path}")
+    return True
+
+
+# ------------------------------------------------------------------ main
+
+
+def list_rows(rows: list[Row], console) -> None:
+    from rich.table import Table
+
+    table = Table(title="memattn bench rows (--rows takes globs on the names)")
+    for col in ("row", "shape", "fwd GFLOP", "quick"):
         table.add_column(col)
-    for shape in shapes(args.quick):
-        cells = []
-        for name in impls:
-            r = next(r for r in rows if r["impl"] == name and r["seqlen"] == shape.seqlen
-                     and r["head_dim"] == shape.head_dim and r["causal"] == shape.causal
-                     and r["feature"] == shape.feature)  # fmt: skip
-            cells.append(" / ".join("-" if r[k] is None else f"{r[k]:.0f}"
-                                    for k in ("fwd_tflops", "bwd_tflops")))  # fmt: skip
-        table.add_row(str(shape.batch), str(shape.heads), str(shape.seqlen),
-                      str(shape.head_dim), str(shape.causal), shape.feature, *cells)  # fmt: skip
-    Console(width=200).print(table)
+    for r in rows:
+        table.add_row(r.name, r.describe(), f"{r.flops_fwd() / 1e9:.0f}", "yes" if r.quick else "")
+    console.print(table)
+
+
+def _console():
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=200)
+
+
+def run(args, rows: list[Row], impls: list[str], device="cuda", console=None) -> list[Result]:
+    """Times ``rows`` x ``impls`` with a progress bar, then writes the JSON (also after
+    every row), prints the table and the reasons behind its gaps, and saves the plot."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+    from rich.text import Text
+
+    console = console or _console()
+    env = environment(device)
+    json_path = Path(args.json)
+    plot_path = Path(args.plot) if args.plot else json_path.with_suffix(".png")
+    title = (f"TFLOP/s on {env['device']}, bf16, fwd / bwd (torch {env['torch']}, "
+             f"triton {env['triton']})")  # fmt: skip
+
+    def save(results):
+        json_path.write_text(json.dumps(report_json(results, env, args.quick), indent=1))
+
+    def row_done(results):  # a log line per row (above the bar), and the JSON so far
+        last = [r for r in results if r.row == results[-1].row]
+        cells = "  ".join(f"{r.impl} {_cell(r)}" for r in last)
+        console.print(Text(f"{last[0].row.name:<20} {cells}", style="dim"))
+        save(results)
+
+    console.print(f"memattn bench: {len(rows)} rows x {len(impls)} implementations"
+                  f"{' (--quick)' if args.quick else ''} on {env['device']}")  # fmt: skip
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TimeRemainingColumn())  # fmt: skip
+    with Progress(*columns, console=console) as progress:
+        results = collect(rows, impls, args.quick, device, progress, on_row=row_done)
+    save(results)
+    console.print(make_table(results, impls, title))
+    for line in error_lines(results):
+        console.print(Text(line, style="dim"), soft_wrap=True)
+    console.print(f"results: {json_path}")
+    try:
+        plot(results, plot_path, title, console)
+    except Exception as e:  # noqa: BLE001 - the results are saved; the plot is extra
+        console.print(f"no plot: {_reason(e, [])}")
+    return results
+
+
+def main(args) -> int:
+    """``memattn bench [--quick] [--json PATH] [--plot PATH] [--rows GLOBS] [--impls NAMES]
+    [--list]``: 0 when the run completed (gaps in the table are results, not failures)."""
+    try:
+        rows = select_rows(args.quick, args.rows)
+        impls = select_impls(args.impls)
+    except ValueError as e:
+        print(f"memattn bench: {e}", file=sys.stderr)
+        return 2
+    if args.list:
+        list_rows(rows, _console())
+        return 0
+    if not torch.cuda.is_available():
+        print(f"memattn bench needs a CUDA GPU: torch.cuda.is_available() is False "
+              f"(torch {torch.__version__}). `memattn check` runs on the CPU.",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    run(args, rows, impls)
     return 0

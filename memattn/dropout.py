@@ -48,8 +48,8 @@ def dropout_mask(
                     ("seqlen_k", seqlen_k)):  # fmt: skip
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"{name} must be an int >= 0, got {n!r}")
-    from .ops import require_runnable
     from .kernels.dropout import keep_mask
+    from .ops import require_runnable
 
     require_runnable(rng_state.device)
     return keep_mask(rng_state, float(dropout_p), (batch, heads, seqlen_q, seqlen_k))

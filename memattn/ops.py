@@ -11,8 +11,6 @@ depends on its inputs alone.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -77,8 +75,8 @@ def _op_spec(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, window_lef
 
 @torch.library.custom_op("memattn::forward", mutates_args=())
 def _forward_op(
-    q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], alibi_slopes: Optional[Tensor],
-    cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], rng_state: Optional[Tensor],
+    q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, alibi_slopes: Tensor | None,
+    cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, rng_state: Tensor | None,
     window_left: int, window_right: int, bottom_right: bool, softcap: float, scale: float,
     dropout_p: float, max_seqlen_q: int, max_seqlen_k: int, deterministic: bool,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
@@ -107,9 +105,9 @@ def _forward_fake(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_s
 
 @torch.library.custom_op("memattn::backward", mutates_args=())
 def _backward_op(
-    grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
-    out: Tensor, lse: Tensor, bias: Optional[Tensor], alibi_slopes: Optional[Tensor],
-    cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], rng_state: Optional[Tensor],
+    grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
+    out: Tensor, lse: Tensor, bias: Tensor | None, alibi_slopes: Tensor | None,
+    cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, rng_state: Tensor | None,
     window_left: int, window_right: int, bottom_right: bool, softcap: float, scale: float,
     dropout_p: float, max_seqlen_q: int, max_seqlen_k: int, deterministic: bool,
     needs: list[bool],

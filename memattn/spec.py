@@ -288,7 +288,9 @@ def check_call(
                 f"got {tuple(alibi_slopes.shape)}"
             )
         if alibi_slopes.device != q.device:
-            raise ValueError(f"alibi_slopes must be on {q.device} like q, got {alibi_slopes.device}")
+            raise ValueError(
+                f"alibi_slopes must be on {q.device} like q, got {alibi_slopes.device}"
+            )
 
     return AttentionSpec(
         batch=batch,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
 import triton
 
 from ..spec import AttentionSpec
@@ -41,11 +42,13 @@ def forward_config(spec: AttentionSpec) -> Config:
     if interpreting():
         return Config(block_m=32, block_n=16, num_warps=1, num_stages=1)
     d = max(padded_head_dim(spec.head_dim_qk), padded_head_dim(spec.head_dim_v))
+    wide = spec.dtype == torch.float32  # twice the shared memory per tile
+    # H100 sweep (PERFORMANCE.md, v2): the best correct configuration per head dim.
     if d <= 64:
-        return Config(block_m=128, block_n=64, num_warps=4, num_stages=3)
+        return Config(128, 64, 8, 2 if wide else 3)
     if d <= 128:
-        return Config(block_m=128, block_n=64, num_warps=8, num_stages=3)
-    return Config(block_m=64, block_n=64, num_warps=8, num_stages=2)
+        return Config(128, 64, 8, 2) if wide else Config(128, 128, 8, 3)
+    return Config(64, 32, 4, 2) if wide else Config(64, 64, 4, 3)
 
 
 @dataclass(frozen=True)
@@ -69,11 +72,12 @@ def backward_config(spec: AttentionSpec) -> BackwardConfig:
         return backward_override
     if interpreting():
         return BackwardConfig(16, 32, 1, 1, 32, 16, 1, 1)
-    # The dK/dV kernel stays at num_stages=1: with 2 stages at 8 warps Triton 3.6
-    # miscompiled it on an H100 (dK 10% off in bf16, dV and dQ right; PERFORMANCE.md).
+    # H100 sweep (PERFORMANCE.md, v2), every candidate checked against the reference
+    # first: Triton 3.6 miscompiled dK/dV at 32x128/8 warps/2 stages and 16x128/4/2.
     d = max(padded_head_dim(spec.head_dim_qk), padded_head_dim(spec.head_dim_v))
-    if d <= 64:
-        return BackwardConfig(32, 128, 4, 1, 128, 32, 4, 2)
+    wide = spec.dtype == torch.float32
     if d <= 128:
-        return BackwardConfig(32, 128, 8, 1, 128, 32, 8, 2)
-    return BackwardConfig(32, 64, 8, 1, 64, 32, 8, 1)
+        return BackwardConfig(64, 64, 4, 1, 64, 64, 4, 1 if wide else 2)
+    if wide:
+        return BackwardConfig(32, 32, 4, 1, 32, 32, 4, 1)
+    return BackwardConfig(64, 64, 8, 2, 64, 64, 8, 2)
