@@ -79,11 +79,15 @@ def main():
     dims = (128,) if quick else (64, 128, 256)
     cases = [check.gpu_sized(c, tokens=256, head_dim=d) for c in check.FEATURE_CASES
              for d in dims]
-    extra = [check.Case("Dqk 192 Dv 128", dqk=192, dv=128, options=dict(causal=True)),
-             check.Case("D 64", dqk=64, dv=64), check.Case("D 256", dqk=256, dv=256)]
+    extra = [check.Case("Dqk 192 Dv 128", dqk=192, dv=128, options=dict(causal=True))]
+    extra += [check.Case(f"D {d}{' bias' if b else ''}", dqk=d, dv=d, bias=b,
+                         options=dict(causal=True))
+              for d in (64, 128, 256) for b in (None, "BHQK", "11Q1")]
     runs = [f for f in check.RUNS]
+    every_dtype = (torch.bfloat16, torch.float16, torch.float32)
     for case in cases + extra:
-        for dtype in (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16, torch.float32):
+        quick_dtypes = (torch.bfloat16, torch.float32) if case in extra else (torch.bfloat16,)
+        for dtype in quick_dtypes if quick else every_dtype:
             x = check.make_inputs(case, dtype, "cpu")
             try:
                 for run in runs:

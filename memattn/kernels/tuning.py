@@ -43,12 +43,16 @@ def forward_config(spec: AttentionSpec) -> Config:
         return Config(block_m=32, block_n=16, num_warps=1, num_stages=1)
     d = max(padded_head_dim(spec.head_dim_qk), padded_head_dim(spec.head_dim_v))
     wide = spec.dtype == torch.float32  # twice the shared memory per tile
-    # H100 sweep (PERFORMANCE.md, v2): the best correct configuration per head dim.
+    # H100 sweep (PERFORMANCE.md, v2): the best correct configuration per head dim. Bias
+    # tiles are pipelined with K and V, so a bias needs smaller tiles or fewer stages to
+    # fit the 227 KiB of shared memory (tools/compile_sm90.py checks every variant).
     if d <= 64:
         return Config(128, 64, 8, 2 if wide else 3)
     if d <= 128:
-        return Config(128, 64, 8, 2) if wide else Config(128, 128, 8, 3)
-    return Config(64, 32, 4, 2) if wide else Config(64, 64, 4, 3)
+        return Config(128, 64, 8, 2) if wide or spec.has_bias else Config(128, 128, 8, 3)
+    if wide:
+        return Config(64, 32, 4, 2)
+    return Config(64, 64, 4, 2 if spec.has_bias else 3)
 
 
 @dataclass(frozen=True)
@@ -80,4 +84,6 @@ def backward_config(spec: AttentionSpec) -> BackwardConfig:
         return BackwardConfig(64, 64, 4, 1, 64, 64, 4, 1 if wide else 2)
     if wide:
         return BackwardConfig(32, 32, 4, 1, 32, 32, 4, 1)
+    if spec.has_bias:
+        return BackwardConfig(64, 64, 8, 1, 64, 64, 8, 1)
     return BackwardConfig(64, 64, 8, 2, 64, 64, 8, 2)
