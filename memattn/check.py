@@ -17,6 +17,7 @@ import torch
 from . import ops, reference
 from .api import attention
 from .dropout import dropout_mask, new_rng_state
+from .spec import check_call
 
 FLOOR = {torch.float32: 2e-6, torch.float16: 1e-4, torch.bfloat16: 1e-4}
 
@@ -182,11 +183,7 @@ def check_forward(case: Case, dtype: torch.dtype, device, seed: int = 0) -> list
 
 
 def reference_spec(x: Inputs):
-    from .spec import check_call
-
-    names = ("causal", "window", "align", "bias", "alibi_slopes", "softcap", "scale",
-             "dropout_p", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
-    return check_call(x.q, x.k, x.v, **{k: v for k, v in x.kwargs.items() if k in names})
+    return check_call(x.q, x.k, x.v, **x.kwargs)
 
 
 def check_backward(case: Case, dtype: torch.dtype, device, seed: int = 0) -> list[Result]:

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from . import dropout as _dropout
-from .spec import AttentionSpec, check_call
+from .spec import AttentionSpec, check_call, output_shapes
 
 
 def require_runnable(device: torch.device) -> None:
@@ -94,12 +94,9 @@ def _forward_op(
 def _forward_fake(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state,
                   *options):  # fmt: skip
     spec = _op_spec(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *options)
-    if spec.varlen:
-        out = q.new_empty(q.shape[0], spec.heads, spec.head_dim_v)
-        lse = q.new_empty(spec.heads, q.shape[0], dtype=torch.float32)
-    else:
-        out = q.new_empty(spec.batch, spec.seqlen_q, spec.heads, spec.head_dim_v)
-        lse = q.new_empty(spec.bias_shape[:3], dtype=torch.float32)
+    out_shape, lse_shape = output_shapes(spec, q)
+    out = q.new_empty(out_shape)
+    lse = q.new_empty(lse_shape, dtype=torch.float32)
     return out, lse
 
 
@@ -249,7 +246,7 @@ def backward(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, deterministic=deterministic,
     )  # fmt: skip
-    out_shape = tuple(q.shape[:-1]) + (spec.head_dim_v,)
+    out_shape, lse_shape = output_shapes(spec, q)
     for name, t in (("grad_out", grad_out), ("out", out)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -258,13 +255,12 @@ def backward(
                 f"{name} must be a {q.dtype} tensor of shape {out_shape} on {q.device}, "
                 f"got {t.dtype} {tuple(t.shape)} on {t.device}"
             )
-    lse_shape = (spec.heads, q.shape[0]) if spec.varlen else spec.bias_shape[:3]
     for name, t in (("lse", lse), ("grad_lse", grad_lse)):
         if t is None and name == "grad_lse":
             continue
         if not isinstance(t, Tensor) or t.dtype != torch.float32 or \
-                tuple(t.shape) != tuple(lse_shape) or t.device != q.device:  # fmt: skip
-            raise ValueError(f"{name} must be a float32 tensor of shape {tuple(lse_shape)} "
+                tuple(t.shape) != lse_shape or t.device != q.device:  # fmt: skip
+            raise ValueError(f"{name} must be a float32 tensor of shape {lse_shape} "
                              f"on {q.device}")  # fmt: skip
     if not (isinstance(needs, tuple) and len(needs) == 4
             and all(isinstance(n, bool) for n in needs)):  # fmt: skip

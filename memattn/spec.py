@@ -315,6 +315,14 @@ def check_call(
     )
 
 
+def output_shapes(spec: AttentionSpec, q: torch.Tensor) -> tuple[tuple, tuple]:
+    """Shapes of out and lse: (B, Sq, H, Dv) and (B, H, Sq) dense, (Tq, H, Dv) and
+    (H, Tq) varlen."""
+    out = tuple(q.shape[:-1]) + (spec.head_dim_v,)
+    lse = (spec.heads, q.shape[0]) if spec.varlen else spec.bias_shape[:3]
+    return out, tuple(lse)
+
+
 def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
     if len(shape) > len(target):
         return False

@@ -98,18 +98,21 @@ def test_saved_tensors_are_linear_in_sequence_length():
     assert not any(t.dim() >= 2 and t.shape[-1] == t.shape[-2] == 64 for t in saved)
 
 
+def _gradients(case: Case, dtype, device):
+    """q, k, v and bias gradients of one run, dropout seeded alike."""
+    x = make_inputs(case, dtype, device, seed=4)
+    leaves = [x.q, x.k, x.v, x.kwargs["bias"]]
+    for t in leaves:
+        t.requires_grad_(True)
+    torch.manual_seed(0)
+    out = memattn.attention(x.q, x.k, x.v, **x.kwargs)
+    return torch.autograd.grad(out, leaves, torch.ones_like(out))
+
+
 @cpu_only
 def test_deterministic_gradients_repeat_bitwise_cpu():
     case = Case("det", bias="1H1K", options=dict(causal=True, dropout_p=0.2, deterministic=True))
-    runs = []
-    for _ in range(2):
-        x = make_inputs(case, torch.float32, "cpu", seed=4)
-        leaves = [x.q, x.k, x.v, x.kwargs["bias"]]
-        for t in leaves:
-            t.requires_grad_(True)
-        torch.manual_seed(0)
-        out = memattn.attention(x.q, x.k, x.v, **x.kwargs)
-        runs.append(torch.autograd.grad(out, leaves, torch.ones_like(out)))
+    runs = [_gradients(case, torch.float32, "cpu") for _ in range(2)]
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 
@@ -169,17 +172,9 @@ def test_deterministic_three_runs_bitwise_gpu(deterministic):
                 options=dict(causal=True, dropout_p=0.1,
                              deterministic=deterministic is True))  # fmt: skip
     old = torch.are_deterministic_algorithms_enabled()
-    runs = []
     try:
         torch.use_deterministic_algorithms(deterministic == "global", warn_only=True)
-        for _ in range(3):
-            x = make_inputs(case, torch.bfloat16, "cuda", seed=4)
-            leaves = [x.q, x.k, x.v, x.kwargs["bias"]]
-            for t in leaves:
-                t.requires_grad_(True)
-            torch.manual_seed(0)
-            out = memattn.attention(x.q, x.k, x.v, **x.kwargs)
-            runs.append(torch.autograd.grad(out, leaves, torch.ones_like(out)))
+        runs = [_gradients(case, torch.bfloat16, "cuda") for _ in range(3)]
     finally:
         torch.use_deterministic_algorithms(old)
     for run in runs[1:]:

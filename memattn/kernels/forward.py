@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..spec import AttentionSpec
+from ..spec import AttentionSpec, output_shapes
 from . import tuning
 from .common import (
     LN2,
@@ -262,13 +262,9 @@ def forward(
     rng_state: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launches the forward kernel. Returns out (q's layout, Dv) and lse (float32)."""
-    if spec.varlen:
-        out = new_output((q.shape[0], spec.heads, spec.head_dim_v), q.dtype, q.device)
-        lse = new_output((spec.heads, q.shape[0]), torch.float32, q.device)
-    else:
-        out = new_output((spec.batch, spec.seqlen_q, spec.heads, spec.head_dim_v), q.dtype,
-                         q.device)  # fmt: skip
-        lse = new_output(spec.bias_shape[:3], torch.float32, q.device)
+    out_shape, lse_shape = output_shapes(spec, q)
+    out = new_output(out_shape, q.dtype, q.device)
+    lse = new_output(lse_shape, torch.float32, q.device)
     if out.numel() == 0 or spec.seqlen_q == 0:
         return out, lse.fill_(float("-inf"))
 
