@@ -4,6 +4,7 @@ CPU (CI): Triton's interpreter at small odd sizes, float32 and float16. GPU
 (`pytest -m gpu`): real sizes, bfloat16/float16, and determinism by comparing bits.
 """
 
+import dataclasses
 import zlib
 
 import pytest
@@ -11,6 +12,8 @@ import torch
 
 import memattn
 from memattn.check import FEATURE_CASES, Case, check_backward, gpu_sized, make_inputs
+from memattn.kernels import backward as backward_kernels
+from memattn.kernels import tuning
 
 from .conftest import DEVICE
 from .test_forward import assert_results
@@ -115,6 +118,70 @@ def test_deterministic_gradients_repeat_bitwise_cpu():
     runs = [_gradients(case, torch.float32, "cpu") for _ in range(2)]
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.fixture
+def dq_atomic(monkeypatch):
+    """The interpreter's tiles with dQ accumulated by atomics in the dK/dV kernel."""
+    config = dataclasses.replace(tuning.INTERPRETER_BACKWARD, dq_atomic=True)
+    monkeypatch.setattr(tuning, "backward_override", config)
+
+
+@pytest.fixture
+def dq_kernel_launches(monkeypatch):
+    """Counts launches of the separate dQ kernel, to tell which dQ path ran."""
+    launches = []
+    kernel = backward_kernels._dq_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(backward_kernels, "_dq_kernel", Counting())
+    return launches
+
+
+@cpu_only
+@pytest.mark.parametrize("case", FEATURE_CASES, ids=lambda c: c.name)
+def test_gradients_dq_atomic_cpu(case, dq_atomic, dq_kernel_launches):
+    results = check_backward(case, torch.float32, "cpu", seed=zlib.crc32(case.name.encode()) % 997)
+    assert_results(results)
+    # The dQ kernel runs only where the atomic path is not allowed.
+    assert bool(dq_kernel_launches) == bool(case.options.get("deterministic"))
+
+
+@cpu_only
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_dq_from_full_bias_gradient_cpu(deterministic, dq_kernel_launches):
+    """With a full (B, H, Sq, Sk) bias gradient, dQ = scale * dS K reuses the dS the
+    dK/dV kernel wrote: no dQ kernel, in either mode (the matmul is deterministic)."""
+    case = Case("full bias", bias="BHQK", seqlen_q=37, seqlen_k=45,
+                options=dict(causal=True, dropout_p=0.2, deterministic=deterministic))
+    assert_results(check_backward(case, torch.float32, "cpu", seed=11))
+    assert not dq_kernel_launches
+
+
+@cpu_only
+def test_dq_alone_uses_the_dq_kernel_cpu(dq_atomic, dq_kernel_launches):
+    """Asked for dQ alone, the dQ kernel (3 matmuls) beats running dK/dV for it (5)."""
+    x = make_inputs(Case("dq only", bias=None), torch.float32, "cpu")
+    out, lse, _ = memattn.ops.forward(x.q, x.k, x.v, **x.kwargs)
+    grad = torch.randn_like(out)
+    dq, dk, dv, _ = memattn.ops.backward(grad, x.q, x.k, x.v, out, lse, **x.kwargs,
+                                         needs=(True, False, False, False))
+    assert dk is None and dv is None and len(dq_kernel_launches) == 1
+    atomic_dq, *_ = memattn.ops.backward(grad, x.q, x.k, x.v, out, lse, **x.kwargs)
+    assert len(dq_kernel_launches) == 1  # the full backward took the atomic path
+    torch.testing.assert_close(dq, atomic_dq, rtol=1e-5, atol=1e-6)
+
+
+@cpu_only
+def test_softcap_with_full_bias_gradient_uses_the_dq_kernel_cpu(dq_kernel_launches):
+    """The stored dS lacks softcap's tanh' factor, so it cannot give dQ."""
+    case = Case("softcap full bias", bias="BHQK", options=dict(softcap=3.0))
+    assert_results(check_backward(case, torch.float32, "cpu", seed=12))
+    assert dq_kernel_launches
 
 
 # ---------------------------------------------------------------- GPU, real sizes

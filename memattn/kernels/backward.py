@@ -31,6 +31,7 @@ from .common import (
     new_output,
     query_range,
     sequence_bounds,
+    tile_span,
     visible,
 )
 from .forward import (
@@ -75,39 +76,36 @@ def _delta_kernel(
 
 @triton.jit
 def _grad_scores(
-    q, k, do, v, lse2, delta, offs_m, offs_n, bias_ptrs, row_ok, col_ok,
+    qk, dp, lse2, delta, rows, cols, bias,
     seqlen_k, off, scale, softcap, slope, window_left, window_right,
     seed, rng_offset, bh, dropout_p,
     MASKED: tl.constexpr, BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
 ):  # fmt: skip
-    """Recomputes one (BLOCK_M, BLOCK_N) tile of the forward and returns (pz, ds, dqk):
-    the dropped probabilities P Z (for dV), dS (the bias gradient) and dQK = dS * dscore.
+    """The elementwise part of the backward for one tile, in either orientation:
+    returns (pz, ds, dqk), the dropped probabilities P Z (for dV), dS (the bias
+    gradient) and dQK = dS * dscore (for dQ and dK).
 
-    q (M, Dqk), k (N, Dqk), do (M, Dv), v (N, Dv); lse2 = lse * log2(e) with +inf for
-    rows that see no key, so that their P is 0 rather than NaN.
+    qk (raw q.k) and dp (dO.v) are fp32 tiles; rows, cols, lse2 and delta broadcast
+    against them: (M, 1) and (1, N) for a (queries, keys) tile, (1, M) and (N, 1) for
+    the transposed one. lse2 = lse * log2(e) with +inf for rows that see no key, so
+    that their P is 0 rather than NaN.
     """
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     s_cap = capped_score_log2(qk, scale, softcap, HAS_SOFTCAP)
-    bias = qk  # placeholder, unused without a bias
-    if HAS_BIAS:
-        bias = tl.load(bias_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-        bias = bias.to(tl.float32)
-    s = add_bias_alibi_log2(s_cap, offs_m, offs_n, off, slope, bias, HAS_BIAS, HAS_ALIBI)
+    s = add_bias_alibi_log2(s_cap, rows, cols, off, slope, bias, HAS_BIAS, HAS_ALIBI)
     if MASKED:
-        mask = visible(offs_m, offs_n, seqlen_k, off, window_left, window_right,
+        mask = visible(rows, cols, seqlen_k, off, window_left, window_right,
                        BOUNDED_LEFT, BOUNDED_RIGHT)
         s = tl.where(mask, s, float("-inf"))
-    p = tl.exp2(s - lse2[:, None])
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    p = tl.exp2(s - lse2)
     pz = p
     if HAS_DROPOUT:
-        keep = dropout_keep(seed, rng_offset, bh, offs_m, offs_n, dropout_p)
+        keep = dropout_keep(seed, rng_offset, bh, rows, cols, dropout_p)
         inv_keep = 1.0 / (1.0 - dropout_p)
         pz = tl.where(keep, p * inv_keep, 0.0)
         dp = tl.where(keep, dp * inv_keep, 0.0)
-    ds = p * (dp - delta[:, None])
+    ds = p * (dp - delta)
     if HAS_SOFTCAP:
         t = s_cap * (1.0 / (softcap * LOG2E))
         dqk = ds * (scale * (1.0 - t * t))
@@ -119,9 +117,9 @@ def _grad_scores(
 @triton.jit
 def _dkdv_tiles(
     dk, dv, dbias_rows, k, v,
-    q_base, do_base, lse_base, delta_base, bias_base, dbias_base,
+    q_base, do_base, lse_base, delta_base, bias_base, dbias_base, dq_base,
     stride_qm, stride_qd, stride_gm, stride_gd, stride_lm,
-    stride_bm, stride_bn, stride_dbm, stride_dbn,
+    stride_bm, stride_bn, stride_dbm, stride_dbn, stride_dqm, stride_dqd,
     offs_n, offs_dqk, offs_dv, lo, hi,
     seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
     seed, rng_offset, bh, dropout_p,
@@ -129,10 +127,17 @@ def _dkdv_tiles(
     MASKED: tl.constexpr, BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HAS_DBIAS: tl.constexpr, DBIAS_ROWS: tl.constexpr,
-    DBIAS_COLS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DBIAS_COLS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Accumulates query tiles [lo, hi) into dK, dV (and the bias gradient) of one key
-    block for one query head."""
+    """Accumulates query tiles [lo, hi) into dK, dV (and the bias gradient, and with
+    DQ_ATOMIC dQ) of one key block for one query head.
+
+    The tiles are transposed, (keys, queries), as in FlashAttention's dK/dV loop: P^T
+    and dS^T come out of their matmuls in the layout the dV and dK matmuls take them
+    in, where the (queries, keys) orientation would transpose both through shared
+    memory on every tile.
+    """
     arange_m = tl.arange(0, BLOCK_M)
     arange_n = tl.arange(0, BLOCK_N)
     col_ok = offs_n < seqlen_k
@@ -154,39 +159,49 @@ def _dkdv_tiles(
                       other=float("inf"))  # padded rows: P = 0
         delta = tl.load(delta_base + (start_m64 + arange_m) * stride_lm, mask=row_ok, other=0.0)
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-        bias_ptrs = bias_base
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        bias_t = qk_t  # placeholder, unused without a bias
         if HAS_BIAS:
-            bias_ptrs = (bias_base + start_m64 * stride_bm
-                         + arange_m[:, None] * stride_bm + arange_n[None, :] * stride_bn)
-        pz, ds, dqk = _grad_scores(
-            q, k, do, v, lse2, delta, offs_m, offs_n, bias_ptrs, row_ok, col_ok,
-            seqlen_k, off, scale, softcap, slope, window_left, window_right,
+            bias_t = tl.load(bias_base + start_m64 * stride_bm + arange_m[None, :] * stride_bm
+                             + arange_n[:, None] * stride_bn,
+                             mask=row_ok[None, :] & col_ok[:, None], other=0.0)
+            bias_t = bias_t.to(tl.float32)
+        pz_t, ds_t, dqk_t = _grad_scores(
+            qk_t, dp_t, lse2[None, :], delta[None, :], offs_m[None, :], offs_n[:, None],
+            bias_t, seqlen_k, off, scale, softcap, slope, window_left, window_right,
             seed, rng_offset, bh, dropout_p,
             MASKED, BOUNDED_LEFT, BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP,
-            HAS_DROPOUT, DOT_PRECISION)
-        dv += tl.dot(tl.trans(pz.to(do.dtype)), do, input_precision=DOT_PRECISION)
-        dk += tl.dot(tl.trans(dqk.to(q.dtype)), q, input_precision=DOT_PRECISION)
+            HAS_DROPOUT)
+        dv += tl.dot(pz_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+        dk += tl.dot(dqk_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+        if DQ_ATOMIC:  # dQ += dS K for this tile, summed over key blocks in fp32
+            dq = tl.dot(tl.trans(dqk_t.to(k.dtype)), k, input_precision=DOT_PRECISION)
+            tl.atomic_add(dq_base + start_m64 * stride_dqm + arange_m[:, None] * stride_dqm
+                          + offs_dqk[None, :] * stride_dqd, dq,
+                          mask=row_ok[:, None] & (offs_dqk[None, :] < DQK), sem="relaxed")
         if HAS_DBIAS:
-            ds = tl.where(row_ok[:, None] & col_ok[None, :], ds, 0.0)
+            if MASKED:
+                ds_t = tl.where(row_ok[None, :] & col_ok[:, None], ds_t, 0.0)
             if DBIAS_ROWS:  # bias broadcast over query rows: sum them in registers
-                dbias_rows += tl.sum(ds, 0)
-            elif DBIAS_COLS:  # broadcast over keys: sum the tile's columns, then add
+                dbias_rows += tl.sum(ds_t, 1)
+            elif DBIAS_COLS:  # broadcast over keys: sum the tile's keys, then add
                 tl.atomic_add(dbias_base + start_m64 * stride_dbm + arange_m * stride_dbm,
-                              tl.sum(ds, 1), mask=row_ok, sem="relaxed")
+                              tl.sum(ds_t, 0), mask=row_ok, sem="relaxed")
             else:
                 db_ptrs = (dbias_base + start_m64 * stride_dbm
-                           + arange_m[:, None] * stride_dbm + arange_n[None, :] * stride_dbn)
-                db_mask = row_ok[:, None] & col_ok[None, :]
+                           + arange_m[None, :] * stride_dbm + arange_n[:, None] * stride_dbn)
+                db_mask = row_ok[None, :] & col_ok[:, None]
                 if DBIAS_ATOMIC:
-                    tl.atomic_add(db_ptrs, ds, mask=db_mask, sem="relaxed")
+                    tl.atomic_add(db_ptrs, ds_t, mask=db_mask, sem="relaxed")
                 else:
-                    tl.store(db_ptrs, ds.to(dbias_base.dtype.element_ty), mask=db_mask)
+                    tl.store(db_ptrs, ds_t.to(dbias_base.dtype.element_ty), mask=db_mask)
     return dk, dv, dbias_rows
 
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DOut, Lse, Delta, Bias, DBias, Alibi, Rng, CuSeqQ, CuSeqK, DK, DV_,
+    Q, K, V, DOut, Lse, Delta, Bias, DBias, Alibi, Rng, CuSeqQ, CuSeqK, DK, DV_, DQAcc,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -197,6 +212,7 @@ def _dkdv_kernel(
     stride_ab, stride_ah,
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
+    stride_dqb, stride_dqm, stride_dqh, stride_dqd,
     H, HKV, GROUP, seqlen_q, seqlen_k, num_n_blocks,
     scale, softcap, window_left, window_right, dropout_p,
     DQK: tl.constexpr, DV: tl.constexpr,
@@ -206,7 +222,8 @@ def _dkdv_kernel(
     BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HAS_DBIAS: tl.constexpr, DBIAS_ROWS: tl.constexpr,
-    DBIAS_COLS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DBIAS_COLS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     # One program per (key block, batch * kv head) on a 1-D grid, as in the forward.
     pid = tl.program_id(0)
@@ -257,6 +274,9 @@ def _dkdv_kernel(
         do_base = DOut + b64 * stride_gb + h64 * stride_gh + q_row0 * stride_gm
         lse_base = Lse + b64 * stride_lb + h64 * stride_lh + q_row0 * stride_lm
         delta_base = Delta + b64 * stride_lb + h64 * stride_lh + q_row0 * stride_lm
+        dq_base = DQAcc
+        if DQ_ATOMIC:
+            dq_base = DQAcc + b64 * stride_dqb + h64 * stride_dqh + q_row0 * stride_dqm
         bias_base = Bias
         if HAS_BIAS:
             bias_base = (Bias + b64 * stride_bb + h64 * stride_bh
@@ -269,34 +289,19 @@ def _dkdv_kernel(
         if HAS_ALIBI:
             slope = tl.load(Alibi + b64 * stride_ab + h64 * stride_ah)
         dbias_rows = tl.zeros([BLOCK_N], dtype=tl.float32)
-        # Masked query tiles at the window's edges, unmasked ones between them.
-        dk, dv, dbias_rows = _dkdv_tiles(
-            dk, dv, dbias_rows, k, v, q_base, do_base, lse_base, delta_base, bias_base,
-            dbias_base, stride_qm, stride_qd, stride_gm, stride_gd, stride_lm,
-            stride_bm, stride_bn, stride_dbm, stride_dbn, offs_n, offs_dqk, offs_dv,
-            lo, full_lo, seqlen_q, seqlen_k, off, scale, softcap, slope,
-            window_left, window_right, seed, rng_offset, bh, dropout_p,
-            DQK, DV, BLOCK_M, BLOCK_N, True, BOUNDED_LEFT, BOUNDED_RIGHT,
-            HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, HAS_DBIAS, DBIAS_ROWS,
-            DBIAS_COLS, DBIAS_ATOMIC, DOT_PRECISION)
-        dk, dv, dbias_rows = _dkdv_tiles(
-            dk, dv, dbias_rows, k, v, q_base, do_base, lse_base, delta_base, bias_base,
-            dbias_base, stride_qm, stride_qd, stride_gm, stride_gd, stride_lm,
-            stride_bm, stride_bn, stride_dbm, stride_dbn, offs_n, offs_dqk, offs_dv,
-            full_lo, full_hi, seqlen_q, seqlen_k, off, scale, softcap, slope,
-            window_left, window_right, seed, rng_offset, bh, dropout_p,
-            DQK, DV, BLOCK_M, BLOCK_N, False, BOUNDED_LEFT, BOUNDED_RIGHT,
-            HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, HAS_DBIAS, DBIAS_ROWS,
-            DBIAS_COLS, DBIAS_ATOMIC, DOT_PRECISION)
-        dk, dv, dbias_rows = _dkdv_tiles(
-            dk, dv, dbias_rows, k, v, q_base, do_base, lse_base, delta_base, bias_base,
-            dbias_base, stride_qm, stride_qd, stride_gm, stride_gd, stride_lm,
-            stride_bm, stride_bn, stride_dbm, stride_dbn, offs_n, offs_dqk, offs_dv,
-            full_hi, hi, seqlen_q, seqlen_k, off, scale, softcap, slope,
-            window_left, window_right, seed, rng_offset, bh, dropout_p,
-            DQK, DV, BLOCK_M, BLOCK_N, True, BOUNDED_LEFT, BOUNDED_RIGHT,
-            HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, HAS_DBIAS, DBIAS_ROWS,
-            DBIAS_COLS, DBIAS_ATOMIC, DOT_PRECISION)
+        for span in tl.static_range(3):
+            # Masked query tiles at the window's edges, unmasked ones between them.
+            span_lo, span_hi = tile_span(span, lo, full_lo, full_hi, hi)
+            dk, dv, dbias_rows = _dkdv_tiles(
+                dk, dv, dbias_rows, k, v, q_base, do_base, lse_base, delta_base, bias_base,
+                dbias_base, dq_base, stride_qm, stride_qd, stride_gm, stride_gd, stride_lm,
+                stride_bm, stride_bn, stride_dbm, stride_dbn, stride_dqm, stride_dqd,
+                offs_n, offs_dqk, offs_dv, span_lo, span_hi,
+                seqlen_q, seqlen_k, off, scale, softcap, slope,
+                window_left, window_right, seed, rng_offset, bh, dropout_p,
+                DQK, DV, BLOCK_M, BLOCK_N, span != 1, BOUNDED_LEFT, BOUNDED_RIGHT,
+                HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, HAS_DBIAS, DBIAS_ROWS,
+                DBIAS_COLS, DBIAS_ATOMIC, DQ_ATOMIC, DOT_PRECISION)
         if HAS_DBIAS:
             if DBIAS_ROWS and DBIAS_COLS:
                 tl.atomic_add(dbias_base, tl.sum(dbias_rows, 0), sem="relaxed")
@@ -346,16 +351,20 @@ def _dq_tiles(
                     + offs_dqk[None, :] * stride_kd, mask=k_mask, other=0.0)
         v = tl.load(v_base + start_n64 * stride_vn + arange_n[:, None] * stride_vn
                     + offs_dv[None, :] * stride_vd, mask=v_mask, other=0.0)
-        bias_ptrs = bias_base
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        bias = qk  # placeholder, unused without a bias
         if HAS_BIAS:
-            bias_ptrs = (bias_base + start_n64 * stride_bn
-                         + arange_m[:, None] * stride_bm + arange_n[None, :] * stride_bn)
+            bias = tl.load(bias_base + start_n64 * stride_bn + arange_m[:, None] * stride_bm
+                           + arange_n[None, :] * stride_bn,
+                           mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+            bias = bias.to(tl.float32)
         _, _, dqk = _grad_scores(
-            q, k, do, v, lse2, delta, offs_m, offs_n, bias_ptrs, row_ok, col_ok,
+            qk, dp, lse2[:, None], delta[:, None], offs_m[:, None], offs_n[None, :], bias,
             seqlen_k, off, scale, softcap, slope, window_left, window_right,
             seed, rng_offset, bh, dropout_p,
             MASKED, BOUNDED_LEFT, BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP,
-            HAS_DROPOUT, DOT_PRECISION)
+            HAS_DROPOUT)
         dq += tl.dot(dqk.to(k.dtype), k, input_precision=DOT_PRECISION)
     return dq
 
@@ -434,30 +443,16 @@ def _dq_kernel(
     full_hi = tl.minimum(full_hi, hi)
 
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
-    dq = _dq_tiles(
-        dq, q, do, lse2, delta, k_base, v_base, bias_base,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
-        offs_m, offs_dqk, offs_dv, lo, full_lo,
-        seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
-        seed, rng_offset, bh, dropout_p, DQK, DV, BLOCK_M, BLOCK_N, True,
-        BOUNDED_LEFT, BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
-        DOT_PRECISION)
-    dq = _dq_tiles(
-        dq, q, do, lse2, delta, k_base, v_base, bias_base,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
-        offs_m, offs_dqk, offs_dv, full_lo, full_hi,
-        seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
-        seed, rng_offset, bh, dropout_p, DQK, DV, BLOCK_M, BLOCK_N, False,
-        BOUNDED_LEFT, BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
-        DOT_PRECISION)
-    dq = _dq_tiles(
-        dq, q, do, lse2, delta, k_base, v_base, bias_base,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
-        offs_m, offs_dqk, offs_dv, full_hi, hi,
-        seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
-        seed, rng_offset, bh, dropout_p, DQK, DV, BLOCK_M, BLOCK_N, True,
-        BOUNDED_LEFT, BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
-        DOT_PRECISION)
+    for span in tl.static_range(3):
+        span_lo, span_hi = tile_span(span, lo, full_lo, full_hi, hi)
+        dq = _dq_tiles(
+            dq, q, do, lse2, delta, k_base, v_base, bias_base,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+            offs_m, offs_dqk, offs_dv, span_lo, span_hi,
+            seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
+            seed, rng_offset, bh, dropout_p, DQK, DV, BLOCK_M, BLOCK_N, span != 1,
+            BOUNDED_LEFT, BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
+            DOT_PRECISION)
     tl.store(DQ + b64 * stride_dqb + h64 * stride_dqh + row0 * stride_dqm
              + arange_m[:, None] * stride_dqm + offs_dqk[None, :] * stride_dqd,
              dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_dqk[None, :] < DQK))
@@ -487,6 +482,26 @@ def _dbias_buffer(bias: torch.Tensor, spec: AttentionSpec):
     strides = buf.expand(*full[:2], buf_shape[2], full[3]).stride()
     cols = atomic and 3 in summed
     return buf, strides, rows, cols, atomic
+
+
+def _holds_full_ds(db_buf: torch.Tensor, spec: AttentionSpec) -> bool:
+    """Whether the bias-gradient buffer holds dS for every (b, h, i, j), so that
+    dQ = scale * dS K (dense batches, no softcap: softcap's chain rule is not in dS)."""
+    return (not spec.varlen and spec.softcap == 0
+            and tuple(db_buf.shape) == tuple(spec.bias_shape))
+
+
+def _dq_from_ds(dq: torch.Tensor, ds: torch.Tensor, k: torch.Tensor, spec: AttentionSpec):
+    """dQ = scale * dS K as one batched matmul (cuBLAS): with a full bias gradient, dS
+    is already in memory, and this replaces the dQ kernel's 3 recomputing matmuls.
+    The query heads of a GQA group share a key head: stack their rows."""
+    b, hkv, g = spec.batch, spec.kv_heads, spec.group
+    sq, sk, d = spec.seqlen_q, spec.seqlen_k, spec.head_dim_qk
+    ds3 = ds.view(b * hkv, g * sq, sk)
+    k3 = k.transpose(1, 2).reshape(b * hkv, sk, d)
+    out = torch.empty((b * hkv, g * sq, d), dtype=dq.dtype, device=dq.device)
+    torch.baddbmm(out, ds3, k3, beta=0.0, alpha=spec.scale, out=out)
+    dq.copy_(out.view(b, spec.heads, sq, d).transpose(1, 2))
 
 
 def backward(
@@ -537,7 +552,6 @@ def backward(
 
     cfg = tuning.backward_config(spec)
     delta = torch.empty_like(lse)
-    num_m = triton.cdiv(spec.seqlen_q, cfg.block_m_dq)
     num_m_delta = triton.cdiv(spec.seqlen_q, 64)
     _delta_kernel[(num_m_delta * spec.batch * spec.heads,)](
         out, grad_out, delta, *dense_strides(out, spec.varlen),
@@ -549,26 +563,41 @@ def backward(
     if grad_lse is not None:
         delta.sub_(grad_lse)
 
-    if dk is not None or need_dbias:
+    # dQ takes one of three paths: from the dS the bias gradient already wrote (a
+    # matmul), accumulated with fp32 atomics inside the dK/dV kernel (5 matmuls per
+    # tile pair instead of 7, not bitwise repeatable), or its own kernel.
+    run_dkdv = dk is not None or need_dbias
+    db_buf, db_strides, db_rows, db_cols, db_atomic = None, (0, 0, 0, 0), False, False, False
+    if need_dbias:
+        db_buf, db_strides, db_rows, db_cols, db_atomic = _dbias_buffer(bias, spec)
+    dq_from_ds = (need_dq and need_dbias and _holds_full_ds(db_buf, spec)
+                  and db_buf.dtype == q.dtype)
+    dq_atomic = (need_dq and run_dkdv and not dq_from_ds and cfg.dq_atomic
+                 and not spec.deterministic)
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if dq_atomic else None
+
+    if run_dkdv:
         if dk is None:  # only dbias asked for: dK/dV go to scratch
             dk, dv = torch.empty_like(k), torch.empty_like(v)
             need_dk = need_dv = False
-        db_buf, db_strides, db_rows, db_cols, db_atomic = None, (0, 0, 0, 0), False, False, False
-        if need_dbias:
-            db_buf, db_strides, db_rows, db_cols, db_atomic = _dbias_buffer(bias, spec)
         num_n = triton.cdiv(spec.seqlen_k, cfg.block_n_dkdv)
         _dkdv_kernel[(num_n * spec.batch * spec.kv_heads,)](
             q, k, v, grad_out, lse, delta, bias, db_buf, alibi_slopes, rng,
-            cu_seqlens_q, cu_seqlens_k, dk, dv, *qkv_strides,
+            cu_seqlens_q, cu_seqlens_k, dk, dv, dq_acc, *qkv_strides,
             *lse_strides(lse, spec.varlen), *bias_strides(bias, spec), *db_strides,
             *alibi_strides(alibi_slopes), *dense_strides(dk, spec.varlen),
             *dense_strides(dv, spec.varlen),
+            *(dense_strides(dq_acc, spec.varlen) if dq_atomic else (0, 0, 0, 0)),
             spec.heads, spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_n,
             *options, BLOCK_M=cfg.block_m_dkdv, BLOCK_N=cfg.block_n_dkdv,
             HAS_DBIAS=need_dbias, DBIAS_ROWS=db_rows, DBIAS_COLS=db_cols,
-            DBIAS_ATOMIC=db_atomic,
+            DBIAS_ATOMIC=db_atomic, DQ_ATOMIC=dq_atomic,
             num_warps=cfg.num_warps_dkdv, num_stages=cfg.num_stages_dkdv, **common,
         )  # fmt: skip
+        if dq_atomic:
+            dq.copy_(dq_acc)
+        if dq_from_ds:
+            _dq_from_ds(dq, db_buf, k, spec)
         if need_dbias:
             shape = (1,) * (4 - bias.dim()) + tuple(bias.shape)
             summed = [d for d in range(4) if shape[d] == 1 and db_buf.shape[d] != 1]
@@ -580,7 +609,8 @@ def backward(
         if not need_dv:
             dv = None
 
-    if dq is not None:
+    if need_dq and not (dq_atomic or dq_from_ds):
+        num_m = triton.cdiv(spec.seqlen_q, cfg.block_m_dq)
         _dq_kernel[(num_m * spec.batch * spec.heads,)](
             q, k, v, grad_out, lse, delta, bias, alibi_slopes, rng, cu_seqlens_q, cu_seqlens_k,
             dq, *qkv_strides, *lse_strides(lse, spec.varlen), *bias_strides(bias, spec),

@@ -111,17 +111,35 @@ def query_range(
 
 
 @triton.jit
+def tile_span(SPAN: tl.constexpr, lo, full_lo, full_hi, hi):
+    """The tiles of pass SPAN over a (lo, full_lo, full_hi, hi) range: 0 the masked
+    tiles at the left edge, 1 the unmasked interior, 2 the masked right edge. Kernels
+    walk ``tl.static_range(3)`` with MASKED = SPAN != 1, one compiled loop per pass."""
+    if SPAN == 0:
+        return lo, full_lo
+    elif SPAN == 1:
+        return full_lo, full_hi
+    else:
+        return full_hi, hi
+
+
+@triton.jit
 def visible(
-    offs_m, offs_n, seqlen_k, off, window_left, window_right,
+    rows, cols, seqlen_k, off, window_left, window_right,
     BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
 ):  # fmt: skip
-    """(BLOCK_M, BLOCK_N) bool: key offs_n exists and is visible from query offs_m."""
-    mask = offs_n[None, :] < seqlen_k
-    diag = offs_m[:, None] + off
+    """Bool tile: key ``cols`` exists and is visible from query ``rows``.
+
+    rows and cols are query and key positions shaped to broadcast against each other,
+    (M, 1) and (1, N) for a (queries, keys) tile or (1, M) and (N, 1) for the
+    transposed tile the dK/dV loop works on; the same holds for the helpers below.
+    """
+    mask = cols < seqlen_k
+    diag = rows + off
     if BOUNDED_RIGHT:
-        mask = mask & (offs_n[None, :] <= diag + window_right)
+        mask = mask & (cols <= diag + window_right)
     if BOUNDED_LEFT:
-        mask = mask & (offs_n[None, :] >= diag - window_left)
+        mask = mask & (cols >= diag - window_left)
     return mask
 
 
@@ -144,7 +162,7 @@ def capped_score_log2(qk, scale, softcap, HAS_SOFTCAP: tl.constexpr):
 
 @triton.jit
 def add_bias_alibi_log2(
-    s, offs_m, offs_n, off, slope, bias, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    s, rows, cols, off, slope, bias, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):  # fmt: skip
     """Adds the bias tile (fp32, natural units) and ALiBi's -slope * |i + off - j| to a
     log2-domain score: the score before masking."""
@@ -155,22 +173,22 @@ def add_bias_alibi_log2(
         scaled = tl.maximum(bias, -2.0e38) * LOG2E
         s += tl.where(bias == float("-inf"), float("-inf"), scaled)
     if HAS_ALIBI:
-        dist = tl.abs(offs_m[:, None] + off - offs_n[None, :]).to(tl.float32)
+        dist = tl.abs(rows + off - cols).to(tl.float32)
         s -= (slope * LOG2E) * dist
     return s
 
 
 @triton.jit
-def dropout_keep(seed, rng_offset, bh, offs_m, offs_n, dropout_p):
-    """(BLOCK_M, BLOCK_N) bool keep mask for head bh = b * H + h, query rows offs_m and
-    key columns offs_n (positions inside the sequence).
+def dropout_keep(seed, rng_offset, bh, rows, cols, dropout_p):
+    """Bool keep tile for head bh = b * H + h at query positions ``rows`` and key
+    positions ``cols`` (positions inside the sequence, broadcastable as in visible).
 
     Counter-based Philox: the counter is (column, row, b*H + h, offset) and the key the
     64-bit seed, so every element has its own counter and the backward regenerates the
-    forward's mask bit for bit, in any tiling.
+    forward's mask bit for bit, in any tiling and either orientation.
     """
-    shape_m = offs_m[:, None] + tl.zeros_like(offs_n)[None, :]
-    shape_n = offs_n[None, :] + tl.zeros_like(offs_m)[:, None]
+    shape_m = rows + tl.zeros_like(cols)
+    shape_n = cols + tl.zeros_like(rows)
     c0 = shape_n.to(tl.uint32)
     c1 = shape_m.to(tl.uint32)
     c2 = (tl.zeros_like(shape_m) + bh).to(tl.uint32)

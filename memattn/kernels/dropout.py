@@ -20,7 +20,8 @@ def _keep_mask_kernel(
     rest = pid % (num_m_blocks * num_n_blocks)
     offs_m = (rest // num_n_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = (rest % num_n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-    keep = dropout_keep(tl.load(Rng), tl.load(Rng + 1), bh, offs_m, offs_n, dropout_p)
+    keep = dropout_keep(tl.load(Rng), tl.load(Rng + 1), bh, offs_m[:, None], offs_n[None, :],
+                        dropout_p)
     base = Mask + tl.cast(bh, tl.int64) * seqlen_q * seqlen_k
     ptrs = base + offs_m[:, None].to(tl.int64) * seqlen_k + offs_n[None, :]
     ok = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)

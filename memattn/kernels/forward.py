@@ -22,6 +22,7 @@ from .common import (
     key_range,
     new_output,
     sequence_bounds,
+    tile_span,
     visible,
 )
 
@@ -66,10 +67,11 @@ def _fwd_tiles(
             bias = tl.load(b_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
             bias = bias.to(tl.float32)
         s = capped_score_log2(qk, scale, softcap, HAS_SOFTCAP)
-        s = add_bias_alibi_log2(s, offs_m, offs_n, off, slope, bias, HAS_BIAS, HAS_ALIBI)
+        s = add_bias_alibi_log2(s, offs_m[:, None], offs_n[None, :], off, slope, bias,
+                                HAS_BIAS, HAS_ALIBI)
         if MASKED:
-            mask = visible(offs_m, offs_n, seqlen_k, off, window_left, window_right,
-                           BOUNDED_LEFT, BOUNDED_RIGHT)
+            mask = visible(offs_m[:, None], offs_n[None, :], seqlen_k, off, window_left,
+                           window_right, BOUNDED_LEFT, BOUNDED_RIGHT)
             s = tl.where(mask, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -80,7 +82,8 @@ def _fwd_tiles(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
-            keep = dropout_keep(seed, rng_offset, bh, offs_m, offs_n, dropout_p)
+            keep = dropout_keep(seed, rng_offset, bh, offs_m[:, None], offs_n[None, :],
+                                dropout_p)
             p = tl.where(keep, p, 0.0)
 
         v_ptrs = (v_base + start_n64 * stride_vn
@@ -173,30 +176,16 @@ def _fwd_kernel(
 
     # Three passes over the keys: masked tiles on the left edge of the window, fully
     # visible tiles (no mask arithmetic), masked tiles on the right edge / past Sk.
-    acc, m_i, l_i = _fwd_tiles(
-        acc, m_i, l_i, q, k_base, v_base, bias_base,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
-        offs_m, offs_dqk, offs_dv, lo, full_lo,
-        seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
-        seed, rng_offset, bh, dropout_p,
-        DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, BOUNDED_LEFT, BOUNDED_RIGHT,
-        HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
-    acc, m_i, l_i = _fwd_tiles(
-        acc, m_i, l_i, q, k_base, v_base, bias_base,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
-        offs_m, offs_dqk, offs_dv, full_lo, full_hi,
-        seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
-        seed, rng_offset, bh, dropout_p,
-        DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, False, BOUNDED_LEFT, BOUNDED_RIGHT,
-        HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
-    acc, m_i, l_i = _fwd_tiles(
-        acc, m_i, l_i, q, k_base, v_base, bias_base,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
-        offs_m, offs_dqk, offs_dv, full_hi, hi,
-        seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
-        seed, rng_offset, bh, dropout_p,
-        DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, BOUNDED_LEFT, BOUNDED_RIGHT,
-        HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
+    for span in tl.static_range(3):
+        span_lo, span_hi = tile_span(span, lo, full_lo, full_hi, hi)
+        acc, m_i, l_i = _fwd_tiles(
+            acc, m_i, l_i, q, k_base, v_base, bias_base,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+            offs_m, offs_dqk, offs_dv, span_lo, span_hi,
+            seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
+            seed, rng_offset, bh, dropout_p,
+            DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, span != 1, BOUNDED_LEFT,
+            BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
 
     # Rows with no visible key: l = 0, out = 0, lse = -inf.
     empty = l_i == 0.0

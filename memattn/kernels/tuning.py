@@ -65,7 +65,13 @@ class BackwardConfig:
     block_n_dq: int  # key tile it walks
     num_warps_dq: int
     num_stages_dq: int
+    # dQ by fp32 atomics inside the dK/dV kernel (the dQ kernel is then skipped, except
+    # in deterministic mode); block_m_dq etc. still configure that fallback.
+    dq_atomic: bool = False
 
+
+# Under the interpreter: small tiles, so that tests at odd sizes cross several.
+INTERPRETER_BACKWARD = BackwardConfig(16, 32, 1, 1, 32, 16, 1, 1)
 
 # Set by tools and benchmarks to try other configurations; None uses the table.
 backward_override: BackwardConfig | None = None
@@ -75,7 +81,7 @@ def backward_config(spec: AttentionSpec) -> BackwardConfig:
     if backward_override is not None:
         return backward_override
     if interpreting():
-        return BackwardConfig(16, 32, 1, 1, 32, 16, 1, 1)
+        return INTERPRETER_BACKWARD
     # H100 sweep (PERFORMANCE.md, v2), every candidate checked against the reference
     # first: Triton 3.6 miscompiled dK/dV at 32x128/8 warps/2 stages and 16x128/4/2.
     d = max(padded_head_dim(spec.head_dim_qk), padded_head_dim(spec.head_dim_v))
