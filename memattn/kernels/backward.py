@@ -478,7 +478,14 @@ def _dbias_buffer(bias: torch.Tensor, spec: AttentionSpec):
         for d in summed:
             buf_shape[d] = full[d]
     dtype = torch.float32 if (atomic or summed or rows) else bias.dtype
-    buf = torch.zeros(buf_shape, dtype=dtype, device=bias.device)
+    # Without a window or varlen bounds every tile is visited and every element of a
+    # plain (non-reduced) buffer is stored: no zero fill, which for a full (B, H, S, S)
+    # buffer costs as much as the stores themselves.
+    every_tile = spec.window_left < 0 and spec.window_right < 0 and not spec.varlen
+    if every_tile and not atomic and not rows:
+        buf = new_output(buf_shape, dtype, bias.device)
+    else:
+        buf = torch.zeros(buf_shape, dtype=dtype, device=bias.device)
     strides = buf.expand(*full[:2], buf_shape[2], full[3]).stride()
     cols = atomic and 3 in summed
     return buf, strides, rows, cols, atomic
