@@ -50,7 +50,14 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
     key = (self.fn.__name__, kernel.hash if kernel is not None else None)
     if key not in compiled and kernel is not None:
         compiled[key] = kernel
+        print(report_line(self.fn.__name__, kernel), flush=True)  # as we go: runs are long
     return kernel
+
+
+def report_line(name, kernel) -> str:
+    over = kernel.metadata.shared > H100_SHARED_BYTES
+    return (f"{name:28s} {ptxas_report(kernel)} shared={kernel.metadata.shared}"
+            + ("  OVER the H100's shared memory" if over else ""))
 
 
 def ptxas_report(kernel) -> str:
@@ -95,11 +102,7 @@ def main():
             except Exception as e:  # noqa: BLE001
                 failures += 1
                 print(f"FAIL {case.name} {dtype}: {type(e).__name__}: {str(e)[:2000]}")
-    for (name, _), kernel in compiled.items():
-        over = kernel.metadata.shared > H100_SHARED_BYTES
-        failures += over
-        print(f"{name:28s} {ptxas_report(kernel)} shared={kernel.metadata.shared}"
-              + ("  OVER the H100's shared memory" if over else ""))
+    failures += sum(k.metadata.shared > H100_SHARED_BYTES for k in compiled.values())
     print(f"{len(compiled)} kernel variants compiled, {failures} failures")
     return 1 if failures else 0
 

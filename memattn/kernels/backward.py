@@ -8,9 +8,15 @@ the score before masking (natural units):
     dQ = dQK K             dK = dQK^T Q
 Each dK/dV program owns a block of keys of one (batch, kv head) and loops over every
 query head of its GQA group, so dK and dV are summed in registers: no atomics, no
-repeated K/V. dQ has its own kernel for the same reason. The one atomic path is a bias
-gradient broadcast over batch, heads or keys, and deterministic=True replaces it with
-an expanded buffer reduced afterwards.
+repeated K/V. It works on transposed (keys, queries) tiles, so that P^T and dS^T feed
+the dV and dK matmuls without a transpose.
+
+dQ has three paths (``backward`` picks): its own kernel, recomputing P (the default,
+deterministic by construction); ``dq_atomic`` configurations, fp32 atomics inside the
+dK/dV kernel (never in deterministic mode); and, when a full bias gradient has stored
+dS anyway, one matmul dQ = scale * dS K. The other atomic path is a bias gradient
+broadcast over batch, heads or keys; deterministic=True replaces it with an expanded
+buffer reduced afterwards.
 """
 
 from __future__ import annotations

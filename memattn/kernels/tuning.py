@@ -43,16 +43,20 @@ def forward_config(spec: AttentionSpec) -> Config:
         return Config(block_m=32, block_n=16, num_warps=1, num_stages=1)
     d = max(padded_head_dim(spec.head_dim_qk), padded_head_dim(spec.head_dim_v))
     wide = spec.dtype == torch.float32  # twice the shared memory per tile
-    # H100 sweep (PERFORMANCE.md, v2): the best correct configuration per head dim. Bias
-    # tiles are pipelined with K and V, so a bias needs smaller tiles or fewer stages to
-    # fit the 227 KiB of shared memory (tools/compile_sm90.py checks every variant).
+    # H100 sweeps (PERFORMANCE.md, v2 and v3): the best correct configuration per head
+    # dim. Bias tiles are pipelined with K and V, so a bias needs smaller tiles to fit
+    # the 227 KiB of shared memory (tools/compile_sm90.py checks every variant).
     if d <= 64:
-        return Config(128, 64, 8, 2 if wide else 3)
+        if wide:
+            return Config(128, 64, 8, 2)
+        return Config(128, 64, 4, 3) if spec.has_bias else Config(128, 64, 8, 3)
     if d <= 128:
-        return Config(128, 64, 8, 2) if wide or spec.has_bias else Config(128, 128, 8, 3)
+        if wide:
+            return Config(128, 64, 8, 2)
+        return Config(128, 64, 8, 4) if spec.has_bias else Config(128, 128, 8, 3)
     if wide:
         return Config(64, 32, 4, 2)
-    return Config(64, 64, 4, 2 if spec.has_bias else 3)
+    return Config(128, 32, 8, 3)
 
 
 @dataclass(frozen=True)
@@ -82,14 +86,22 @@ def backward_config(spec: AttentionSpec) -> BackwardConfig:
         return backward_override
     if interpreting():
         return INTERPRETER_BACKWARD
-    # H100 sweep (PERFORMANCE.md, v2), every candidate checked against the reference
-    # first: Triton 3.6 miscompiled dK/dV at 32x128/8 warps/2 stages and 16x128/4/2.
+    # H100 sweeps (PERFORMANCE.md, v2 and v3), every candidate checked against the
+    # reference first: Triton 3.6 miscompiled dK/dV (old orientation) at 32x128/8 warps/
+    # 2 stages and 16x128/4/2. dq_atomic lost everywhere (pointer atomics: 130-240
+    # against 310-386 TFLOP/s at D=128), so the table leaves it off.
     d = max(padded_head_dim(spec.head_dim_qk), padded_head_dim(spec.head_dim_v))
-    wide = spec.dtype == torch.float32
-    if d <= 128:
-        return BackwardConfig(64, 64, 4, 1, 64, 64, 4, 1 if wide else 2)
-    if wide:
+    causal = spec.window_right >= 0
+    if spec.dtype == torch.float32:
+        if d <= 128:
+            return BackwardConfig(64, 64, 4, 1, 64, 64, 4, 1)
         return BackwardConfig(32, 32, 4, 1, 32, 32, 4, 1)
-    if spec.has_bias:
-        return BackwardConfig(64, 64, 8, 1, 64, 64, 8, 1)
-    return BackwardConfig(64, 64, 8, 2, 64, 64, 8, 2)
+    if d <= 64:
+        if causal or spec.has_bias:
+            return BackwardConfig(64, 64, 4, 1, 64, 64, 4, 2)
+        return BackwardConfig(64, 128, 8, 3, 128, 64, 8, 3)
+    if d <= 128:
+        if spec.has_bias:
+            return BackwardConfig(32, 128, 8, 3, 128, 64, 8, 3)
+        return BackwardConfig(64, 128, 8, 3, 128, 64, 8, 3)
+    return BackwardConfig(64, 64, 8, 2, 128, 32, 8, 2)
