@@ -82,16 +82,16 @@ def _delta_kernel(
 
 @triton.jit
 def _grad_scores(
-    qk, dp, lse2, delta, rows, cols, bias,
-    seqlen_k, off, scale, softcap, slope, window_left, window_right,
-    seed, rng_offset, bh, dropout_p,
+    qk, dp, lse2, delta, rows, cols, bias, keep,
+    seqlen_k, off, scale, softcap, slope, window_left, window_right, dropout_p,
     MASKED: tl.constexpr, BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
 ):  # fmt: skip
     """The elementwise part of the backward for one tile, in either orientation:
     returns (pz, ds, dqk), the dropped probabilities P Z (for dV), dS (the bias
-    gradient) and dQK = dS * dscore (for dQ and dK).
+    gradient) and dQK = dS * dscore (for dQ and dK). keep is the dropout keep tile in
+    the same orientation.
 
     qk (raw q.k) and dp (dO.v) are fp32 tiles; rows, cols, lse2 and delta broadcast
     against them: (M, 1) and (1, N) for a (queries, keys) tile, (1, M) and (N, 1) for
@@ -107,7 +107,6 @@ def _grad_scores(
     p = tl.exp2(s - lse2)
     pz = p
     if HAS_DROPOUT:
-        keep = dropout_keep(seed, rng_offset, bh, rows, cols, dropout_p)
         inv_keep = 1.0 / (1.0 - dropout_p)
         pz = tl.where(keep, p * inv_keep, 0.0)
         dp = tl.where(keep, dp * inv_keep, 0.0)
@@ -126,7 +125,7 @@ def _dkdv_tiles(
     q_base, do_base, lse_base, delta_base, bias_base, dbias_base, dq_base,
     stride_qm, stride_qd, stride_gm, stride_gd, stride_lm,
     stride_bm, stride_bn, stride_dbm, stride_dbn, stride_dqm, stride_dqd,
-    offs_n, offs_dqk, offs_dv, lo, hi,
+    start_n, offs_n, offs_dqk, offs_dv, lo, hi,
     seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
     seed, rng_offset, bh, dropout_p,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -173,10 +172,14 @@ def _dkdv_tiles(
                              + arange_n[:, None] * stride_bn,
                              mask=row_ok[None, :] & col_ok[:, None], other=0.0)
             bias_t = bias_t.to(tl.float32)
+        keep_t = qk_t  # placeholder, unused without dropout
+        if HAS_DROPOUT:  # drawn keys-last, as the forward draws it
+            keep_t = tl.trans(dropout_keep(seed, rng_offset, bh, offs_m, start_n, dropout_p,
+                                           BLOCK_N))
         pz_t, ds_t, dqk_t = _grad_scores(
             qk_t, dp_t, lse2[None, :], delta[None, :], offs_m[None, :], offs_n[:, None],
-            bias_t, seqlen_k, off, scale, softcap, slope, window_left, window_right,
-            seed, rng_offset, bh, dropout_p,
+            bias_t, keep_t, seqlen_k, off, scale, softcap, slope, window_left, window_right,
+            dropout_p,
             MASKED, BOUNDED_LEFT, BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP,
             HAS_DROPOUT)
         dv += tl.dot(pz_t.to(do.dtype), do, input_precision=DOT_PRECISION)
@@ -302,7 +305,7 @@ def _dkdv_kernel(
                 dk, dv, dbias_rows, k, v, q_base, do_base, lse_base, delta_base, bias_base,
                 dbias_base, dq_base, stride_qm, stride_qd, stride_gm, stride_gd, stride_lm,
                 stride_bm, stride_bn, stride_dbm, stride_dbn, stride_dqm, stride_dqd,
-                offs_n, offs_dqk, offs_dv, span_lo, span_hi,
+                start_n, offs_n, offs_dqk, offs_dv, span_lo, span_hi,
                 seqlen_q, seqlen_k, off, scale, softcap, slope,
                 window_left, window_right, seed, rng_offset, bh, dropout_p,
                 DQK, DV, BLOCK_M, BLOCK_N, span != 1, BOUNDED_LEFT, BOUNDED_RIGHT,
@@ -365,10 +368,12 @@ def _dq_tiles(
                            + arange_n[None, :] * stride_bn,
                            mask=row_ok[:, None] & col_ok[None, :], other=0.0)
             bias = bias.to(tl.float32)
+        keep = qk  # placeholder, unused without dropout
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, rng_offset, bh, offs_m, start_n, dropout_p, BLOCK_N)
         _, _, dqk = _grad_scores(
             qk, dp, lse2[:, None], delta[:, None], offs_m[:, None], offs_n[None, :], bias,
-            seqlen_k, off, scale, softcap, slope, window_left, window_right,
-            seed, rng_offset, bh, dropout_p,
+            keep, seqlen_k, off, scale, softcap, slope, window_left, window_right, dropout_p,
             MASKED, BOUNDED_LEFT, BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP,
             HAS_DROPOUT)
         dq += tl.dot(dqk.to(k.dtype), k, input_precision=DOT_PRECISION)

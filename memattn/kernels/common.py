@@ -179,19 +179,24 @@ def add_bias_alibi_log2(
 
 
 @triton.jit
-def dropout_keep(seed, rng_offset, bh, rows, cols, dropout_p):
-    """Bool keep tile for head bh = b * H + h at query positions ``rows`` and key
-    positions ``cols`` (positions inside the sequence, broadcastable as in visible).
+def dropout_keep(seed, rng_offset, bh, offs_m, start_n, dropout_p, BLOCK_N: tl.constexpr):
+    """(M, BLOCK_N) bool keep tile for head bh = b * H + h, query positions offs_m and
+    the keys start_n + [0, BLOCK_N) (positions inside the sequence; start_n % 4 == 0).
 
-    Counter-based Philox: the counter is (column, row, b*H + h, offset) and the key the
-    64-bit seed, so every element has its own counter and the backward regenerates the
-    forward's mask bit for bit, in any tiling and either orientation.
+    Counter-based Philox: the counter is (key // 4, query, b*H + h, offset) and the key
+    the 64-bit seed. One Philox call gives four 32-bit outputs, used for four adjacent
+    keys (key % 4 == 2i + j takes output 2j + i, the order tl.join lays them out in), so
+    the backward regenerates the forward's mask bit for bit, in any tiling.
     """
-    shape_m = rows + tl.zeros_like(cols)
-    shape_n = cols + tl.zeros_like(rows)
-    c0 = shape_n.to(tl.uint32)
-    c1 = shape_m.to(tl.uint32)
-    c2 = (tl.zeros_like(shape_m) + bh).to(tl.uint32)
-    c3 = (tl.zeros_like(shape_m) + rng_offset).to(tl.uint32)  # offset < 2**31 by design
-    r, _, _, _ = tl.philox(seed, c0, c1, c2, c3)
-    return tl.uint_to_uniform_float(r) >= dropout_p
+    groups = start_n // 4 + tl.arange(0, BLOCK_N // 4)
+    c0 = (groups[None, :] + tl.zeros_like(offs_m)[:, None]).to(tl.uint32)
+    c1 = (offs_m[:, None] + tl.zeros_like(groups)[None, :]).to(tl.uint32)
+    c2 = (tl.zeros_like(c1) + bh).to(tl.uint32)
+    c3 = (tl.zeros_like(c1) + rng_offset).to(tl.uint32)  # offset < 2**31 by design
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c3)
+    k0 = tl.uint_to_uniform_float(r0) >= dropout_p
+    k1 = tl.uint_to_uniform_float(r1) >= dropout_p
+    k2 = tl.uint_to_uniform_float(r2) >= dropout_p
+    k3 = tl.uint_to_uniform_float(r3) >= dropout_p
+    keep = tl.join(tl.join(k0, k1), tl.join(k2, k3))  # (M, N/4, 2, 2)
+    return tl.reshape(keep, (offs_m.shape[0], BLOCK_N))

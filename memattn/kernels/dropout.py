@@ -19,9 +19,9 @@ def _keep_mask_kernel(
     bh = pid // (num_m_blocks * num_n_blocks)
     rest = pid % (num_m_blocks * num_n_blocks)
     offs_m = (rest // num_n_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = (rest % num_n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-    keep = dropout_keep(tl.load(Rng), tl.load(Rng + 1), bh, offs_m[:, None], offs_n[None, :],
-                        dropout_p)
+    start_n = (rest % num_n_blocks) * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    keep = dropout_keep(tl.load(Rng), tl.load(Rng + 1), bh, offs_m, start_n, dropout_p, BLOCK_N)
     base = Mask + tl.cast(bh, tl.int64) * seqlen_q * seqlen_k
     ptrs = base + offs_m[:, None].to(tl.int64) * seqlen_k + offs_n[None, :]
     ok = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)

@@ -82,8 +82,7 @@ def _fwd_tiles(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
-            keep = dropout_keep(seed, rng_offset, bh, offs_m[:, None], offs_n[None, :],
-                                dropout_p)
+            keep = dropout_keep(seed, rng_offset, bh, offs_m, start_n, dropout_p, BLOCK_N)
             p = tl.where(keep, p, 0.0)
 
         v_ptrs = (v_base + start_n64 * stride_vn

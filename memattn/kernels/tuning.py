@@ -53,7 +53,11 @@ def forward_config(spec: AttentionSpec) -> Config:
     if d <= 128:
         if wide:
             return Config(128, 64, 8, 2)
-        return Config(128, 64, 8, 4) if spec.has_bias else Config(128, 128, 8, 3)
+        if spec.has_bias:
+            return Config(128, 64, 8, 4)
+        if spec.dropout_p > 0:  # the keep tile's reshape takes shared memory too
+            return Config(128, 64, 8, 3)
+        return Config(128, 128, 8, 3)
     if wide:
         return Config(64, 32, 4, 2)
     return Config(128, 32, 8, 3)
