@@ -3,9 +3,9 @@
 Two layers. The Python functions ``forward``/``backward`` are what users call: they
 validate through ``spec.check_call`` (every user-facing error, raised before any
 kernel) and call the custom ops ``torch.ops.memattn.forward``/``backward`` with the
-normalised options of the spec. The custom ops (torch.library: fake implementations for
-torch.compile, autograd registered on the forward) re-check shapes, and launch the
-kernels. Dropout's rng state is drawn in Python, before the op, so that an op's result
+normalised options of the spec, the forward through an autograd.Function. The custom
+ops (torch.library, with fake implementations for torch.compile) re-check shapes and
+launch the kernels. Dropout's rng state is drawn in Python, before the op, so that an op's result
 depends on its inputs alone.
 """
 
@@ -57,10 +57,38 @@ def _op_options(spec: AttentionSpec) -> tuple:
     )  # fmt: skip
 
 
-def _op_spec(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, window_left,
-             window_right, bottom_right, softcap, scale, dropout_p, max_seqlen_q,
-             max_seqlen_k, deterministic) -> AttentionSpec:  # fmt: skip
-    """The spec of an op call: shapes re-checked, cu_seqlens values not read again."""
+_SPEC_CACHE: dict[tuple, AttentionSpec] = {}
+
+
+def _metadata(t: Tensor | None):
+    if t is None:
+        return None
+    return (tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+def _op_spec(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *options) -> AttentionSpec:
+    """The spec of an op call: shapes re-checked, cu_seqlens values not read again.
+
+    Memoised on the tensors' metadata and the options, which are all the check reads:
+    the Python entry point has just validated the same call, and a second full check
+    was a tenth of the host time of a small call. Symbolic shapes (torch.compile with
+    dynamic shapes) are not cached."""
+    tensors = (q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+    if not all(type(d) is int for t in tensors if t is not None for d in t.shape):
+        return _check_op_call(*tensors, *options)
+    key = (*map(_metadata, tensors), *options)
+    spec = _SPEC_CACHE.get(key)
+    if spec is None:
+        spec = _check_op_call(*tensors, *options)
+        if len(_SPEC_CACHE) >= 256:  # many distinct shapes: start over
+            _SPEC_CACHE.clear()
+        _SPEC_CACHE[key] = spec
+    return spec
+
+
+def _check_op_call(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, window_left,
+                   window_right, bottom_right, softcap, scale, dropout_p, max_seqlen_q,
+                   max_seqlen_k, deterministic) -> AttentionSpec:  # fmt: skip
     varlen = cu_seqlens_q is not None
     return check_call(
         q, k, v, window=(window_left, window_right),
@@ -133,29 +161,56 @@ def _backward_fake(grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes, cu
     )
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, bias, alibi, cu_q, cu_k, rng_state, *options = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, bias, alibi, cu_q, cu_k, rng_state)
-    ctx.options = options
+class _Attention(torch.autograd.Function):
+    """Autograd for the forward op, as a Function around the two custom ops (the pattern
+    flash-attn uses). torch.compile traces through it into the ops. Registering autograd
+    on the op itself (torch.library's register_autograd) cost ~120 us of host time per
+    call in torch's argument re-binding, more than the whole kernel at small shapes.
+
+    Inputs: the op's tensors with repeats replaced by None, ``same_as`` (for each, the
+    index of the earlier identical tensor, or -1), then the op's options. Dynamo rejects
+    a Function given one tensor twice (cu_seqlens_q is cu_seqlens_k in self-attention,
+    q is k is v in some tests); the repeats' gradients are summed into the first."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, alibi, cu_q, cu_k, rng_state, same_as, *options):
+        tensors = [q, k, v, bias, alibi, cu_q, cu_k, rng_state]
+        tensors = [t if j < 0 else tensors[j] for t, j in zip(tensors, same_as)]
+        out, lse = torch.ops.memattn.forward(*tensors, *options)
+        ctx.save_for_backward(*tensors, out, lse)
+        ctx.same_as = same_as
+        ctx.options = options
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, bias, alibi, cu_q, cu_k, rng_state, out, lse = ctx.saved_tensors
+        same_as = ctx.same_as
+        needs = [bool(ctx.needs_input_grad[i if same_as[i] < 0 else same_as[i]])
+                 for i in range(4)]  # fmt: skip
+        *options, deterministic = ctx.options
+        deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        grads = list(torch.ops.memattn.backward(
+            grad_out, grad_lse, q, k, v, out, lse, bias, alibi, cu_q, cu_k, rng_state,
+            *options, deterministic, needs,
+        ))  # fmt: skip
+        grads = [g if need else None for g, need in zip(grads, needs)]
+        for i in range(4):
+            if same_as[i] >= 0 and grads[i] is not None:
+                grads[same_as[i]] = grads[same_as[i]] + grads[i]
+                grads[i] = None
+        return (*grads, *([None] * (len(ctx.options) + 5)))
 
 
-def _forward_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, bias, alibi, cu_q, cu_k, rng_state = ctx.saved_tensors
-    needs = [bool(n) for n in ctx.needs_input_grad[:4]]
-    *options, deterministic = ctx.options
-    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
-    if grad_out is None:
-        grad_out = torch.zeros_like(out)
-    dq, dk, dv, dbias = torch.ops.memattn.backward(
-        grad_out, grad_lse, q, k, v, out, lse, bias, alibi, cu_q, cu_k, rng_state,
-        *options, deterministic, needs,
-    )  # fmt: skip
-    grads = [g if need else None for g, need in zip((dq, dk, dv, dbias), needs)]
-    return (*grads, *([None] * (len(ctx.options) + 4)))
-
-
-_forward_op.register_autograd(_forward_backward, setup_context=_setup_context)
+def _without_repeats(tensors: list) -> tuple[list, tuple[int, ...]]:
+    """``tensors`` with each repeat of an earlier tensor replaced by None, and for each
+    the index of that earlier tensor (-1 for a first occurrence or None)."""
+    same_as = []
+    for i, t in enumerate(tensors):
+        same_as.append(next((j for j in range(i) if t is not None and tensors[j] is t), -1))
+    return [None if j >= 0 else t for t, j in zip(tensors, same_as)], tuple(same_as)
 
 
 # ------------------------------------------------------------------ the Python entry points
@@ -198,8 +253,9 @@ def forward(
         max_seqlen_k=max_seqlen_k, deterministic=deterministic,
     )  # fmt: skip
     rng = _check_rng_state(rng_state, spec) if spec.dropout_p > 0 else None
-    out, lse = torch.ops.memattn.forward(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                                         rng, *_op_options(spec))  # fmt: skip
+    tensors, same_as = _without_repeats(
+        [q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng])
+    out, lse = _Attention.apply(*tensors, same_as, *_op_options(spec))
     if rng is None:
         rng = torch.empty(0, dtype=torch.int64, device=spec.device)
     return out, lse, rng

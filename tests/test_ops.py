@@ -39,9 +39,26 @@ def op_args(case: Case, requires_grad: bool):
 @cpu_only
 @pytest.mark.parametrize("case", OPCHECK_CASES, ids=lambda c: c.name)
 def test_opcheck_forward(case):
-    torch.library.opcheck(torch.ops.memattn.forward.default, op_args(case, requires_grad=True),
-                          test_utils=("test_schema", "test_faketensor",
-                                      "test_autograd_registration"))  # fmt: skip
+    """Schema and fake implementation. Autograd lives in ops._Attention, around the op
+    (not registered on it), and is tested through memattn.attention."""
+    torch.library.opcheck(torch.ops.memattn.forward.default, op_args(case, requires_grad=False),
+                          test_utils=("test_schema", "test_faketensor"))  # fmt: skip
+
+
+@cpu_only
+def test_op_spec_is_memoised_on_metadata_and_options():
+    """The op's re-check is cached; a call differing in any option or tensor layout
+    gets its own spec."""
+    case = OPCHECK_CASES[0]
+    args = op_args(case, requires_grad=False)
+    first = memattn.ops._op_spec(*args[:7], *args[8:])
+    assert memattn.ops._op_spec(*args[:7], *args[8:]) is first
+    options = list(args[8:])
+    options[4] = options[4] * 0.5  # scale
+    other = memattn.ops._op_spec(*args[:7], *options)
+    assert other is not first and other.scale == first.scale * 0.5
+    q_t = args[0].transpose(0, 1).contiguous().transpose(0, 1)  # same shape, other strides
+    assert memattn.ops._op_spec(q_t, *args[1:7], *args[8:]) is not first
 
 
 @cpu_only
@@ -235,3 +252,22 @@ def test_cuda_graph_varlen_backward_gpu():
     graph.replay()
     for a, b in zip(static, eager):
         assert torch.equal(a, b)
+
+
+@cpu_only
+def test_one_tensor_as_q_k_and_v():
+    """The same tensor as q, k and v: its gradient is the sum of the three, eager and
+    under torch.compile (which rejects a Function given one tensor twice)."""
+    x = make_inputs(Case("qkv", bias=None, kv_heads=4, dqk=24, dv=24, seqlen_q=19,
+                         seqlen_k=19), torch.float32, DEVICE).q.requires_grad_(True)
+    y = x.detach().clone().requires_grad_(True)
+    out = memattn.attention(x, x, x, causal=True)
+    (g,) = torch.autograd.grad(out.square().sum(), [x])
+    q, k, v = (y.clone() for _ in range(3))
+    ref = memattn.attention(q, k, v, causal=True)
+    (g_ref,) = torch.autograd.grad(ref.square().sum(), [y])
+    torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-6)
+    compiled = torch.compile(lambda t: memattn.attention(t, t, t, causal=True),
+                             fullgraph=True, backend="aot_eager")
+    (g_compiled,) = torch.autograd.grad(compiled(x).square().sum(), [x])
+    torch.testing.assert_close(g_compiled, g_ref, rtol=1e-5, atol=1e-6)
