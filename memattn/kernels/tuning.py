@@ -10,7 +10,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from ..spec import AttentionSpec
 
@@ -29,7 +28,7 @@ def interpreting() -> bool:
 
 def padded_head_dim(d: int) -> int:
     """Head dims are padded to a power of two, at least 16 (tl.dot's minimum)."""
-    return max(16, triton.next_power_of_2(d))
+    return max(16, 1 << (d - 1).bit_length())  # plain Python: this runs on every call
 
 
 # Set by tools and benchmarks to try other configurations; None uses the table.
