@@ -568,7 +568,7 @@ def backward(
     qkv_strides = (*dense_strides(q, spec.varlen), *dense_strides(k, spec.varlen),
                    *dense_strides(v, spec.varlen), *dense_strides(grad_out, spec.varlen))
 
-    cfg = tuning.backward_config(spec)
+    configs = tuning.backward_configs(spec)
     delta = torch.empty_like(lse)
     num_m_delta = triton.cdiv(spec.seqlen_q, 64)
     _delta_kernel[(num_m_delta * spec.batch * spec.heads,)](
@@ -590,7 +590,7 @@ def backward(
         db_buf, db_strides, db_rows, db_cols, db_atomic = _dbias_buffer(bias, spec)
     dq_from_ds = (need_dq and need_dbias and _holds_full_ds(db_buf, spec)
                   and db_buf.dtype == q.dtype)
-    dq_atomic = (need_dq and run_dkdv and not dq_from_ds and cfg.dq_atomic
+    dq_atomic = (need_dq and run_dkdv and not dq_from_ds and configs[0].dq_atomic
                  and not spec.deterministic)
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if dq_atomic else None
 
@@ -598,20 +598,24 @@ def backward(
         if dk is None:  # only dbias asked for: dK/dV go to scratch
             dk, dv = torch.empty_like(k), torch.empty_like(v)
             need_dk = need_dv = False
-        num_n = triton.cdiv(spec.seqlen_k, cfg.block_n_dkdv)
-        _dkdv_kernel[(num_n * spec.batch * spec.kv_heads,)](
-            q, k, v, grad_out, lse, delta, bias, db_buf, alibi_slopes, rng,
-            cu_seqlens_q, cu_seqlens_k, dk, dv, dq_acc, *qkv_strides,
-            *lse_strides(lse, spec.varlen), *bias_strides(bias, spec), *db_strides,
-            *alibi_strides(alibi_slopes), *dense_strides(dk, spec.varlen),
-            *dense_strides(dv, spec.varlen),
-            *(dense_strides(dq_acc, spec.varlen) if dq_atomic else (0, 0, 0, 0)),
-            spec.heads, spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_n,
-            *options, BLOCK_M=cfg.block_m_dkdv, BLOCK_N=cfg.block_n_dkdv,
-            HAS_DBIAS=need_dbias, DBIAS_ROWS=db_rows, DBIAS_COLS=db_cols,
-            DBIAS_ATOMIC=db_atomic, DQ_ATOMIC=dq_atomic,
-            num_warps=cfg.num_warps_dkdv, num_stages=cfg.num_stages_dkdv, **common,
-        )  # fmt: skip
+
+        def launch_dkdv(c: tuning.BackwardConfig):
+            num_n = triton.cdiv(spec.seqlen_k, c.block_n_dkdv)
+            _dkdv_kernel[(num_n * spec.batch * spec.kv_heads,)](
+                q, k, v, grad_out, lse, delta, bias, db_buf, alibi_slopes, rng,
+                cu_seqlens_q, cu_seqlens_k, dk, dv, dq_acc, *qkv_strides,
+                *lse_strides(lse, spec.varlen), *bias_strides(bias, spec), *db_strides,
+                *alibi_strides(alibi_slopes), *dense_strides(dk, spec.varlen),
+                *dense_strides(dv, spec.varlen),
+                *(dense_strides(dq_acc, spec.varlen) if dq_atomic else (0, 0, 0, 0)),
+                spec.heads, spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_n,
+                *options, BLOCK_M=c.block_m_dkdv, BLOCK_N=c.block_n_dkdv,
+                HAS_DBIAS=need_dbias, DBIAS_ROWS=db_rows, DBIAS_COLS=db_cols,
+                DBIAS_ATOMIC=db_atomic, DQ_ATOMIC=dq_atomic,
+                num_warps=c.num_warps_dkdv, num_stages=c.num_stages_dkdv, **common,
+            )  # fmt: skip
+
+        tuning.launch_fitting("dkdv", spec, configs, launch_dkdv)
         if dq_atomic:
             dq.copy_(dq_acc)
         if dq_from_ds:
@@ -628,13 +632,18 @@ def backward(
             dv = None
 
     if need_dq and not (dq_atomic or dq_from_ds):
-        num_m = triton.cdiv(spec.seqlen_q, cfg.block_m_dq)
-        _dq_kernel[(num_m * spec.batch * spec.heads,)](
-            q, k, v, grad_out, lse, delta, bias, alibi_slopes, rng, cu_seqlens_q, cu_seqlens_k,
-            dq, *qkv_strides, *lse_strides(lse, spec.varlen), *bias_strides(bias, spec),
-            *alibi_strides(alibi_slopes), *dense_strides(dq, spec.varlen),
-            spec.heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_m, *options,
-            BLOCK_M=cfg.block_m_dq, BLOCK_N=cfg.block_n_dq,
-            num_warps=cfg.num_warps_dq, num_stages=cfg.num_stages_dq, **common,
-        )  # fmt: skip
+
+        def launch_dq(c: tuning.BackwardConfig):
+            num_m = triton.cdiv(spec.seqlen_q, c.block_m_dq)
+            _dq_kernel[(num_m * spec.batch * spec.heads,)](
+                q, k, v, grad_out, lse, delta, bias, alibi_slopes, rng, cu_seqlens_q,
+                cu_seqlens_k, dq, *qkv_strides, *lse_strides(lse, spec.varlen),
+                *bias_strides(bias, spec), *alibi_strides(alibi_slopes),
+                *dense_strides(dq, spec.varlen),
+                spec.heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_m, *options,
+                BLOCK_M=c.block_m_dq, BLOCK_N=c.block_n_dq,
+                num_warps=c.num_warps_dq, num_stages=c.num_stages_dq, **common,
+            )  # fmt: skip
+
+        tuning.launch_fitting("dq", spec, configs, launch_dq)
     return dq, dk, dv, dbias

@@ -256,25 +256,27 @@ def forward(
     if out.numel() == 0 or spec.seqlen_q == 0:
         return out, lse.fill_(float("-inf"))
 
-    cfg = tuning.forward_config(spec)
-    num_m_blocks = triton.cdiv(spec.seqlen_q, cfg.block_m)
-    grid = (num_m_blocks * spec.batch * spec.heads,)
-    _fwd_kernel[grid](
-        q, k, v, out, lse, bias, alibi_slopes, rng_state, cu_seqlens_q, cu_seqlens_k,
-        *dense_strides(q, spec.varlen), *dense_strides(k, spec.varlen),
-        *dense_strides(v, spec.varlen), *dense_strides(out, spec.varlen),
-        *lse_strides(lse, spec.varlen), *bias_strides(bias, spec), *alibi_strides(alibi_slopes),
-        spec.heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_m_blocks,
-        spec.scale, spec.softcap, spec.window_left, spec.window_right, spec.dropout_p,
-        DQK=spec.head_dim_qk, DV=spec.head_dim_v,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_DQK=tuning.padded_head_dim(spec.head_dim_qk),
-        BLOCK_DV=tuning.padded_head_dim(spec.head_dim_v),
-        IS_VARLEN=spec.varlen, BOTTOM_RIGHT=spec.bottom_right,
-        BOUNDED_LEFT=spec.window_left >= 0, BOUNDED_RIGHT=spec.window_right >= 0,
-        HAS_BIAS=bias is not None, HAS_ALIBI=alibi_slopes is not None,
-        HAS_SOFTCAP=spec.softcap > 0, HAS_DROPOUT=spec.dropout_p > 0,
-        DOT_PRECISION=dot_precision(spec.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+    def launch(cfg: tuning.Config):
+        num_m_blocks = triton.cdiv(spec.seqlen_q, cfg.block_m)
+        _fwd_kernel[(num_m_blocks * spec.batch * spec.heads,)](
+            q, k, v, out, lse, bias, alibi_slopes, rng_state, cu_seqlens_q, cu_seqlens_k,
+            *dense_strides(q, spec.varlen), *dense_strides(k, spec.varlen),
+            *dense_strides(v, spec.varlen), *dense_strides(out, spec.varlen),
+            *lse_strides(lse, spec.varlen), *bias_strides(bias, spec),
+            *alibi_strides(alibi_slopes),
+            spec.heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_m_blocks,
+            spec.scale, spec.softcap, spec.window_left, spec.window_right, spec.dropout_p,
+            DQK=spec.head_dim_qk, DV=spec.head_dim_v,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_DQK=tuning.padded_head_dim(spec.head_dim_qk),
+            BLOCK_DV=tuning.padded_head_dim(spec.head_dim_v),
+            IS_VARLEN=spec.varlen, BOTTOM_RIGHT=spec.bottom_right,
+            BOUNDED_LEFT=spec.window_left >= 0, BOUNDED_RIGHT=spec.window_right >= 0,
+            HAS_BIAS=bias is not None, HAS_ALIBI=alibi_slopes is not None,
+            HAS_SOFTCAP=spec.softcap > 0, HAS_DROPOUT=spec.dropout_p > 0,
+            DOT_PRECISION=dot_precision(spec.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+
+    tuning.launch_fitting("forward", spec, tuning.forward_configs(spec), launch)
     return out, lse

@@ -35,6 +35,14 @@ def padded_head_dim(d: int) -> int:
 forward_override: Config | None = None
 
 
+def forward_configs(spec: AttentionSpec) -> tuple[Config, ...]:
+    """The table's configuration, then smaller ones for GPUs it does not fit."""
+    first = forward_config(spec)
+    if forward_override is not None or interpreting():
+        return (first,)
+    return (first, *(c for c in FORWARD_FALLBACKS if c != first))
+
+
 def forward_config(spec: AttentionSpec) -> Config:
     if forward_override is not None:
         return forward_override
@@ -84,6 +92,14 @@ INTERPRETER_BACKWARD = BackwardConfig(16, 32, 1, 1, 32, 16, 1, 1)
 backward_override: BackwardConfig | None = None
 
 
+def backward_configs(spec: AttentionSpec) -> tuple[BackwardConfig, ...]:
+    """The table's configuration, then smaller ones for GPUs it does not fit."""
+    first = backward_config(spec)
+    if backward_override is not None or interpreting():
+        return (first,)
+    return (first, *(c for c in BACKWARD_FALLBACKS if c != first))
+
+
 def backward_config(spec: AttentionSpec) -> BackwardConfig:
     if backward_override is not None:
         return backward_override
@@ -108,3 +124,36 @@ def backward_config(spec: AttentionSpec) -> BackwardConfig:
             return BackwardConfig(32, 128, 8, 3, 128, 64, 8, 3)
         return BackwardConfig(64, 128, 8, 3, 128, 64, 8, 3)
     return BackwardConfig(64, 64, 8, 2, 128, 32, 8, 2)
+
+
+# The table is tuned on an H100 (227 KiB of shared memory per block). An A100 has 163,
+# consumer GPUs 99: where a table entry does not fit, these are tried in order.
+FORWARD_FALLBACKS = (Config(64, 64, 4, 2), Config(64, 32, 4, 1), Config(32, 16, 4, 1))
+BACKWARD_FALLBACKS = (
+    BackwardConfig(64, 64, 4, 1, 64, 64, 4, 1),
+    BackwardConfig(32, 32, 4, 1, 32, 32, 4, 1),
+    BackwardConfig(16, 32, 4, 1, 32, 16, 4, 1),
+)
+_too_big: set[tuple] = set()  # (kernel, spec, config) that raised OutOfResources
+
+
+def launch_fitting(kernel: str, spec: AttentionSpec, configs, launch):
+    """Calls ``launch(config)`` with the first of ``configs`` the GPU can run, and
+    returns that config. Triton raises OutOfResources before launching a kernel that
+    needs more shared memory (or registers) than the device has; such a config is
+    remembered for this spec and kernel and skipped from then on. The last config is
+    always tried, so that a call nothing fits raises Triton's own error."""
+    from triton.runtime.errors import OutOfResources
+
+    for i, config in enumerate(configs):
+        key = (kernel, spec, config)
+        if key in _too_big and i < len(configs) - 1:
+            continue
+        try:
+            launch(config)
+            return config
+        except OutOfResources:
+            if i == len(configs) - 1:
+                raise
+            _too_big.add(key)
+    raise AssertionError("unreachable: the last config returns or raises")
