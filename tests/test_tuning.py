@@ -53,7 +53,8 @@ def test_launch_fitting_raises_when_nothing_fits():
             tuning.launch_fitting("test-none", spec, configs, launch)
 
 
-@pytest.mark.parametrize("options", [{}, {"causal": True, "dropout_p": 0.1}], ids=["plain", "causal"])
+@pytest.mark.parametrize("options", [{}, {"causal": True, "dropout_p": 0.1}],
+                         ids=["plain", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_table_then_smaller_fallbacks(monkeypatch, head_dim, options):
     monkeypatch.setattr(tuning, "interpreting", lambda: False)
