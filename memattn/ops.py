@@ -5,8 +5,8 @@ validate through ``spec.check_call`` (every user-facing error, raised before any
 kernel) and call the custom ops ``torch.ops.memattn.forward``/``backward`` with the
 normalised options of the spec, the forward through an autograd.Function. The custom
 ops (torch.library, with fake implementations for torch.compile) re-check shapes and
-launch the kernels. Dropout's rng state is drawn in Python, before the op, so that an op's result
-depends on its inputs alone.
+launch the kernels. Dropout's rng state is drawn in Python, before the op, so that an
+op's result depends on its inputs alone.
 """
 
 from __future__ import annotations
@@ -164,8 +164,9 @@ def _backward_fake(grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes, cu
 class _Attention(torch.autograd.Function):
     """Autograd for the forward op, as a Function around the two custom ops (the pattern
     flash-attn uses). torch.compile traces through it into the ops. Registering autograd
-    on the op itself (torch.library's register_autograd) cost ~120 us of host time per
-    call in torch's argument re-binding, more than the whole kernel at small shapes.
+    on the op itself (torch.library's register_autograd) cost ~150 us of host time per
+    call (measured on the CPU) in torch's argument re-binding, more than the whole
+    kernel at small shapes.
 
     Inputs: the op's tensors with repeats replaced by None, ``same_as`` (for each, the
     index of the earlier identical tensor, or -1), then the op's options. Dynamo rejects

@@ -44,7 +44,7 @@ from .forward import (
     alibi_strides,
     bias_strides,
     dense_strides,
-    dot_precision,
+    feature_switches,
     lse_strides,
 )
 
@@ -553,16 +553,7 @@ def backward(
             dbias = torch.zeros_like(bias)
         return (*zero, dbias)
 
-    common = dict(
-        DQK=spec.head_dim_qk, DV=spec.head_dim_v,
-        BLOCK_DQK=tuning.padded_head_dim(spec.head_dim_qk),
-        BLOCK_DV=tuning.padded_head_dim(spec.head_dim_v),
-        IS_VARLEN=spec.varlen, BOTTOM_RIGHT=spec.bottom_right,
-        BOUNDED_LEFT=spec.window_left >= 0, BOUNDED_RIGHT=spec.window_right >= 0,
-        HAS_BIAS=bias is not None, HAS_ALIBI=alibi_slopes is not None,
-        HAS_SOFTCAP=spec.softcap > 0, HAS_DROPOUT=spec.dropout_p > 0,
-        DOT_PRECISION=dot_precision(spec.dtype),
-    )  # fmt: skip
+    common = feature_switches(spec, bias, alibi_slopes)
     options = (spec.scale, spec.softcap, spec.window_left, spec.window_right, spec.dropout_p)
     rng = rng_state if spec.dropout_p > 0 else None
     qkv_strides = (*dense_strides(q, spec.varlen), *dense_strides(k, spec.varlen),

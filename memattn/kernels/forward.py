@@ -208,6 +208,20 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
+def feature_switches(spec: AttentionSpec, bias, alibi_slopes) -> dict:
+    """The compile-time switches every attention kernel takes, named alike in all."""
+    return dict(
+        DQK=spec.head_dim_qk, DV=spec.head_dim_v,
+        BLOCK_DQK=tuning.padded_head_dim(spec.head_dim_qk),
+        BLOCK_DV=tuning.padded_head_dim(spec.head_dim_v),
+        IS_VARLEN=spec.varlen, BOTTOM_RIGHT=spec.bottom_right,
+        BOUNDED_LEFT=spec.window_left >= 0, BOUNDED_RIGHT=spec.window_right >= 0,
+        HAS_BIAS=bias is not None, HAS_ALIBI=alibi_slopes is not None,
+        HAS_SOFTCAP=spec.softcap > 0, HAS_DROPOUT=spec.dropout_p > 0,
+        DOT_PRECISION=dot_precision(spec.dtype),
+    )  # fmt: skip
+
+
 def bias_strides(bias: torch.Tensor | None, spec: AttentionSpec) -> tuple[int, int, int, int]:
     """Strides of bias broadcast to (B, H, Sq, Sk): 0 along broadcast dimensions, so
     the kernel reads the original tensor and no expanded copy is made."""
@@ -266,16 +280,9 @@ def forward(
             *alibi_strides(alibi_slopes),
             spec.heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_m_blocks,
             spec.scale, spec.softcap, spec.window_left, spec.window_right, spec.dropout_p,
-            DQK=spec.head_dim_qk, DV=spec.head_dim_v,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            BLOCK_DQK=tuning.padded_head_dim(spec.head_dim_qk),
-            BLOCK_DV=tuning.padded_head_dim(spec.head_dim_v),
-            IS_VARLEN=spec.varlen, BOTTOM_RIGHT=spec.bottom_right,
-            BOUNDED_LEFT=spec.window_left >= 0, BOUNDED_RIGHT=spec.window_right >= 0,
-            HAS_BIAS=bias is not None, HAS_ALIBI=alibi_slopes is not None,
-            HAS_SOFTCAP=spec.softcap > 0, HAS_DROPOUT=spec.dropout_p > 0,
-            DOT_PRECISION=dot_precision(spec.dtype),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **feature_switches(spec, bias, alibi_slopes),
         )  # fmt: skip
 
     tuning.launch_fitting("forward", spec, tuning.forward_configs(spec), launch)

@@ -31,23 +31,18 @@ def padded_head_dim(d: int) -> int:
     return max(16, 1 << (d - 1).bit_length())  # plain Python: this runs on every call
 
 
+# Under the interpreter: small tiles, so that tests at odd sizes cross several.
+INTERPRETER_FORWARD = Config(32, 16, 1, 1)
+
 # Set by tools and benchmarks to try other configurations; None uses the table.
 forward_override: Config | None = None
-
-
-def forward_configs(spec: AttentionSpec) -> tuple[Config, ...]:
-    """The table's configuration, then smaller ones for GPUs it does not fit."""
-    first = forward_config(spec)
-    if forward_override is not None or interpreting():
-        return (first,)
-    return (first, *(c for c in FORWARD_FALLBACKS if c != first))
 
 
 def forward_config(spec: AttentionSpec) -> Config:
     if forward_override is not None:
         return forward_override
     if interpreting():
-        return Config(block_m=32, block_n=16, num_warps=1, num_stages=1)
+        return INTERPRETER_FORWARD
     d = max(padded_head_dim(spec.head_dim_qk), padded_head_dim(spec.head_dim_v))
     wide = spec.dtype == torch.float32  # twice the shared memory per tile
     # H100 sweeps (PERFORMANCE.md, v2 and v3): the best correct configuration per head
@@ -92,14 +87,6 @@ INTERPRETER_BACKWARD = BackwardConfig(16, 32, 1, 1, 32, 16, 1, 1)
 backward_override: BackwardConfig | None = None
 
 
-def backward_configs(spec: AttentionSpec) -> tuple[BackwardConfig, ...]:
-    """The table's configuration, then smaller ones for GPUs it does not fit."""
-    first = backward_config(spec)
-    if backward_override is not None or interpreting():
-        return (first,)
-    return (first, *(c for c in BACKWARD_FALLBACKS if c != first))
-
-
 def backward_config(spec: AttentionSpec) -> BackwardConfig:
     if backward_override is not None:
         return backward_override
@@ -134,6 +121,25 @@ BACKWARD_FALLBACKS = (
     BackwardConfig(32, 32, 4, 1, 32, 32, 4, 1),
     BackwardConfig(16, 32, 4, 1, 32, 16, 4, 1),
 )
+
+
+def forward_configs(spec: AttentionSpec) -> tuple[Config, ...]:
+    """The table's configuration, then smaller ones for GPUs it does not fit."""
+    return _with_fallbacks(forward_config(spec), forward_override, FORWARD_FALLBACKS)
+
+
+def backward_configs(spec: AttentionSpec) -> tuple[BackwardConfig, ...]:
+    """The table's configuration, then smaller ones for GPUs it does not fit."""
+    return _with_fallbacks(backward_config(spec), backward_override, BACKWARD_FALLBACKS)
+
+
+def _with_fallbacks(first, override, fallbacks) -> tuple:
+    # An override (a sweep, a benchmark) must see its own config fail, not a fallback.
+    if override is not None or interpreting():
+        return (first,)
+    return (first, *(c for c in fallbacks if c != first))
+
+
 _too_big: set[tuple] = set()  # (kernel, spec, config) that raised OutOfResources
 
 
