@@ -5,11 +5,15 @@ validate through ``spec.check_call`` (every user-facing error, raised before any
 kernel) and call the custom ops ``torch.ops.memattn.forward``/``backward`` with the
 normalised options of the spec, the forward through an autograd.Function. The custom
 ops (torch.library, with fake implementations for torch.compile) re-check shapes and
-launch the kernels. Dropout's rng state is drawn in Python, before the op, so that an
+launch the kernels. Eager calls on plain tensors skip the dispatcher and run the ops'
+bodies directly with the spec already checked (``_skips_dispatcher``): the same code,
+without ~100s of microseconds of host time per call. Dropout's rng state is drawn in Python, before the op, so that an
 op's result depends on its inputs alone.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import Tensor
@@ -21,9 +25,11 @@ from .spec import AttentionSpec, check_call, output_shapes
 def require_runnable(device: torch.device) -> None:
     """CPU tensors run through Triton's interpreter, which is chosen when Triton
     decorates a kernel: TRITON_INTERPRET=1 must be set before memattn's kernels load."""
+    if device.type != "cpu":
+        return
     from .kernels.tuning import interpreting
 
-    if device.type == "cpu" and not interpreting():
+    if not interpreting():
         raise RuntimeError(
             "memattn runs CPU tensors through Triton's interpreter: set TRITON_INTERPRET=1 "
             "in the environment before importing memattn, or use CUDA tensors"
@@ -111,6 +117,12 @@ def _forward_op(
     spec = _op_spec(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, window_left,
                     window_right, bottom_right, softcap, scale, dropout_p, max_seqlen_q,
                     max_seqlen_k, deterministic)  # fmt: skip
+    return _run_forward(spec, q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                        rng_state)  # fmt: skip
+
+
+def _run_forward(spec, q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state):
+    """The forward op's body, given its checked spec."""
     require_runnable(spec.device)
     from .kernels import forward as _fwd
 
@@ -141,12 +153,32 @@ def _backward_op(
     spec = _op_spec(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, window_left,
                     window_right, bottom_right, softcap, scale, dropout_p, max_seqlen_q,
                     max_seqlen_k, deterministic)  # fmt: skip
+    grads = _run_backward(spec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes,
+                          cu_seqlens_q, cu_seqlens_k, rng_state, needs)  # fmt: skip
+    return tuple(q.new_empty(0) if g is None else g for g in grads)
+
+
+def _run_backward(spec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes,
+                  cu_seqlens_q, cu_seqlens_k, rng_state, needs) -> tuple:  # fmt: skip
+    """The backward op's body, given its checked spec: (dq, dk, dv, dbias), None for a
+    gradient not needed."""
     require_runnable(spec.device)
     from .kernels import backward as _bwd
 
-    grads = _bwd.backward(spec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes,
-                          cu_seqlens_q, cu_seqlens_k, rng_state, tuple(needs))  # fmt: skip
-    return tuple(q.new_empty(0) if g is None else g for g in grads)
+    return _bwd.backward(spec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes,
+                         cu_seqlens_q, cu_seqlens_k, rng_state, tuple(needs))  # fmt: skip
+
+
+def _skips_dispatcher(tensors) -> bool:
+    """Whether a call may run the op bodies directly instead of through PyTorch's
+    dispatcher: plain tensors, nothing tracing (torch.compile, export) and no
+    dispatch or torch-function mode (FakeTensorMode, DeviceContext, ...) to honour.
+    The dispatcher's Python layers (autograd key, redispatch, backend wrapper, dynamo's
+    disable guard) cost more host time per call than a small shape's kernels."""
+    return (not torch.compiler.is_compiling()
+            and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._is_torch_function_mode_enabled()
+            and all(t is None or type(t) is Tensor for t in tensors))  # fmt: skip
 
 
 @_backward_op.register_fake
@@ -169,17 +201,23 @@ class _Attention(torch.autograd.Function):
     kernel at small shapes.
 
     Inputs: the op's tensors with repeats replaced by None, ``same_as`` (for each, the
-    index of the earlier identical tensor, or -1), then the op's options. Dynamo rejects
+    index of the earlier identical tensor, or -1), the checked spec where the call may
+    skip the dispatcher (None: go through the ops), then the op's options. Dynamo rejects
     a Function given one tensor twice (cu_seqlens_q is cu_seqlens_k in self-attention,
     q is k is v in some tests); the repeats' gradients are summed into the first."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, alibi, cu_q, cu_k, rng_state, same_as, *options):
+    def forward(ctx, q, k, v, bias, alibi, cu_q, cu_k, rng_state, same_as, spec, *options):
         tensors = [q, k, v, bias, alibi, cu_q, cu_k, rng_state]
         tensors = [t if j < 0 else tensors[j] for t, j in zip(tensors, same_as)]
-        out, lse = torch.ops.memattn.forward(*tensors, *options)
+        if spec is not None:
+            out, lse = _run_forward(spec, *tensors)
+        else:
+            out, lse = torch.ops.memattn.forward(*tensors, *options)
         ctx.save_for_backward(*tensors, out, lse)
+        ctx.set_materialize_grads(False)  # an unused lse gets None, not a zero-filled tensor
         ctx.same_as = same_as
+        ctx.spec = spec
         ctx.options = options
         return out, lse
 
@@ -193,25 +231,29 @@ class _Attention(torch.autograd.Function):
         deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        grads = list(torch.ops.memattn.backward(
-            grad_out, grad_lse, q, k, v, out, lse, bias, alibi, cu_q, cu_k, rng_state,
-            *options, deterministic, needs,
-        ))  # fmt: skip
+        args = (grad_out, grad_lse, q, k, v, out, lse, bias, alibi, cu_q, cu_k, rng_state)
+        if ctx.spec is not None and _skips_dispatcher(args):
+            spec = ctx.spec
+            if deterministic and not spec.deterministic:
+                spec = dataclasses.replace(spec, deterministic=True)
+            grads = list(_run_backward(spec, *args, needs))
+        else:
+            grads = list(torch.ops.memattn.backward(*args, *options, deterministic, needs))
         grads = [g if need else None for g, need in zip(grads, needs)]
         for i in range(4):
             if same_as[i] >= 0 and grads[i] is not None:
                 grads[same_as[i]] = grads[same_as[i]] + grads[i]
                 grads[i] = None
-        return (*grads, *([None] * (len(ctx.options) + 5)))
+        return (*grads, *([None] * (len(ctx.options) + 6)))
 
 
 def _without_repeats(tensors: list) -> tuple[list, tuple[int, ...]]:
     """``tensors`` with each repeat of an earlier tensor replaced by None, and for each
     the index of that earlier tensor (-1 for a first occurrence or None)."""
-    same_as = []
-    for i, t in enumerate(tensors):
-        same_as.append(next((j for j in range(i) if t is not None and tensors[j] is t), -1))
-    return [None if j >= 0 else t for t, j in zip(tensors, same_as)], tuple(same_as)
+    first: dict[int, int] = {}
+    same_as = tuple(-1 if t is None or first.setdefault(id(t), i) == i else first[id(t)]
+                    for i, t in enumerate(tensors))  # fmt: skip
+    return [None if j >= 0 else t for t, j in zip(tensors, same_as)], same_as
 
 
 # ------------------------------------------------------------------ the Python entry points
@@ -256,7 +298,8 @@ def forward(
     rng = _check_rng_state(rng_state, spec) if spec.dropout_p > 0 else None
     tensors, same_as = _without_repeats(
         [q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng])
-    out, lse = _Attention.apply(*tensors, same_as, *_op_options(spec))
+    direct = spec if _skips_dispatcher(tensors) else None
+    out, lse = _Attention.apply(*tensors, same_as, direct, *_op_options(spec))
     if rng is None:
         rng = torch.empty(0, dtype=torch.int64, device=spec.device)
     return out, lse, rng
@@ -332,8 +375,12 @@ def backward(
         rng = _check_rng_state(rng_state, spec)
     *options, det = _op_options(spec)
     det = det or torch.are_deterministic_algorithms_enabled()
-    grads = torch.ops.memattn.backward(
-        grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-        rng, *options, det, list(needs),
-    )  # fmt: skip
+    args = (grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q,
+            cu_seqlens_k, rng)  # fmt: skip
+    if _skips_dispatcher(args):
+        if det != spec.deterministic:
+            spec = dataclasses.replace(spec, deterministic=det)
+        grads = _run_backward(spec, *args, needs)
+    else:
+        grads = torch.ops.memattn.backward(*args, *options, det, list(needs))
     return tuple(g if need else None for g, need in zip(grads, needs))

@@ -1,6 +1,8 @@
 """The custom ops: torch.library checks, fake tensors, torch.compile, CUDA graphs, and
 the gradient through lse."""
 
+import contextlib
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -93,6 +95,63 @@ def test_fake_tensor_shapes_every_option(case):
         fake = torch.ops.memattn.forward(*fake_in, *_op_options(spec))
     for r, f in zip(real, fake):
         assert r.shape == f.shape and r.dtype == f.dtype
+
+
+def _count_op_calls(monkeypatch) -> list:
+    """Counts calls into the custom ops' bodies (their shared spec re-check)."""
+    calls = []
+    real = memattn.ops._op_spec
+
+    def counting(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(memattn.ops, "_op_spec", counting)
+    return calls
+
+
+@cpu_only
+def test_eager_calls_skip_the_dispatcher(monkeypatch):
+    """Plain eager calls, forward and backward, run the op bodies directly."""
+    calls = _count_op_calls(monkeypatch)
+    x = make_inputs(OPCHECK_CASES[0], torch.float32, DEVICE, seed=3)
+    q, k, v = (t.requires_grad_() for t in (x.q, x.k, x.v))
+    out, lse, _ = memattn.ops.forward(q, k, v, causal=True)
+    (out.sum() + lse.sum()).backward()
+    memattn.ops.backward(torch.ones_like(out), q, k, v, out.detach(), lse.detach(), causal=True)
+    assert calls == []
+
+
+@cpu_only
+def test_modes_go_through_the_ops_and_agree(monkeypatch):
+    """Under a torch-function mode (here torch.device's) the call goes through the
+    custom ops, which give the same result as the direct path, forward and backward."""
+    x = make_inputs(OPCHECK_CASES[1], torch.float32, DEVICE, seed=4)
+    results = []
+    for through_ops in (False, True):
+        calls = _count_op_calls(monkeypatch)
+        q, k, v, bias = (t.detach().clone().requires_grad_() for t in
+                         (x.q, x.k, x.v, x.kwargs["bias"]))  # fmt: skip
+        kwargs = {**x.kwargs, "bias": bias, "rng_state": torch.tensor([7, 0])}
+        with torch.device(DEVICE) if through_ops else contextlib.nullcontext():
+            out, lse, _ = memattn.ops.forward(q, k, v, **kwargs)
+            (out.square().sum() + lse.sum()).backward()
+        results.append((out, lse, q.grad, k.grad, v.grad, bias.grad))
+        assert len(calls) == (2 if through_ops else 0)  # the forward op, the backward op
+    for direct, through_ops in zip(*results):
+        torch.testing.assert_close(direct, through_ops, rtol=0, atol=0)
+
+
+@cpu_only
+def test_fake_tensor_mode_runs_the_fake_implementation():
+    """memattn.attention under FakeTensorMode (as torch.export or meta-device model
+    initialisation trace it) gives fake outputs of the right shapes, no kernel runs."""
+    with FakeTensorMode():
+        q = torch.randn(2, 9, 4, 16)
+        k = torch.randn(2, 11, 2, 16)
+        v = torch.randn(2, 11, 2, 8)
+        out = memattn.attention(q, k, v, causal=True)
+    assert out.shape == (2, 9, 4, 8) and out.dtype == torch.float32
 
 
 class Block(torch.nn.Module):
