@@ -6,6 +6,7 @@ computes bfloat16 dots wrongly). GPU (`pytest -m gpu`): real sizes, bfloat16/flo
 
 import zlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -80,6 +81,42 @@ def test_bias_finfo_min_rows_average():
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[0, 3], v.mean(dim=1)[0], atol=1e-5, rtol=1e-5)
     assert torch.equal(out[0, 5], torch.zeros_like(out[0, 5]))
+
+
+def _philox_4x32_10(seed: int, counter: np.ndarray) -> np.ndarray:
+    """Philox-4x32-10 (Salmon et al., SC'11) in NumPy: counter (..., 4) uint32 words,
+    the 64-bit seed as the key. Written from the paper, independent of Triton's."""
+    c = [counter[..., i].astype(np.uint64) for i in range(4)]
+    k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
+    mask = np.uint64(0xFFFFFFFF)
+    for _ in range(10):
+        p0 = np.uint64(0xD2511F53) * c[0]
+        p2 = np.uint64(0xCD9E8D57) * c[2]
+        c = [(p2 >> np.uint64(32)) ^ c[1] ^ k0, p2 & mask,
+             (p0 >> np.uint64(32)) ^ c[3] ^ k1, p0 & mask]  # fmt: skip
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & mask, (k1 + np.uint64(0xBB67AE85)) & mask
+    return np.stack(c, axis=-1).astype(np.uint32)
+
+
+@cpu_only
+def test_dropout_mask_is_the_documented_philox_stream():
+    """The keep bits are what kernels/common.py: dropout_keep documents: key 8g + 4i +
+    2j + h of (b, h, query) takes half h of word 2j + i of Philox((g, query, b*H + h,
+    offset), seed), kept when >= round(p * 2**16). Checked against NumPy's Philox."""
+    seed, offset, p = 0x1234_5678_9ABC_DEF0, 12345, 0.3
+    batch, heads, sq, sk = 2, 3, 5, 40
+    keep = memattn.dropout_mask(torch.tensor([seed, offset]), p, batch, heads, sq, sk)
+    bh, query, group = np.meshgrid(np.arange(batch * heads), np.arange(sq),
+                                   np.arange(sk // 8), indexing="ij")  # fmt: skip
+    counter = np.stack([group, query, bh, np.full_like(bh, offset)], axis=-1).astype(np.uint32)
+    words = _philox_4x32_10(seed, counter)  # (BH, Sq, Sk/8, 4)
+    halves = np.stack([words & 0xFFFF, words >> 16], axis=-1)  # (..., word, half)
+    key = np.arange(8)
+    i, j, h = key // 4, (key // 2) % 2, key % 2
+    uniforms = halves[..., 2 * j + i, h]  # (BH, Sq, Sk/8, 8)
+    expected = uniforms.reshape(batch, heads, sq, sk) >= round(p * 65536)
+    assert keep.shape == expected.shape
+    assert np.array_equal(keep.numpy(), expected)
 
 
 @cpu_only

@@ -181,22 +181,25 @@ def add_bias_alibi_log2(
 @triton.jit
 def dropout_keep(seed, rng_offset, bh, offs_m, start_n, dropout_p, BLOCK_N: tl.constexpr):
     """(M, BLOCK_N) bool keep tile for head bh = b * H + h, query positions offs_m and
-    the keys start_n + [0, BLOCK_N) (positions inside the sequence; start_n % 4 == 0).
+    the keys start_n + [0, BLOCK_N) (positions inside the sequence; start_n % 8 == 0).
 
-    Counter-based Philox: the counter is (key // 4, query, b*H + h, offset) and the key
-    the 64-bit seed. One Philox call gives four 32-bit outputs, used for four adjacent
-    keys (key % 4 == 2i + j takes output 2j + i, the order tl.join lays them out in), so
-    the backward regenerates the forward's mask bit for bit, in any tiling.
+    Counter-based Philox-4x32-10: the counter is (key // 8, query, b*H + h, offset), the
+    key the 64-bit seed. One call gives four 32-bit words, eight 16-bit uniforms: key
+    8g + 4i + 2j + h takes half h (0: the low half) of word 2j + i, the order the nested
+    tl.join lays them out in. A key is kept when its uniform is >= round(p * 2**16), so
+    the drop probability is p rounded to a multiple of 2**-16 (1.5e-5), and the backward
+    regenerates the forward's mask bit for bit, in any tiling. Eight keys per call (one, then
+    four, before) because Philox's integer work, not the matmuls, bounded the dropout
+    kernels.
     """
-    groups = start_n // 4 + tl.arange(0, BLOCK_N // 4)
+    groups = start_n // 8 + tl.arange(0, BLOCK_N // 8)
     c0 = (groups[None, :] + tl.zeros_like(offs_m)[:, None]).to(tl.uint32)
     c1 = (offs_m[:, None] + tl.zeros_like(groups)[None, :]).to(tl.uint32)
     c2 = (tl.zeros_like(c1) + bh).to(tl.uint32)
     c3 = (tl.zeros_like(c1) + rng_offset).to(tl.uint32)  # offset < 2**31 by design
     r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c3)
-    k0 = tl.uint_to_uniform_float(r0) >= dropout_p
-    k1 = tl.uint_to_uniform_float(r1) >= dropout_p
-    k2 = tl.uint_to_uniform_float(r2) >= dropout_p
-    k3 = tl.uint_to_uniform_float(r3) >= dropout_p
-    keep = tl.join(tl.join(k0, k1), tl.join(k2, k3))  # (M, N/4, 2, 2)
+    threshold = tl.cast(dropout_p * 65536.0 + 0.5, tl.uint32)
+    low = tl.join(tl.join(r0 & 0xFFFF, r1 & 0xFFFF), tl.join(r2 & 0xFFFF, r3 & 0xFFFF))
+    high = tl.join(tl.join(r0 >> 16, r1 >> 16), tl.join(r2 >> 16, r3 >> 16))
+    keep = tl.join(low, high) >= threshold  # (M, N/8, 2, 2, 2)
     return tl.reshape(keep, (offs_m.shape[0], BLOCK_N))
