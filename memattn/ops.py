@@ -7,8 +7,8 @@ normalised options of the spec, the forward through an autograd.Function. The cu
 ops (torch.library, with fake implementations for torch.compile) re-check shapes and
 launch the kernels. Eager calls on plain tensors skip the dispatcher and run the ops'
 bodies directly with the spec already checked (``_skips_dispatcher``): the same code,
-without ~100s of microseconds of host time per call. Dropout's rng state is drawn in Python, before the op, so that an
-op's result depends on its inputs alone.
+less host time per call (PERFORMANCE.md). Dropout's rng state is drawn in Python,
+before the op, so that an op's result depends on its inputs alone.
 """
 
 from __future__ import annotations
