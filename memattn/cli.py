@@ -153,6 +153,10 @@ def main(argv=None) -> int:
                    help="only these implementations, comma-separated: memattn, "
                         "sdpa_flash, sdpa_efficient, sdpa_cudnn, flex")
     p.add_argument("--list", action="store_true", help="list the rows and exit")
+    p.add_argument("--compile-workers", type=int, default=0, metavar="N",
+                   help="first compile every row's kernels (memattn's and flex's) in N "
+                        "worker processes, into the on-disk caches; the timing then runs "
+                        "in this one process, as without it")
     args = parser.parse_args(argv)
     return {"check": check, "info": info, "bench": bench}[args.command](args)
 

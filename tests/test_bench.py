@@ -424,3 +424,24 @@ def test_importing_bench_imports_neither_triton_nor_matplotlib(fresh_import):
     out, err = fresh_import.communicate(timeout=60)
     assert fresh_import.returncode == 0, err
     assert out.strip() == "[]"
+
+
+def test_warm_caches_runs_each_impl_that_can_run_the_row_once(monkeypatch):
+    """--compile-workers' job: one forward and backward per implementation that can
+    express the row, and it survives an implementation that fails."""
+    calls = []
+
+    def fake(name):
+        def run(row, t):
+            calls.append(name)
+            if name == "sdpa_cudnn":
+                raise RuntimeError("No available kernel")
+            return (t.q * 2).sum(dim=-1, keepdim=True).expand(*t.q.shape[:-1], row.dv)
+        return run
+
+    for name in bench.IMPLS:
+        monkeypatch.setitem(bench.IMPLS, name, fake(name))
+    row = replace(bench.FEATURE_ROWS[1], batch=1, heads=2, kv_heads=2, seqlen=8, dqk=8, dv=8)
+    assert row.dropout  # flex has no dropout: skipped
+    assert bench.warm_caches((row, list(bench.IMPLS), False, "cpu")) == row.name
+    assert calls == ["memattn", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn"]

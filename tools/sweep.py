@@ -4,7 +4,7 @@ reference first (Triton 3.6 has miscompiled some of ours), then timed with do_be
 The checks run in worker processes, which also compile every kernel variant the timing
 needs into Triton's on-disk cache; the timing then runs alone in this process.
 
-    python tools/sweep.py [--dims 64,128,256] [--only fwd|bwd] [--rows plain,causal,bias]
+    python tools/sweep.py [--dims 64,128,256] [--only fwd|bwd] [--rows plain,causal,bias,dropout]
 """
 
 import argparse
@@ -22,7 +22,8 @@ from memattn.kernels.tuning import Config as F  # noqa: E402
 FWD = {
     64: [F(128, 64, 8, 3), F(128, 128, 8, 3), F(128, 64, 4, 3), F(128, 128, 8, 2),
          F(256, 64, 8, 3), F(128, 128, 8, 4)],
-    128: [F(128, 64, 8, 4), F(256, 64, 8, 2)],
+    128: [F(128, 128, 8, 3), F(128, 64, 8, 3), F(128, 64, 8, 4), F(128, 64, 8, 2),
+          F(128, 64, 4, 3), F(64, 64, 4, 3), F(128, 32, 8, 3), F(256, 64, 8, 2)],
     256: [F(64, 64, 4, 3), F(64, 64, 4, 2), F(128, 64, 8, 2), F(128, 32, 8, 3),
           F(64, 32, 4, 3)],
 }
@@ -40,8 +41,9 @@ BWD = {
           B(32, 64, 8, 3, 64, 32, 8, 3), B(64, 64, 8, 2, 64, 32, 8, 3),
           B(64, 64, 8, 2, 128, 32, 8, 2)],
 }
-ROWS = {  # name: (causal, bias that needs a gradient)
-    "plain": (False, False), "causal": (True, False), "bias": (False, True),
+ROWS = {  # name: (causal, bias that needs a gradient, dropout_p)
+    "plain": (False, False, 0.0), "causal": (True, False, 0.0), "bias": (False, True, 0.0),
+    "dropout": (False, False, 0.1),
 }
 
 
@@ -53,11 +55,11 @@ def _install(cfg):
     tuning.forward_override = cfg if isinstance(cfg, F) else None
 
 
-def _inputs(d, causal, bias, tokens=16384, seqlen=4096):
+def _inputs(d, causal, bias, dropout_p, tokens=16384, seqlen=4096):
     b, h = tokens // seqlen, 2048 // d
     q, k, v = (torch.randn(b, seqlen, h, d, device="cuda", dtype=torch.bfloat16,
                            requires_grad=True) for _ in range(3))
-    kwargs = dict(causal=causal)
+    kwargs = dict(causal=causal, dropout_p=dropout_p)
     if bias:
         kwargs["bias"] = torch.randn(b, h, seqlen, seqlen, device="cuda",
                                      dtype=torch.bfloat16, requires_grad=True)
@@ -80,6 +82,9 @@ def check_and_compile(job):
         if "bias" in rows:
             checks.append(Case(f"D{d} bias", batch=2, heads=4, seqlen_q=555, seqlen_k=800,
                                dqk=d, dv=d, bias="BHQK"))
+        if "dropout" in rows:
+            checks.append(Case(f"D{d} dropout", batch=2, heads=4, seqlen_q=555, seqlen_k=800,
+                               dqk=d, dv=d, options=dict(dropout_p=0.1)))
         for case in checks:
             run = check_backward if bwd else check_forward
             bad = [r for r in run(case, torch.bfloat16, "cuda") if not r.passed]
