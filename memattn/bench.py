@@ -527,7 +527,9 @@ def warm_caches(job: tuple[Row, list[str], bool, str]) -> str:
             continue
         try:
             out = IMPLS[impl](row, t)
-            out.backward(torch.randn_like(out))
+            # retain_graph as measure() runs it: AOTAutograd compiles flex's backward
+            # with donated buffers otherwise, and the cached graph then refuses it.
+            out.backward(torch.randn_like(out), retain_graph=True)
         except Exception:  # noqa: BLE001 - as above
             pass
         t.memo.clear()
