@@ -250,10 +250,11 @@ class _Attention(torch.autograd.Function):
 def _without_repeats(tensors: list) -> tuple[list, tuple[int, ...]]:
     """``tensors`` with each repeat of an earlier tensor replaced by None, and for each
     the index of that earlier tensor (-1 for a first occurrence or None)."""
-    first: dict[int, int] = {}
-    same_as = tuple(-1 if t is None or first.setdefault(id(t), i) == i else first[id(t)]
-                    for i, t in enumerate(tensors))  # fmt: skip
-    return [None if j >= 0 else t for t, j in zip(tensors, same_as)], same_as
+    same_as = [-1] * len(tensors)
+    for i, t in enumerate(tensors):  # `is`, not id(): dynamo cannot trace id() of a tensor
+        if t is not None:
+            same_as[i] = next((j for j in range(i) if tensors[j] is t), -1)
+    return [None if j >= 0 else t for t, j in zip(tensors, same_as)], tuple(same_as)
 
 
 # ------------------------------------------------------------------ the Python entry points
