@@ -798,7 +798,7 @@ def run(args, rows: list[Row], impls: list[str], device="cuda", console=None) ->
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TimeRemainingColumn())  # fmt: skip
     with Progress(*columns, console=console) as progress:
-        if getattr(args, "compile_workers", 0) > 0:
+        if args.compile_workers > 0:
             compile_in_workers(rows, impls, args.quick, args.compile_workers, device,
                                progress)  # fmt: skip
         results = collect(rows, impls, args.quick, device, progress, on_row=row_done)
@@ -821,6 +821,8 @@ def main(args) -> int:
     try:
         rows = select_rows(args.quick, args.rows)
         impls = select_impls(args.impls)
+        if args.compile_workers < 0:
+            raise ValueError(f"--compile-workers must be >= 0, got {args.compile_workers}")
     except ValueError as e:
         print(f"memattn bench: {e}", file=sys.stderr)
         return 2

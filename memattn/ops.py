@@ -232,19 +232,24 @@ class _Attention(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         args = (grad_out, grad_lse, q, k, v, out, lse, bias, alibi, cu_q, cu_k, rng_state)
-        if ctx.spec is not None and _skips_dispatcher(args):
-            spec = ctx.spec
-            if deterministic and not spec.deterministic:
-                spec = dataclasses.replace(spec, deterministic=True)
-            grads = list(_run_backward(spec, *args, needs))
-        else:
-            grads = list(torch.ops.memattn.backward(*args, *options, deterministic, needs))
+        grads = _call_backward(ctx.spec, args, options, deterministic, needs)
         grads = [g if need else None for g, need in zip(grads, needs)]
         for i in range(4):
             if same_as[i] >= 0 and grads[i] is not None:
                 grads[same_as[i]] = grads[same_as[i]] + grads[i]
                 grads[i] = None
         return (*grads, *([None] * (len(ctx.options) + 6)))
+
+
+def _call_backward(spec, args, options, deterministic: bool, needs) -> tuple:
+    """The backward op on ``args`` (its tensors, in schema order): its body directly
+    when the call may skip the dispatcher and ``spec`` (the checked call) is given,
+    the custom op otherwise. Gradients not needed are None or empty."""
+    if spec is not None and _skips_dispatcher(args):
+        if deterministic != spec.deterministic:  # torch.use_deterministic_algorithms
+            spec = dataclasses.replace(spec, deterministic=deterministic)
+        return _run_backward(spec, *args, needs)
+    return torch.ops.memattn.backward(*args, *options, deterministic, list(needs))
 
 
 def _without_repeats(tensors: list) -> tuple[list, tuple[int, ...]]:
@@ -378,10 +383,5 @@ def backward(
     det = det or torch.are_deterministic_algorithms_enabled()
     args = (grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q,
             cu_seqlens_k, rng)  # fmt: skip
-    if _skips_dispatcher(args):
-        if det != spec.deterministic:
-            spec = dataclasses.replace(spec, deterministic=det)
-        grads = _run_backward(spec, *args, needs)
-    else:
-        grads = torch.ops.memattn.backward(*args, *options, det, list(needs))
+    grads = _call_backward(spec, args, options, det, needs)
     return tuple(g if need else None for g, need in zip(grads, needs))

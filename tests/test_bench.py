@@ -312,7 +312,7 @@ def fake_run(tmp_path_factory):
     (the real inputs' shapes, a 2 GiB bias included, and no memory)."""
     tmp = tmp_path_factory.mktemp("bench")
     args = argparse.Namespace(quick=True, json=str(tmp / "b.json"), plot=str(tmp / "b.png"),
-                              rows=None, impls=None)  # fmt: skip
+                              rows=None, impls=None, compile_workers=0)  # fmt: skip
     console = Console(file=io.StringIO(), width=250, record=True)
     with pytest.MonkeyPatch.context() as mp:
         for name in bench.IMPLS:
@@ -412,6 +412,8 @@ def test_bench_without_cuda_exits_with_a_message(monkeypatch, capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
     assert cli.main(["bench", "--rows", "nothing"]) == 2
     assert "matches no row" in capsys.readouterr().err
+    assert cli.main(["bench", "--compile-workers", "-1"]) == 2
+    assert "--compile-workers must be >= 0, got -1" in capsys.readouterr().err
 
 
 def test_bench_list_runs_anywhere(capsys):

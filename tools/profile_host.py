@@ -9,12 +9,11 @@ import torch
 
 import memattn
 
-device = "cuda" if torch.cuda.is_available() else "cpu"
-b, s, h, d = (16, 1024, 16, 128) if device == "cuda" else (1, 16, 1, 16)
-q, k, v = (torch.randn(b, s, h, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+b, s, h, d = 16, 1024, 16, 128
+q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
            for _ in range(3))
 grad = torch.randn_like(q)
-calls = 200 if device == "cuda" else 5
+calls = 200
 
 
 def forward():
@@ -27,7 +26,7 @@ for name, fn in [("forward, autograd recording", forward),
                  ("forward, no grad", lambda: torch.no_grad()(forward)()),
                  ("forward + backward", lambda: forward().backward(grad))]:
     fn()
-    torch.cuda.synchronize() if device == "cuda" else None
+    torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()

@@ -187,10 +187,9 @@ def dropout_keep(seed, rng_offset, bh, offs_m, start_n, dropout_p, BLOCK_N: tl.c
     key the 64-bit seed. One call gives four 32-bit words, eight 16-bit uniforms: key
     8g + 4i + 2j + h takes half h (0: the low half) of word 2j + i, the order the nested
     tl.join lays them out in. A key is kept when its uniform is >= round(p * 2**16), so
-    the drop probability is p rounded to a multiple of 2**-16 (1.5e-5), and the backward
-    regenerates the forward's mask bit for bit, in any tiling. Eight keys per call (one, then
-    four, before) because Philox's integer work, not the matmuls, bounded the dropout
-    kernels.
+    the drop probability is p rounded to a multiple of 2**-16 (1.5e-5). The backward
+    regenerates the forward's mask bit for bit, in any tiling. Eight keys per call (one,
+    then four, before): the integer work of Philox weighed on the dropout kernels.
     """
     groups = start_n // 8 + tl.arange(0, BLOCK_N // 8)
     c0 = (groups[None, :] + tl.zeros_like(offs_m)[:, None]).to(tl.uint32)
