@@ -12,6 +12,7 @@ import torch
 
 import memattn
 from memattn.check import FEATURE_CASES, Case, check_forward, gpu_sized
+from memattn.kernels import forward_sm90
 
 from .conftest import DEVICE
 
@@ -187,6 +188,38 @@ def test_long_sequences_gpu(options, dtype):
     case = Case("S=8192", batch=1, heads=2, kv_heads=1, seqlen_q=8192, seqlen_k=8192,
                 dqk=128, dv=128, bias="1HQK", options=options)
     assert_results(check_forward(case, dtype, "cuda", seed=5))
+
+
+# Calls the Hopper kernel (kernels/forward_sm90.py) takes: edges of its tile ring and
+# masks at sizes that cross several 128-row blocks and 128-key tiles.
+HOPPER_CASES = [
+    Case("D64 Sq=777 Sk=1030", seqlen_q=777, seqlen_k=1030, dqk=64, dv=64),
+    Case("D128 causal", seqlen_q=1531, seqlen_k=1531, dqk=128, dv=128,
+         options=dict(causal=True)),
+    Case("causal bottom-right Sq>Sk", seqlen_q=1000, seqlen_k=300, dqk=128, dv=128,
+         options=dict(causal=True, align="bottom_right")),
+    Case("window (200, 0)", seqlen_q=900, seqlen_k=900, dqk=128, dv=128,
+         options=dict(window=(200, 0))),
+    Case("window (0, 0)", seqlen_q=300, seqlen_k=300, dqk=64, dv=64,
+         options=dict(window=(0, 0))),
+    Case("GQA 8:2 transposed causal", heads=8, kv_heads=2, seqlen_q=700, seqlen_k=700,
+         dqk=128, dv=128, layout="transposed", options=dict(causal=True)),
+    Case("one key", seqlen_q=300, seqlen_k=1, dqk=64, dv=64),
+    Case("one tile", seqlen_q=100, seqlen_k=128, dqk=128, dv=128),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: c.name)
+def test_hopper_kernel_gpu(case, dtype, monkeypatch):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is built for Hopper (sm_90)")
+    launched = []
+    run = forward_sm90.forward
+    monkeypatch.setattr(forward_sm90, "forward", lambda *a: launched.append(1) or run(*a))
+    assert_results(check_forward(case, dtype, "cuda", seed=7))
+    assert launched, "the call fell back to forward.py"
 
 
 @pytest.mark.gpu

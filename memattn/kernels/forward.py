@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ..spec import AttentionSpec, output_shapes
-from . import tuning
+from . import forward_sm90, tuning
 from .common import (
     LN2,
     add_bias_alibi_log2,
@@ -269,6 +269,9 @@ def forward(
     lse = new_output(lse_shape, torch.float32, q.device)
     if out.numel() == 0 or spec.seqlen_q == 0:
         return out, lse.fill_(float("-inf"))
+    if forward_sm90.supports(spec, q, k, v, bias, alibi_slopes):
+        forward_sm90.forward(spec, q, k, v, out, lse)
+        return out, lse
 
     def launch(cfg: tuning.Config):
         num_m_blocks = triton.cdiv(spec.seqlen_q, cfg.block_m)
