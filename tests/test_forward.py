@@ -209,12 +209,27 @@ HOPPER_CASES = [
 ]
 
 
+@pytest.mark.parametrize(
+    "seqlen_q, seqlen_k, options, keys",
+    [(4096, 4096, {}, 4096), (4096, 4096, dict(causal=True), 2048),
+     (2048, 2048, dict(causal=True), 1024), (4096, 4096, dict(window=(1024, 0)), 1025),
+     (100, 8192, dict(causal=True, align="bottom_right"), 4096),
+     (4096, 300, dict(window=(5000, 7)), 300)],
+)  # fmt: skip
+def test_keys_per_query_estimate(seqlen_q, seqlen_k, options, keys):
+    q = torch.empty(1, seqlen_q, 1, 64)
+    k = torch.empty(1, seqlen_k, 1, 64)
+    spec = memattn.spec.check_call(q, k, k, **options)
+    assert forward_sm90.keys_per_query(spec) == keys
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: c.name)
 def test_hopper_kernel_gpu(case, dtype, monkeypatch):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is built for Hopper (sm_90)")
+    monkeypatch.setattr(forward_sm90, "MIN_KEYS_PER_QUERY", 0)  # small sizes run it too
     launched = []
     run = forward_sm90.forward
     monkeypatch.setattr(forward_sm90, "forward", lambda *a: launched.append(1) or run(*a))

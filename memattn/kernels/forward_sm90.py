@@ -238,9 +238,28 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 enabled = True
 
 
+# The kernel pays more per program than forward.py (partition start-up, Q's load and the
+# output store are not overlapped with other work), so it wins only when each query
+# sees enough keys: v5's bench (PERFORMANCE.md) had it 1.3-1.7x ahead at S >= 4096 and
+# up to 0.6x behind at S <= 1024 causal and with a 1024-key window.
+MIN_KEYS_PER_QUERY = 2048
+
+
+def keys_per_query(spec: AttentionSpec) -> int:
+    """Keys a query sees, roughly: all of Sk, the window's width when both sides are
+    bounded, half of Sk plus the bounded side when one is (a causal mask)."""
+    left, right = spec.window_left, spec.window_right
+    if left >= 0 and right >= 0:
+        return min(spec.seqlen_k, left + right + 1)
+    if left >= 0 or right >= 0:
+        return min(spec.seqlen_k, spec.seqlen_k // 2 + max(left, right))
+    return spec.seqlen_k
+
+
 def supports(spec: AttentionSpec, q, k, v, bias, alibi_slopes) -> bool:
-    """True where this kernel runs the call: a Hopper GPU, and only the features above,
-    on tensors TMA can read (unit last stride, 16-byte aligned base and strides)."""
+    """True where this kernel runs the call: a Hopper GPU, only the features above, on
+    tensors TMA can read (unit last stride, 16-byte aligned base and strides), with
+    enough keys per query to pay for its start-up."""
     if not (enabled and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
         return False
     if spec.dtype not in _GL_DTYPES or spec.varlen or bias is not None or spec.seqlen_k == 0:
@@ -248,6 +267,8 @@ def supports(spec: AttentionSpec, q, k, v, bias, alibi_slopes) -> bool:
     if alibi_slopes is not None or spec.softcap > 0 or spec.dropout_p > 0:
         return False
     if spec.head_dim_qk != spec.head_dim_v or spec.head_dim_qk not in (64, 128):
+        return False
+    if keys_per_query(spec) < MIN_KEYS_PER_QUERY:
         return False
     return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
                and all(s % 8 == 0 for s in t.stride()[:-1]) for t in (q, k, v))
