@@ -102,9 +102,32 @@ def main():
             except Exception as e:  # noqa: BLE001
                 failures += 1
                 print(f"FAIL {case.name} {dtype}: {type(e).__name__}: {str(e)[:2000]}")
+    failures += compile_hopper_forward()
     failures += sum(k.metadata.shared > H100_SHARED_BYTES for k in compiled.values())
     print(f"{len(compiled)} kernel variants compiled, {failures} failures")
     return 1 if failures else 0
+
+
+def compile_hopper_forward() -> int:
+    """The Gluon forward (kernels/forward_sm90.py), which the cases above never reach
+    on CPU tensors: every head dim and mask variant it takes."""
+    from memattn.kernels import forward_sm90
+    from memattn.spec import check_call
+
+    failures = 0
+    for d in (64, 128):
+        for options in ({}, dict(causal=True), dict(causal=True, align="bottom_right"),
+                        dict(window=(300, 7))):  # fmt: skip
+            q = torch.randn(2, 1000, 4, d, dtype=torch.bfloat16)
+            k = torch.randn(2, 700, 2, d, dtype=torch.bfloat16)
+            spec = check_call(q, k, k, **options)
+            try:
+                forward_sm90.forward(spec, q, k, k, torch.empty_like(q),
+                                     torch.empty(2, 4, 1000))  # fmt: skip
+            except Exception as e:  # noqa: BLE001
+                failures += 1
+                print(f"FAIL forward_sm90 D={d} {options}: {type(e).__name__}: {str(e)[:2000]}")
+    return failures
 
 
 def run_compile_only(run, x):
