@@ -89,6 +89,12 @@ def info(args) -> int:
                             f"{props.total_memory / 2**30:.0f} GiB")]  # fmt: skip
     else:
         rows += [("device", "CPU: kernels run in Triton's interpreter (slow; for tests)")]
+    from .kernels import forward_sm90
+
+    hopper = device == "cuda" and torch.cuda.get_device_capability(0)[0] == 9
+    rows += [("Hopper forward (Gluon)",
+              f"on: dense bf16/fp16, D 64/128, >= {forward_sm90.MIN_KEYS_PER_QUERY} keys per "
+              "query; the rest run the tile kernels" if hopper else "off (needs sm_90)")]
     for row in rows:
         table.add_row(*row)
     console.print(table)
