@@ -91,14 +91,15 @@ def info(args) -> int:
         rows += [("device", "CPU: kernels run in Triton's interpreter (slow; for tests)")]
     from .kernels.forward import forward_sm90  # None where Triton lacks Gluon's Hopper API
 
-    if forward_sm90 is None or not forward_sm90.enabled:
+    if forward_sm90 is None or not forward_sm90.hopper.enabled:
         hopper = "off (built for Triton 3.6's Gluon)"
     elif device == "cuda" and torch.cuda.get_device_capability(0)[0] == 9:
         hopper = (f"on: dense bf16/fp16, D 64/128, >= {forward_sm90.MIN_KEYS_PER_QUERY} "
-                  "keys per query; the rest run the tile kernels")
+                  "keys per query (forward); not deterministic (backward); the rest run the "
+                  "tile kernels")
     else:
         hopper = "off (needs sm_90)"
-    rows += [("Hopper forward (Gluon)", hopper)]
+    rows += [("Hopper kernels (Gluon)", hopper)]
     for row in rows:
         table.add_row(*row)
     console.print(table)

@@ -16,7 +16,7 @@ from memattn.kernels import backward as backward_kernels
 from memattn.kernels import tuning
 
 from .conftest import DEVICE
-from .test_forward import assert_results
+from .test_forward import HOPPER_CASES, assert_results, hopper_kernel_runs_here
 
 cpu_only = pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes; the GPU has its own")
 
@@ -247,6 +247,38 @@ def test_deterministic_three_runs_bitwise_gpu(deterministic):
     for run in runs[1:]:
         for a, b in zip(runs[0], run):
             assert torch.equal(a, b)
+
+
+@pytest.fixture
+def hopper_backward_launches(monkeypatch):
+    """Records each launch of the Gluon backward (kernels/backward_sm90.py)."""
+    if not hopper_kernel_runs_here():
+        pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
+    launched = []
+    module = backward_kernels.backward_sm90
+    run = module.backward
+    monkeypatch.setattr(module, "backward", lambda *a: launched.append(1) or run(*a))
+    return launched
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: c.name)
+def test_hopper_backward_gpu(case, dtype, hopper_backward_launches):
+    assert_results(check_backward(case, dtype, "cuda", seed=7))
+    assert hopper_backward_launches, "the call fell back to backward.py's kernels"
+
+
+@pytest.mark.gpu
+def test_deterministic_backward_skips_the_hopper_kernel_gpu(hopper_backward_launches):
+    """The Gluon backward adds dQ tiles in any order: deterministic calls run
+    backward.py, bitwise repeatable."""
+    case = Case("det plain", batch=2, heads=8, kv_heads=2, seqlen_q=1500, seqlen_k=1500,
+                dqk=128, dv=128, options=dict(causal=True, deterministic=True))
+    runs = [_gradients(case, torch.bfloat16, "cuda") for _ in range(2)]
+    assert not hopper_backward_launches
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

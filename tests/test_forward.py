@@ -190,7 +190,12 @@ def test_long_sequences_gpu(options, dtype):
     assert_results(check_forward(case, dtype, "cuda", seed=5))
 
 
-# Calls the Hopper kernel (kernels/forward_sm90.py) takes: edges of its tile ring and
+def hopper_kernel_runs_here() -> bool:
+    return (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+            and forward_sm90.hopper.enabled)
+
+
+# Calls the Hopper kernels (kernels/forward_sm90.py, backward_sm90.py) take: edges of its tile ring and
 # masks at sizes that cross several 128-row blocks and 128-key tiles.
 HOPPER_CASES = [
     Case("D64 Sq=777 Sk=1030", seqlen_q=777, seqlen_k=1030, dqk=64, dv=64),
@@ -227,8 +232,8 @@ def test_keys_per_query_estimate(seqlen_q, seqlen_k, options, keys):
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: c.name)
 def test_hopper_kernel_gpu(case, dtype, monkeypatch):
-    if torch.cuda.get_device_capability()[0] != 9 or not forward_sm90.enabled:
-        pytest.skip("the Gluon kernel is built for Hopper (sm_90) and Triton 3.6")
+    if not hopper_kernel_runs_here():
+        pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
     monkeypatch.setattr(forward_sm90, "MIN_KEYS_PER_QUERY", 0)  # small sizes run it too
     launched = []
     run = forward_sm90.forward

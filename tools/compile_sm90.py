@@ -103,9 +103,14 @@ def main():
                 failures += 1
                 print(f"FAIL {case.name} {dtype}: {type(e).__name__}: {str(e)[:2000]}")
     failures += compile_hopper_forward()
+    failures += compile_hopper_backward()
     failures += sum(k.metadata.shared > H100_SHARED_BYTES for k in compiled.values())
     print(f"{len(compiled)} kernel variants compiled, {failures} failures")
     return 1 if failures else 0
+
+
+HOPPER_MASKS = ({}, dict(causal=True), dict(causal=True, align="bottom_right"),
+                dict(window=(300, 7)))
 
 
 def compile_hopper_forward() -> int:
@@ -116,8 +121,7 @@ def compile_hopper_forward() -> int:
 
     failures = 0
     for d in (64, 128):
-        for options in ({}, dict(causal=True), dict(causal=True, align="bottom_right"),
-                        dict(window=(300, 7))):  # fmt: skip
+        for options in HOPPER_MASKS:
             q = torch.randn(2, 1000, 4, d, dtype=torch.bfloat16)
             k = torch.randn(2, 700, 2, d, dtype=torch.bfloat16)
             spec = check_call(q, k, k, **options)
@@ -127,6 +131,27 @@ def compile_hopper_forward() -> int:
             except Exception as e:  # noqa: BLE001
                 failures += 1
                 print(f"FAIL forward_sm90 D={d} {options}: {type(e).__name__}: {str(e)[:2000]}")
+    return failures
+
+
+def compile_hopper_backward() -> int:
+    """The Gluon backward (kernels/backward_sm90.py): every head dim and mask variant."""
+    from memattn.kernels import backward_sm90
+    from memattn.spec import check_call
+
+    failures = 0
+    for d in (64, 128):
+        for options in HOPPER_MASKS:
+            q = torch.randn(2, 1000, 4, d, dtype=torch.bfloat16)
+            k = torch.randn(2, 700, 2, d, dtype=torch.bfloat16)
+            spec = check_call(q, k, k, **options)
+            lse = torch.empty(2, 4, 1000)
+            try:
+                backward_sm90.backward(spec, q, k, k, q, lse, lse, torch.empty_like(q),
+                                       torch.empty_like(k), torch.empty_like(k))
+            except Exception as e:  # noqa: BLE001
+                failures += 1
+                print(f"FAIL backward_sm90 D={d} {options}: {type(e).__name__}: {str(e)[:3000]}")
     return failures
 
 

@@ -48,6 +48,11 @@ from .forward import (
     lse_strides,
 )
 
+try:  # Gluon's Hopper API (Triton 3.6); without it every call runs the kernels below
+    from . import backward_sm90
+except ImportError:
+    backward_sm90 = None
+
 
 @triton.jit
 def _delta_kernel(
@@ -571,6 +576,10 @@ def backward(
     )  # fmt: skip
     if grad_lse is not None:
         delta.sub_(grad_lse)
+    if (backward_sm90 is not None and need_dq and dk is not None
+            and backward_sm90.supports(spec, q, k, v, grad_out, bias, alibi_slopes)):
+        backward_sm90.backward(spec, q, k, v, grad_out, lse, delta, dq, dk, dv)
+        return dq, dk if need_dk else None, dv if need_dv else None, None
 
     # dQ takes one of three paths: from the dS the bias gradient already wrote (a
     # matmul), accumulated with fp32 atomics inside the dK/dV kernel (5 matmuls per

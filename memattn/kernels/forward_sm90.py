@@ -18,9 +18,6 @@ forward.py. Softcap, ALiBi, bias and dropout stay there for now.
 
 from __future__ import annotations
 
-import functools
-
-import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -31,9 +28,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..spec import AttentionSpec
+from . import hopper
 from .common import LN2, LOG2E, diagonal_offset, key_range, visible
 
 BLOCK_M = 128  # two warpgroups x 64 rows
@@ -232,13 +229,6 @@ def _fwd_sm90_kernel(
         worker_num_warps=[4, 1], worker_num_regs=[232, 24])  # fmt: skip
 
 
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-
-# Tools and tests switch this off to time or check forward.py on the same calls. Gluon's
-# API moves between Triton releases: off on any but the 3.6 line this was built on.
-enabled = triton.__version__.startswith("3.6.")
-
-
 # The kernel pays more per program than forward.py (partition start-up, Q's load and the
 # output store are not overlapped with other work), so it wins only when each query
 # sees enough keys: v5's bench (PERFORMANCE.md) had it 1.3-1.7x ahead at S >= 4096 and
@@ -258,45 +248,18 @@ def keys_per_query(spec: AttentionSpec) -> int:
 
 
 def supports(spec: AttentionSpec, q, k, v, bias, alibi_slopes) -> bool:
-    """True where this kernel runs the call: a Hopper GPU, only the features above, on
-    tensors TMA can read (unit last stride, 16-byte aligned base and strides), with
+    """True where this kernel runs the call: the calls hopper.runs_call names, with
     enough keys per query to pay for its start-up."""
-    if not (enabled and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
-        return False
-    if spec.dtype not in _GL_DTYPES or spec.varlen or bias is not None or spec.seqlen_k == 0:
-        return False
-    if alibi_slopes is not None or spec.softcap > 0 or spec.dropout_p > 0:
-        return False
-    if spec.head_dim_qk != spec.head_dim_v or spec.head_dim_qk not in (64, 128):
-        return False
-    if keys_per_query(spec) < MIN_KEYS_PER_QUERY:
-        return False
-    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-               and all(s % 8 == 0 for s in t.stride()[:-1]) for t in (q, k, v))
-
-
-@functools.cache
-def _shared_layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    # Cached: working the layout out costs ~12 µs of host time per tensor and call.
-    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
-
-
-def _descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
-    """4-D (batch, head, token, dim) view of a (B, S, H, D) tensor, one head's tile of
-    ``block_rows`` tokens per copy; TMA zero-fills past S and clips stores there."""
-    batch, seqlen, heads, dim = t.shape
-    sb, ss, sh, sd = t.stride()
-    block = (1, 1, block_rows, dim)
-    return TensorDescriptor(t, [batch, heads, seqlen, dim], [sb, sh, ss, sd], list(block),
-                            _shared_layout(block, t.dtype))  # fmt: skip
+    return (hopper.runs_call(spec, q, k, v, bias, alibi_slopes)
+            and keys_per_query(spec) >= MIN_KEYS_PER_QUERY)
 
 
 def forward(spec: AttentionSpec, q, k, v, out, lse) -> None:
     """Fills out (B, Sq, H, D) and lse (B, H, Sq) for a call `supports` accepted."""
     num_m_blocks = triton.cdiv(spec.seqlen_q, BLOCK_M)
     _fwd_sm90_kernel[(num_m_blocks * spec.batch * spec.heads,)](
-        _descriptor(q, BLOCK_M // 2), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
-        _descriptor(out, BLOCK_M // 2), lse, *lse.stride(),
+        hopper.descriptor(q, BLOCK_M // 2), hopper.descriptor(k, BLOCK_N),
+        hopper.descriptor(v, BLOCK_N), hopper.descriptor(out, BLOCK_M // 2), lse, *lse.stride(),
         spec.heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_m_blocks,
         spec.scale * LOG2E.value, spec.window_left, spec.window_right,
         HEAD_DIM=spec.head_dim_qk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES,

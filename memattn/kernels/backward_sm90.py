@@ -1,0 +1,295 @@
+"""Hopper backward kernel in Gluon, warp-specialised (FlashAttention-3's structure).
+
+backward.py's tile kernels compute dQ in a second kernel that recomputes S and dP:
+7 matmuls per (query tile, key tile) pair where the gradient needs 5. Here one program
+owns a block of 128 keys of one (batch, kv head), keeps dK and dV in registers, walks
+every query tile of its GQA group once, and adds each tile's dQ into an fp32 buffer by
+TMA reduce-add (an L2-side atomic of a whole tile). Three partitions:
+- a load warp: K and V once, then Q and dO tiles by TMA into two-stage rings, each slot
+  refilled as soon as both consumers release it (mbarriers);
+- two compute warpgroups, 64 keys each. Per query tile each computes, in the
+  transposed (keys, queries) orientation, S^T = K Q^T and dP^T = V dO^T (asynchronous
+  wgmmas), P^T and dS^T from them, dV += P^T dO and dK += dS^T Q with the
+  probabilities straight from registers, and writes dS^T to shared memory. Once both
+  halves are there (an mbarrier between the two), each computes half of dQ's columns,
+  dQ[:, half] = dS K[:, half], and sends it to the fp32 buffer.
+dS is scaled by the softmax scale before it is rounded, so dK and dQ need no later
+scaling; ``backward`` converts the fp32 dQ buffer to the output dtype.
+
+Covers what forward_sm90 covers (bf16/fp16, head dims 64 and 128, dense batches, GQA,
+causal masks either way, sliding windows) minus deterministic mode: TMA reduce-adds
+land in any order. Every other call runs backward.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ..spec import AttentionSpec
+from . import hopper
+from .common import LOG2E, diagonal_offset, query_range, visible
+
+BLOCK_N = 128  # keys per program: two warpgroups x 64
+BLOCK_M = 64  # query rows per step (registers: dK and dV take 2 * D / 2 per thread)
+STAGES = 2  # Q and dO rings
+
+
+@gluon.jit
+def _bwd_load_partition(
+    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
+    lse_smem, delta_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, b, hk, GROUP,
+    start_n, lo, n_tiles, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """One warp: K and V once, then Q (with its rows' lse) and dO (with delta) tiles of
+    every query head of the group."""
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [b, hk, start_n, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [b, hk, start_n, 0], kv_bar, v_smem)
+    for i in range(GROUP * n_tiles):
+        h = hk * GROUP + i // n_tiles
+        start_m = lo + (i % n_tiles) * BLOCK_M
+        slot = i % STAGES
+        # A slot's (i // STAGES)-th reuse waits for both consumers to release tile i - STAGES.
+        free_phase = ((i // STAGES) & 1) ^ 1
+        mbarrier.wait(q_empty.index(slot), free_phase, pred=i >= STAGES)
+        mbarrier.expect(q_ready.index(slot),
+                        q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], q_ready.index(slot),
+                                        q_smem.index(slot))
+        tma.async_copy_global_to_shared(lse_desc, [b, h, start_m], q_ready.index(slot),
+                                        lse_smem.index(slot))
+        mbarrier.wait(do_empty.index(slot), free_phase, pred=i >= STAGES)
+        mbarrier.expect(do_ready.index(slot),
+                        do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [b, h, start_m, 0], do_ready.index(slot),
+                                        do_smem.index(slot))
+        tma.async_copy_global_to_shared(delta_desc, [b, h, start_m], do_ready.index(slot),
+                                        delta_smem.index(slot))
+
+
+@gluon.jit
+def _bwd_compute_partition(
+    dq_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar,
+    q_ready, do_ready, q_empty, do_empty, ds_bar, b, hk, GROUP, start_n, lo, full_lo,
+    full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right,
+    HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
+    BOUNDED_RIGHT: gl.constexpr,
+):  # fmt: skip
+    """One warpgroup: keys [start_n + HALF * 64, + 64) against every query tile."""
+    dtype: gl.constexpr = k_smem.dtype
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    HALF_D: gl.constexpr = HEAD_DIM // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    cols_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    row0 = start_n + HALF * HALF_N
+    offs_n = row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
+    k_all = k_smem.reshape([BLOCK_N, HEAD_DIM])
+    k_half = k_all.slice(HALF * HALF_N, HALF_N, dim=0)
+    v_half = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(HALF * HALF_N, HALF_N, dim=0)
+    k_cols = k_all.slice(HALF * HALF_D, HALF_D, dim=1)  # dQ's columns this warpgroup makes
+    dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=kv_layout)
+    dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=kv_layout)
+    scale_log2 = scale * LOG2E
+    mbarrier.wait(kv_bar, 0)
+
+    for i in range(GROUP * n_tiles):
+        h = hk * GROUP + i // n_tiles
+        start_m = lo + (i % n_tiles) * BLOCK_M
+        offs_m = start_m + gl.arange(0, BLOCK_M, layout=cols_layout)
+        slot = i % STAGES
+        phase = (i // STAGES) & 1
+        mbarrier.wait(q_ready.index(slot), phase)
+        q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        # Zero accumulators made here, not held across the loop: registers are short.
+        s_init = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
+        s = warpgroup_mma(k_half, q.permute((1, 0)), s_init, use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(slot), phase)
+        do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        dp = warpgroup_mma(v_half, do.permute((1, 0)), s_init, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s,))
+
+        lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
+        if (start_m < full_lo) | (start_m >= full_hi):
+            mask = visible(offs_m[None, :], offs_n[:, None], seqlen_k, off, window_left,
+                           window_right, BOUNDED_LEFT, BOUNDED_RIGHT)
+            s = gl.where(mask, s, float("-inf"))
+        p = gl.exp2(s * scale_log2 - lse2[None, :])
+        dp = warpgroup_mma_wait(0, deps=(dp,))
+        delta = delta_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
+        ds = p * (dp - delta[None, :]) * scale
+
+        p_op = gl.convert_layout(p.to(dtype), op_layout)
+        dv = warpgroup_mma(p_op, do, dv, is_async=True)
+        ds_lo = ds.to(dtype)
+        ds_op = gl.convert_layout(ds_lo, op_layout)
+        dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+
+        # dS^T to shared memory; once both halves are there, dQ's columns of this half.
+        ds_buf = ds_smem.index(i % 2)
+        ds_buf.slice(HALF * HALF_N, HALF_N, dim=0).store(ds_lo)
+        fence_async_shared()
+        mbarrier.arrive(ds_bar)
+        mbarrier.wait(ds_bar, i & 1)
+        dq_init = gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=dq_layout)
+        dq = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, dq_init, use_acc=False,
+                           is_async=True)
+        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq, p_op, ds_op))
+        mbarrier.arrive(q_empty.index(slot))
+        mbarrier.arrive(do_empty.index(slot))
+
+        tma.store_wait(0)  # the last reduce has read dq_smem (one thread issued it)
+        gl.thread_barrier()
+        dq_buf = dq_smem.index(HALF)
+        dq_buf.reshape([BLOCK_M, HALF_D]).store(dq)
+        fence_async_shared()
+        hopper.tma_reduce_add(dq_desc, [b, h, start_m, HALF * HALF_D], dq_buf)
+    tma.store_wait(0)
+
+    # dK and dV of this half's keys, by plain stores: once per program.
+    out_rows = row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv_layout))
+    out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+    ok = (out_rows < seqlen_k)[:, None] & (out_cols < HEAD_DIM)[None, :]
+    rows64 = out_rows.to(gl.int64)[:, None]
+    dk_ptrs = (DK + b.to(gl.int64) * stride_kb + hk.to(gl.int64) * stride_kh
+               + rows64 * stride_kn + out_cols[None, :])
+    gl.store(dk_ptrs, dk.to(dtype), mask=ok)
+    dv_ptrs = (DV + b.to(gl.int64) * stride_vb + hk.to(gl.int64) * stride_vh
+               + rows64 * stride_vn + out_cols[None, :])
+    gl.store(dv_ptrs, dv.to(dtype), mask=ok)
+
+
+@gluon.jit
+def _bwd_sm90_kernel(
+    q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, DK, DV,
+    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    HKV, GROUP, seqlen_q, seqlen_k, num_n_blocks, scale, window_left, window_right,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
+    BOUNDED_RIGHT: gl.constexpr,
+):  # fmt: skip
+    # Key blocks of one head back to back, first first: with a causal mask (top-left)
+    # they see the most queries, so the longest programs start earliest.
+    pid = gl.program_id(0)
+    bhk = pid // num_n_blocks
+    start_n = (pid % num_n_blocks) * BLOCK_N
+    b = bhk // HKV
+    hk = bhk % HKV
+    off = diagonal_offset(seqlen_q, seqlen_k, BOTTOM_RIGHT)
+    lo, full_lo, full_hi, hi = query_range(
+        start_n, seqlen_q, seqlen_k, off, window_left, window_right,
+        BLOCK_M, BLOCK_N, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+    n_tiles = gl.cdiv(hi - lo, BLOCK_M)
+
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape,
+                                        do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape,
+                                        dq_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape,
+                                         lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape,
+                                           delta_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(ds_bar, count=2)  # both warpgroups' halves of dS written
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # one arrival per compute warpgroup
+        mbarrier.init(do_empty.index(i), count=2)
+
+    # Tuples built inline: constexprs stored in a variable first would turn into tensors.
+    gl.warp_specialize(
+        [(_bwd_compute_partition, (
+            dq_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+            q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar,
+            q_ready, do_ready, q_empty, do_empty, ds_bar, b, hk, GROUP, start_n, lo, full_lo,
+            full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right,
+            0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, BOUNDED_LEFT, BOUNDED_RIGHT)),
+         (_bwd_compute_partition, (
+            dq_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+            q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar,
+            q_ready, do_ready, q_empty, do_empty, ds_bar, b, hk, GROUP, start_n, lo, full_lo,
+            full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right,
+            1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, BOUNDED_LEFT, BOUNDED_RIGHT)),
+         (_bwd_load_partition, (
+            q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
+            v_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, b, hk,
+            GROUP, start_n, lo, n_tiles, BLOCK_M, STAGES))],
+        worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
+
+
+def supports(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes) -> bool:
+    """True where this kernel runs the call: the calls hopper.runs_call names, not in
+    deterministic mode, with grad_out TMA-readable too."""
+    return (not spec.deterministic and hopper.runs_call(spec, q, k, v, bias, alibi_slopes)
+            and hopper.tma_readable(grad_out))
+
+
+def _row_stats(lse: torch.Tensor, delta: torch.Tensor, rows: int):
+    """TMA descriptors over (lse * log2(e), delta), rows padded to 16 bytes. A row that
+    sees no key has lse = -inf: +inf there makes its P 0, not NaN. Reading past Sq
+    gives zeros, harmless: such rows have Q = dO = 0."""
+    batch, heads, seqlen = lse.shape
+    padded = triton.cdiv(seqlen, 4) * 4
+    stats = torch.empty(2, batch, heads, padded, dtype=torch.float32, device=lse.device)
+    lse2, delta2 = stats[0, :, :, :seqlen], stats[1, :, :, :seqlen]
+    torch.mul(lse, LOG2E.value, out=lse2)
+    lse2.masked_fill_(lse == float("-inf"), float("inf"))
+    delta2.copy_(delta)
+    block = (1, 1, rows)
+    layout = hopper.shared_layout(block, torch.float32)
+    return [TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), layout)
+            for t in (lse2, delta2)]
+
+
+def backward(spec: AttentionSpec, q, k, v, grad_out, lse, delta, dq, dk, dv) -> None:
+    """Fills dq, dk, dv for a call `supports` accepted; delta = rowsum(dO * O) (minus
+    any lse gradient), as backward.py's preprocess computes it."""
+    half_d = spec.head_dim_qk // 2
+    dq_acc = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device)
+    num_n = triton.cdiv(spec.seqlen_k, BLOCK_N)
+    # K's tile is sliced by columns for dQ: its swizzle may not span more than a half.
+    k_swizzle = min(128, half_d * k.element_size())
+    _bwd_sm90_kernel[(num_n * spec.batch * spec.kv_heads,)](
+        hopper.descriptor(q, BLOCK_M), hopper.descriptor(k, BLOCK_N, swizzle=k_swizzle),
+        hopper.descriptor(v, BLOCK_N), hopper.descriptor(grad_out, BLOCK_M),
+        hopper.descriptor(dq_acc, BLOCK_M, cols=half_d), *_row_stats(lse, delta, BLOCK_M),
+        dk, dv, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1),
+        dv.stride(2), spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_n,
+        spec.scale, spec.window_left, spec.window_right,
+        HEAD_DIM=spec.head_dim_qk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
+        BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
+        BOUNDED_RIGHT=spec.window_right >= 0, num_warps=4,
+    )  # fmt: skip
+    dq.copy_(dq_acc)

@@ -1,0 +1,77 @@
+"""What the two Gluon kernels (forward_sm90, backward_sm90) share: whether they run
+here, which calls they take, TMA descriptors over our (B, S, H, D) tensors, and the
+one Gluon builtin Triton 3.6 lacks (TMA reduce-add)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton._C.libtriton import ir
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language import _core as gl_core
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ..spec import AttentionSpec
+
+GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+
+# Tools and tests switch this off to time or check the tile kernels on the same calls.
+# Gluon's API moves between Triton releases: off on any but the 3.6 line this was built on.
+enabled = triton.__version__.startswith("3.6.")
+
+
+def tma_readable(t: torch.Tensor) -> bool:
+    """Unit last stride, 16-byte aligned base and strides: what a TMA descriptor needs."""
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(s % 8 == 0 for s in t.stride()[:-1]))
+
+
+def runs_call(spec: AttentionSpec, q, k, v, bias, alibi_slopes) -> bool:
+    """The calls both Gluon kernels take: a Hopper GPU; bf16/fp16; dense batches; head
+    dims 64 and 128, q.k and v alike; causal masks and windows but no bias, ALiBi,
+    softcap or dropout; tensors TMA can read."""
+    if not (enabled and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+        return False
+    if spec.dtype not in (torch.bfloat16, torch.float16) or spec.varlen or spec.seqlen_k == 0:
+        return False
+    if bias is not None or alibi_slopes is not None or spec.softcap > 0 or spec.dropout_p > 0:
+        return False
+    if spec.head_dim_qk != spec.head_dim_v or spec.head_dim_qk not in (64, 128):
+        return False
+    return all(tma_readable(t) for t in (q, k, v))
+
+
+@functools.cache
+def shared_layout(block: tuple[int, ...], dtype: torch.dtype,
+                  swizzle: int | None = None) -> gl.NVMMASharedLayout:
+    """The NVMMA shared layout of a TMA block: Gluon's default, or a narrower swizzle
+    (a tile sliced by columns needs one no wider than a slice). Cached: working it out
+    costs ~12 µs of host time per tensor and call."""
+    default = gl.NVMMASharedLayout.get_default_for(list(block), GL_DTYPES[dtype])
+    if swizzle is None or swizzle >= default.swizzle_byte_width:
+        return default
+    return gl.NVMMASharedLayout(swizzle, default.element_bitwidth, rank=len(block))
+
+
+def descriptor(t: torch.Tensor, rows: int, cols: int | None = None,
+               swizzle: int | None = None) -> TensorDescriptor:
+    """4-D (batch, head, token, dim) view of a (B, S, H, D) tensor; one copy moves one
+    head's ``rows`` tokens by ``cols`` (default: all D) columns. TMA zero-fills loads
+    past S and clips stores there."""
+    batch, seqlen, heads, dim = t.shape
+    sb, ss, sh, sd = t.stride()
+    block = (1, 1, rows, cols or dim)
+    return TensorDescriptor(t, [batch, heads, seqlen, dim], [sb, sh, ss, sd], list(block),
+                            shared_layout(block, t.dtype, swizzle))  # fmt: skip
+
+
+@gl_core.builtin
+def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """global[coord : coord + block] += src (cp.reduce.async.bulk.tensor, an L2-side
+    atomic of a whole tile); tma.store_wait covers it as it does a TMA store. Triton
+    3.6 builds the op, but its Gluon Hopper module has no wrapper for it yet."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD,
+                                              tensor_desc.handle, coord, src.handle)

@@ -1,0 +1,101 @@
+"""A/B the Hopper Gluon kernels (kernels/forward_sm90.py, backward_sm90.py) against
+the tile kernels (forward.py, backward.py) on the device: same inputs, errors against
+the float64 reference, do_bench medians, bf16, 16k tokens per shape.
+
+    python tools/ab_hopper.py [--pass fwd|bwd] [--dims 64,128] [--seqlens 1024,4096]
+
+Errors are relative (check.relative_error) on the first batch, at S <= 4096 (the
+float64 reference is slow beyond); TFLOP/s count 4·B·H·S²·D (fwd), 2.5× that (bwd),
+halved when causal.
+"""
+
+import argparse
+
+import torch
+import triton
+
+import memattn
+from memattn import reference
+from memattn.check import relative_error
+from memattn.kernels import forward_sm90, hopper
+
+
+def forward(q, k, v, gluon: bool, **kw):
+    hopper.enabled = gluon
+    try:
+        return memattn.attention(q, k, v, return_lse=True, **kw)
+    finally:
+        hopper.enabled = True
+
+
+def gradients(q, k, v, do, gluon: bool, **kw):
+    """(dq, dk, dv), the forward always by the same (Gluon where it runs) kernel."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = memattn.attention(q, k, v, **kw)
+    hopper.enabled = gluon
+    try:
+        return torch.autograd.grad(out, (q, k, v), do)
+    finally:
+        hopper.enabled = True
+
+
+def reference_result(q, k, v, do, backward: bool, **kw):
+    q, k, v, do = (t[:1].double().requires_grad_() for t in (q, k, v, do))
+    out, lse = reference.attention(q, k, v, return_lse=True, **kw)
+    if not backward:
+        return out, lse
+    return torch.autograd.grad(out, (q, k, v), do)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pass", dest="which", choices=("fwd", "bwd"), default="fwd")
+    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
+    args = ap.parse_args()
+    backward = args.which == "bwd"
+    forward_sm90.MIN_KEYS_PER_QUERY = 0  # A/B the kernels themselves, at every size
+    torch.manual_seed(0)
+    what = "dq/dk/dv" if backward else "out"
+    print(f"{'shape':20s} {'err tile (' + what + ')':>30s} {'err gluon':>30s} "
+          f"{'tile':>6s} {'gluon':>6s}  TFLOP/s {args.which}")
+    for d in map(int, args.dims.split(",")):
+        for s in map(int, args.seqlens.split(",")):
+            for causal in (False, True):
+                b, h = max(1, 16384 // s), 2048 // d
+                q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+                               for _ in range(4))
+                kw = dict(causal=causal)
+                if backward:
+                    def step(gluon):
+                        return gradients(q, k, v, do, gluon, **kw)
+                else:
+                    def step(gluon):
+                        return forward(q, k, v, gluon, **kw)[:1]
+                tile, gluon = step(False), step(True)
+                if s <= 4096:
+                    ref = reference_result(q, k, v, do, backward, **kw)[:len(tile)]
+                    errs = [" ".join(f"{relative_error(x[:1], r):.1e}" for x, r in zip(res, ref))
+                            for res in (tile, gluon)]
+                else:
+                    errs = ["-", "-"]
+                flops = 4 * b * h * s * s * d / (2 if causal else 1) * (2.5 if backward else 1)
+                if backward:  # the backward alone: one recorded graph, replayed
+                    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+                    out = memattn.attention(qg, kg, vg, **kw)
+                    ms = [triton.testing.do_bench(
+                        lambda g=g: (setattr(hopper, "enabled", g),
+                                     torch.autograd.grad(out, (qg, kg, vg), do,
+                                                         retain_graph=True)))
+                          for g in (False, True)]
+                    hopper.enabled = True
+                else:
+                    ms = [triton.testing.do_bench(lambda g=g: forward(q, k, v, g, **kw))
+                          for g in (False, True)]
+                name = f"D{d} S{s}{' causal' if causal else ''}"
+                print(f"{name:20s} {errs[0]:>30s} {errs[1]:>30s} "
+                      + " ".join(f"{flops / t / 1e9:6.0f}" for t in ms), flush=True)
+
+
+if __name__ == "__main__":
+    main()
