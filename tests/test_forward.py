@@ -195,8 +195,8 @@ def hopper_kernel_runs_here() -> bool:
             and forward_sm90.hopper.enabled)
 
 
-# Calls the Hopper kernels (kernels/forward_sm90.py, backward_sm90.py) take: edges of its tile ring and
-# masks at sizes that cross several 128-row blocks and 128-key tiles.
+# Calls the Hopper kernels (kernels/forward_sm90.py, backward_sm90.py) take: edges of
+# their tile rings and masks at sizes that cross several 128-row blocks and 128-key tiles.
 HOPPER_CASES = [
     Case("D64 Sq=777 Sk=1030", seqlen_q=777, seqlen_k=1030, dqk=64, dv=64),
     Case("D128 causal", seqlen_q=1531, seqlen_k=1531, dqk=128, dv=128,

@@ -145,10 +145,11 @@ def compile_hopper_backward() -> int:
             q = torch.randn(2, 1000, 4, d, dtype=torch.bfloat16)
             k = torch.randn(2, 700, 2, d, dtype=torch.bfloat16)
             spec = check_call(q, k, k, **options)
-            lse = torch.empty(2, 4, 1000)
+            lse2, delta = backward_sm90.row_stats_buffers(torch.empty(2, 4, 1000))
             try:
-                backward_sm90.backward(spec, q, k, k, q, lse, lse, torch.empty_like(q),
-                                       torch.empty_like(k), torch.empty_like(k))
+                backward_sm90.backward(spec, q, k, k, q, lse2, delta,
+                                       torch.empty(q.shape), torch.empty_like(k),
+                                       torch.empty_like(k))  # fmt: skip
             except Exception as e:  # noqa: BLE001
                 failures += 1
                 print(f"FAIL backward_sm90 D={d} {options}: {type(e).__name__}: {str(e)[:3000]}")

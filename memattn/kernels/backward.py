@@ -56,14 +56,19 @@ except ImportError:
 
 @triton.jit
 def _delta_kernel(
-    Out, DOut, Delta,
+    Out, DOut, Delta, Lse, Lse2, DQAcc,
     stride_ob, stride_om, stride_oh, stride_od,
     stride_gb, stride_gm, stride_gh, stride_gd,
     stride_lb, stride_lh, stride_lm,
+    stride_db, stride_dh, stride_dm,
+    stride_ab, stride_am, stride_ah,
     CuSeqQ, H, seqlen_q, num_m_blocks,
-    DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    DV: tl.constexpr, DQK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, FOR_SM90: tl.constexpr,
 ):  # fmt: skip
+    """delta = rowsum(dO * O). FOR_SM90 (the Gluon backward's inputs): also
+    lse2 = lse * log2(e) (+inf for rows that see no key, so their P is 0, not NaN),
+    stored beside delta (strides stride_d*), and zeros for the fp32 dQ accumulator."""
     pid = tl.program_id(0)
     bh = pid // num_m_blocks
     start_m = (pid % num_m_blocks) * BLOCK_M
@@ -75,14 +80,23 @@ def _delta_kernel(
     h64 = tl.cast(h, tl.int64)
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_DV)
-    mask = ((start_m + rows) < seqlen_q)[:, None] & (cols < DV)[None, :]
+    row_ok = (start_m + rows) < seqlen_q
+    mask = row_ok[:, None] & (cols < DV)[None, :]
     o = tl.load(Out + b64 * stride_ob + h64 * stride_oh + row0 * stride_om
                 + rows[:, None] * stride_om + cols[None, :] * stride_od, mask=mask, other=0.0)
     do = tl.load(DOut + b64 * stride_gb + h64 * stride_gh + row0 * stride_gm
                  + rows[:, None] * stride_gm + cols[None, :] * stride_gd, mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + b64 * stride_lb + h64 * stride_lh + row0 * stride_lm + rows * stride_lm,
-             delta, mask=(start_m + rows) < seqlen_q)
+    d_off = b64 * stride_db + h64 * stride_dh + (row0 + rows) * stride_dm
+    tl.store(Delta + d_off, delta, mask=row_ok)
+    if FOR_SM90:
+        lse = tl.load(Lse + b64 * stride_lb + h64 * stride_lh + (row0 + rows) * stride_lm,
+                      mask=row_ok, other=0.0)
+        tl.store(Lse2 + d_off, tl.where(lse == float("-inf"), float("inf"), lse * LOG2E),
+                 mask=row_ok)
+        dq_cols = tl.arange(0, DQK)
+        tl.store(DQAcc + b64 * stride_ab + h64 * stride_ah + (row0 + rows)[:, None] * stride_am
+                 + dq_cols[None, :], tl.zeros([BLOCK_M, DQK], tl.float32), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -565,20 +579,32 @@ def backward(
                    *dense_strides(v, spec.varlen), *dense_strides(grad_out, spec.varlen))
 
     configs = tuning.backward_configs(spec)
-    delta = torch.empty_like(lse)
+    # The Gluon backward (Hopper) takes its row statistics padded for TMA and adds dQ
+    # into an fp32 buffer; the preprocess fills both.
+    use_sm90 = (backward_sm90 is not None and need_dq and dk is not None
+                and backward_sm90.supports(spec, q, k, v, grad_out, bias, alibi_slopes))
+    if use_sm90:
+        lse2, delta = backward_sm90.row_stats_buffers(lse)
+        dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        delta_strides, acc_strides = delta.stride(), (dq_acc.stride(0), *dq_acc.stride()[1:3])
+    else:
+        delta = torch.empty_like(lse)
+        lse2 = dq_acc = None
+        delta_strides, acc_strides = lse_strides(lse, spec.varlen), (0, 0, 0)
     num_m_delta = triton.cdiv(spec.seqlen_q, 64)
     _delta_kernel[(num_m_delta * spec.batch * spec.heads,)](
-        out, grad_out, delta, *dense_strides(out, spec.varlen),
+        out, grad_out, delta, lse, lse2, dq_acc, *dense_strides(out, spec.varlen),
         *dense_strides(grad_out, spec.varlen), *lse_strides(lse, spec.varlen),
-        cu_seqlens_q, spec.heads, spec.seqlen_q, num_m_delta,
-        DV=spec.head_dim_v, BLOCK_M=64, BLOCK_DV=tuning.padded_head_dim(spec.head_dim_v),
-        IS_VARLEN=spec.varlen,
+        *delta_strides, *acc_strides, cu_seqlens_q, spec.heads, spec.seqlen_q, num_m_delta,
+        DV=spec.head_dim_v, DQK=spec.head_dim_qk, BLOCK_M=64,
+        BLOCK_DV=tuning.padded_head_dim(spec.head_dim_v), IS_VARLEN=spec.varlen,
+        FOR_SM90=use_sm90,
     )  # fmt: skip
     if grad_lse is not None:
         delta.sub_(grad_lse)
-    if (backward_sm90 is not None and need_dq and dk is not None
-            and backward_sm90.supports(spec, q, k, v, grad_out, bias, alibi_slopes)):
-        backward_sm90.backward(spec, q, k, v, grad_out, lse, delta, dq, dk, dv)
+    if use_sm90:
+        backward_sm90.backward(spec, q, k, v, grad_out, lse2, delta, dq_acc, dk, dv)
+        dq.copy_(dq_acc)
         return dq, dk if need_dk else None, dv if need_dv else None, None
 
     # dQ takes one of three paths: from the dS the bias gradient already wrote (a

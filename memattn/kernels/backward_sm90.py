@@ -14,7 +14,8 @@ TMA reduce-add (an L2-side atomic of a whole tile). Three partitions:
   halves are there (an mbarrier between the two), each computes half of dQ's columns,
   dQ[:, half] = dS K[:, half], and sends it to the fp32 buffer.
 dS is scaled by the softmax scale before it is rounded, so dK and dQ need no later
-scaling; ``backward`` converts the fp32 dQ buffer to the output dtype.
+scaling; backward.py zeroes the fp32 dQ buffer (in its preprocess) and converts it to
+the output dtype.
 
 Covers what forward_sm90 covers (bf16/fp16, head dims 64 and 128, dense batches, GQA,
 causal masks either way, sliding windows) minus deterministic mode: TMA reduce-adds
@@ -256,40 +257,37 @@ def supports(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes) -> bool
             and hopper.tma_readable(grad_out))
 
 
-def _row_stats(lse: torch.Tensor, delta: torch.Tensor, rows: int):
-    """TMA descriptors over (lse * log2(e), delta), rows padded to 16 bytes. A row that
-    sees no key has lse = -inf: +inf there makes its P 0, not NaN. Reading past Sq
-    gives zeros, harmless: such rows have Q = dO = 0."""
+def row_stats_buffers(lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lse2, delta) buffers shaped like lse, (B, H, Sq), with rows padded to 16 bytes
+    as TMA needs; backward.py's preprocess fills them. TMA reads past Sq give zeros,
+    harmless: those rows have Q = dO = 0, so P·dO and dS vanish."""
     batch, heads, seqlen = lse.shape
     padded = triton.cdiv(seqlen, 4) * 4
     stats = torch.empty(2, batch, heads, padded, dtype=torch.float32, device=lse.device)
-    lse2, delta2 = stats[0, :, :, :seqlen], stats[1, :, :, :seqlen]
-    torch.mul(lse, LOG2E.value, out=lse2)
-    lse2.masked_fill_(lse == float("-inf"), float("inf"))
-    delta2.copy_(delta)
-    block = (1, 1, rows)
-    layout = hopper.shared_layout(block, torch.float32)
-    return [TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), layout)
-            for t in (lse2, delta2)]
+    return stats[0, :, :, :seqlen], stats[1, :, :, :seqlen]
 
 
-def backward(spec: AttentionSpec, q, k, v, grad_out, lse, delta, dq, dk, dv) -> None:
-    """Fills dq, dk, dv for a call `supports` accepted; delta = rowsum(dO * O) (minus
-    any lse gradient), as backward.py's preprocess computes it."""
+def _row_descriptor(t: torch.Tensor) -> TensorDescriptor:
+    block = [1, 1, BLOCK_M]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block,
+                            hopper.shared_layout(tuple(block), torch.float32))
+
+
+def backward(spec: AttentionSpec, q, k, v, grad_out, lse2, delta, dq_acc, dk, dv) -> None:
+    """Adds dQ into dq_acc (fp32, zeroed) and fills dk and dv, for a call `supports`
+    accepted; lse2 and delta as row_stats_buffers made them, filled."""
     half_d = spec.head_dim_qk // 2
-    dq_acc = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device)
     num_n = triton.cdiv(spec.seqlen_k, BLOCK_N)
     # K's tile is sliced by columns for dQ: its swizzle may not span more than a half.
     k_swizzle = min(128, half_d * k.element_size())
     _bwd_sm90_kernel[(num_n * spec.batch * spec.kv_heads,)](
         hopper.descriptor(q, BLOCK_M), hopper.descriptor(k, BLOCK_N, swizzle=k_swizzle),
         hopper.descriptor(v, BLOCK_N), hopper.descriptor(grad_out, BLOCK_M),
-        hopper.descriptor(dq_acc, BLOCK_M, cols=half_d), *_row_stats(lse, delta, BLOCK_M),
-        dk, dv, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1),
-        dv.stride(2), spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_n,
-        spec.scale, spec.window_left, spec.window_right,
+        hopper.descriptor(dq_acc, BLOCK_M, cols=half_d), _row_descriptor(lse2),
+        _row_descriptor(delta), dk, dv, dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2), spec.kv_heads, spec.group, spec.seqlen_q,
+        spec.seqlen_k, num_n, spec.scale, spec.window_left, spec.window_right,
         HEAD_DIM=spec.head_dim_qk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
         BOUNDED_RIGHT=spec.window_right >= 0, num_warps=4,
     )  # fmt: skip
-    dq.copy_(dq_acc)
