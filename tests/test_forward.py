@@ -225,7 +225,7 @@ def test_keys_per_query_estimate(seqlen_q, seqlen_k, options, keys):
     q = torch.empty(1, seqlen_q, 1, 64)
     k = torch.empty(1, seqlen_k, 1, 64)
     spec = memattn.spec.check_call(q, k, k, **options)
-    assert forward_sm90.keys_per_query(spec) == keys
+    assert forward_sm90.hopper.keys_per_query(spec) == keys
 
 
 @pytest.mark.gpu

@@ -17,7 +17,7 @@ import triton
 import memattn
 from memattn import reference
 from memattn.check import relative_error
-from memattn.kernels import forward_sm90, hopper
+from memattn.kernels import backward_sm90, forward_sm90, hopper
 
 
 def forward(q, k, v, gluon: bool, **kw):
@@ -54,7 +54,8 @@ def main():
     ap.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
     args = ap.parse_args()
     backward = args.which == "bwd"
-    forward_sm90.MIN_KEYS_PER_QUERY = 0  # A/B the kernels themselves, at every size
+    # A/B the kernels themselves, at every size
+    forward_sm90.MIN_KEYS_PER_QUERY = backward_sm90.MIN_KEYS_PER_QUERY = 0
     torch.manual_seed(0)
     what = "dq/dk/dv" if backward else "out"
     print(f"{'shape':20s} {'err tile (' + what + ')':>30s} {'err gluon':>30s} "

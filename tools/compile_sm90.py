@@ -145,9 +145,9 @@ def compile_hopper_backward() -> int:
             q = torch.randn(2, 1000, 4, d, dtype=torch.bfloat16)
             k = torch.randn(2, 700, 2, d, dtype=torch.bfloat16)
             spec = check_call(q, k, k, **options)
-            lse2, delta = backward_sm90.row_stats_buffers(torch.empty(2, 4, 1000))
+            stats = backward_sm90.row_stats_buffers(torch.empty(2, 4, 1000))[0]
             try:
-                backward_sm90.backward(spec, q, k, k, q, lse2, delta,
+                backward_sm90.backward(spec, q, k, k, q, stats,
                                        torch.empty(q.shape), torch.empty_like(k),
                                        torch.empty_like(k))  # fmt: skip
             except Exception as e:  # noqa: BLE001

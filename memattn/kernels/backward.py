@@ -584,7 +584,7 @@ def backward(
     use_sm90 = (backward_sm90 is not None and need_dq and dk is not None
                 and backward_sm90.supports(spec, q, k, v, grad_out, bias, alibi_slopes))
     if use_sm90:
-        lse2, delta = backward_sm90.row_stats_buffers(lse)
+        stats, lse2, delta = backward_sm90.row_stats_buffers(lse)
         dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         delta_strides, acc_strides = delta.stride(), (dq_acc.stride(0), *dq_acc.stride()[1:3])
     else:
@@ -603,7 +603,7 @@ def backward(
     if grad_lse is not None:
         delta.sub_(grad_lse)
     if use_sm90:
-        backward_sm90.backward(spec, q, k, v, grad_out, lse2, delta, dq_acc, dk, dv)
+        backward_sm90.backward(spec, q, k, v, grad_out, stats, dq_acc, dk, dv)
         dq.copy_(dq_acc)
         return dq, dk if need_dk else None, dv if need_dv else None, None
 

@@ -48,7 +48,7 @@ STAGES = 2  # Q and dO rings
 
 @gluon.jit
 def _bwd_load_partition(
-    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
+    q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem,
     lse_smem, delta_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, b, hk, GROUP,
     start_n, lo, n_tiles, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
@@ -65,17 +65,17 @@ def _bwd_load_partition(
         free_phase = ((i // STAGES) & 1) ^ 1
         mbarrier.wait(q_empty.index(slot), free_phase, pred=i >= STAGES)
         mbarrier.expect(q_ready.index(slot),
-                        q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
+                        q_desc.block_type.nbytes + stats_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], q_ready.index(slot),
                                         q_smem.index(slot))
-        tma.async_copy_global_to_shared(lse_desc, [b, h, start_m], q_ready.index(slot),
+        tma.async_copy_global_to_shared(stats_desc, [0, b, h, start_m], q_ready.index(slot),
                                         lse_smem.index(slot))
         mbarrier.wait(do_empty.index(slot), free_phase, pred=i >= STAGES)
         mbarrier.expect(do_ready.index(slot),
-                        do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+                        do_desc.block_type.nbytes + stats_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(do_desc, [b, h, start_m, 0], do_ready.index(slot),
                                         do_smem.index(slot))
-        tma.async_copy_global_to_shared(delta_desc, [b, h, start_m], do_ready.index(slot),
+        tma.async_copy_global_to_shared(stats_desc, [1, b, h, start_m], do_ready.index(slot),
                                         delta_smem.index(slot))
 
 
@@ -181,7 +181,7 @@ def _bwd_compute_partition(
 
 @gluon.jit
 def _bwd_sm90_kernel(
-    q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, DK, DV,
+    q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, DK, DV,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     HKV, GROUP, seqlen_q, seqlen_k, num_n_blocks, scale, window_left, window_right,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -211,10 +211,10 @@ def _bwd_sm90_kernel(
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape,
                                         dq_desc.layout)
-    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape,
-                                         lse_desc.layout)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape,
-                                           delta_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape,
+                                         stats_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape,
+                                           stats_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ds_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -244,38 +244,47 @@ def _bwd_sm90_kernel(
             full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right,
             1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, BOUNDED_LEFT, BOUNDED_RIGHT)),
          (_bwd_load_partition, (
-            q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
+            q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem,
             v_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, b, hk,
             GROUP, start_n, lo, n_tiles, BLOCK_M, STAGES))],
         worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
 
 
+# Below this many keys per query backward.py's kernels won in ab_hopper (causal S=1024:
+# 209 vs 177 TFLOP/s at D=128, 214 vs 203 at D=64): each program then has few query
+# tiles to spread its start-up (K and V loads, the partitions) and its dK/dV stores over.
+MIN_KEYS_PER_QUERY = 1024
+
+
 def supports(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes) -> bool:
-    """True where this kernel runs the call: the calls hopper.runs_call names, not in
-    deterministic mode, with grad_out TMA-readable too."""
+    """True where this kernel runs the call: the calls hopper.runs_call names with
+    enough keys per query, not in deterministic mode, grad_out TMA-readable too."""
     return (not spec.deterministic and hopper.runs_call(spec, q, k, v, bias, alibi_slopes)
+            and hopper.keys_per_query(spec) >= MIN_KEYS_PER_QUERY
             and hopper.tma_readable(grad_out))
 
 
-def row_stats_buffers(lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lse2, delta) buffers shaped like lse, (B, H, Sq), with rows padded to 16 bytes
-    as TMA needs; backward.py's preprocess fills them. TMA reads past Sq give zeros,
-    harmless: those rows have Q = dO = 0, so P·dO and dS vanish."""
+def row_stats_buffers(lse: torch.Tensor):
+    """(stats, lse2, delta): one (2, B, H, Sq') tensor, rows padded to 16 bytes as TMA
+    needs, and its two (B, H, Sq) views that backward.py's preprocess fills. TMA reads
+    past Sq give zeros, harmless: those rows have Q = dO = 0, so P·dO and dS vanish."""
     batch, heads, seqlen = lse.shape
     padded = triton.cdiv(seqlen, 4) * 4
     stats = torch.empty(2, batch, heads, padded, dtype=torch.float32, device=lse.device)
-    return stats[0, :, :, :seqlen], stats[1, :, :, :seqlen]
+    return stats, stats[0, :, :, :seqlen], stats[1, :, :, :seqlen]
 
 
-def _row_descriptor(t: torch.Tensor) -> TensorDescriptor:
-    block = [1, 1, BLOCK_M]
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block,
-                            hopper.shared_layout(tuple(block), torch.float32))
+def _row_stats_descriptor(stats: torch.Tensor, seqlen_q: int) -> TensorDescriptor:
+    """One descriptor over row_stats_buffers' tensor: [0, b, h, rows] is lse2,
+    [1, b, h, rows] delta."""
+    block = (1, 1, 1, BLOCK_M)
+    return hopper.make_descriptor(stats, [*stats.shape[:3], seqlen_q], list(stats.stride()),
+                                  block, hopper.shared_layout(block, torch.float32))
 
 
-def backward(spec: AttentionSpec, q, k, v, grad_out, lse2, delta, dq_acc, dk, dv) -> None:
+def backward(spec: AttentionSpec, q, k, v, grad_out, stats, dq_acc, dk, dv) -> None:
     """Adds dQ into dq_acc (fp32, zeroed) and fills dk and dv, for a call `supports`
-    accepted; lse2 and delta as row_stats_buffers made them, filled."""
+    accepted; stats as row_stats_buffers made it, filled."""
     half_d = spec.head_dim_qk // 2
     num_n = triton.cdiv(spec.seqlen_k, BLOCK_N)
     # K's tile is sliced by columns for dQ: its swizzle may not span more than a half.
@@ -283,10 +292,11 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, lse2, delta, dq_acc, dk, dv
     _bwd_sm90_kernel[(num_n * spec.batch * spec.kv_heads,)](
         hopper.descriptor(q, BLOCK_M), hopper.descriptor(k, BLOCK_N, swizzle=k_swizzle),
         hopper.descriptor(v, BLOCK_N), hopper.descriptor(grad_out, BLOCK_M),
-        hopper.descriptor(dq_acc, BLOCK_M, cols=half_d), _row_descriptor(lse2),
-        _row_descriptor(delta), dk, dv, dk.stride(0), dk.stride(1), dk.stride(2),
-        dv.stride(0), dv.stride(1), dv.stride(2), spec.kv_heads, spec.group, spec.seqlen_q,
-        spec.seqlen_k, num_n, spec.scale, spec.window_left, spec.window_right,
+        hopper.descriptor(dq_acc, BLOCK_M, cols=half_d),
+        _row_stats_descriptor(stats, spec.seqlen_q), dk, dv,
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_n, spec.scale,
+        spec.window_left, spec.window_right,
         HEAD_DIM=spec.head_dim_qk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
         BOUNDED_RIGHT=spec.window_right >= 0, num_warps=4,

@@ -236,22 +236,11 @@ def _fwd_sm90_kernel(
 MIN_KEYS_PER_QUERY = 2048
 
 
-def keys_per_query(spec: AttentionSpec) -> int:
-    """Keys a query sees, roughly: all of Sk, the window's width when both sides are
-    bounded, half of Sk plus the bounded side when one is (a causal mask)."""
-    left, right = spec.window_left, spec.window_right
-    if left >= 0 and right >= 0:
-        return min(spec.seqlen_k, left + right + 1)
-    if left >= 0 or right >= 0:
-        return min(spec.seqlen_k, spec.seqlen_k // 2 + max(left, right))
-    return spec.seqlen_k
-
-
 def supports(spec: AttentionSpec, q, k, v, bias, alibi_slopes) -> bool:
     """True where this kernel runs the call: the calls hopper.runs_call names, with
     enough keys per query to pay for its start-up."""
     return (hopper.runs_call(spec, q, k, v, bias, alibi_slopes)
-            and keys_per_query(spec) >= MIN_KEYS_PER_QUERY)
+            and hopper.keys_per_query(spec) >= MIN_KEYS_PER_QUERY)
 
 
 def forward(spec: AttentionSpec, q, k, v, out, lse) -> None:
