@@ -250,10 +250,11 @@ def _bwd_sm90_kernel(
         worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
 
 
-# Below this many keys per query backward.py's kernels won in ab_hopper (causal S=1024:
-# 209 vs 177 TFLOP/s at D=128, 214 vs 203 at D=64): each program then has few query
-# tiles to spread its start-up (K and V loads, the partitions) and its dK/dV stores over.
-MIN_KEYS_PER_QUERY = 1024
+# Below this many keys per query backward.py's kernels may win: each program then has
+# few query tiles to spread its start-up (K and V loads, the partitions) and its dK/dV
+# stores over. ab_hopper had the Gluon kernel ahead down to causal S=1024 (512 keys:
+# 220 vs 210 TFLOP/s at D=128, 231 vs 214 at D=64); S=512 causal was not measured.
+MIN_KEYS_PER_QUERY = 512
 
 
 def supports(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes) -> bool:
