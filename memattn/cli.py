@@ -94,9 +94,11 @@ def info(args) -> int:
     if forward_sm90 is None or not forward_sm90.hopper.enabled:
         hopper = "off (built for Triton 3.6's Gluon)"
     elif device == "cuda" and torch.cuda.get_device_capability(0)[0] == 9:
+        from .kernels.backward import backward_sm90
+
         hopper = (f"on: dense bf16/fp16, D 64/128, >= {forward_sm90.MIN_KEYS_PER_QUERY} "
-                  "keys per query (forward); not deterministic (backward); the rest run the "
-                  "tile kernels")
+                  f"keys per query (forward), >= {backward_sm90.MIN_KEYS_PER_QUERY} and not "
+                  "deterministic (backward); the rest run the tile kernels")
     else:
         hopper = "off (needs sm_90)"
     rows += [("Hopper kernels (Gluon)", hopper)]

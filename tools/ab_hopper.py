@@ -10,6 +10,7 @@ halved when causal.
 """
 
 import argparse
+import contextlib
 
 import torch
 import triton
@@ -20,23 +21,30 @@ from memattn.check import relative_error
 from memattn.kernels import backward_sm90, forward_sm90, hopper
 
 
-def forward(q, k, v, gluon: bool, **kw):
-    hopper.enabled = gluon
+@contextlib.contextmanager
+def gluon_kernels(on: bool):
+    """Calls inside run the Gluon kernels where they apply (on) or the tile kernels."""
+    hopper.enabled = on
     try:
-        return memattn.attention(q, k, v, return_lse=True, **kw)
+        yield
     finally:
         hopper.enabled = True
+
+
+def forward(q, k, v, gluon: bool, **kw):
+    with gluon_kernels(gluon):
+        return memattn.attention(q, k, v, return_lse=True, **kw)
+
+
+def backward(out, inputs, do, gluon: bool):
+    with gluon_kernels(gluon):
+        return torch.autograd.grad(out, inputs, do, retain_graph=True)
 
 
 def gradients(q, k, v, do, gluon: bool, **kw):
     """(dq, dk, dv), the forward always by the same (Gluon where it runs) kernel."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out = memattn.attention(q, k, v, **kw)
-    hopper.enabled = gluon
-    try:
-        return torch.autograd.grad(out, (q, k, v), do)
-    finally:
-        hopper.enabled = True
+    return backward(memattn.attention(q, k, v, **kw), (q, k, v), do, gluon)
 
 
 def reference_result(q, k, v, do, backward: bool, **kw):
@@ -84,12 +92,8 @@ def main():
                 if backward:  # the backward alone: one recorded graph, replayed
                     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
                     out = memattn.attention(qg, kg, vg, **kw)
-                    ms = [triton.testing.do_bench(
-                        lambda g=g: (setattr(hopper, "enabled", g),
-                                     torch.autograd.grad(out, (qg, kg, vg), do,
-                                                         retain_graph=True)))
+                    ms = [triton.testing.do_bench(lambda g=g: backward(out, (qg, kg, vg), do, g))
                           for g in (False, True)]
-                    hopper.enabled = True
                 else:
                     ms = [triton.testing.do_bench(lambda g=g: forward(q, k, v, g, **kw))
                           for g in (False, True)]

@@ -117,26 +117,28 @@ def compile_hopper_forward() -> int:
     """The Gluon forward (kernels/forward_sm90.py), which the cases above never reach
     on CPU tensors: every head dim and mask variant it takes."""
     from memattn.kernels import forward_sm90
-    from memattn.spec import check_call
 
-    failures = 0
-    for d in (64, 128):
-        for options in HOPPER_MASKS:
-            q = torch.randn(2, 1000, 4, d, dtype=torch.bfloat16)
-            k = torch.randn(2, 700, 2, d, dtype=torch.bfloat16)
-            spec = check_call(q, k, k, **options)
-            try:
-                forward_sm90.forward(spec, q, k, k, torch.empty_like(q),
-                                     torch.empty(2, 4, 1000))  # fmt: skip
-            except Exception as e:  # noqa: BLE001
-                failures += 1
-                print(f"FAIL forward_sm90 D={d} {options}: {type(e).__name__}: {str(e)[:2000]}")
-    return failures
+    def launch(spec, q, k):
+        forward_sm90.forward(spec, q, k, k, torch.empty_like(q), torch.empty(2, 4, 1000))
+
+    return _compile_hopper("forward_sm90", launch)
 
 
 def compile_hopper_backward() -> int:
     """The Gluon backward (kernels/backward_sm90.py): every head dim and mask variant."""
     from memattn.kernels import backward_sm90
+
+    def launch(spec, q, k):
+        stats = backward_sm90.row_stats_buffers(torch.empty(2, 4, 1000))[0]
+        backward_sm90.backward(spec, q, k, k, q, stats, torch.empty(q.shape),
+                               torch.empty_like(k), torch.empty_like(k))  # fmt: skip
+
+    return _compile_hopper("backward_sm90", launch)
+
+
+def _compile_hopper(name, launch) -> int:
+    """Calls launch(spec, q, k) for D 64 and 128 and every mask of HOPPER_MASKS, GQA
+    4:2, Sq=1000, Sk=700; returns the number of failures."""
     from memattn.spec import check_call
 
     failures = 0
@@ -144,15 +146,11 @@ def compile_hopper_backward() -> int:
         for options in HOPPER_MASKS:
             q = torch.randn(2, 1000, 4, d, dtype=torch.bfloat16)
             k = torch.randn(2, 700, 2, d, dtype=torch.bfloat16)
-            spec = check_call(q, k, k, **options)
-            stats = backward_sm90.row_stats_buffers(torch.empty(2, 4, 1000))[0]
             try:
-                backward_sm90.backward(spec, q, k, k, q, stats,
-                                       torch.empty(q.shape), torch.empty_like(k),
-                                       torch.empty_like(k))  # fmt: skip
+                launch(check_call(q, k, k, **options), q, k)
             except Exception as e:  # noqa: BLE001
                 failures += 1
-                print(f"FAIL backward_sm90 D={d} {options}: {type(e).__name__}: {str(e)[:3000]}")
+                print(f"FAIL {name} D={d} {options}: {type(e).__name__}: {str(e)[:3000]}")
     return failures
 
 

@@ -586,7 +586,7 @@ def backward(
     if use_sm90:
         stats, lse2, delta = backward_sm90.row_stats_buffers(lse)
         dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        delta_strides, acc_strides = delta.stride(), (dq_acc.stride(0), *dq_acc.stride()[1:3])
+        delta_strides, acc_strides = delta.stride(), dq_acc.stride()[:3]
     else:
         delta = torch.empty_like(lse)
         lse2 = dq_acc = None
