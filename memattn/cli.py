@@ -96,8 +96,9 @@ def info(args) -> int:
     elif device == "cuda" and torch.cuda.get_device_capability(0)[0] == 9:
         from .kernels.backward import backward_sm90
 
-        hopper = (f"on: dense bf16/fp16, D 64/128, >= {forward_sm90.MIN_KEYS_PER_QUERY} "
-                  f"keys per query (forward), >= {backward_sm90.MIN_KEYS_PER_QUERY} and not "
+        fwd_min = ", ".join(f">= {n} at D={d}" for d, n in forward_sm90.MIN_KEYS_PER_QUERY.items())
+        hopper = (f"on: dense bf16/fp16, D 64/128, keys per query {fwd_min} (forward), "
+                  f">= {backward_sm90.MIN_KEYS_PER_QUERY} and not "
                   "deterministic (backward); the rest run the tile kernels")
     else:
         hopper = "off (needs sm_90)"

@@ -199,6 +199,8 @@ def hopper_kernel_runs_here() -> bool:
 # their tile rings and masks at sizes that cross several 128-row blocks and 128-key tiles.
 HOPPER_CASES = [
     Case("D64 Sq=777 Sk=1030", seqlen_q=777, seqlen_k=1030, dqk=64, dv=64),
+    # 192-row blocks (three warpgroups); the last block's third warpgroup has no row
+    Case("D64 Sq=2000 Sk=333", seqlen_q=2000, seqlen_k=333, dqk=64, dv=64),
     Case("D128 causal", seqlen_q=1531, seqlen_k=1531, dqk=128, dv=128,
          options=dict(causal=True)),
     Case("causal bottom-right Sq>Sk", seqlen_q=1000, seqlen_k=300, dqk=128, dv=128,
@@ -234,7 +236,7 @@ def test_keys_per_query_estimate(seqlen_q, seqlen_k, options, keys):
 def test_hopper_kernel_gpu(case, dtype, monkeypatch):
     if not hopper_kernel_runs_here():
         pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
-    monkeypatch.setattr(forward_sm90, "MIN_KEYS_PER_QUERY", 0)  # small sizes run it too
+    monkeypatch.setattr(forward_sm90, "MIN_KEYS_PER_QUERY", {64: 0, 128: 0})  # small sizes too
     launched = []
     run = forward_sm90.forward
     monkeypatch.setattr(forward_sm90, "forward", lambda *a: launched.append(1) or run(*a))

@@ -283,6 +283,9 @@ def _row_stats_descriptor(stats: torch.Tensor, seqlen_q: int) -> TensorDescripto
                                   block, hopper.shared_layout(block, torch.float32))
 
 
+_launch_backward = hopper.Launcher(_bwd_sm90_kernel)
+
+
 def backward(spec: AttentionSpec, q, k, v, grad_out, stats, dq_acc, dk, dv) -> None:
     """Adds dQ into dq_acc (fp32, zeroed) and fills dk and dv, for a call `supports`
     accepted; stats as row_stats_buffers made it, filled."""
@@ -290,7 +293,8 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, stats, dq_acc, dk, dv) -> N
     num_n = triton.cdiv(spec.seqlen_k, BLOCK_N)
     # K's tile is sliced by columns for dQ: its swizzle may not span more than a half.
     k_swizzle = min(128, half_d * k.element_size())
-    _bwd_sm90_kernel[(num_n * spec.batch * spec.kv_heads,)](
+    _launch_backward(
+        (num_n * spec.batch * spec.kv_heads,),
         hopper.descriptor(q, BLOCK_M), hopper.descriptor(k, BLOCK_N, swizzle=k_swizzle),
         hopper.descriptor(v, BLOCK_N), hopper.descriptor(grad_out, BLOCK_M),
         hopper.descriptor(dq_acc, BLOCK_M, cols=half_d),

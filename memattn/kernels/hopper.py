@@ -8,10 +8,12 @@ import functools
 
 import torch
 import triton
+from triton import knobs
 from triton._C.libtriton import ir
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language import _core as gl_core
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime import driver
 
 from ..spec import AttentionSpec
 
@@ -96,3 +98,46 @@ def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD,
                                               tensor_desc.handle, coord, src.handle)
+
+
+def _specialisation(arg) -> tuple:
+    """What JITFunction.run specialises a kernel on, for one argument: an int's 1,
+    divisibility by 16 and width, a tensor's dtype and 16-byte alignment, a descriptor's
+    dtype, block and layout; a float's or a bool's type alone."""
+    if isinstance(arg, TensorDescriptor):
+        return (arg.base.dtype, *arg.block_shape, arg.layout)
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if type(arg) is int:
+        return (arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31, arg < 2**63)
+    return (type(arg),)
+
+
+class Launcher:
+    """Launches a kernel straight through its compiled launcher after the first call
+    of each variant. JITFunction.run binds and specialises every argument in Python on
+    every call: ~25-40 us of the device host's time per launch (PERFORMANCE.md v7),
+    as long as a whole small kernel. The variant's key here is what run() specialises
+    on (`_specialisation`), plus the constexprs and launch options; a new key goes
+    through run(), which compiles and launches it. Call as launcher(grid, *args, **kw)
+    with the constexprs and options as keywords."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.kernels = {}  # key -> (compiled kernel, constexprs in signature order)
+
+    def __call__(self, grid, *args, **kwargs):
+        device = driver.active.get_current_device()
+        key = (device, *kwargs.items(), *map(_specialisation, args))
+        found = self.kernels.get(key)
+        if found is None:
+            kernel = self.fn[grid](*args, **kwargs)
+            constexprs = [kwargs[name] for name in self.fn.arg_names[len(args):]]
+            self.kernels[key] = (kernel, constexprs)
+            return
+        kernel, constexprs = found
+        stream = driver.active.get_current_stream(device)
+        hook = knobs.runtime.launch_enter_hook
+        meta = None if hook is None else kernel.launch_metadata(grid, stream, *args, *constexprs)
+        kernel.run(grid[0], 1, 1, stream, kernel.function, kernel.packed_metadata, meta, hook,
+                   knobs.runtime.launch_exit_hook, *args, *constexprs)
