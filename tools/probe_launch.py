@@ -1,0 +1,71 @@
+"""Host time per forward call on the Gluon path, layer by layer (no profiler: each row
+is a loop of real calls at shapes whose kernels take less time than the host), and what
+launching past JITFunction.run saves (hopper.Launcher). On the device:
+
+    python tools/probe_launch.py
+"""
+import statistics
+import time
+
+import torch
+import triton
+from triton import knobs
+from triton.runtime import driver
+
+import memattn
+from memattn.kernels import forward_sm90, hopper
+from memattn.spec import check_call
+
+forward_sm90.MIN_KEYS_PER_QUERY = {64: 0, 128: 0}
+
+
+def per_call(fn, n=300):
+    fn()
+    torch.cuda.synchronize()
+    runs = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        runs.append((time.perf_counter() - t0) / n * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(runs)
+
+
+for s, h in ((128, 2), (1024, 16)):
+    q, k, v = (torch.randn(1, s, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    spec = check_call(q, k, v, causal=True)
+    out = torch.empty_like(q)
+    lse = torch.empty(1, h, s, device="cuda", dtype=torch.float32)
+    n_m = triton.cdiv(s, 128)
+    grid = (triton.cdiv(n_m, 2) * h,)
+    descs = (hopper.descriptor(q, 64), hopper.descriptor(k, 128), hopper.descriptor(v, 128),
+             hopper.descriptor(out, 64))
+    args = (*descs, lse, *lse.stride(), h, 1, s, s, n_m, 0.1, -1, 0)
+    consts = dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_N=128, STAGES=2, FOLD=True, BOTTOM_RIGHT=False,
+                  BOUNDED_LEFT=False, BOUNDED_RIGHT=True)
+    kern = forward_sm90._fwd_sm90_kernel[grid](*args, **consts, num_warps=4)
+    dev = driver.active.get_current_device()
+
+    def direct():
+        stream = driver.active.get_current_stream(dev)
+        kern.run(grid[0], 1, 1, stream, kern.function, kern.packed_metadata, None,
+                 knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook,
+                 *args, *consts.values())
+
+    rows = {
+        "attention, autograd": lambda: memattn.attention(q, k, v, causal=True),
+        "attention, no_grad": lambda: torch.no_grad()(memattn.attention)(q, k, v, causal=True),
+        "check_call": lambda: check_call(q, k, v, causal=True),
+        "forward_sm90.forward": lambda: forward_sm90.forward(spec, q, k, v, out, lse),
+        "4 descriptors": lambda: [hopper.descriptor(q, 64), hopper.descriptor(k, 128),
+                                  hopper.descriptor(v, 128), hopper.descriptor(out, 64)],
+        "JITFunction[grid](...)": lambda: forward_sm90._fwd_sm90_kernel[grid](
+            *args, **consts, num_warps=4),
+        "kernel.run direct": direct,
+        "torch.empty x2": lambda: (torch.empty_like(q), torch.empty(1, h, s, device="cuda")),
+    }
+    print(f"S={s} H={h}")
+    for name, fn in rows.items():
+        print(f"  {name:28s} {per_call(fn):7.1f} us", flush=True)
