@@ -60,19 +60,13 @@ def _bwd_load_partition(
     for i in range(GROUP * n_tiles):
         h = hk * GROUP + i // n_tiles
         start_m = lo + (i % n_tiles) * BLOCK_M
-        slot = i % STAGES
-        # A slot's (i // STAGES)-th reuse waits for both consumers to release tile i - STAGES.
-        free_phase = ((i // STAGES) & 1) ^ 1
-        mbarrier.wait(q_empty.index(slot), free_phase, pred=i >= STAGES)
-        mbarrier.expect(q_ready.index(slot),
-                        q_desc.block_type.nbytes + stats_desc.block_type.nbytes)
+        nbytes: gl.constexpr = q_desc.block_type.nbytes + stats_desc.block_type.nbytes
+        slot = hopper.claim(q_ready, q_empty, i, nbytes, STAGES)
         tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], q_ready.index(slot),
                                         q_smem.index(slot))
         tma.async_copy_global_to_shared(stats_desc, [0, b, h, start_m], q_ready.index(slot),
                                         lse_smem.index(slot))
-        mbarrier.wait(do_empty.index(slot), free_phase, pred=i >= STAGES)
-        mbarrier.expect(do_ready.index(slot),
-                        do_desc.block_type.nbytes + stats_desc.block_type.nbytes)
+        slot = hopper.claim(do_ready, do_empty, i, nbytes, STAGES)
         tma.async_copy_global_to_shared(do_desc, [b, h, start_m, 0], do_ready.index(slot),
                                         do_smem.index(slot))
         tma.async_copy_global_to_shared(stats_desc, [1, b, h, start_m], do_ready.index(slot),
@@ -117,14 +111,12 @@ def _bwd_compute_partition(
         h = hk * GROUP + i // n_tiles
         start_m = lo + (i % n_tiles) * BLOCK_M
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=cols_layout)
-        slot = i % STAGES
-        phase = (i // STAGES) & 1
-        mbarrier.wait(q_ready.index(slot), phase)
+        slot = hopper.arrived(q_ready, i, STAGES)
         q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
         # Zero accumulators made here, not held across the loop: registers are short.
         s_init = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
         s = warpgroup_mma(k_half, q.permute((1, 0)), s_init, use_acc=False, is_async=True)
-        mbarrier.wait(do_ready.index(slot), phase)
+        hopper.arrived(do_ready, i, STAGES)
         do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
         dp = warpgroup_mma(v_half, do.permute((1, 0)), s_init, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))
@@ -217,17 +209,10 @@ def _bwd_sm90_kernel(
                                            stats_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ds_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     mbarrier.init(ds_bar, count=2)  # both warpgroups' halves of dS written
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)  # one arrival per compute warpgroup
-        mbarrier.init(do_empty.index(i), count=2)
+    q_ready, q_empty = hopper.ring(STAGES, 2)  # released by both compute warpgroups
+    do_ready, do_empty = hopper.ring(STAGES, 2)
 
     # Tuples built inline: constexprs stored in a variable first would turn into tensors.
     gl.warp_specialize(

@@ -93,27 +93,13 @@ def _load_partition(
             tma.async_copy_global_to_shared(q_desc, [b, h, start_m + i * ROWS, 0],
                                             q_ready, q_smem.index(i))
         for t in range(n_tiles):
-            g = kv + t
-            slot = g % STAGES
-            # A slot's (g // STAGES)-th reuse waits for both consumers to release g - STAGES.
-            free_phase = ((g // STAGES) & 1) ^ 1
-            mbarrier.wait(k_empty.index(slot), free_phase, pred=g >= STAGES)
-            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            slot = hopper.claim(k_ready, k_empty, kv + t, k_desc.block_type.nbytes, STAGES)
             tma.async_copy_global_to_shared(k_desc, [b, hk, lo + t * BLOCK_N, 0],
                                             k_ready.index(slot), k_smem.index(slot))
-            mbarrier.wait(v_empty.index(slot), free_phase, pred=g >= STAGES)
-            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            slot = hopper.claim(v_ready, v_empty, kv + t, v_desc.block_type.nbytes, STAGES)
             tma.async_copy_global_to_shared(v_desc, [b, hk, lo + t * BLOCK_N, 0],
                                             v_ready.index(slot), v_smem.index(slot))
         kv += n_tiles
-
-
-@gluon.jit
-def _ready(bars, tile, STAGES: gl.constexpr):
-    """Waits until key tile ``tile`` sits in its ring slot; returns the slot."""
-    slot = tile % STAGES
-    mbarrier.wait(bars.index(slot), (tile // STAGES) & 1)
-    return slot
 
 
 @gluon.jit
@@ -139,16 +125,17 @@ def _softmax_tile(
 
 @gluon.jit
 def _softmax_partition(
-    o_desc, Lse, stride_lb, stride_lh, stride_lm, q_smem, k_smem, v_smem, o_smem, q_ready,
-    q_empty, k_ready, v_ready, k_empty, v_empty, b, h, p, num_m_blocks, n_blocks,
-    seqlen_q, seqlen_k, off, scale_log2, window_left, window_right,
-    PART: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+    shared, PART: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
     BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: query rows [start_m + PART * ROWS, + ROWS) of each of the
     program's query blocks, over every key tile. S(t) and P(t-1)·V(t-1) are in flight
-    together; the softmax of S(t) runs while P(t-1)·V(t-1) does."""
+    together; the softmax of S(t) runs while P(t-1)·V(t-1) does. ``shared``: the
+    runtime arguments every softmax warpgroup takes (_fwd_sm90_kernel builds it)."""
+    (o_desc, Lse, stride_lb, stride_lh, stride_lm, q_smem, k_smem, v_smem, o_smem, q_ready,
+     q_empty, k_ready, v_ready, k_empty, v_empty, b, h, p, num_m_blocks, n_blocks,
+     seqlen_q, seqlen_k, off, scale_log2, window_left, window_right) = shared
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -174,7 +161,7 @@ def _softmax_partition(
 
         if n_tiles > 0:
             # Tile 0 alone: its softmax has no P·V to overlap with.
-            slot = _ready(k_ready, kv, STAGES)
+            slot = hopper.arrived(k_ready, kv, STAGES)
             k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
             s = warpgroup_mma(q_tile, k, s_init, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=(s,))
@@ -186,10 +173,10 @@ def _softmax_partition(
             p_op = gl.convert_layout(p_.to(dtype), p_layout)
             for t in range(1, n_tiles):
                 start_n = lo + t * BLOCK_N
-                k_slot = _ready(k_ready, kv + t, STAGES)
+                k_slot = hopper.arrived(k_ready, kv + t, STAGES)
                 k = k_smem.index(k_slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
                 s_tok = warpgroup_mma(q_tile, k, s_init, use_acc=False, is_async=True)
-                v_slot = _ready(v_ready, kv + t - 1, STAGES)
+                v_slot = hopper.arrived(v_ready, kv + t - 1, STAGES)
                 v = v_smem.index(v_slot).reshape([BLOCK_N, HEAD_DIM])
                 acc_tok = warpgroup_mma(p_op, v, acc, is_async=True)
                 s = warpgroup_mma_wait(1, deps=(s_tok,))  # S(t) done; P(t-1)·V(t-1) runs on
@@ -203,7 +190,7 @@ def _softmax_partition(
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
                 p_op = gl.convert_layout(p_.to(dtype), p_layout)
             mbarrier.arrive(q_empty)  # every S of this block is done: Q may be refilled
-            v_slot = _ready(v_ready, kv + n_tiles - 1, STAGES)
+            v_slot = hopper.arrived(v_ready, kv + n_tiles - 1, STAGES)
             v = v_smem.index(v_slot).reshape([BLOCK_N, HEAD_DIM])
             acc = warpgroup_mma(p_op, v, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -260,31 +247,22 @@ def _fwd_sm90_kernel(
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_ready, count=1)
     mbarrier.init(q_empty, count=PARTS)  # one arrival per softmax warpgroup
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=PARTS)
-        mbarrier.init(v_empty.index(i), count=PARTS)
+    k_ready, k_empty = hopper.ring(STAGES, PARTS)
+    v_ready, v_empty = hopper.ring(STAGES, PARTS)
 
-    # Tuples built inline: constexprs stored in a variable first would turn into tensors.
+    # Runtime values only: a constexpr stored in a variable would turn into a tensor, so
+    # the constexprs go into each partition's tuple inline.
+    shared = (o_desc, Lse, stride_lb, stride_lh, stride_lm, q_smem, k_smem, v_smem, o_smem,
+              q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, b, h, p, num_m_blocks,
+              n_blocks, seqlen_q, seqlen_k, off, scale_log2, window_left, window_right)
     if PARTS == 2:
         gl.warp_specialize([
-            (_softmax_partition, (
-                o_desc, Lse, stride_lb, stride_lh, stride_lm, q_smem, k_smem, v_smem, o_smem,
-                q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, b, h, p, num_m_blocks,
-                n_blocks, seqlen_q, seqlen_k, off, scale_log2, window_left, window_right,
-                0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, BOUNDED_LEFT, BOUNDED_RIGHT)),
-            (_softmax_partition, (
-                o_desc, Lse, stride_lb, stride_lh, stride_lm, q_smem, k_smem, v_smem, o_smem,
-                q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, b, h, p, num_m_blocks,
-                n_blocks, seqlen_q, seqlen_k, off, scale_log2, window_left, window_right,
-                1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, BOUNDED_LEFT, BOUNDED_RIGHT)),
+            (_softmax_partition, (shared, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                                  BOUNDED_LEFT, BOUNDED_RIGHT)),
+            (_softmax_partition, (shared, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                                  BOUNDED_LEFT, BOUNDED_RIGHT)),
             (_load_partition, (
                 q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                 v_ready, k_empty, v_empty, b, h, hk, p, num_m_blocks, n_blocks, seqlen_k, off,
@@ -293,21 +271,12 @@ def _fwd_sm90_kernel(
         ], worker_num_warps=[4, 1], worker_num_regs=[232, 24])  # fmt: skip
     else:
         gl.warp_specialize([
-            (_softmax_partition, (
-                o_desc, Lse, stride_lb, stride_lh, stride_lm, q_smem, k_smem, v_smem, o_smem,
-                q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, b, h, p, num_m_blocks,
-                n_blocks, seqlen_q, seqlen_k, off, scale_log2, window_left, window_right,
-                0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, BOUNDED_LEFT, BOUNDED_RIGHT)),
-            (_softmax_partition, (
-                o_desc, Lse, stride_lb, stride_lh, stride_lm, q_smem, k_smem, v_smem, o_smem,
-                q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, b, h, p, num_m_blocks,
-                n_blocks, seqlen_q, seqlen_k, off, scale_log2, window_left, window_right,
-                1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, BOUNDED_LEFT, BOUNDED_RIGHT)),
-            (_softmax_partition, (
-                o_desc, Lse, stride_lb, stride_lh, stride_lm, q_smem, k_smem, v_smem, o_smem,
-                q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, b, h, p, num_m_blocks,
-                n_blocks, seqlen_q, seqlen_k, off, scale_log2, window_left, window_right,
-                2, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, BOUNDED_LEFT, BOUNDED_RIGHT)),
+            (_softmax_partition, (shared, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                                  BOUNDED_LEFT, BOUNDED_RIGHT)),
+            (_softmax_partition, (shared, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                                  BOUNDED_LEFT, BOUNDED_RIGHT)),
+            (_softmax_partition, (shared, 2, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                                  BOUNDED_LEFT, BOUNDED_RIGHT)),
             (_load_partition, (
                 q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                 v_ready, k_empty, v_empty, b, h, hk, p, num_m_blocks, n_blocks, seqlen_k, off,

@@ -10,8 +10,10 @@ import torch
 import triton
 from triton import knobs
 from triton._C.libtriton import ir
+from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language import _core as gl_core
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime import driver
 
@@ -88,6 +90,41 @@ def make_descriptor(t, shape, strides, block, layout) -> TensorDescriptor:
     desc.__dict__.update(base=t, shape=shape, strides=strides, block_shape=list(block),
                          layout=layout, padding="zero")
     return desc
+
+
+# Rings of shared-memory slots between a kernel's TMA load warp and its consumers. Item
+# i goes to slot i % STAGES; the slot's ready barrier completes when the item's bytes
+# have landed, its empty barrier when every consumer has released it.
+
+
+@gluon.jit
+def ring(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """Allocates and initialises a ring's (ready, empty) barriers, [STAGES, 1] each."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    return ready, empty
+
+
+@gluon.jit
+def claim(ready, empty, i, nbytes: gl.constexpr, STAGES: gl.constexpr):
+    """Loader side: waits until item i's slot is free (its (i // STAGES)-th reuse waits
+    for the consumers to release item i - STAGES), arms its ready barrier for nbytes
+    and returns the slot."""
+    slot = i % STAGES
+    mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
+    mbarrier.expect(ready.index(slot), nbytes)
+    return slot
+
+
+@gluon.jit
+def arrived(ready, i, STAGES: gl.constexpr):
+    """Consumer side: waits until item i sits in its slot; returns the slot."""
+    slot = i % STAGES
+    mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+    return slot
 
 
 @gl_core.builtin
