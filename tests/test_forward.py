@@ -213,6 +213,14 @@ HOPPER_CASES = [
          dqk=128, dv=128, layout="transposed", options=dict(causal=True)),
     Case("one key", seqlen_q=300, seqlen_k=1, dqk=64, dv=64),
     Case("one tile", seqlen_q=100, seqlen_k=128, dqk=128, dv=128),
+    # a bias by TMA: a full one (its gradient is dS, stored by the backward), one
+    # broadcast over heads (the backward's sum runs backward.py), 192-row blocks
+    Case("bias BHQK window GQA", heads=4, kv_heads=2, seqlen_q=777, seqlen_k=1032, dqk=128,
+         dv=128, bias="BHQK", options=dict(window=(300, 50))),
+    Case("bias B1QK causal", seqlen_q=1000, seqlen_k=1000, dqk=128, dv=128, bias="B1QK",
+         options=dict(causal=True)),
+    Case("bias 1HQK D64 Sq=2100", batch=1, seqlen_q=2100, seqlen_k=504, dqk=64, dv=64,
+         bias="1HQK"),
 ]
 
 

@@ -113,3 +113,83 @@ def test_repeat_calls_launch_directly_and_match_gpu(monkeypatch):
     second = memattn.attention(q, k, v, return_lse=True)
     assert launcher.fn.runs == 1
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def _spec(bias, seqlen_q=40, seqlen_k=24, dtype=torch.bfloat16):
+    q = torch.empty(2, seqlen_q, 4, 64, dtype=dtype)
+    k = torch.empty(2, seqlen_k, 4, 64, dtype=dtype)
+    return memattn.spec.check_call(q, k, k, bias=bias)
+
+
+def _empty(*shape):
+    return torch.empty(*shape, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "make, readable, full",
+    [(lambda: _empty(2, 4, 40, 24), True, True),
+     (lambda: _empty(4, 40, 24), True, False),  # broadcast over batches
+     (lambda: _empty(2, 1, 40, 24), True, False),  # over heads
+     (lambda: _empty(40, 24), True, False),
+     (lambda: _empty(2, 4, 24, 40).transpose(-1, -2), False, True),  # key stride 40
+     (lambda: _empty(2, 4, 40, 1).expand(2, 4, 40, 24), False, True),  # over keys
+     (lambda: _empty(2, 4, 1, 24), False, False),  # over queries
+     (lambda: _empty(2, 4, 40, 25)[..., :24], False, True),  # rows of 50 bytes
+     (lambda: _empty(2 * 4 * 40 * 24 + 1)[1:].view(2, 4, 40, 24), False, True)],
+    ids=["full", "HQK", "B1QK", "QK", "keys strided", "keys broadcast", "queries broadcast",
+         "rows unaligned", "base unaligned"],
+)  # fmt: skip
+def test_which_biases_tma_reads(make, readable, full):
+    bias = make()
+    spec = _spec(bias)
+    assert hopper.bias_readable(spec, bias) == readable
+    assert hopper.bias_full(spec, bias) == full
+    assert not hopper.bias_readable(spec, torch.empty(2, 4, 40, 24))  # not q's dtype
+
+
+def test_bias_descriptor_indexes_broadcast_dimensions_at_zero():
+    """A broadcast dimension has size 1 (the kernels index it at 0) and a stride TMA
+    accepts: a multiple of 16 bytes, whatever the tensor's own (here 0, from expand)."""
+    bias = torch.empty(40, 24, dtype=torch.bfloat16).expand(1, 1, 40, 24)
+    desc = hopper.bias_descriptor(bias, 64, 128)
+    assert desc.shape == [1, 1, 40, 24]
+    assert desc.block_shape == [1, 1, 64, 128]
+    assert desc.strides[2:] == [24, 1]
+    assert all(s > 0 and s * 2 % 16 == 0 for s in desc.strides[:3])
+
+
+@pytest.mark.gpu
+def test_minus_inf_bias_rows_in_the_gluon_kernels_gpu(monkeypatch):
+    """Through the Gluon kernels: a -inf bias row is empty (out 0, lse -inf, gradients
+    0, never NaN), a finfo.min row averages v, as the reference has them."""
+    if not hopper_kernel_runs_here():
+        pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
+    from memattn.kernels import backward_sm90
+
+    monkeypatch.setattr(forward_sm90, "MIN_KEYS_PER_QUERY", {64: 0, 128: 0})
+    monkeypatch.setattr(backward_sm90, "MIN_KEYS_PER_QUERY", 0)
+    launched = []
+    for module, name in ((forward_sm90, "forward"), (backward_sm90, "backward")):
+        run = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, run=run, n=name: launched.append(n)
+                            or run(*a))
+    q, k, v = (torch.randn(1, 200, 2, 64, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))  # fmt: skip
+    bias = torch.randn(1, 2, 200, 200, device="cuda", dtype=torch.bfloat16)
+    bias[:, :, 3] = float("-inf")
+    bias[:, 1, :, 150:] = float("-inf")
+    bias[:, :, 5] = torch.finfo(torch.bfloat16).min
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, bias)]
+    out, lse = memattn.attention(*leaves[:3], bias=leaves[3], return_lse=True)
+    out.backward(torch.randn_like(out))
+    assert launched == ["forward", "backward"]
+    assert torch.equal(out[:, 3], torch.zeros_like(out[:, 3]))
+    assert torch.isneginf(lse[:, :, 3]).all()
+    for t in (out, *(leaf.grad for leaf in leaves)):
+        assert not t.isnan().any()
+    assert torch.equal(leaves[3].grad[:, :, 3], torch.zeros_like(leaves[3].grad[:, :, 3]))
+    ref = memattn.reference.attention(q.double(), k.double(), v.double(), bias=bias.double())
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    # head 0's row 5 sees every key at finfo.min (head 1's only the first 150)
+    torch.testing.assert_close(out[0, 5, 0].double(), v[0, :, 0].double().mean(dim=0),
+                               atol=2e-2, rtol=2e-2)  # fmt: skip

@@ -118,8 +118,9 @@ def compile_hopper_forward() -> int:
     on CPU tensors: every head dim and mask variant it takes."""
     from memattn.kernels import forward_sm90
 
-    def launch(spec, q, k):
-        forward_sm90.forward(spec, q, k, k, torch.empty_like(q), torch.empty(2, 4, 1000))
+    def launch(spec, q, k, bias):
+        lse = torch.empty(*spec.bias_shape[:3])
+        forward_sm90.forward(spec, q, k, k, bias, torch.empty_like(q), lse)
 
     return _compile_hopper("forward_sm90", launch)
 
@@ -128,29 +129,34 @@ def compile_hopper_backward() -> int:
     """The Gluon backward (kernels/backward_sm90.py): every head dim and mask variant."""
     from memattn.kernels import backward_sm90
 
-    def launch(spec, q, k):
-        stats = backward_sm90.row_stats_buffers(torch.empty(2, 4, 1000))[0]
-        backward_sm90.backward(spec, q, k, k, q, stats, torch.empty(q.shape),
-                               torch.empty_like(k), torch.empty_like(k))  # fmt: skip
+    def launch(spec, q, k, bias):
+        stats = backward_sm90.row_stats_buffers(torch.empty(*spec.bias_shape[:3]))[0]
+        dbias = None if bias is None else torch.empty_like(bias)
+        backward_sm90.backward(spec, q, k, k, q, bias, stats, torch.empty(q.shape),
+                               torch.empty_like(k), torch.empty_like(k), dbias)  # fmt: skip
 
     return _compile_hopper("backward_sm90", launch)
 
 
 def _compile_hopper(name, launch) -> int:
-    """Calls launch(spec, q, k) for D 64 and 128 and every mask of HOPPER_MASKS, GQA
-    4:2, Sq=1000, Sk=700; returns the number of failures."""
+    """Calls launch(spec, q, k, bias) for D 64 and 128, every mask of HOPPER_MASKS, no
+    bias and a full one, GQA 4:2, Sq=2100 (D=64's three warpgroups), Sk=704; returns
+    the number of failures."""
     from memattn.spec import check_call
 
     failures = 0
     for d in (64, 128):
         for options in HOPPER_MASKS:
-            q = torch.randn(2, 1000, 4, d, dtype=torch.bfloat16)
-            k = torch.randn(2, 700, 2, d, dtype=torch.bfloat16)
-            try:
-                launch(check_call(q, k, k, **options), q, k)
-            except Exception as e:  # noqa: BLE001
-                failures += 1
-                print(f"FAIL {name} D={d} {options}: {type(e).__name__}: {str(e)[:3000]}")
+            for with_bias in (False, True):
+                q = torch.randn(2, 2100, 4, d, dtype=torch.bfloat16)
+                k = torch.randn(2, 704, 2, d, dtype=torch.bfloat16)
+                bias = torch.randn(2, 4, 2100, 704, dtype=torch.bfloat16) if with_bias else None
+                try:
+                    launch(check_call(q, k, k, bias=bias, **options), q, k, bias)
+                except Exception as e:  # noqa: BLE001
+                    failures += 1
+                    print(f"FAIL {name} D={d} {options} bias={with_bias}: "
+                          f"{type(e).__name__}: {str(e)[:3000]}")
     return failures
 
 

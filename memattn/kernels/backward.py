@@ -582,7 +582,8 @@ def backward(
     # The Gluon backward (Hopper) takes its row statistics padded for TMA and adds dQ
     # into an fp32 buffer; the preprocess fills both.
     use_sm90 = (backward_sm90 is not None and need_dq and dk is not None
-                and backward_sm90.supports(spec, q, k, v, grad_out, bias, alibi_slopes))
+                and backward_sm90.supports(spec, q, k, v, grad_out, bias, alibi_slopes,
+                                           need_dbias))
     if use_sm90:
         stats, lse2, delta = backward_sm90.row_stats_buffers(lse)
         dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -603,9 +604,13 @@ def backward(
     if grad_lse is not None:
         delta.sub_(grad_lse)
     if use_sm90:
-        backward_sm90.backward(spec, q, k, v, grad_out, stats, dq_acc, dk, dv)
+        if need_dbias:  # tiles no query sees are never written: zeros under a mask
+            masked = spec.window_left >= 0 or spec.window_right >= 0
+            dbias = (torch.zeros if masked else new_output)(bias.shape, dtype=bias.dtype,
+                                                            device=bias.device)
+        backward_sm90.backward(spec, q, k, v, grad_out, bias, stats, dq_acc, dk, dv, dbias)
         dq.copy_(dq_acc)
-        return dq, dk if need_dk else None, dv if need_dv else None, None
+        return dq, dk if need_dk else None, dv if need_dv else None, dbias
 
     # dQ takes one of three paths: from the dS the bias gradient already wrote (a
     # matmul), accumulated with fp32 atomics inside the dK/dV kernel (5 matmuls per

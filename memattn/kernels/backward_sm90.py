@@ -39,7 +39,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..spec import AttentionSpec
 from . import hopper
-from .common import LOG2E, diagonal_offset, query_range, visible
+from .common import LOG2E, add_bias_alibi_log2, diagonal_offset, query_range, visible
 
 BLOCK_N = 128  # keys per program: two warpgroups x 64
 BLOCK_M = 64  # query rows per step (registers: dK and dV take 2 * D / 2 per thread)
@@ -48,12 +48,13 @@ STAGES = 2  # Q and dO rings
 
 @gluon.jit
 def _bwd_load_partition(
-    q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem,
-    lse_smem, delta_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, b, hk, GROUP,
-    start_n, lo, n_tiles, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+    q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem, v_smem,
+    lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, b, hk,
+    GROUP, bias_b, bias_heads, start_n, lo, n_tiles, BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
 ):  # fmt: skip
-    """One warp: K and V once, then Q (with its rows' lse) and dO (with delta) tiles of
-    every query head of the group."""
+    """One warp: K and V once, then Q (with its rows' lse and the bias tile) and dO
+    (with delta) tiles of every query head of the group."""
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b, hk, start_n, 0], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [b, hk, start_n, 0], kv_bar, v_smem)
@@ -61,11 +62,15 @@ def _bwd_load_partition(
         h = hk * GROUP + i // n_tiles
         start_m = lo + (i % n_tiles) * BLOCK_M
         nbytes: gl.constexpr = q_desc.block_type.nbytes + stats_desc.block_type.nbytes
-        slot = hopper.claim(q_ready, q_empty, i, nbytes, STAGES)
+        q_bytes: gl.constexpr = nbytes + bias_desc.block_type.nbytes if HAS_BIAS else nbytes
+        slot = hopper.claim(q_ready, q_empty, i, q_bytes, STAGES)
         tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], q_ready.index(slot),
                                         q_smem.index(slot))
         tma.async_copy_global_to_shared(stats_desc, [0, b, h, start_m], q_ready.index(slot),
                                         lse_smem.index(slot))
+        if HAS_BIAS:
+            tma.async_copy_global_to_shared(bias_desc, [bias_b, h % bias_heads, start_m, start_n],
+                                            q_ready.index(slot), bias_smem.index(slot))
         slot = hopper.claim(do_ready, do_empty, i, nbytes, STAGES)
         tma.async_copy_global_to_shared(do_desc, [b, h, start_m, 0], do_ready.index(slot),
                                         do_smem.index(slot))
@@ -75,13 +80,13 @@ def _bwd_load_partition(
 
 @gluon.jit
 def _bwd_compute_partition(
-    dq_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar,
-    q_ready, do_ready, q_empty, do_empty, ds_bar, b, hk, GROUP, start_n, lo, full_lo,
-    full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right,
+    dq_desc, dbias_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
+    stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bias_smem, ds_smem,
+    dq_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, b, hk, GROUP, start_n, lo,
+    full_lo, full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right,
     HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
-    BOUNDED_RIGHT: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
+    HAS_DBIAS: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: keys [start_n + HALF * 64, + 64) against every query tile."""
     dtype: gl.constexpr = k_smem.dtype
@@ -121,15 +126,22 @@ def _bwd_compute_partition(
         dp = warpgroup_mma(v_half, do.permute((1, 0)), s_init, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))
 
+        p_scale = scale_log2
+        if HAS_BIAS:  # this half's keys of the (queries, keys) tile, transposed
+            bias = (bias_smem.index(slot).reshape([BLOCK_M, BLOCK_N])
+                    .slice(HALF * HALF_N, HALF_N, dim=1).permute((1, 0)).load(s_layout))
+            s = add_bias_alibi_log2(s * scale_log2, 0, 0, 0, 0.0, bias.to(gl.float32), True,
+                                    False)
+            p_scale = 1.0
         lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
         if (start_m < full_lo) | (start_m >= full_hi):
             mask = visible(offs_m[None, :], offs_n[:, None], seqlen_k, off, window_left,
                            window_right, BOUNDED_LEFT, BOUNDED_RIGHT)
             s = gl.where(mask, s, float("-inf"))
-        p = gl.exp2(s * scale_log2 - lse2[None, :])
+        p = gl.exp2(s * p_scale - lse2[None, :])
         dp = warpgroup_mma_wait(0, deps=(dp,))
         delta = delta_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
-        ds = p * (dp - delta[None, :]) * scale
+        ds = p * (dp - delta[None, :])  # the bias gradient; dK and dQ take the scale later
 
         p_op = gl.convert_layout(p.to(dtype), op_layout)
         dv = warpgroup_mma(p_op, do, dv, is_async=True)
@@ -137,23 +149,31 @@ def _bwd_compute_partition(
         ds_op = gl.convert_layout(ds_lo, op_layout)
         dk = warpgroup_mma(ds_op, q, dk, is_async=True)
 
-        # dS^T to shared memory; once both halves are there, dQ's columns of this half.
-        ds_buf = ds_smem.index(i % 2)
-        ds_buf.slice(HALF * HALF_N, HALF_N, dim=0).store(ds_lo)
+        # dS to shared memory as (queries, keys), each warpgroup its half of the keys;
+        # once both halves are there, dQ's columns of this half: dS K summed over halves.
+        ds_pair = (i % 2) * 2
+        ds_own = ds_smem.index(ds_pair + HALF)
+        ds_own.reshape([BLOCK_M, HALF_N]).permute((1, 0)).store(ds_lo)
         fence_async_shared()
+        if HAS_DBIAS:  # the bias gradient is dS: this half's tile goes straight out
+            tma.async_copy_shared_to_global(dbias_desc, [b, h, start_m, row0], ds_own)
         mbarrier.arrive(ds_bar)
         mbarrier.wait(ds_bar, i & 1)
-        dq_init = gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=dq_layout)
-        dq = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, dq_init, use_acc=False,
-                           is_async=True)
+        dq = gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=dq_layout)
+        for j in gl.static_range(2):
+            dq = warpgroup_mma(ds_smem.index(ds_pair + j).reshape([BLOCK_M, HALF_N]),
+                               k_cols.slice(j * HALF_N, HALF_N, dim=0), dq, use_acc=j > 0,
+                               is_async=True)
         dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq, p_op, ds_op))
         mbarrier.arrive(q_empty.index(slot))
         mbarrier.arrive(do_empty.index(slot))
 
-        tma.store_wait(0)  # the last reduce has read dq_smem (one thread issued it)
+        # The last dQ reduce has read dq_smem (one thread issued it; this step's dS
+        # store, issued after it, may still run: it reads ds_smem, not dq_smem).
+        tma.store_wait(1 if HAS_DBIAS else 0)
         gl.thread_barrier()
         dq_buf = dq_smem.index(HALF)
-        dq_buf.reshape([BLOCK_M, HALF_D]).store(dq)
+        dq_buf.reshape([BLOCK_M, HALF_D]).store(dq * scale)
         fence_async_shared()
         hopper.tma_reduce_add(dq_desc, [b, h, start_m, HALF * HALF_D], dq_buf)
     tma.store_wait(0)
@@ -165,7 +185,7 @@ def _bwd_compute_partition(
     rows64 = out_rows.to(gl.int64)[:, None]
     dk_ptrs = (DK + b.to(gl.int64) * stride_kb + hk.to(gl.int64) * stride_kh
                + rows64 * stride_kn + out_cols[None, :])
-    gl.store(dk_ptrs, dk.to(dtype), mask=ok)
+    gl.store(dk_ptrs, (dk * scale).to(dtype), mask=ok)
     dv_ptrs = (DV + b.to(gl.int64) * stride_vb + hk.to(gl.int64) * stride_vh
                + rows64 * stride_vn + out_cols[None, :])
     gl.store(dv_ptrs, dv.to(dtype), mask=ok)
@@ -173,12 +193,13 @@ def _bwd_compute_partition(
 
 @gluon.jit
 def _bwd_sm90_kernel(
-    q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, DK, DV,
+    q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, bias_desc, dbias_desc, DK, DV,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    HKV, GROUP, seqlen_q, seqlen_k, num_n_blocks, scale, window_left, window_right,
+    HKV, GROUP, bias_batches, bias_heads, seqlen_q, seqlen_k, num_n_blocks, scale,
+    window_left, window_right,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
-    BOUNDED_RIGHT: gl.constexpr,
+    STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_DBIAS: gl.constexpr,
+    BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     # Key blocks of one head back to back, first first: with a causal mask (top-left)
     # they see the most queries, so the longest programs start earliest.
@@ -199,14 +220,22 @@ def _bwd_sm90_kernel(
                                         do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    # dS as (queries, keys) in two buffers of two halves of the keys, each half a TMA
+    # block of the bias gradient: [2 * buffer + half].
+    ds_block: gl.constexpr = [1, 1, BLOCK_M, BLOCK_N // 2]
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(ds_block, dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [4] + ds_block, ds_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape,
                                         dq_desc.layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape,
                                          stats_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape,
                                            stats_desc.layout)
+    if HAS_BIAS:  # a (queries, keys) tile beside each Q tile
+        bias_smem = gl.allocate_shared_memory(dtype, [STAGES] + bias_desc.block_type.shape,
+                                              bias_desc.layout)
+    else:  # a stand-in, never touched
+        bias_smem = q_smem
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ds_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
@@ -214,24 +243,29 @@ def _bwd_sm90_kernel(
     q_ready, q_empty = hopper.ring(STAGES, 2)  # released by both compute warpgroups
     do_ready, do_empty = hopper.ring(STAGES, 2)
 
+    bias_b = b % bias_batches  # 0 where the bias broadcasts over batches
+
     # Tuples built inline: constexprs stored in a variable first would turn into tensors.
     gl.warp_specialize(
         [(_bwd_compute_partition, (
-            dq_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-            q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar,
-            q_ready, do_ready, q_empty, do_empty, ds_bar, b, hk, GROUP, start_n, lo, full_lo,
-            full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right,
-            0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, BOUNDED_LEFT, BOUNDED_RIGHT)),
+            dq_desc, dbias_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
+            stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bias_smem,
+            ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, b, hk, GROUP,
+            start_n, lo, full_lo, full_hi, n_tiles, seqlen_k, off, scale, window_left,
+            window_right, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, HAS_DBIAS,
+            BOUNDED_LEFT, BOUNDED_RIGHT)),
          (_bwd_compute_partition, (
-            dq_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-            q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar,
-            q_ready, do_ready, q_empty, do_empty, ds_bar, b, hk, GROUP, start_n, lo, full_lo,
-            full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right,
-            1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, BOUNDED_LEFT, BOUNDED_RIGHT)),
+            dq_desc, dbias_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
+            stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bias_smem,
+            ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, b, hk, GROUP,
+            start_n, lo, full_lo, full_hi, n_tiles, seqlen_k, off, scale, window_left,
+            window_right, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, HAS_DBIAS,
+            BOUNDED_LEFT, BOUNDED_RIGHT)),
          (_bwd_load_partition, (
-            q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem,
-            v_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, b, hk,
-            GROUP, start_n, lo, n_tiles, BLOCK_M, STAGES))],
+            q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem,
+            v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready, q_empty,
+            do_empty, b, hk, GROUP, bias_b, bias_heads, start_n, lo, n_tiles, BLOCK_M, STAGES,
+            HAS_BIAS))],
         worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
 
 
@@ -242,9 +276,14 @@ def _bwd_sm90_kernel(
 MIN_KEYS_PER_QUERY = 512
 
 
-def supports(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes) -> bool:
+def supports(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes,
+             need_dbias: bool) -> bool:
     """True where this kernel runs the call: the calls hopper.runs_call names with
-    enough keys per query, not in deterministic mode, grad_out TMA-readable too."""
+    enough keys per query, not in deterministic mode, grad_out TMA-readable too; a
+    bias gradient only of a full bias (no sum over broadcast dimensions), with rows of
+    whole 16 bytes for its TMA stores."""
+    if need_dbias and not (hopper.bias_full(spec, bias) and spec.seqlen_k % 8 == 0):
+        return False
     return (not spec.deterministic and hopper.runs_call(spec, q, k, v, bias, alibi_slopes)
             and hopper.keys_per_query(spec) >= MIN_KEYS_PER_QUERY
             and hopper.tma_readable(grad_out))
@@ -271,23 +310,34 @@ def _row_stats_descriptor(stats: torch.Tensor, seqlen_q: int) -> TensorDescripto
 _launch_backward = hopper.Launcher(_bwd_sm90_kernel)
 
 
-def backward(spec: AttentionSpec, q, k, v, grad_out, stats, dq_acc, dk, dv) -> None:
-    """Adds dQ into dq_acc (fp32, zeroed) and fills dk and dv, for a call `supports`
+def backward(spec: AttentionSpec, q, k, v, grad_out, bias, stats, dq_acc, dk, dv,
+             dbias) -> None:
+    """Adds dQ into dq_acc (fp32, zeroed) and fills dk, dv and dbias (None: not needed;
+    every tile a query sees is written, the rest left as it was), for a call `supports`
     accepted; stats as row_stats_buffers made it, filled."""
     half_d = spec.head_dim_qk // 2
     num_n = triton.cdiv(spec.seqlen_k, BLOCK_N)
     # K's tile is sliced by columns for dQ: its swizzle may not span more than a half.
     k_swizzle = min(128, half_d * k.element_size())
+    q_desc = hopper.descriptor(q, BLOCK_M)
+    bias_desc = dbias_desc = q_desc  # stand-ins, never read without a bias (gradient)
+    bias_batches = bias_heads = 1
+    if bias is not None:
+        bias_desc = hopper.bias_descriptor(bias, BLOCK_M, BLOCK_N)
+        bias_batches, bias_heads = bias_desc.shape[:2]
+    if dbias is not None:
+        dbias_desc = hopper.bias_descriptor(dbias, BLOCK_M, BLOCK_N // 2)
     _launch_backward(
         (num_n * spec.batch * spec.kv_heads,),
-        hopper.descriptor(q, BLOCK_M), hopper.descriptor(k, BLOCK_N, swizzle=k_swizzle),
+        q_desc, hopper.descriptor(k, BLOCK_N, swizzle=k_swizzle),
         hopper.descriptor(v, BLOCK_N), hopper.descriptor(grad_out, BLOCK_M),
         hopper.descriptor(dq_acc, BLOCK_M, cols=half_d),
-        _row_stats_descriptor(stats, spec.seqlen_q), dk, dv,
+        _row_stats_descriptor(stats, spec.seqlen_q), bias_desc, dbias_desc, dk, dv,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_n, spec.scale,
-        spec.window_left, spec.window_right,
+        spec.kv_heads, spec.group, bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k,
+        num_n, spec.scale, spec.window_left, spec.window_right,
         HEAD_DIM=spec.head_dim_qk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
+        HAS_BIAS=bias is not None, HAS_DBIAS=dbias is not None,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
         BOUNDED_RIGHT=spec.window_right >= 0, num_warps=4,
     )  # fmt: skip

@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..spec import AttentionSpec
 from . import hopper
-from .common import LN2, LOG2E, diagonal_offset, key_range, visible
+from .common import LN2, LOG2E, add_bias_alibi_log2, diagonal_offset, key_range, visible
 
 ROWS = gl.constexpr(64)  # query rows per softmax warpgroup
 # Query rows per program: two softmax warpgroups (128), or three (192) for unmasked
@@ -50,6 +50,9 @@ MIN_SEQLEN_Q_D64 = 2048
 REGS_3 = gl.constexpr(160)  # per thread, for three softmax warpgroups beside the load warp
 BLOCK_N = 128
 STAGES = 2  # K and V each: 2 x 32 KiB at D=128, plus Q's and O's 32 KiB each
+# A bias's tiles (BLOCK_M x BLOCK_N, 32 KiB at 128 rows) take what shared memory is
+# left: one slot at D=128 (224 KiB in all), two at D=64.
+BIAS_STAGES = {64: 2, 128: 1}
 # Masked calls (causal, windows) run two query blocks per program (_fwd_sm90_kernel);
 # unmasked ones one. Tools set this to A/B.
 FOLD = "masked"
@@ -72,14 +75,16 @@ def _query_block(
 
 @gluon.jit
 def _load_partition(
-    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-    k_empty, v_empty, b, h, hk, p, num_m_blocks, n_blocks, seqlen_k, off, window_left,
-    window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, q_ready, q_empty,
+    k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, b, h, hk, bias_b, bias_h, p,
+    num_m_blocks, n_blocks, seqlen_k, off, window_left, window_right,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
+    BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
-    """One warp: each query block's Q, then its K and V tiles into the ring as slots
-    come free. The ring's index runs on across the program's query blocks, so the next
-    block's first tiles load while this one's last are still in use."""
+    """One warp: each query block's Q, then its K (and bias) and V tiles into the rings
+    as slots come free. The rings' index runs on across the program's query blocks, so
+    the next block's first tiles load while this one's last are still in use."""
     PARTS: gl.constexpr = BLOCK_M // ROWS
     kv = 0  # key tiles loaded so far
     for j in range(n_blocks):
@@ -96,6 +101,13 @@ def _load_partition(
             slot = hopper.claim(k_ready, k_empty, kv + t, k_desc.block_type.nbytes, STAGES)
             tma.async_copy_global_to_shared(k_desc, [b, hk, lo + t * BLOCK_N, 0],
                                             k_ready.index(slot), k_smem.index(slot))
+            if HAS_BIAS:  # one ROWS x BLOCK_N tile per warpgroup
+                slot = hopper.claim(bias_ready, bias_empty, kv + t,
+                                    PARTS * bias_desc.block_type.nbytes, BIAS_STAGES)
+                for i in gl.static_range(PARTS):
+                    tma.async_copy_global_to_shared(
+                        bias_desc, [bias_b, bias_h, start_m + i * ROWS, lo + t * BLOCK_N],
+                        bias_ready.index(slot), bias_smem.index(slot * PARTS + i))
             slot = hopper.claim(v_ready, v_empty, kv + t, v_desc.block_type.nbytes, STAGES)
             tma.async_copy_global_to_shared(v_desc, [b, hk, lo + t * BLOCK_N, 0],
                                             v_ready.index(slot), v_smem.index(slot))
@@ -104,11 +116,15 @@ def _load_partition(
 
 @gluon.jit
 def _softmax_tile(
-    s, m_i, l_i, start_n, offs_m, seqlen_k, off, window_left, window_right, needs_mask,
-    scale_log2, BLOCK_N: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
+    s, m_i, l_i, start_n, offs_m, bias, seqlen_k, off, window_left, window_right, needs_mask,
+    scale_log2, BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
     BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
-    """Online-softmax step on raw scores s; m_i is kept in scaled log2 units."""
+    """Online-softmax step on raw scores s (and the bias tile, natural units, fp32);
+    m_i is kept in scaled log2 units."""
+    if HAS_BIAS:  # the scale goes in first here, not folded into exp2's operand
+        s = add_bias_alibi_log2(s * scale_log2, 0, 0, 0, 0.0, bias, True, False)
+        scale_log2 = 1.0
     if needs_mask:
         offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
         mask = visible(offs_m[:, None], offs_n[None, :], seqlen_k, off, window_left,
@@ -124,18 +140,37 @@ def _softmax_tile(
 
 
 @gluon.jit
+def _bias_tile(
+    bias_smem, bias_ready, bias_empty, i, layout: gl.constexpr, PART: gl.constexpr,
+    PARTS: gl.constexpr, BLOCK_N: gl.constexpr, BIAS_STAGES: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+):  # fmt: skip
+    """This warpgroup's rows of the bias tile for key tile i (fp32, in the scores'
+    layout), its slot released at once; 0.0 without a bias."""
+    bias = 0.0
+    if HAS_BIAS:
+        slot = hopper.arrived(bias_ready, i, BIAS_STAGES)
+        tile = bias_smem.index(slot * PARTS + PART).reshape([ROWS, BLOCK_N])
+        bias = tile.load(layout).to(gl.float32)
+        mbarrier.arrive(bias_empty.index(slot))
+    return bias
+
+
+@gluon.jit
 def _softmax_partition(
     shared, PART: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
-    BOUNDED_RIGHT: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
+    BIAS_STAGES: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: query rows [start_m + PART * ROWS, + ROWS) of each of the
     program's query blocks, over every key tile. S(t) and P(t-1)·V(t-1) are in flight
     together; the softmax of S(t) runs while P(t-1)·V(t-1) does. ``shared``: the
     runtime arguments every softmax warpgroup takes (_fwd_sm90_kernel builds it)."""
-    (o_desc, Lse, stride_lb, stride_lh, stride_lm, q_smem, k_smem, v_smem, o_smem, q_ready,
-     q_empty, k_ready, v_ready, k_empty, v_empty, b, h, p, num_m_blocks, n_blocks,
-     seqlen_q, seqlen_k, off, scale_log2, window_left, window_right) = shared
+    (o_desc, Lse, stride_lb, stride_lh, stride_lm, q_smem, k_smem, v_smem, o_smem, bias_smem,
+     q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, b, h, p,
+     num_m_blocks, n_blocks, seqlen_q, seqlen_k, off, scale_log2, window_left,
+     window_right) = shared
+    PARTS: gl.constexpr = BLOCK_M // ROWS
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -166,10 +201,13 @@ def _softmax_partition(
             s = warpgroup_mma(q_tile, k, s_init, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(slot))
+            bias = _bias_tile(bias_smem, bias_ready, bias_empty, kv, s_layout, PART, PARTS,
+                              BLOCK_N, BIAS_STAGES, HAS_BIAS)
             needs_mask = (lo < full_lo) | (lo >= full_hi)
             p_, m_i, l_i, alpha = _softmax_tile(
-                s, m_i, l_i, lo, offs_m, seqlen_k, off, window_left, window_right,
-                needs_mask, scale_log2, BLOCK_N, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+                s, m_i, l_i, lo, offs_m, bias, seqlen_k, off, window_left, window_right,
+                needs_mask, scale_log2, BLOCK_N, HAS_BIAS, BOUNDED_LEFT,
+                BOUNDED_RIGHT)  # fmt: skip
             p_op = gl.convert_layout(p_.to(dtype), p_layout)
             for t in range(1, n_tiles):
                 start_n = lo + t * BLOCK_N
@@ -181,10 +219,13 @@ def _softmax_partition(
                 acc_tok = warpgroup_mma(p_op, v, acc, is_async=True)
                 s = warpgroup_mma_wait(1, deps=(s_tok,))  # S(t) done; P(t-1)·V(t-1) runs on
                 mbarrier.arrive(k_empty.index(k_slot))
+                bias = _bias_tile(bias_smem, bias_ready, bias_empty, kv + t, s_layout, PART,
+                                  PARTS, BLOCK_N, BIAS_STAGES, HAS_BIAS)
                 needs_mask = (start_n < full_lo) | (start_n >= full_hi)
                 p_, m_i, l_i, alpha = _softmax_tile(
-                    s, m_i, l_i, start_n, offs_m, seqlen_k, off, window_left, window_right,
-                    needs_mask, scale_log2, BLOCK_N, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+                    s, m_i, l_i, start_n, offs_m, bias, seqlen_k, off, window_left,
+                    window_right, needs_mask, scale_log2, BLOCK_N, HAS_BIAS, BOUNDED_LEFT,
+                    BOUNDED_RIGHT)  # fmt: skip
                 acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
                 mbarrier.arrive(v_empty.index(v_slot))
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
@@ -218,11 +259,13 @@ def _softmax_partition(
 
 @gluon.jit
 def _fwd_sm90_kernel(
-    q_desc, k_desc, v_desc, o_desc, Lse, stride_lb, stride_lh, stride_lm,
-    H, GROUP, seqlen_q, seqlen_k, num_m_blocks, scale_log2, window_left, window_right,
+    q_desc, k_desc, v_desc, o_desc, bias_desc, Lse, stride_lb, stride_lh, stride_lm,
+    H, GROUP, bias_batches, bias_heads, seqlen_q, seqlen_k, num_m_blocks, scale_log2,
+    window_left, window_right,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, FOLD: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
-    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    STAGES: gl.constexpr, FOLD: gl.constexpr, HAS_BIAS: gl.constexpr,
+    BIAS_STAGES: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
+    BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     # Query blocks of one head back to back. Folded, program p runs blocks n-1-p and p:
     # under a causal mask every program then has the same work (the blocks' key counts
@@ -237,6 +280,8 @@ def _fwd_sm90_kernel(
     b = bh // H
     h = bh % H
     hk = h // GROUP
+    bias_b = b % bias_batches  # 0 where the bias broadcasts over batches
+    bias_h = h % bias_heads
     off = diagonal_offset(seqlen_q, seqlen_k, BOTTOM_RIGHT)
 
     PARTS: gl.constexpr = BLOCK_M // ROWS  # softmax warpgroups
@@ -251,36 +296,45 @@ def _fwd_sm90_kernel(
     mbarrier.init(q_empty, count=PARTS)  # one arrival per softmax warpgroup
     k_ready, k_empty = hopper.ring(STAGES, PARTS)
     v_ready, v_empty = hopper.ring(STAGES, PARTS)
+    if HAS_BIAS:
+        bias_smem = gl.allocate_shared_memory(
+            dtype, [BIAS_STAGES * PARTS] + bias_desc.block_type.shape, bias_desc.layout)
+        bias_ready, bias_empty = hopper.ring(BIAS_STAGES, PARTS)
+    else:  # stand-ins, never touched
+        bias_smem, bias_ready, bias_empty = k_smem, k_ready, k_empty
 
     # Runtime values only: a constexpr stored in a variable would turn into a tensor, so
     # the constexprs go into each partition's tuple inline.
     shared = (o_desc, Lse, stride_lb, stride_lh, stride_lm, q_smem, k_smem, v_smem, o_smem,
-              q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, b, h, p, num_m_blocks,
-              n_blocks, seqlen_q, seqlen_k, off, scale_log2, window_left, window_right)
+              bias_smem, q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty,
+              bias_empty, b, h, p, num_m_blocks, n_blocks, seqlen_q, seqlen_k, off,
+              scale_log2, window_left, window_right)
     if PARTS == 2:
         gl.warp_specialize([
             (_softmax_partition, (shared, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                  HAS_BIAS, BIAS_STAGES, BOUNDED_LEFT, BOUNDED_RIGHT)),
             (_softmax_partition, (shared, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                  HAS_BIAS, BIAS_STAGES, BOUNDED_LEFT, BOUNDED_RIGHT)),
             (_load_partition, (
-                q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                v_ready, k_empty, v_empty, b, h, hk, p, num_m_blocks, n_blocks, seqlen_k, off,
-                window_left, window_right, BLOCK_M, BLOCK_N, STAGES, BOUNDED_LEFT,
+                q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, q_ready,
+                q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, b, h, hk,
+                bias_b, bias_h, p, num_m_blocks, n_blocks, seqlen_k, off, window_left,
+                window_right, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, BIAS_STAGES, BOUNDED_LEFT,
                 BOUNDED_RIGHT)),
         ], worker_num_warps=[4, 1], worker_num_regs=[232, 24])  # fmt: skip
     else:
         gl.warp_specialize([
             (_softmax_partition, (shared, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                  HAS_BIAS, BIAS_STAGES, BOUNDED_LEFT, BOUNDED_RIGHT)),
             (_softmax_partition, (shared, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                  HAS_BIAS, BIAS_STAGES, BOUNDED_LEFT, BOUNDED_RIGHT)),
             (_softmax_partition, (shared, 2, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                  HAS_BIAS, BIAS_STAGES, BOUNDED_LEFT, BOUNDED_RIGHT)),
             (_load_partition, (
-                q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                v_ready, k_empty, v_empty, b, h, hk, p, num_m_blocks, n_blocks, seqlen_k, off,
-                window_left, window_right, BLOCK_M, BLOCK_N, STAGES, BOUNDED_LEFT,
+                q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, q_ready,
+                q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, b, h, hk,
+                bias_b, bias_h, p, num_m_blocks, n_blocks, seqlen_k, off, window_left,
+                window_right, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, BIAS_STAGES, BOUNDED_LEFT,
                 BOUNDED_RIGHT)),
         ], worker_num_warps=[4, 4, 1], worker_num_regs=[REGS_3, REGS_3, 24])  # fmt: skip
 
@@ -301,7 +355,7 @@ def supports(spec: AttentionSpec, q, k, v, bias, alibi_slopes) -> bool:
 _launch_forward = hopper.Launcher(_fwd_sm90_kernel)
 
 
-def forward(spec: AttentionSpec, q, k, v, out, lse) -> None:
+def forward(spec: AttentionSpec, q, k, v, bias, out, lse) -> None:
     """Fills out (B, Sq, H, D) and lse (B, H, Sq) for a call `supports` accepted."""
     masked = spec.window_left >= 0 or spec.window_right >= 0
     three_parts = spec.head_dim_qk == 64 and not masked and spec.seqlen_q >= MIN_SEQLEN_Q_D64
@@ -309,13 +363,20 @@ def forward(spec: AttentionSpec, q, k, v, out, lse) -> None:
     num_m_blocks = triton.cdiv(spec.seqlen_q, block_m)
     fold = FOLD is True or (FOLD == "masked" and masked)
     programs_per_head = triton.cdiv(num_m_blocks, 2) if fold else num_m_blocks
+    q_desc = hopper.descriptor(q, ROWS.value)
+    if bias is None:
+        bias_desc, bias_batches, bias_heads = q_desc, 1, 1  # a stand-in, never read
+    else:
+        bias_desc = hopper.bias_descriptor(bias, ROWS.value, BLOCK_N)
+        bias_batches, bias_heads = bias_desc.shape[:2]
     _launch_forward(
         (programs_per_head * spec.batch * spec.heads,),
-        hopper.descriptor(q, ROWS.value), hopper.descriptor(k, BLOCK_N),
-        hopper.descriptor(v, BLOCK_N), hopper.descriptor(out, ROWS.value), lse, *lse.stride(),
-        spec.heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_m_blocks,
-        spec.scale * LOG2E.value, spec.window_left, spec.window_right,
+        q_desc, hopper.descriptor(k, BLOCK_N), hopper.descriptor(v, BLOCK_N),
+        hopper.descriptor(out, ROWS.value), bias_desc, lse, *lse.stride(),
+        spec.heads, spec.group, bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k,
+        num_m_blocks, spec.scale * LOG2E.value, spec.window_left, spec.window_right,
         HEAD_DIM=spec.head_dim_qk, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES, FOLD=fold,
+        HAS_BIAS=bias is not None, BIAS_STAGES=BIAS_STAGES[spec.head_dim_qk],
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
         BOUNDED_RIGHT=spec.window_right >= 0, num_warps=4,
     )  # fmt: skip

@@ -34,17 +34,55 @@ def tma_readable(t: torch.Tensor) -> bool:
 
 def runs_call(spec: AttentionSpec, q, k, v, bias, alibi_slopes) -> bool:
     """The calls both Gluon kernels take: a Hopper GPU; bf16/fp16; dense batches; head
-    dims 64 and 128, q.k and v alike; causal masks and windows but no bias, ALiBi,
-    softcap or dropout; tensors TMA can read."""
+    dims 64 and 128, q.k and v alike; causal masks, windows and a bias TMA can read
+    (`bias_readable`), but no ALiBi, softcap or dropout; tensors TMA can read."""
     if not (enabled and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
         return False
     if spec.dtype not in (torch.bfloat16, torch.float16) or spec.varlen or spec.seqlen_k == 0:
         return False
-    if bias is not None or alibi_slopes is not None or spec.softcap > 0 or spec.dropout_p > 0:
+    if alibi_slopes is not None or spec.softcap > 0 or spec.dropout_p > 0:
+        return False
+    if bias is not None and not bias_readable(spec, bias):
         return False
     if spec.head_dim_qk != spec.head_dim_v or spec.head_dim_qk not in (64, 128):
         return False
     return all(tma_readable(t) for t in (q, k, v))
+
+
+def _bias_4d(bias: torch.Tensor) -> tuple[list[int], list[int]]:
+    """A bias's shape and strides padded on the left to (B', H', Sq, Sk)."""
+    pad = 4 - bias.dim()
+    return [1] * pad + list(bias.shape), [0] * pad + list(bias.stride())
+
+
+def bias_readable(spec: AttentionSpec, bias: torch.Tensor) -> bool:
+    """A bias the Gluon kernels read by TMA: q's dtype, every query and key (broadcast
+    over batch or heads at most), a unit key stride and 16-byte aligned rows."""
+    shape, strides = _bias_4d(bias)
+    if bias.dtype != spec.dtype or shape[2:] != [spec.seqlen_q, spec.seqlen_k]:
+        return False
+    if strides[3] != 1 or bias.data_ptr() % 16:
+        return False
+    return all(s % 8 == 0 for n, s in zip(shape[:3], strides[:3]) if n > 1)
+
+
+def bias_full(spec: AttentionSpec, bias: torch.Tensor) -> bool:
+    """Whether a bias has one element per (batch, head, query, key): its gradient is
+    then dS itself, with no sum over broadcast dimensions."""
+    return _bias_4d(bias)[0] == list(spec.bias_shape)
+
+
+def bias_descriptor(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
+    """4-D (batch, head, query, key) descriptor over a bias (or its gradient) that
+    `bias_readable` accepted; one copy moves a rows x cols tile. A broadcast
+    dimension's size is 1 and the kernels index it at 0; its stride, unused, is given a
+    TMA-valid value."""
+    shape, strides = _bias_4d(t)
+    for d in (2, 1, 0):
+        if shape[d] == 1:
+            strides[d] = triton.cdiv(strides[d + 1] * shape[d + 1], 8) * 8
+    block = (1, 1, rows, cols)
+    return make_descriptor(t, shape, strides, block, shared_layout(block, t.dtype))
 
 
 def keys_per_query(spec: AttentionSpec) -> int:
