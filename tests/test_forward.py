@@ -221,6 +221,12 @@ HOPPER_CASES = [
          options=dict(causal=True)),
     Case("bias 1HQK D64 Sq=2100", batch=1, seqlen_q=2100, seqlen_k=504, dqk=64, dv=64,
          bias="1HQK"),
+    # dropout's keep bits drawn in the wgmma layouts: the forward's (queries, keys) and
+    # the backward's (keys, queries), against memattn.dropout_mask
+    Case("dropout causal GQA", heads=4, kv_heads=2, seqlen_q=700, seqlen_k=900, dqk=128,
+         dv=128, options=dict(causal=True, dropout_p=0.2)),
+    Case("dropout D64 Sq=2100 window", batch=1, seqlen_q=2100, seqlen_k=777, dqk=64, dv=64,
+         options=dict(window=(400, 100), dropout_p=0.3)),
 ]
 
 

@@ -120,7 +120,8 @@ def compile_hopper_forward() -> int:
 
     def launch(spec, q, k, bias):
         lse = torch.empty(*spec.bias_shape[:3])
-        forward_sm90.forward(spec, q, k, k, bias, torch.empty_like(q), lse)
+        rng = torch.zeros(2, dtype=torch.int64) if spec.dropout_p > 0 else None
+        forward_sm90.forward(spec, q, k, k, bias, rng, torch.empty_like(q), lse)
 
     return _compile_hopper("forward_sm90", launch)
 
@@ -132,7 +133,8 @@ def compile_hopper_backward() -> int:
     def launch(spec, q, k, bias):
         stats = backward_sm90.row_stats_buffers(torch.empty(*spec.bias_shape[:3]))[0]
         dbias = None if bias is None else torch.empty_like(bias)
-        backward_sm90.backward(spec, q, k, k, q, bias, stats, torch.empty(q.shape),
+        rng = torch.zeros(2, dtype=torch.int64) if spec.dropout_p > 0 else None
+        backward_sm90.backward(spec, q, k, k, q, bias, rng, stats, torch.empty(q.shape),
                                torch.empty_like(k), torch.empty_like(k), dbias)  # fmt: skip
 
     return _compile_hopper("backward_sm90", launch)
@@ -140,22 +142,27 @@ def compile_hopper_backward() -> int:
 
 def _compile_hopper(name, launch) -> int:
     """Calls launch(spec, q, k, bias) for D 64 and 128, every mask of HOPPER_MASKS, no
-    bias and a full one, GQA 4:2, Sq=2100 (D=64's three warpgroups), Sk=704; returns
-    the number of failures."""
+    bias, a full one, dropout, GQA 4:2, Sq=2100 (D=64's three warpgroups), Sk=704;
+    returns the number of failures. MEMATTN_HOPPER_FEATURES=dropout (comma-separated
+    from none, bias, dropout) compiles a subset."""
     from memattn.spec import check_call
 
+    features = os.environ.get("MEMATTN_HOPPER_FEATURES", "none,bias,dropout").split(",")
     failures = 0
     for d in (64, 128):
         for options in HOPPER_MASKS:
-            for with_bias in (False, True):
+            for feature in features:
                 q = torch.randn(2, 2100, 4, d, dtype=torch.bfloat16)
                 k = torch.randn(2, 704, 2, d, dtype=torch.bfloat16)
-                bias = torch.randn(2, 4, 2100, 704, dtype=torch.bfloat16) if with_bias else None
+                bias = torch.randn(2, 4, 2100, 704, dtype=torch.bfloat16)
+                bias = bias if feature == "bias" else None
+                dropout_p = 0.1 if feature == "dropout" else 0.0
                 try:
-                    launch(check_call(q, k, k, bias=bias, **options), q, k, bias)
+                    spec = check_call(q, k, k, bias=bias, dropout_p=dropout_p, **options)
+                    launch(spec, q, k, bias)
                 except Exception as e:  # noqa: BLE001
                     failures += 1
-                    print(f"FAIL {name} D={d} {options} bias={with_bias}: "
+                    print(f"FAIL {name} D={d} {options} {feature}: "
                           f"{type(e).__name__}: {str(e)[:3000]}")
     return failures
 

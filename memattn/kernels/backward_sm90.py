@@ -83,10 +83,12 @@ def _bwd_compute_partition(
     dq_desc, dbias_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
     stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bias_smem, ds_smem,
     dq_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, b, hk, GROUP, start_n, lo,
-    full_lo, full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right,
+    full_lo, full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right, seed,
+    rng_offset, heads, dropout_p,
     HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-    HAS_DBIAS: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    HAS_DBIAS: gl.constexpr, HAS_DROPOUT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
+    BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: keys [start_n + HALF * 64, + 64) against every query tile."""
     dtype: gl.constexpr = k_smem.dtype
@@ -124,6 +126,9 @@ def _bwd_compute_partition(
         hopper.arrived(do_ready, i, STAGES)
         do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
         dp = warpgroup_mma(v_half, do.permute((1, 0)), s_init, use_acc=False, is_async=True)
+        if HAS_DROPOUT:  # Philox's integer work runs while the tensor cores do S and dP
+            keep = hopper.dropout_keep(seed, rng_offset, b * heads + h, start_m, row0,
+                                       dropout_p, BLOCK_M, HALF_N, True, s_layout)
         s = warpgroup_mma_wait(1, deps=(s,))
 
         p_scale = scale_log2
@@ -141,9 +146,13 @@ def _bwd_compute_partition(
         p = gl.exp2(s * p_scale - lse2[None, :])
         dp = warpgroup_mma_wait(0, deps=(dp,))
         delta = delta_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
+        p_kept = p
+        if HAS_DROPOUT:  # dP Z / (1 - p); dV takes its 1 / (1 - p) at the end
+            dp = gl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+            p_kept = gl.where(keep, p, 0.0)
         ds = p * (dp - delta[None, :])  # the bias gradient; dK and dQ take the scale later
 
-        p_op = gl.convert_layout(p.to(dtype), op_layout)
+        p_op = gl.convert_layout(p_kept.to(dtype), op_layout)
         dv = warpgroup_mma(p_op, do, dv, is_async=True)
         ds_lo = ds.to(dtype)
         ds_op = gl.convert_layout(ds_lo, op_layout)
@@ -188,18 +197,21 @@ def _bwd_compute_partition(
     gl.store(dk_ptrs, (dk * scale).to(dtype), mask=ok)
     dv_ptrs = (DV + b.to(gl.int64) * stride_vb + hk.to(gl.int64) * stride_vh
                + rows64 * stride_vn + out_cols[None, :])
+    if HAS_DROPOUT:
+        dv = dv * (1.0 / (1.0 - dropout_p))
     gl.store(dv_ptrs, dv.to(dtype), mask=ok)
 
 
 @gluon.jit
 def _bwd_sm90_kernel(
-    q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, bias_desc, dbias_desc, DK, DV,
+    q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, bias_desc, dbias_desc, DK, DV, Rng,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     HKV, GROUP, bias_batches, bias_heads, seqlen_q, seqlen_k, num_n_blocks, scale,
-    window_left, window_right,
+    window_left, window_right, dropout_p,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_DBIAS: gl.constexpr,
-    BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    HAS_DROPOUT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
+    BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     # Key blocks of one head back to back, first first: with a causal mask (top-left)
     # they see the most queries, so the longest programs start earliest.
@@ -244,6 +256,12 @@ def _bwd_sm90_kernel(
     do_ready, do_empty = hopper.ring(STAGES, 2)
 
     bias_b = b % bias_batches  # 0 where the bias broadcasts over batches
+    seed = 0
+    rng_offset = 0
+    if HAS_DROPOUT:
+        seed = gl.load(Rng)
+        rng_offset = gl.load(Rng + 1)
+    heads = HKV * GROUP
 
     # Tuples built inline: constexprs stored in a variable first would turn into tensors.
     gl.warp_specialize(
@@ -252,15 +270,15 @@ def _bwd_sm90_kernel(
             stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bias_smem,
             ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, b, hk, GROUP,
             start_n, lo, full_lo, full_hi, n_tiles, seqlen_k, off, scale, window_left,
-            window_right, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, HAS_DBIAS,
-            BOUNDED_LEFT, BOUNDED_RIGHT)),
+            window_right, seed, rng_offset, heads, dropout_p, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
+            STAGES, HAS_BIAS, HAS_DBIAS, HAS_DROPOUT, BOUNDED_LEFT, BOUNDED_RIGHT)),
          (_bwd_compute_partition, (
             dq_desc, dbias_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
             stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bias_smem,
             ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, b, hk, GROUP,
             start_n, lo, full_lo, full_hi, n_tiles, seqlen_k, off, scale, window_left,
-            window_right, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, HAS_DBIAS,
-            BOUNDED_LEFT, BOUNDED_RIGHT)),
+            window_right, seed, rng_offset, heads, dropout_p, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
+            STAGES, HAS_BIAS, HAS_DBIAS, HAS_DROPOUT, BOUNDED_LEFT, BOUNDED_RIGHT)),
          (_bwd_load_partition, (
             q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem,
             v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready, q_empty,
@@ -310,11 +328,12 @@ def _row_stats_descriptor(stats: torch.Tensor, seqlen_q: int) -> TensorDescripto
 _launch_backward = hopper.Launcher(_bwd_sm90_kernel)
 
 
-def backward(spec: AttentionSpec, q, k, v, grad_out, bias, stats, dq_acc, dk, dv,
+def backward(spec: AttentionSpec, q, k, v, grad_out, bias, rng_state, stats, dq_acc, dk, dv,
              dbias) -> None:
     """Adds dQ into dq_acc (fp32, zeroed) and fills dk, dv and dbias (None: not needed;
     every tile a query sees is written, the rest left as it was), for a call `supports`
-    accepted; stats as row_stats_buffers made it, filled."""
+    accepted; stats as row_stats_buffers made it, filled; rng_state: dropout's
+    [seed, offset], None without dropout."""
     half_d = spec.head_dim_qk // 2
     num_n = triton.cdiv(spec.seqlen_k, BLOCK_N)
     # K's tile is sliced by columns for dQ: its swizzle may not span more than a half.
@@ -332,12 +351,13 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, stats, dq_acc, dk, dv
         q_desc, hopper.descriptor(k, BLOCK_N, swizzle=k_swizzle),
         hopper.descriptor(v, BLOCK_N), hopper.descriptor(grad_out, BLOCK_M),
         hopper.descriptor(dq_acc, BLOCK_M, cols=half_d),
-        _row_stats_descriptor(stats, spec.seqlen_q), bias_desc, dbias_desc, dk, dv,
+        _row_stats_descriptor(stats, spec.seqlen_q), bias_desc, dbias_desc, dk, dv, rng_state,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         spec.kv_heads, spec.group, bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k,
-        num_n, spec.scale, spec.window_left, spec.window_right,
+        num_n, spec.scale, spec.window_left, spec.window_right, spec.dropout_p,
         HEAD_DIM=spec.head_dim_qk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
         HAS_BIAS=bias is not None, HAS_DBIAS=dbias is not None,
+        HAS_DROPOUT=spec.dropout_p > 0,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
         BOUNDED_RIGHT=spec.window_right >= 0, num_warps=4,
     )  # fmt: skip

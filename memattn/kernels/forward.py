@@ -275,7 +275,8 @@ def forward(
     if out.numel() == 0 or spec.seqlen_q == 0:
         return out, lse.fill_(float("-inf"))
     if forward_sm90 is not None and forward_sm90.supports(spec, q, k, v, bias, alibi_slopes):
-        forward_sm90.forward(spec, q, k, v, bias, out, lse)
+        forward_sm90.forward(spec, q, k, v, bias, rng_state if spec.dropout_p > 0 else None,
+                             out, lse)
         return out, lse
 
     def launch(cfg: tuning.Config):

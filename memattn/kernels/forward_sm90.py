@@ -157,10 +157,30 @@ def _bias_tile(
 
 
 @gluon.jit
+def _keep(seed, rng_offset, bh, row0, start_n, dropout_p, BLOCK_N: gl.constexpr,
+          layout: gl.constexpr, HAS_DROPOUT: gl.constexpr):
+    """The dropout keep mask of this warpgroup's rows and key tile; 0 without dropout."""
+    keep = 0
+    if HAS_DROPOUT:
+        keep = hopper.dropout_keep(seed, rng_offset, bh, row0, start_n, dropout_p, ROWS,
+                                   BLOCK_N, False, layout)
+    return keep
+
+
+@gluon.jit
+def _dropped(p, keep, HAS_DROPOUT: gl.constexpr):
+    """P with the dropped entries zeroed (the 1 / (1 - p) goes into the output)."""
+    if HAS_DROPOUT:
+        p = gl.where(keep, p, 0.0)
+    return p
+
+
+@gluon.jit
 def _softmax_partition(
     shared, PART: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-    BIAS_STAGES: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    BIAS_STAGES: gl.constexpr, HAS_DROPOUT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
+    BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: query rows [start_m + PART * ROWS, + ROWS) of each of the
     program's query blocks, over every key tile. S(t) and P(t-1)·V(t-1) are in flight
@@ -168,8 +188,8 @@ def _softmax_partition(
     runtime arguments every softmax warpgroup takes (_fwd_sm90_kernel builds it)."""
     (o_desc, Lse, stride_lb, stride_lh, stride_lm, q_smem, k_smem, v_smem, o_smem, bias_smem,
      q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, b, h, p,
-     num_m_blocks, n_blocks, seqlen_q, seqlen_k, off, scale_log2, window_left,
-     window_right) = shared
+     num_m_blocks, n_blocks, seqlen_q, seqlen_k, off, scale_log2, window_left, window_right,
+     seed, rng_offset, bh, dropout_p) = shared
     PARTS: gl.constexpr = BLOCK_M // ROWS
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -199,6 +219,8 @@ def _softmax_partition(
             slot = hopper.arrived(k_ready, kv, STAGES)
             k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
             s = warpgroup_mma(q_tile, k, s_init, use_acc=False, is_async=True)
+            keep = _keep(seed, rng_offset, bh, row0, lo, dropout_p, BLOCK_N, s_layout,
+                         HAS_DROPOUT)
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(slot))
             bias = _bias_tile(bias_smem, bias_ready, bias_empty, kv, s_layout, PART, PARTS,
@@ -208,7 +230,7 @@ def _softmax_partition(
                 s, m_i, l_i, lo, offs_m, bias, seqlen_k, off, window_left, window_right,
                 needs_mask, scale_log2, BLOCK_N, HAS_BIAS, BOUNDED_LEFT,
                 BOUNDED_RIGHT)  # fmt: skip
-            p_op = gl.convert_layout(p_.to(dtype), p_layout)
+            p_op = gl.convert_layout(_dropped(p_, keep, HAS_DROPOUT).to(dtype), p_layout)
             for t in range(1, n_tiles):
                 start_n = lo + t * BLOCK_N
                 k_slot = hopper.arrived(k_ready, kv + t, STAGES)
@@ -217,6 +239,9 @@ def _softmax_partition(
                 v_slot = hopper.arrived(v_ready, kv + t - 1, STAGES)
                 v = v_smem.index(v_slot).reshape([BLOCK_N, HEAD_DIM])
                 acc_tok = warpgroup_mma(p_op, v, acc, is_async=True)
+                # Philox's integer work runs while the tensor cores do S(t) and P·V.
+                keep = _keep(seed, rng_offset, bh, row0, start_n, dropout_p, BLOCK_N,
+                             s_layout, HAS_DROPOUT)
                 s = warpgroup_mma_wait(1, deps=(s_tok,))  # S(t) done; P(t-1)·V(t-1) runs on
                 mbarrier.arrive(k_empty.index(k_slot))
                 bias = _bias_tile(bias_smem, bias_ready, bias_empty, kv + t, s_layout, PART,
@@ -229,7 +254,7 @@ def _softmax_partition(
                 acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
                 mbarrier.arrive(v_empty.index(v_slot))
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-                p_op = gl.convert_layout(p_.to(dtype), p_layout)
+                p_op = gl.convert_layout(_dropped(p_, keep, HAS_DROPOUT).to(dtype), p_layout)
             mbarrier.arrive(q_empty)  # every S of this block is done: Q may be refilled
             v_slot = hopper.arrived(v_ready, kv + n_tiles - 1, STAGES)
             v = v_smem.index(v_slot).reshape([BLOCK_N, HEAD_DIM])
@@ -243,6 +268,8 @@ def _softmax_partition(
         # Rows with no visible key: l = 0, out = 0, lse = -inf.
         empty = l_i == 0.0
         inv_l = 1.0 / gl.where(empty, 1.0, l_i)
+        if HAS_DROPOUT:  # kept probabilities weigh 1 / (1 - p)
+            inv_l = inv_l / (1.0 - dropout_p)
         lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2)
         out = acc * gl.convert_layout(inv_l, o_rows)[:, None]
         tma.store_wait(0)  # the previous block's store has read o_buf (one thread issued it)
@@ -259,13 +286,13 @@ def _softmax_partition(
 
 @gluon.jit
 def _fwd_sm90_kernel(
-    q_desc, k_desc, v_desc, o_desc, bias_desc, Lse, stride_lb, stride_lh, stride_lm,
+    q_desc, k_desc, v_desc, o_desc, bias_desc, Lse, Rng, stride_lb, stride_lh, stride_lm,
     H, GROUP, bias_batches, bias_heads, seqlen_q, seqlen_k, num_m_blocks, scale_log2,
-    window_left, window_right,
+    window_left, window_right, dropout_p,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, FOLD: gl.constexpr, HAS_BIAS: gl.constexpr,
-    BIAS_STAGES: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
-    BOUNDED_RIGHT: gl.constexpr,
+    BIAS_STAGES: gl.constexpr, HAS_DROPOUT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     # Query blocks of one head back to back. Folded, program p runs blocks n-1-p and p:
     # under a causal mask every program then has the same work (the blocks' key counts
@@ -283,6 +310,11 @@ def _fwd_sm90_kernel(
     bias_b = b % bias_batches  # 0 where the bias broadcasts over batches
     bias_h = h % bias_heads
     off = diagonal_offset(seqlen_q, seqlen_k, BOTTOM_RIGHT)
+    seed = 0
+    rng_offset = 0
+    if HAS_DROPOUT:
+        seed = gl.load(Rng)
+        rng_offset = gl.load(Rng + 1)
 
     PARTS: gl.constexpr = BLOCK_M // ROWS  # softmax warpgroups
     dtype: gl.constexpr = q_desc.dtype
@@ -308,13 +340,15 @@ def _fwd_sm90_kernel(
     shared = (o_desc, Lse, stride_lb, stride_lh, stride_lm, q_smem, k_smem, v_smem, o_smem,
               bias_smem, q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty,
               bias_empty, b, h, p, num_m_blocks, n_blocks, seqlen_q, seqlen_k, off,
-              scale_log2, window_left, window_right)
+              scale_log2, window_left, window_right, seed, rng_offset, bh, dropout_p)
     if PARTS == 2:
         gl.warp_specialize([
             (_softmax_partition, (shared, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                  HAS_BIAS, BIAS_STAGES, BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                  HAS_BIAS, BIAS_STAGES, HAS_DROPOUT, BOUNDED_LEFT,
+                                  BOUNDED_RIGHT)),
             (_softmax_partition, (shared, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                  HAS_BIAS, BIAS_STAGES, BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                  HAS_BIAS, BIAS_STAGES, HAS_DROPOUT, BOUNDED_LEFT,
+                                  BOUNDED_RIGHT)),
             (_load_partition, (
                 q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, q_ready,
                 q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, b, h, hk,
@@ -325,11 +359,14 @@ def _fwd_sm90_kernel(
     else:
         gl.warp_specialize([
             (_softmax_partition, (shared, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                  HAS_BIAS, BIAS_STAGES, BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                  HAS_BIAS, BIAS_STAGES, HAS_DROPOUT, BOUNDED_LEFT,
+                                  BOUNDED_RIGHT)),
             (_softmax_partition, (shared, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                  HAS_BIAS, BIAS_STAGES, BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                  HAS_BIAS, BIAS_STAGES, HAS_DROPOUT, BOUNDED_LEFT,
+                                  BOUNDED_RIGHT)),
             (_softmax_partition, (shared, 2, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                  HAS_BIAS, BIAS_STAGES, BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                  HAS_BIAS, BIAS_STAGES, HAS_DROPOUT, BOUNDED_LEFT,
+                                  BOUNDED_RIGHT)),
             (_load_partition, (
                 q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, q_ready,
                 q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, b, h, hk,
@@ -355,10 +392,12 @@ def supports(spec: AttentionSpec, q, k, v, bias, alibi_slopes) -> bool:
 _launch_forward = hopper.Launcher(_fwd_sm90_kernel)
 
 
-def forward(spec: AttentionSpec, q, k, v, bias, out, lse) -> None:
-    """Fills out (B, Sq, H, D) and lse (B, H, Sq) for a call `supports` accepted."""
+def forward(spec: AttentionSpec, q, k, v, bias, rng_state, out, lse) -> None:
+    """Fills out (B, Sq, H, D) and lse (B, H, Sq) for a call `supports` accepted;
+    rng_state: dropout's [seed, offset] (memattn.dropout), None without dropout."""
     masked = spec.window_left >= 0 or spec.window_right >= 0
-    three_parts = spec.head_dim_qk == 64 and not masked and spec.seqlen_q >= MIN_SEQLEN_Q_D64
+    three_parts = (spec.head_dim_qk == 64 and not masked and spec.dropout_p == 0
+                   and spec.seqlen_q >= MIN_SEQLEN_Q_D64)
     block_m = BLOCK_M_D64 if three_parts else BLOCK_M
     num_m_blocks = triton.cdiv(spec.seqlen_q, block_m)
     fold = FOLD is True or (FOLD == "masked" and masked)
@@ -372,11 +411,13 @@ def forward(spec: AttentionSpec, q, k, v, bias, out, lse) -> None:
     _launch_forward(
         (programs_per_head * spec.batch * spec.heads,),
         q_desc, hopper.descriptor(k, BLOCK_N), hopper.descriptor(v, BLOCK_N),
-        hopper.descriptor(out, ROWS.value), bias_desc, lse, *lse.stride(),
+        hopper.descriptor(out, ROWS.value), bias_desc, lse, rng_state, *lse.stride(),
         spec.heads, spec.group, bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k,
         num_m_blocks, spec.scale * LOG2E.value, spec.window_left, spec.window_right,
+        spec.dropout_p,
         HEAD_DIM=spec.head_dim_qk, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES, FOLD=fold,
         HAS_BIAS=bias is not None, BIAS_STAGES=BIAS_STAGES[spec.head_dim_qk],
+        HAS_DROPOUT=spec.dropout_p > 0,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
         BOUNDED_RIGHT=spec.window_right >= 0, num_warps=4,
     )  # fmt: skip

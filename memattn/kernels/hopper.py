@@ -8,6 +8,7 @@ import functools
 
 import torch
 import triton
+import triton.language as tl
 from triton import knobs
 from triton._C.libtriton import ir
 from triton.experimental import gluon
@@ -34,15 +35,17 @@ def tma_readable(t: torch.Tensor) -> bool:
 
 def runs_call(spec: AttentionSpec, q, k, v, bias, alibi_slopes) -> bool:
     """The calls both Gluon kernels take: a Hopper GPU; bf16/fp16; dense batches; head
-    dims 64 and 128, q.k and v alike; causal masks, windows and a bias TMA can read
-    (`bias_readable`), but no ALiBi, softcap or dropout; tensors TMA can read."""
+    dims 64 and 128, q.k and v alike; causal masks, windows, dropout or a bias TMA can
+    read (`bias_readable`), but not both, no ALiBi or softcap; tensors TMA can read."""
     if not (enabled and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
         return False
     if spec.dtype not in (torch.bfloat16, torch.float16) or spec.varlen or spec.seqlen_k == 0:
         return False
-    if alibi_slopes is not None or spec.softcap > 0 or spec.dropout_p > 0:
+    if alibi_slopes is not None or spec.softcap > 0:
         return False
     if bias is not None and not bias_readable(spec, bias):
+        return False
+    if bias is not None and spec.dropout_p > 0:  # shared memory holds one or the other
         return False
     if spec.head_dim_qk != spec.head_dim_v or spec.head_dim_qk not in (64, 128):
         return False
@@ -163,6 +166,37 @@ def arrived(ready, i, STAGES: gl.constexpr):
     slot = i % STAGES
     mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
     return slot
+
+
+@gluon.jit
+def dropout_keep(
+    seed, rng_offset, bh, start_m, start_n, dropout_p, M: gl.constexpr, N: gl.constexpr,
+    TRANSPOSED: gl.constexpr, layout: gl.constexpr,
+):  # fmt: skip
+    """common.dropout_keep's mask, bit for bit, for queries [start_m, + M) and keys
+    [start_n, + N) (start_n % 8 == 0), in a warpgroup's wgmma accumulator layout:
+    (M, N), or (N, M) if TRANSPOSED. Each thread draws the Philox words of distinct
+    (query, 8 keys) pairs (in the warp that holds those queries, or keys, in `layout`),
+    so the conversion into `layout` stays inside each warp: a few shared-memory stores
+    and ldmatrix loads, no block-wide barrier."""
+    G: gl.constexpr = N // 8
+    if TRANSPOSED:  # warp w draws key groups 2w, 2w+1 (keys 16w..16w+15 of the tile)
+        draw: gl.constexpr = gl.BlockedLayout([1, G // 4], [32, 1], [1, 4], [0, 1])
+    else:  # warp w draws queries 16w..16w+15
+        draw: gl.constexpr = gl.BlockedLayout([M // 32, 1], [8, 4], [4, 1], [1, 0])
+    zero = gl.zeros([M, G], gl.int32, draw)
+    rows = start_m + gl.arange(0, M, layout=gl.SliceLayout(1, draw))
+    groups = start_n // 8 + gl.arange(0, G, layout=gl.SliceLayout(0, draw))
+    r0, r1, r2, r3 = tl.philox(seed, (groups[None, :] + zero).to(gl.uint32),
+                               (rows[:, None] + zero).to(gl.uint32),
+                               (zero + bh).to(gl.uint32), (zero + rng_offset).to(gl.uint32))
+    threshold = (dropout_p * 65536.0 + 0.5).to(gl.uint32)
+    low = gl.join(gl.join(r0 & 0xFFFF, r1 & 0xFFFF), gl.join(r2 & 0xFFFF, r3 & 0xFFFF))
+    high = gl.join(gl.join(r0 >> 16, r1 >> 16), gl.join(r2 >> 16, r3 >> 16))
+    keep = gl.reshape(gl.join(low, high) >= threshold, [M, N])
+    if TRANSPOSED:
+        keep = gl.permute(keep, [1, 0])
+    return gl.convert_layout(keep, layout)
 
 
 @gl_core.builtin
