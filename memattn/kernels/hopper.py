@@ -8,7 +8,6 @@ import functools
 
 import torch
 import triton
-import triton.language as tl
 from triton import knobs
 from triton._C.libtriton import ir
 from triton.experimental import gluon
@@ -169,6 +168,32 @@ def arrived(ready, i, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _mul_wide(a, b):
+    """(high, low) words of the 64-bit product of uint32 a and b: one IMAD.WIDE, where
+    umulhi and a multiply make two half-rate IMADs."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .b64 t; mul.wide.u32 t, $2, $3; mov.b64 {$1, $0}, t; }", "=r,=r,r,r",
+        [a, b], dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
+
+
+@gluon.jit
+def _philox(seed, c0, c1, c2, c3):
+    """Philox-4x32-10 as tl.philox computes it (the 64-bit seed the key), word for word,
+    with each round's two products from one wide multiply."""
+    k0 = (seed & 0xFFFFFFFF).to(gl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(gl.uint32)
+    round_a = gl.full_like(c0, 0xD2511F53)
+    round_b = gl.full_like(c0, 0xCD9E8D57)
+    for _ in gl.static_range(10):
+        hi_b, lo_b = _mul_wide(c2, round_b)
+        hi_a, lo_a = _mul_wide(c0, round_a)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 += 0x9E3779B9
+        k1 += 0xBB67AE85
+    return c0, c1, c2, c3
+
+
+@gluon.jit
 def dropout_keep(
     seed, rng_offset, bh, start_m, start_n, dropout_p, M: gl.constexpr, N: gl.constexpr,
     TRANSPOSED: gl.constexpr, layout: gl.constexpr,
@@ -176,9 +201,15 @@ def dropout_keep(
     """common.dropout_keep's mask, bit for bit, for queries [start_m, + M) and keys
     [start_n, + N) (start_n % 8 == 0), in a warpgroup's wgmma accumulator layout:
     (M, N), or (N, M) if TRANSPOSED. Each thread draws the Philox words of distinct
-    (query, 8 keys) pairs (in the warp that holds those queries, or keys, in `layout`),
-    so the conversion into `layout` stays inside each warp: a few shared-memory stores
-    and ldmatrix loads, no block-wide barrier."""
+    (query, 8 keys) pairs, in the warp that holds those queries (or keys) in `layout`,
+    so the exchange into `layout` stays inside each warp (shared-memory stores and
+    ldmatrix loads, no block-wide barrier).
+
+    Word 2a + b of the draw for keys 8g.. holds keys 8g + 4b + 2a + (0, 1) in its low and
+    high halves (common.dropout_keep's join order). Queries along rows: that key pair
+    sits in one thread of `layout`, which is sent the word whole and compares both
+    halves itself; along columns (TRANSPOSED) the pair spans two threads, which are
+    sent the comparisons."""
     G: gl.constexpr = N // 8
     if TRANSPOSED:  # warp w draws key groups 2w, 2w+1 (keys 16w..16w+15 of the tile)
         draw: gl.constexpr = gl.BlockedLayout([1, G // 4], [32, 1], [1, 4], [0, 1])
@@ -187,16 +218,30 @@ def dropout_keep(
     zero = gl.zeros([M, G], gl.int32, draw)
     rows = start_m + gl.arange(0, M, layout=gl.SliceLayout(1, draw))
     groups = start_n // 8 + gl.arange(0, G, layout=gl.SliceLayout(0, draw))
-    r0, r1, r2, r3 = tl.philox(seed, (groups[None, :] + zero).to(gl.uint32),
-                               (rows[:, None] + zero).to(gl.uint32),
-                               (zero + bh).to(gl.uint32), (zero + rng_offset).to(gl.uint32))
+    r0, r1, r2, r3 = _philox(seed, (groups[None, :] + zero).to(gl.uint32),
+                             (rows[:, None] + zero).to(gl.uint32),
+                             (zero + bh).to(gl.uint32), (zero + rng_offset).to(gl.uint32))
     threshold = (dropout_p * 65536.0 + 0.5).to(gl.uint32)
-    low = gl.join(gl.join(r0 & 0xFFFF, r1 & 0xFFFF), gl.join(r2 & 0xFFFF, r3 & 0xFFFF))
-    high = gl.join(gl.join(r0 >> 16, r1 >> 16), gl.join(r2 >> 16, r3 >> 16))
-    keep = gl.reshape(gl.join(low, high) >= threshold, [M, N])
+    words = gl.reshape(gl.join(gl.join(r0, r1), gl.join(r2, r3)), [M, N // 2])  # key pairs
     if TRANSPOSED:
-        keep = gl.permute(keep, [1, 0])
-    return gl.convert_layout(keep, layout)
+        keep = gl.reshape(gl.join(words & 0xFFFF, words >> 16) >= threshold, [M, N])
+        return gl.convert_layout(gl.permute(keep, [1, 0]), layout)
+    else:
+        words = gl.convert_layout(words, _pairs_layout(M, N))
+        keep = gl.reshape(gl.join(words & 0xFFFF, words >> 16) >= threshold, [M, N])
+        return gl.convert_layout(keep, layout)
+
+
+@gluon.constexpr_function
+def _pairs_layout(M, N):
+    """(M, N / 2) key pairs placed where a 4-warp wgmma accumulator layout of (M, N)
+    holds them: lanes 4r + c hold rows r (+ 8), pairs c + 4j (keys 8j + 2c, + 1);
+    warps 16 rows each."""
+    regs = [[8, 0]] + [[0, 4 << i] for i in range((N // 8).bit_length() - 1)]
+    lanes = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
+    warps = [[16, 0], [32, 0]][: (M // 16).bit_length() - 1]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=lanes, warp_bases=warps,
+                                      block_bases=[], shape=[M, N // 2])
 
 
 @gl_core.builtin
