@@ -13,13 +13,17 @@ TMA reduce-add (an L2-side atomic of a whole tile). Three partitions:
   probabilities straight from registers, and writes dS^T to shared memory. Once both
   halves are there (an mbarrier between the two), each computes half of dQ's columns,
   dQ[:, half] = dS K[:, half], and sends it to the fp32 buffer.
-dS is scaled by the softmax scale before it is rounded, so dK and dQ need no later
-scaling; backward.py zeroes the fp32 dQ buffer (in its preprocess) and converts it to
-the output dtype.
+dS stays unscaled in shared memory, as (queries, keys) tiles of 64 x 64: it is the
+gradient of a bias, and for a full bias each warpgroup's tile leaves by TMA store as
+it is; dK and dQ take the softmax scale in fp32. A bias tile loads beside each Q
+tile; dropout's keep bits come from hopper.dropout_keep in the transposed layout.
+backward.py zeroes the fp32 dQ buffer (in its preprocess) and converts it to the
+output dtype.
 
 Covers what forward_sm90 covers (bf16/fp16, head dims 64 and 128, dense batches, GQA,
-causal masks either way, sliding windows) minus deterministic mode: TMA reduce-adds
-land in any order. Every other call runs backward.py.
+causal masks either way, sliding windows, a bias, dropout) minus deterministic mode
+(TMA reduce-adds land in any order) and minus a bias gradient summed over broadcast
+dimensions. Every other call runs backward.py.
 """
 
 from __future__ import annotations

@@ -14,9 +14,14 @@ Under a mask a program runs two query blocks (`_fwd_sm90_kernel`), the next one'
 loads overlapping this one's end. The output leaves by a TMA store, which clips rows
 past Sq; TMA loads zero-fill past S.
 
+A bias comes by TMA too: the load warp puts each key tile's BLOCK_M x BLOCK_N bias
+tile in a ring beside K's, each warpgroup reads its rows. Dropout's keep bits come from
+hopper.dropout_keep, drawn while the warpgroup's matmuls run; P·V takes the kept
+probabilities and the output the 1 / (1 - p).
+
 Covers bf16/fp16, head dims 64 and 128 (q·k and v alike), dense batches, GQA, causal
-masks either way and sliding windows; `supports` says so, and every other call runs
-forward.py. Softcap, ALiBi, bias and dropout stay there for now.
+masks either way, sliding windows, a bias TMA can read, or dropout (hopper.runs_call
+says which); every other call runs forward.py: softcap, ALiBi, varlen.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """What the two Gluon kernels (forward_sm90, backward_sm90) share: whether they run
-here, which calls they take, TMA descriptors over our (B, S, H, D) tensors, and the
-one Gluon builtin Triton 3.6 lacks (TMA reduce-add)."""
+here, which calls they take, TMA descriptors over our (B, S, H, D) tensors and over a
+bias, their shared-memory rings, dropout's keep bits in wgmma layouts, the one Gluon
+builtin Triton 3.6 lacks (TMA reduce-add), and a launcher."""
 
 from __future__ import annotations
 
