@@ -84,17 +84,18 @@ def _bwd_load_partition(
 
 @gluon.jit
 def _bwd_compute_partition(
-    dq_desc, dbias_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
-    stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bias_smem, ds_smem,
-    dq_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, b, hk, GROUP, start_n, lo,
-    full_lo, full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right, seed,
-    rng_offset, heads, dropout_p,
-    HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+    shared, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
     HAS_DBIAS: gl.constexpr, HAS_DROPOUT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
     BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
-    """One warpgroup: keys [start_n + HALF * 64, + 64) against every query tile."""
+    """One warpgroup: keys [start_n + HALF * 64, + 64) against every query tile.
+    ``shared``: the runtime arguments both take (_bwd_sm90_kernel builds the tuple)."""
+    (dq_desc, dbias_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
+     stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bias_smem, ds_smem,
+     dq_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, b, hk, GROUP, start_n, lo,
+     full_lo, full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right, seed,
+     rng_offset, heads, dropout_p) = shared
     dtype: gl.constexpr = k_smem.dtype
     HALF_N: gl.constexpr = BLOCK_N // 2
     HALF_D: gl.constexpr = HEAD_DIM // 2
@@ -267,22 +268,18 @@ def _bwd_sm90_kernel(
         rng_offset = gl.load(Rng + 1)
     heads = HKV * GROUP
 
-    # Tuples built inline: constexprs stored in a variable first would turn into tensors.
+    # Runtime values only: a constexpr stored in a variable would turn into a tensor, so
+    # the constexprs go into each partition's arguments inline.
+    shared = (dq_desc, dbias_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb,
+              stride_vn, stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+              bias_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar,
+              b, hk, GROUP, start_n, lo, full_lo, full_hi, n_tiles, seqlen_k, off, scale,
+              window_left, window_right, seed, rng_offset, heads, dropout_p)
     gl.warp_specialize(
-        [(_bwd_compute_partition, (
-            dq_desc, dbias_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
-            stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bias_smem,
-            ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, b, hk, GROUP,
-            start_n, lo, full_lo, full_hi, n_tiles, seqlen_k, off, scale, window_left,
-            window_right, seed, rng_offset, heads, dropout_p, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
-            STAGES, HAS_BIAS, HAS_DBIAS, HAS_DROPOUT, BOUNDED_LEFT, BOUNDED_RIGHT)),
-         (_bwd_compute_partition, (
-            dq_desc, dbias_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
-            stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bias_smem,
-            ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, b, hk, GROUP,
-            start_n, lo, full_lo, full_hi, n_tiles, seqlen_k, off, scale, window_left,
-            window_right, seed, rng_offset, heads, dropout_p, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
-            STAGES, HAS_BIAS, HAS_DBIAS, HAS_DROPOUT, BOUNDED_LEFT, BOUNDED_RIGHT)),
+        [(_bwd_compute_partition, (shared, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS,
+                                   HAS_DBIAS, HAS_DROPOUT, BOUNDED_LEFT, BOUNDED_RIGHT)),
+         (_bwd_compute_partition, (shared, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS,
+                                   HAS_DBIAS, HAS_DROPOUT, BOUNDED_LEFT, BOUNDED_RIGHT)),
          (_bwd_load_partition, (
             q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem,
             v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready, q_empty,

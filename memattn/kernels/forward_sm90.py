@@ -80,16 +80,17 @@ def _query_block(
 
 @gluon.jit
 def _load_partition(
-    q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, q_ready, q_empty,
-    k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, b, h, hk, bias_b, bias_h, p,
-    num_m_blocks, n_blocks, seqlen_k, off, window_left, window_right,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    loads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
     BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     """One warp: each query block's Q, then its K (and bias) and V tiles into the rings
     as slots come free. The rings' index runs on across the program's query blocks, so
-    the next block's first tiles load while this one's last are still in use."""
+    the next block's first tiles load while this one's last are still in use. ``loads``:
+    its runtime arguments (_fwd_sm90_kernel builds the tuple)."""
+    (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, q_ready, q_empty,
+     k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, b, h, hk, bias_b, bias_h, p,
+     num_m_blocks, n_blocks, seqlen_k, off, window_left, window_right) = loads
     PARTS: gl.constexpr = BLOCK_M // ROWS
     kv = 0  # key tiles loaded so far
     for j in range(n_blocks):
@@ -341,11 +342,15 @@ def _fwd_sm90_kernel(
         bias_smem, bias_ready, bias_empty = k_smem, k_ready, k_empty
 
     # Runtime values only: a constexpr stored in a variable would turn into a tensor, so
-    # the constexprs go into each partition's tuple inline.
+    # the constexprs go into each partition's arguments inline.
     shared = (o_desc, Lse, stride_lb, stride_lh, stride_lm, q_smem, k_smem, v_smem, o_smem,
               bias_smem, q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty,
               bias_empty, b, h, p, num_m_blocks, n_blocks, seqlen_q, seqlen_k, off,
               scale_log2, window_left, window_right, seed, rng_offset, bh, dropout_p)
+    loads = (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, q_ready,
+             q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, b, h, hk,
+             bias_b, bias_h, p, num_m_blocks, n_blocks, seqlen_k, off, window_left,
+             window_right)
     if PARTS == 2:
         gl.warp_specialize([
             (_softmax_partition, (shared, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
@@ -354,12 +359,8 @@ def _fwd_sm90_kernel(
             (_softmax_partition, (shared, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
                                   HAS_BIAS, BIAS_STAGES, HAS_DROPOUT, BOUNDED_LEFT,
                                   BOUNDED_RIGHT)),
-            (_load_partition, (
-                q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, q_ready,
-                q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, b, h, hk,
-                bias_b, bias_h, p, num_m_blocks, n_blocks, seqlen_k, off, window_left,
-                window_right, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, BIAS_STAGES, BOUNDED_LEFT,
-                BOUNDED_RIGHT)),
+            (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, BIAS_STAGES,
+                               BOUNDED_LEFT, BOUNDED_RIGHT)),
         ], worker_num_warps=[4, 1], worker_num_regs=[232, 24])  # fmt: skip
     else:
         gl.warp_specialize([
@@ -372,12 +373,8 @@ def _fwd_sm90_kernel(
             (_softmax_partition, (shared, 2, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
                                   HAS_BIAS, BIAS_STAGES, HAS_DROPOUT, BOUNDED_LEFT,
                                   BOUNDED_RIGHT)),
-            (_load_partition, (
-                q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, q_ready,
-                q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, b, h, hk,
-                bias_b, bias_h, p, num_m_blocks, n_blocks, seqlen_k, off, window_left,
-                window_right, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, BIAS_STAGES, BOUNDED_LEFT,
-                BOUNDED_RIGHT)),
+            (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, BIAS_STAGES,
+                               BOUNDED_LEFT, BOUNDED_RIGHT)),
         ], worker_num_warps=[4, 4, 1], worker_num_regs=[REGS_3, REGS_3, 24])  # fmt: skip
 
 
