@@ -97,7 +97,7 @@ def info(args) -> int:
         from .kernels.backward import backward_sm90
 
         fwd_min = ", ".join(f">= {n} at D={d}" for d, n in forward_sm90.MIN_KEYS_PER_QUERY.items())
-        hopper = (f"on: dense bf16/fp16, D 64/128, keys per query {fwd_min} (forward), "
+        hopper = (f"on: dense bf16/fp16, D 64/128/256, keys per query {fwd_min} (forward), "
                   f">= {backward_sm90.MIN_KEYS_PER_QUERY} and not "
                   "deterministic (backward); the rest run the tile kernels")
     else:

@@ -227,6 +227,18 @@ HOPPER_CASES = [
          dv=128, options=dict(causal=True, dropout_p=0.2)),
     Case("dropout D64 Sq=2100 window", batch=1, seqlen_q=2100, seqlen_k=777, dqk=64, dv=64,
          options=dict(window=(400, 100), dropout_p=0.3)),
+    # D=256: the forward's 64-key tiles with O leaving through Q's buffer, two query
+    # blocks a program under a mask; the backward's 64-key programs split by head dim
+    Case("D256 causal GQA", heads=4, kv_heads=2, seqlen_q=700, seqlen_k=900, dqk=256,
+         dv=256, options=dict(causal=True)),
+    Case("D256 Sq=333 Sk=1000 window", seqlen_q=333, seqlen_k=1000, dqk=256, dv=256,
+         options=dict(window=(200, 30))),
+    Case("D256 Sq=1100 Sk=130", seqlen_q=1100, seqlen_k=130, dqk=256, dv=256),
+    # bias and dropout at D=256: the Gluon forward, backward.py's backward
+    Case("D256 bias BHQK causal", seqlen_q=500, seqlen_k=504, dqk=256, dv=256, bias="BHQK",
+         options=dict(causal=True)),
+    Case("D256 dropout", seqlen_q=500, seqlen_k=600, dqk=256, dv=256,
+         options=dict(dropout_p=0.2)),
 ]
 
 
@@ -250,7 +262,8 @@ def test_keys_per_query_estimate(seqlen_q, seqlen_k, options, keys):
 def test_hopper_kernel_gpu(case, dtype, monkeypatch):
     if not hopper_kernel_runs_here():
         pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
-    monkeypatch.setattr(forward_sm90, "MIN_KEYS_PER_QUERY", {64: 0, 128: 0})  # small sizes too
+    monkeypatch.setattr(forward_sm90, "MIN_KEYS_PER_QUERY",
+                        dict.fromkeys(forward_sm90.HEAD_DIMS, 0))  # small sizes too
     launched = []
     run = forward_sm90.forward
     monkeypatch.setattr(forward_sm90, "forward", lambda *a: launched.append(1) or run(*a))

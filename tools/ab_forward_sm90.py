@@ -42,7 +42,7 @@ def main():
     ap.add_argument("--variants", default="tile,default,rows128,fold_all,fold_none")
     args = ap.parse_args()
     names = args.variants.split(",")
-    forward_sm90.MIN_KEYS_PER_QUERY = {64: 0, 128: 0}
+    forward_sm90.MIN_KEYS_PER_QUERY = dict.fromkeys(forward_sm90.HEAD_DIMS, 0)
     cols = " ".join(f"{n:>9s}" for n in names)
     print(f"{'shape':18s} GPU alone: {cols} | bench: {cols} | host us: {cols}")
     for d in map(int, args.dims.split(",")):

@@ -61,12 +61,12 @@ def main():
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
     args = ap.parse_args()
-    backward = args.which == "bwd"
+    is_bwd = args.which == "bwd"
     # A/B the kernels themselves, at every size
-    forward_sm90.MIN_KEYS_PER_QUERY = {64: 0, 128: 0}
+    forward_sm90.MIN_KEYS_PER_QUERY = dict.fromkeys(forward_sm90.HEAD_DIMS, 0)
     backward_sm90.MIN_KEYS_PER_QUERY = 0
     torch.manual_seed(0)
-    what = "dq/dk/dv" if backward else "out"
+    what = "dq/dk/dv" if is_bwd else "out"
     print(f"{'shape':20s} {'err tile (' + what + ')':>30s} {'err gluon':>30s} "
           f"{'tile':>6s} {'gluon':>6s}  TFLOP/s {args.which}")
     for d in map(int, args.dims.split(",")):
@@ -76,7 +76,7 @@ def main():
                 q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
                                for _ in range(4))
                 kw = dict(causal=causal)
-                if backward:
+                if is_bwd:
                     def step(gluon):
                         return gradients(q, k, v, do, gluon, **kw)
                 else:
@@ -84,13 +84,13 @@ def main():
                         return forward(q, k, v, gluon, **kw)[:1]
                 tile, gluon = step(False), step(True)
                 if s <= 4096:
-                    ref = reference_result(q, k, v, do, backward, **kw)[:len(tile)]
+                    ref = reference_result(q, k, v, do, is_bwd, **kw)[:len(tile)]
                     errs = [" ".join(f"{relative_error(x[:1], r):.1e}" for x, r in zip(res, ref))
                             for res in (tile, gluon)]
                 else:
                     errs = ["-", "-"]
-                flops = 4 * b * h * s * s * d / (2 if causal else 1) * (2.5 if backward else 1)
-                if backward:  # the backward alone: one recorded graph, replayed
+                flops = 4 * b * h * s * s * d / (2 if causal else 1) * (2.5 if is_bwd else 1)
+                if is_bwd:  # the backward alone: one recorded graph, replayed
                     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
                     out = memattn.attention(qg, kg, vg, **kw)
                     ms = [triton.testing.do_bench(lambda g=g: backward(out, (qg, kg, vg), do, g))

@@ -141,15 +141,16 @@ def compile_hopper_backward() -> int:
 
 
 def _compile_hopper(name, launch) -> int:
-    """Calls launch(spec, q, k, bias) for D 64 and 128, every mask of HOPPER_MASKS, no
+    """Calls launch(spec, q, k, bias) for D 64, 128 and 256, every mask of HOPPER_MASKS, no
     bias, a full one, dropout, GQA 4:2, Sq=2100 (D=64's three warpgroups), Sk=704;
     returns the number of failures. MEMATTN_HOPPER_FEATURES=dropout (comma-separated
-    from none, bias, dropout) compiles a subset."""
+    from none, bias, dropout) and MEMATTN_HOPPER_DIMS=256 compile a subset."""
     from memattn.spec import check_call
 
     features = os.environ.get("MEMATTN_HOPPER_FEATURES", "none,bias,dropout").split(",")
+    dims = [int(d) for d in os.environ.get("MEMATTN_HOPPER_DIMS", "64,128,256").split(",")]
     failures = 0
-    for d in (64, 128):
+    for d in dims:
         for options in HOPPER_MASKS:
             for feature in features:
                 q = torch.randn(2, 2100, 4, d, dtype=torch.bfloat16)

@@ -16,7 +16,7 @@ import memattn
 from memattn.kernels import forward_sm90, hopper
 from memattn.spec import check_call
 
-forward_sm90.MIN_KEYS_PER_QUERY = {64: 0, 128: 0}
+forward_sm90.MIN_KEYS_PER_QUERY = dict.fromkeys(forward_sm90.HEAD_DIMS, 0)
 
 
 def per_call(fn, n=300):

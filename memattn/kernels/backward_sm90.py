@@ -208,6 +208,26 @@ def _bwd_compute_partition(
 
 
 @gluon.jit
+def _key_block(
+    HKV, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
+    BOUNDED_RIGHT: gl.constexpr,
+):  # fmt: skip
+    """This program's keys: (b, kv head, first key, the diagonal's offset, the query
+    range common.query_range gives, its count of query tiles). Key blocks of one head
+    run back to back, first first: with a causal mask (top-left) they see the most
+    queries, so the longest programs start earliest."""
+    pid = gl.program_id(0)
+    bhk = pid // num_n_blocks
+    start_n = (pid % num_n_blocks) * BLOCK_N
+    off = diagonal_offset(seqlen_q, seqlen_k, BOTTOM_RIGHT)
+    lo, full_lo, full_hi, hi = query_range(
+        start_n, seqlen_q, seqlen_k, off, window_left, window_right,
+        BLOCK_M, BLOCK_N, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+    return bhk // HKV, bhk % HKV, start_n, off, lo, full_lo, full_hi, gl.cdiv(hi - lo, BLOCK_M)
+
+
+@gluon.jit
 def _bwd_sm90_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, bias_desc, dbias_desc, DK, DV, Rng,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
@@ -218,18 +238,9 @@ def _bwd_sm90_kernel(
     HAS_DROPOUT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
     BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
-    # Key blocks of one head back to back, first first: with a causal mask (top-left)
-    # they see the most queries, so the longest programs start earliest.
-    pid = gl.program_id(0)
-    bhk = pid // num_n_blocks
-    start_n = (pid % num_n_blocks) * BLOCK_N
-    b = bhk // HKV
-    hk = bhk % HKV
-    off = diagonal_offset(seqlen_q, seqlen_k, BOTTOM_RIGHT)
-    lo, full_lo, full_hi, hi = query_range(
-        start_n, seqlen_q, seqlen_k, off, window_left, window_right,
-        BLOCK_M, BLOCK_N, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
-    n_tiles = gl.cdiv(hi - lo, BLOCK_M)
+    b, hk, start_n, off, lo, full_lo, full_hi, n_tiles = _key_block(
+        HKV, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right, BLOCK_M,
+        BLOCK_N, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
 
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
@@ -288,11 +299,192 @@ def _bwd_sm90_kernel(
         worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
 
 
+# Head dim 256: a warpgroup's dK and dV over 64 keys would take 256 registers a thread.
+# So a program owns 64 keys and each warpgroup half of the head dim (FlashAttention-3's
+# split): dK[:, half] and dV[:, half] in 128 registers. S and dP are split by keys (each
+# warpgroup 64 queries x 32 keys), P and dS go to shared memory as (keys, queries)
+# tiles that both read, and each warpgroup computes dQ's columns of its half in chunks
+# of 32, each sent to the fp32 buffer from an 8 KiB shared staging buffer. Shared
+# memory: K, V 32 KiB each, Q and dO rings 2 x 32 KiB each, P and dS 8 KiB each (one
+# buffer: a barrier keeps the next step's stores behind both warpgroups' reads), dQ's
+# staging 2 x 8 KiB: 224 KiB.
+BLOCK_N_D256 = 64
+DQ_CHUNK = 32  # dQ columns per wgmma and TMA reduce at D=256
+
+
+@gluon.jit
+def _bwd_d256_compute_partition(
+    shared, HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, DQ_CHUNK: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
+    BOUNDED_RIGHT: gl.constexpr,
+):  # fmt: skip
+    """One warpgroup at D=256: S and dP of keys [start_n + HALF * 32, + 32), then dK,
+    dV and dQ of head-dim columns [HALF * 128, + 128) over all 64 keys."""
+    (dq_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+     q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, dst_smem, dq_smem,
+     kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, pds_free, b, hk, GROUP, start_n,
+     lo, full_lo, full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right) = shared
+    dtype: gl.constexpr = k_smem.dtype
+    HEAD_DIM: gl.constexpr = 256
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    HALF_D: gl.constexpr = HEAD_DIM // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_N, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_D, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_CHUNK, 16])
+    rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    col0: gl.constexpr = HALF * HALF_D
+    offs_n = start_n + HALF * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(0, s_layout))
+    k_all = k_smem.reshape([BLOCK_N, HEAD_DIM])
+    k_keys = k_all.slice(HALF * HALF_N, HALF_N, dim=0).permute((1, 0))  # S's keys, as Kᵀ
+    v_keys = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(HALF * HALF_N, HALF_N,
+                                                        dim=0).permute((1, 0))
+    pt_all = pt_smem.reshape([BLOCK_N, BLOCK_M])
+    dst_all = dst_smem.reshape([BLOCK_N, BLOCK_M])
+    pt_own = pt_all.slice(HALF * HALF_N, HALF_N, dim=0).permute((1, 0))  # (queries, keys)
+    dst_own = dst_all.slice(HALF * HALF_N, HALF_N, dim=0).permute((1, 0))
+    ds_all = dst_all.permute((1, 0))  # dS as (queries, keys): dQ's left operand
+    dq_buf = dq_smem.index(HALF)
+    dk = gl.zeros([BLOCK_N, HALF_D], gl.float32, layout=kv_layout)
+    dv = gl.zeros([BLOCK_N, HALF_D], gl.float32, layout=kv_layout)
+    s_init = gl.zeros([BLOCK_M, HALF_N], gl.float32, layout=s_layout)
+    dq_init = gl.zeros([BLOCK_M, DQ_CHUNK], gl.float32, layout=dq_layout)
+    scale_log2 = scale * LOG2E
+    mbarrier.wait(kv_bar, 0)
+
+    for i in range(GROUP * n_tiles):
+        h = hk * GROUP + i // n_tiles
+        start_m = lo + (i % n_tiles) * BLOCK_M
+        offs_m = start_m + gl.arange(0, BLOCK_M, layout=rows_layout)
+        slot = hopper.arrived(q_ready, i, STAGES)
+        q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        s = warpgroup_mma(q, k_keys, s_init, use_acc=False, is_async=True)
+        hopper.arrived(do_ready, i, STAGES)
+        do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        dp = warpgroup_mma(do, v_keys, s_init, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s,))
+        lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(rows_layout)
+        if (start_m < full_lo) | (start_m >= full_hi):
+            mask = visible(offs_m[:, None], offs_n[None, :], seqlen_k, off, window_left,
+                           window_right, BOUNDED_LEFT, BOUNDED_RIGHT)
+            s = gl.where(mask, s, float("-inf"))
+        p = gl.exp2(s * scale_log2 - lse2[:, None])
+        dp = warpgroup_mma_wait(0, deps=(dp,))
+        delta = delta_smem.index(slot).reshape([BLOCK_M]).load(rows_layout)
+        ds = p * (dp - delta[:, None])
+
+        # This warpgroup's keys of P and dS into the shared (keys, queries) tiles, once
+        # both warpgroups' reads of the previous step's are done; then wait for the
+        # other warpgroup's keys.
+        mbarrier.wait(pds_free, (i - 1) & 1, pred=i > 0)
+        pt_own.store(p.to(dtype))
+        dst_own.store(ds.to(dtype))
+        fence_async_shared()
+        mbarrier.arrive(ds_bar)
+        mbarrier.wait(ds_bar, i & 1)
+
+        dv = warpgroup_mma(pt_all, do.slice(col0, HALF_D, dim=1), dv, is_async=True)
+        dk = warpgroup_mma(dst_all, q.slice(col0, HALF_D, dim=1), dk, is_async=True)
+        # dQ[:, half] = dS K[:, half] in chunks of columns, each chunk's matmul running
+        # while the previous one is staged and sent.
+        dq = warpgroup_mma(ds_all, k_all.slice(col0, DQ_CHUNK, dim=1), dq_init,
+                           use_acc=False, is_async=True)
+        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+        mbarrier.arrive(q_empty.index(slot))
+        mbarrier.arrive(do_empty.index(slot))
+        for c in gl.static_range(HALF_D // DQ_CHUNK):
+            if c + 1 < HALF_D // DQ_CHUNK:
+                dq_next = warpgroup_mma(ds_all, k_all.slice(col0 + (c + 1) * DQ_CHUNK,
+                                                            DQ_CHUNK, dim=1),
+                                        dq_init, use_acc=False, is_async=True)
+            # The previous reduce has read the staging buffer (one thread issued it).
+            tma.store_wait(0)
+            gl.thread_barrier()
+            dq_buf.reshape([BLOCK_M, DQ_CHUNK]).store(dq * scale)
+            fence_async_shared()
+            hopper.tma_reduce_add(dq_desc, [b, h, start_m, col0 + c * DQ_CHUNK], dq_buf)
+            if c + 1 < HALF_D // DQ_CHUNK:
+                dq = warpgroup_mma_wait(0, deps=(dq_next,))
+        mbarrier.arrive(pds_free)
+    tma.store_wait(0)
+
+    # dK and dV of this half's columns, by plain stores: once per program.
+    out_rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
+    out_cols = col0 + gl.arange(0, HALF_D, layout=gl.SliceLayout(0, kv_layout))
+    ok = (out_rows < seqlen_k)[:, None] & (out_cols < HEAD_DIM)[None, :]
+    rows64 = out_rows.to(gl.int64)[:, None]
+    dk_ptrs = (DK + b.to(gl.int64) * stride_kb + hk.to(gl.int64) * stride_kh
+               + rows64 * stride_kn + out_cols[None, :])
+    gl.store(dk_ptrs, (dk * scale).to(dtype), mask=ok)
+    dv_ptrs = (DV + b.to(gl.int64) * stride_vb + hk.to(gl.int64) * stride_vh
+               + rows64 * stride_vn + out_cols[None, :])
+    gl.store(dv_ptrs, dv.to(dtype), mask=ok)
+
+
+@gluon.jit
+def _bwd_d256_kernel(
+    q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, DK, DV,
+    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    HKV, GROUP, seqlen_q, seqlen_k, num_n_blocks, scale, window_left, window_right,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    DQ_CHUNK: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
+    BOUNDED_RIGHT: gl.constexpr,
+):  # fmt: skip
+    b, hk, start_n, off, lo, full_lo, full_hi, n_tiles = _key_block(
+        HKV, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right, BLOCK_M,
+        BLOCK_N, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape,
+                                        do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    pds_block: gl.constexpr = [BLOCK_N, BLOCK_M]
+    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(pds_block, dtype)
+    pt_smem = gl.allocate_shared_memory(dtype, pds_block, pds_layout)
+    dst_smem = gl.allocate_shared_memory(dtype, pds_block, pds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape,
+                                        dq_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape,
+                                         stats_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape,
+                                           stats_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    pds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(ds_bar, count=2)  # both warpgroups' keys of P and dS stored
+    mbarrier.init(pds_free, count=2)  # both warpgroups' matmuls on them done
+    q_ready, q_empty = hopper.ring(STAGES, 2)
+    do_ready, do_empty = hopper.ring(STAGES, 2)
+
+    shared = (dq_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
+              stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem,
+              dst_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar,
+              pds_free, b, hk, GROUP, start_n, lo, full_lo, full_hi, n_tiles, seqlen_k, off,
+              scale, window_left, window_right)
+    gl.warp_specialize(
+        [(_bwd_d256_compute_partition, (shared, 0, BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK,
+                                        BOUNDED_LEFT, BOUNDED_RIGHT)),
+         (_bwd_d256_compute_partition, (shared, 1, BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK,
+                                        BOUNDED_LEFT, BOUNDED_RIGHT)),
+         (_bwd_load_partition, (
+            q_desc, do_desc, k_desc, v_desc, stats_desc, q_desc, q_smem, do_smem, k_smem,
+            v_smem, lse_smem, delta_smem, q_smem, kv_bar, q_ready, do_ready, q_empty,
+            do_empty, b, hk, GROUP, 0, 1, start_n, lo, n_tiles, BLOCK_M, STAGES, False))],
+        worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
+
+
 # Below this many keys per query backward.py's kernels may win: each program then has
 # few query tiles to spread its start-up (K and V loads, the partitions) and its dK/dV
 # stores over. ab_hopper had the Gluon kernel ahead down to causal S=1024 (512 keys:
 # 220 vs 210 TFLOP/s at D=128, 231 vs 214 at D=64); S=512 causal was not measured.
 MIN_KEYS_PER_QUERY = 512
+HEAD_DIMS = (64, 128, 256)
 
 
 def supports(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes,
@@ -300,10 +492,13 @@ def supports(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes,
     """True where this kernel runs the call: the calls hopper.runs_call names with
     enough keys per query, not in deterministic mode, grad_out TMA-readable too; a
     bias gradient only of a full bias (no sum over broadcast dimensions), with rows of
-    whole 16 bytes for its TMA stores."""
+    whole 16 bytes for its TMA stores; at D=256 neither a bias nor dropout."""
+    if spec.head_dim_qk == 256 and (bias is not None or spec.dropout_p > 0):
+        return False
     if need_dbias and not (hopper.bias_full(spec, bias) and spec.seqlen_k % 8 == 0):
         return False
-    return (not spec.deterministic and hopper.runs_call(spec, q, k, v, bias, alibi_slopes)
+    return (not spec.deterministic
+            and hopper.runs_call(spec, q, k, v, bias, alibi_slopes, HEAD_DIMS)
             and hopper.keys_per_query(spec) >= MIN_KEYS_PER_QUERY
             and hopper.tma_readable(grad_out))
 
@@ -327,6 +522,7 @@ def _row_stats_descriptor(stats: torch.Tensor, seqlen_q: int) -> TensorDescripto
 
 
 _launch_backward = hopper.Launcher(_bwd_sm90_kernel)
+_launch_backward_d256 = hopper.Launcher(_bwd_d256_kernel)
 
 
 def backward(spec: AttentionSpec, q, k, v, grad_out, bias, rng_state, stats, dq_acc, dk, dv,
@@ -335,6 +531,8 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, rng_state, stats, dq_
     every tile a query sees is written, the rest left as it was), for a call `supports`
     accepted; stats as row_stats_buffers made it, filled; rng_state: dropout's
     [seed, offset], None without dropout."""
+    if spec.head_dim_qk == 256:
+        return _backward_d256(spec, q, k, v, grad_out, stats, dq_acc, dk, dv)
     half_d = spec.head_dim_qk // 2
     num_n = triton.cdiv(spec.seqlen_k, BLOCK_N)
     # K's tile is sliced by columns for dQ: its swizzle may not span more than a half.
@@ -359,6 +557,26 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, rng_state, stats, dq_
         HEAD_DIM=spec.head_dim_qk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
         HAS_BIAS=bias is not None, HAS_DBIAS=dbias is not None,
         HAS_DROPOUT=spec.dropout_p > 0,
+        BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
+        BOUNDED_RIGHT=spec.window_right >= 0, num_warps=4,
+    )  # fmt: skip
+
+
+def _backward_d256(spec: AttentionSpec, q, k, v, grad_out, stats, dq_acc, dk, dv) -> None:
+    """`backward` at D=256 (no bias, no dropout: `supports` keeps them off it)."""
+    num_n = triton.cdiv(spec.seqlen_k, BLOCK_N_D256)
+    # K's tile is sliced by dQ's column chunks: its swizzle may not span more than one.
+    k_swizzle = min(128, DQ_CHUNK * k.element_size())
+    _launch_backward_d256(
+        (num_n * spec.batch * spec.kv_heads,),
+        hopper.descriptor(q, BLOCK_M), hopper.descriptor(k, BLOCK_N_D256, swizzle=k_swizzle),
+        hopper.descriptor(v, BLOCK_N_D256), hopper.descriptor(grad_out, BLOCK_M),
+        hopper.descriptor(dq_acc, BLOCK_M, cols=DQ_CHUNK),
+        _row_stats_descriptor(stats, spec.seqlen_q), dk, dv,
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_n, spec.scale,
+        spec.window_left, spec.window_right,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N_D256, STAGES=STAGES, DQ_CHUNK=DQ_CHUNK,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
         BOUNDED_RIGHT=spec.window_right >= 0, num_warps=4,
     )  # fmt: skip

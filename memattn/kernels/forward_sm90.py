@@ -19,7 +19,7 @@ tile in a ring beside K's, each warpgroup reads its rows. Dropout's keep bits co
 hopper.dropout_keep, drawn while the warpgroup's matmuls run; P·V takes the kept
 probabilities and the output the 1 / (1 - p).
 
-Covers bf16/fp16, head dims 64 and 128 (q·k and v alike), dense batches, GQA, causal
+Covers bf16/fp16, head dims 64, 128 and 256 (q·k and v alike), dense batches, GQA, causal
 masks either way, sliding windows, a bias TMA can read, or dropout (hopper.runs_call
 says which); every other call runs forward.py: softcap, ALiBi, varlen.
 """
@@ -53,11 +53,16 @@ BLOCK_M = 128
 BLOCK_M_D64 = 192
 MIN_SEQLEN_Q_D64 = 2048
 REGS_3 = gl.constexpr(160)  # per thread, for three softmax warpgroups beside the load warp
-BLOCK_N = 128
-STAGES = 2  # K and V each: 2 x 32 KiB at D=128, plus Q's and O's 32 KiB each
-# A bias's tiles (BLOCK_M x BLOCK_N, 32 KiB at 128 rows) take what shared memory is
-# left: one slot at D=128 (224 KiB in all), two at D=64.
-BIAS_STAGES = {64: 2, 128: 1}
+# Keys per tile, by head dim. At D=256 a warpgroup's O takes 128 registers a thread, so
+# S takes 64 keys (32 more), and K and V tiles are 32 KiB each, as at D=128.
+BLOCK_N = {64: 128, 128: 128, 256: 64}
+STAGES = 2  # K and V each: 2 x 32 KiB at D=128 and 256, plus Q's and O's 32 KiB each
+# At D=256 Q's and O's buffers would be 64 KiB each: O goes out through Q's (each
+# warpgroup's own rows), whose next fill then waits for the store to have read them.
+O_IN_Q = {64: False, 128: False, 256: True}
+# A bias's tiles (ROWS x BLOCK_N per warpgroup) take what shared memory is left: one
+# slot at D=128 (224 KiB in all) and 256 (208 KiB), two at D=64.
+BIAS_STAGES = {64: 2, 128: 1, 256: 1}
 # Masked calls (causal, windows) run two query blocks per program (_fwd_sm90_kernel);
 # unmasked ones one. Tools set this to A/B.
 FOLD = "masked"
@@ -184,9 +189,9 @@ def _dropped(p, keep, HAS_DROPOUT: gl.constexpr):
 @gluon.jit
 def _softmax_partition(
     shared, PART: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-    BIAS_STAGES: gl.constexpr, HAS_DROPOUT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
-    BOUNDED_RIGHT: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, O_IN_Q: gl.constexpr,
+    HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr, HAS_DROPOUT: gl.constexpr,
+    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: query rows [start_m + PART * ROWS, + ROWS) of each of the
     program's query blocks, over every key tile. S(t) and P(t-1)·V(t-1) are in flight
@@ -261,13 +266,14 @@ def _softmax_partition(
                 mbarrier.arrive(v_empty.index(v_slot))
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
                 p_op = gl.convert_layout(_dropped(p_, keep, HAS_DROPOUT).to(dtype), p_layout)
-            mbarrier.arrive(q_empty)  # every S of this block is done: Q may be refilled
+            if not O_IN_Q:  # every S of this block is done: Q may be refilled
+                mbarrier.arrive(q_empty)
             v_slot = hopper.arrived(v_ready, kv + n_tiles - 1, STAGES)
             v = v_smem.index(v_slot).reshape([BLOCK_N, HEAD_DIM])
             acc = warpgroup_mma(p_op, v, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(v_empty.index(v_slot))
-        else:
+        elif not O_IN_Q:
             mbarrier.arrive(q_empty)
         kv += n_tiles
 
@@ -284,6 +290,10 @@ def _softmax_partition(
         fence_async_shared()
         # The TMA store clips rows past Sq; it runs on while the next block starts.
         tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], o_buf)
+        if O_IN_Q:  # o_buf is this warpgroup's Q: refilled once the store has read it
+            tma.store_wait(0)
+            gl.thread_barrier()
+            mbarrier.arrive(q_empty)
         l_ptrs = (Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
                   + offs_m.to(gl.int64) * stride_lm)
         gl.store(l_ptrs, lse, mask=offs_m < seqlen_q)
@@ -296,7 +306,7 @@ def _fwd_sm90_kernel(
     H, GROUP, bias_batches, bias_heads, seqlen_q, seqlen_k, num_m_blocks, scale_log2,
     window_left, window_right, dropout_p,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, FOLD: gl.constexpr, HAS_BIAS: gl.constexpr,
+    STAGES: gl.constexpr, FOLD: gl.constexpr, O_IN_Q: gl.constexpr, HAS_BIAS: gl.constexpr,
     BIAS_STAGES: gl.constexpr, HAS_DROPOUT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
@@ -325,7 +335,11 @@ def _fwd_sm90_kernel(
     PARTS: gl.constexpr = BLOCK_M // ROWS  # softmax warpgroups
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [PARTS] + q_desc.block_type.shape, q_desc.layout)
-    o_smem = gl.allocate_shared_memory(dtype, [PARTS] + o_desc.block_type.shape, o_desc.layout)
+    if O_IN_Q:
+        o_smem = q_smem
+    else:
+        o_smem = gl.allocate_shared_memory(dtype, [PARTS] + o_desc.block_type.shape,
+                                           o_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -354,10 +368,10 @@ def _fwd_sm90_kernel(
     if PARTS == 2:
         gl.warp_specialize([
             (_softmax_partition, (shared, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                  HAS_BIAS, BIAS_STAGES, HAS_DROPOUT, BOUNDED_LEFT,
+                                  O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_DROPOUT, BOUNDED_LEFT,
                                   BOUNDED_RIGHT)),
             (_softmax_partition, (shared, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                  HAS_BIAS, BIAS_STAGES, HAS_DROPOUT, BOUNDED_LEFT,
+                                  O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_DROPOUT, BOUNDED_LEFT,
                                   BOUNDED_RIGHT)),
             (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, BIAS_STAGES,
                                BOUNDED_LEFT, BOUNDED_RIGHT)),
@@ -365,13 +379,13 @@ def _fwd_sm90_kernel(
     else:
         gl.warp_specialize([
             (_softmax_partition, (shared, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                  HAS_BIAS, BIAS_STAGES, HAS_DROPOUT, BOUNDED_LEFT,
+                                  O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_DROPOUT, BOUNDED_LEFT,
                                   BOUNDED_RIGHT)),
             (_softmax_partition, (shared, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                  HAS_BIAS, BIAS_STAGES, HAS_DROPOUT, BOUNDED_LEFT,
+                                  O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_DROPOUT, BOUNDED_LEFT,
                                   BOUNDED_RIGHT)),
             (_softmax_partition, (shared, 2, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                  HAS_BIAS, BIAS_STAGES, HAS_DROPOUT, BOUNDED_LEFT,
+                                  O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_DROPOUT, BOUNDED_LEFT,
                                   BOUNDED_RIGHT)),
             (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, BIAS_STAGES,
                                BOUNDED_LEFT, BOUNDED_RIGHT)),
@@ -381,13 +395,14 @@ def _fwd_sm90_kernel(
 # Where this kernel beats forward.py, by head dim, in keys per query (v7's A/B on the
 # H100, GPU time alone): at D=128 at every size (S=512 causal: 276 against 171
 # TFLOP/s); at D=64 from 512 (S=512 causal, 256 keys: 194 against 196).
-MIN_KEYS_PER_QUERY = {64: 512, 128: 0}
+MIN_KEYS_PER_QUERY = {64: 512, 128: 0, 256: 0}
+HEAD_DIMS = (64, 128, 256)
 
 
 def supports(spec: AttentionSpec, q, k, v, bias, alibi_slopes) -> bool:
     """True where this kernel runs the call: the calls hopper.runs_call names, with
     enough keys per query to beat forward.py."""
-    return (hopper.runs_call(spec, q, k, v, bias, alibi_slopes)
+    return (hopper.runs_call(spec, q, k, v, bias, alibi_slopes, HEAD_DIMS)
             and hopper.keys_per_query(spec) >= MIN_KEYS_PER_QUERY[spec.head_dim_qk])
 
 
@@ -401,6 +416,7 @@ def forward(spec: AttentionSpec, q, k, v, bias, rng_state, out, lse) -> None:
     three_parts = (spec.head_dim_qk == 64 and not masked and spec.dropout_p == 0
                    and spec.seqlen_q >= MIN_SEQLEN_Q_D64)
     block_m = BLOCK_M_D64 if three_parts else BLOCK_M
+    block_n = BLOCK_N[spec.head_dim_qk]
     num_m_blocks = triton.cdiv(spec.seqlen_q, block_m)
     fold = FOLD is True or (FOLD == "masked" and masked)
     programs_per_head = triton.cdiv(num_m_blocks, 2) if fold else num_m_blocks
@@ -408,17 +424,17 @@ def forward(spec: AttentionSpec, q, k, v, bias, rng_state, out, lse) -> None:
     if bias is None:
         bias_desc, bias_batches, bias_heads = q_desc, 1, 1  # a stand-in, never read
     else:
-        bias_desc = hopper.bias_descriptor(bias, ROWS.value, BLOCK_N)
+        bias_desc = hopper.bias_descriptor(bias, ROWS.value, block_n)
         bias_batches, bias_heads = bias_desc.shape[:2]
     _launch_forward(
         (programs_per_head * spec.batch * spec.heads,),
-        q_desc, hopper.descriptor(k, BLOCK_N), hopper.descriptor(v, BLOCK_N),
+        q_desc, hopper.descriptor(k, block_n), hopper.descriptor(v, block_n),
         hopper.descriptor(out, ROWS.value), bias_desc, lse, rng_state, *lse.stride(),
         spec.heads, spec.group, bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k,
         num_m_blocks, spec.scale * LOG2E.value, spec.window_left, spec.window_right,
         spec.dropout_p,
-        HEAD_DIM=spec.head_dim_qk, BLOCK_M=block_m, BLOCK_N=BLOCK_N, STAGES=STAGES, FOLD=fold,
-        HAS_BIAS=bias is not None, BIAS_STAGES=BIAS_STAGES[spec.head_dim_qk],
+        HEAD_DIM=spec.head_dim_qk, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES, FOLD=fold,
+        O_IN_Q=O_IN_Q[spec.head_dim_qk], HAS_BIAS=bias is not None, BIAS_STAGES=BIAS_STAGES[spec.head_dim_qk],
         HAS_DROPOUT=spec.dropout_p > 0,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
         BOUNDED_RIGHT=spec.window_right >= 0, num_warps=4,

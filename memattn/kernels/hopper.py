@@ -33,9 +33,9 @@ def tma_readable(t: torch.Tensor) -> bool:
             and all(s % 8 == 0 for s in t.stride()[:-1]))
 
 
-def runs_call(spec: AttentionSpec, q, k, v, bias, alibi_slopes) -> bool:
-    """The calls both Gluon kernels take: a Hopper GPU; bf16/fp16; dense batches; head
-    dims 64 and 128, q.k and v alike; causal masks, windows, dropout or a bias TMA can
+def runs_call(spec: AttentionSpec, q, k, v, bias, alibi_slopes, head_dims) -> bool:
+    """The calls both Gluon kernels take: a Hopper GPU; bf16/fp16; dense batches; a
+    head dim of the kernel's ``head_dims``, q.k and v alike; causal masks, windows, dropout or a bias TMA can
     read (`bias_readable`), but not both, no ALiBi or softcap; tensors TMA can read."""
     if not (enabled and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
         return False
@@ -47,7 +47,7 @@ def runs_call(spec: AttentionSpec, q, k, v, bias, alibi_slopes) -> bool:
         return False
     if bias is not None and spec.dropout_p > 0:  # shared memory holds one or the other
         return False
-    if spec.head_dim_qk != spec.head_dim_v or spec.head_dim_qk not in (64, 128):
+    if spec.head_dim_qk != spec.head_dim_v or spec.head_dim_qk not in head_dims:
         return False
     return all(tma_readable(t) for t in (q, k, v))
 
