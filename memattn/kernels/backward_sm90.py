@@ -303,26 +303,26 @@ def _bwd_sm90_kernel(
 # So a program owns 64 keys and each warpgroup half of the head dim (FlashAttention-3's
 # split): dK[:, half] and dV[:, half] in 128 registers. S and dP are split by keys (each
 # warpgroup 64 queries x 32 keys), P and dS go to shared memory as (keys, queries)
-# tiles that both read, and each warpgroup computes dQ's columns of its half in chunks
-# of 32, each sent to the fp32 buffer from an 8 KiB shared staging buffer. Shared
-# memory: K, V 32 KiB each, Q and dO rings 2 x 32 KiB each, P and dS 8 KiB each (one
-# buffer: a barrier keeps the next step's stores behind both warpgroups' reads), dQ's
-# staging 2 x 8 KiB: 224 KiB.
+# tiles that both read, and each warpgroup computes dQ's columns of its half with one
+# wgmma and sends them (fp32, 32 KiB) by one TMA reduce, staged in the step's Q or dO
+# slot once both warpgroups are done reading it. Shared memory: K, V 32 KiB each, Q and
+# dO rings 2 x 32 KiB each, P and dS 8 KiB each (one buffer: a barrier keeps the next
+# step's stores behind both warpgroups' reads): 208 KiB. Staging dQ in 32-column chunks
+# through a buffer of its own (v9's first version) ran at the same speed: what bounds
+# this kernel is the dQ reduce-adds' traffic, 64 KiB per 64 x 64 step, twice D=128's
+# per flop (PERFORMANCE.md v9).
 BLOCK_N_D256 = 64
-DQ_CHUNK = 32  # dQ columns per wgmma and TMA reduce at D=256
 
 
 @gluon.jit
 def _bwd_d256_compute_partition(
     shared, HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, DQ_CHUNK: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
-    BOUNDED_RIGHT: gl.constexpr,
+    STAGES: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup at D=256: S and dP of keys [start_n + HALF * 32, + 32), then dK,
     dV and dQ of head-dim columns [HALF * 128, + 128) over all 64 keys."""
     (dq_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-     q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, dst_smem, dq_smem,
-     kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, pds_free, b, hk, GROUP, start_n,
+     q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, dst_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, pds_free, b, hk, GROUP, start_n,
      lo, full_lo, full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right) = shared
     dtype: gl.constexpr = k_smem.dtype
     HEAD_DIM: gl.constexpr = 256
@@ -332,8 +332,6 @@ def _bwd_d256_compute_partition(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_N, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_D, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_CHUNK, 16])
     rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     col0: gl.constexpr = HALF * HALF_D
@@ -347,11 +345,18 @@ def _bwd_d256_compute_partition(
     pt_own = pt_all.slice(HALF * HALF_N, HALF_N, dim=0).permute((1, 0))  # (queries, keys)
     dst_own = dst_all.slice(HALF * HALF_N, HALF_N, dim=0).permute((1, 0))
     ds_all = dst_all.permute((1, 0))  # dS as (queries, keys): dQ's left operand
-    dq_buf = dq_smem.index(HALF)
+    # dQ[:, half] (fp32, 32 KiB) leaves through a 32 KiB slot of this step's Q (first
+    # warpgroup) or dO (second), by one TMA reduce; the slot is released when the
+    # reduce has read it, a step later.
+    dq_block: gl.constexpr = [1, 1, BLOCK_M, HALF_D]
+    if HALF == 0:
+        stage_smem, stage_empty, other_empty = q_smem, q_empty, do_empty
+    else:
+        stage_smem, stage_empty, other_empty = do_smem, do_empty, q_empty
     dk = gl.zeros([BLOCK_N, HALF_D], gl.float32, layout=kv_layout)
     dv = gl.zeros([BLOCK_N, HALF_D], gl.float32, layout=kv_layout)
     s_init = gl.zeros([BLOCK_M, HALF_N], gl.float32, layout=s_layout)
-    dq_init = gl.zeros([BLOCK_M, DQ_CHUNK], gl.float32, layout=dq_layout)
+    dq_init = gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=kv_layout)
     scale_log2 = scale * LOG2E
     mbarrier.wait(kv_bar, 0)
 
@@ -375,11 +380,14 @@ def _bwd_d256_compute_partition(
         dp = warpgroup_mma_wait(0, deps=(dp,))
         delta = delta_smem.index(slot).reshape([BLOCK_M]).load(rows_layout)
         ds = p * (dp - delta[:, None])
+        if i > 0:  # the previous step's dQ reduce has read its slot: refill it
+            tma.store_wait(0)
+            gl.thread_barrier()
+            mbarrier.arrive(stage_empty.index((i - 1) % STAGES))
 
-        # This warpgroup's keys of P and dS into the shared (keys, queries) tiles, once
-        # both warpgroups' reads of the previous step's are done; then wait for the
-        # other warpgroup's keys.
-        mbarrier.wait(pds_free, (i - 1) & 1, pred=i > 0)
+        # This warpgroup's keys of P and dS into the shared (keys, queries) tiles (both
+        # warpgroups' reads of the previous step's are done: pds_free), then wait for
+        # the other warpgroup's keys.
         pt_own.store(p.to(dtype))
         dst_own.store(ds.to(dtype))
         fence_async_shared()
@@ -388,27 +396,18 @@ def _bwd_d256_compute_partition(
 
         dv = warpgroup_mma(pt_all, do.slice(col0, HALF_D, dim=1), dv, is_async=True)
         dk = warpgroup_mma(dst_all, q.slice(col0, HALF_D, dim=1), dk, is_async=True)
-        # dQ[:, half] = dS K[:, half] in chunks of columns, each chunk's matmul running
-        # while the previous one is staged and sent.
-        dq = warpgroup_mma(ds_all, k_all.slice(col0, DQ_CHUNK, dim=1), dq_init,
+        dq = warpgroup_mma(ds_all, k_all.slice(col0, HALF_D, dim=1), dq_init,
                            use_acc=False, is_async=True)
         dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-        mbarrier.arrive(q_empty.index(slot))
-        mbarrier.arrive(do_empty.index(slot))
-        for c in gl.static_range(HALF_D // DQ_CHUNK):
-            if c + 1 < HALF_D // DQ_CHUNK:
-                dq_next = warpgroup_mma(ds_all, k_all.slice(col0 + (c + 1) * DQ_CHUNK,
-                                                            DQ_CHUNK, dim=1),
-                                        dq_init, use_acc=False, is_async=True)
-            # The previous reduce has read the staging buffer (one thread issued it).
-            tma.store_wait(0)
-            gl.thread_barrier()
-            dq_buf.reshape([BLOCK_M, DQ_CHUNK]).store(dq * scale)
-            fence_async_shared()
-            hopper.tma_reduce_add(dq_desc, [b, h, start_m, col0 + c * DQ_CHUNK], dq_buf)
-            if c + 1 < HALF_D // DQ_CHUNK:
-                dq = warpgroup_mma_wait(0, deps=(dq_next,))
+        # This step's Q and dO are read: the slot this warpgroup does not stage dQ in
+        # is released now; once both warpgroups are here, so are P and dS.
+        mbarrier.arrive(other_empty.index(slot))
         mbarrier.arrive(pds_free)
+        mbarrier.wait(pds_free, i & 1)
+        dq_buf = stage_smem.index(slot)._reinterpret(gl.float32, dq_block, dq_desc.layout)
+        dq_buf.reshape([BLOCK_M, HALF_D]).store(dq * scale)
+        fence_async_shared()
+        hopper.tma_reduce_add(dq_desc, [b, h, start_m, col0], dq_buf)
     tma.store_wait(0)
 
     # dK and dV of this half's columns, by plain stores: once per program.
@@ -430,7 +429,7 @@ def _bwd_d256_kernel(
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     HKV, GROUP, seqlen_q, seqlen_k, num_n_blocks, scale, window_left, window_right,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    DQ_CHUNK: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
+    BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
     BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     b, hk, start_n, off, lo, full_lo, full_hi, n_tiles = _key_block(
@@ -447,8 +446,6 @@ def _bwd_d256_kernel(
     pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(pds_block, dtype)
     pt_smem = gl.allocate_shared_memory(dtype, pds_block, pds_layout)
     dst_smem = gl.allocate_shared_memory(dtype, pds_block, pds_layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape,
-                                        dq_desc.layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape,
                                          stats_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape,
@@ -464,13 +461,13 @@ def _bwd_d256_kernel(
 
     shared = (dq_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
               stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem,
-              dst_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar,
+              dst_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar,
               pds_free, b, hk, GROUP, start_n, lo, full_lo, full_hi, n_tiles, seqlen_k, off,
               scale, window_left, window_right)
     gl.warp_specialize(
-        [(_bwd_d256_compute_partition, (shared, 0, BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK,
+        [(_bwd_d256_compute_partition, (shared, 0, BLOCK_M, BLOCK_N, STAGES,
                                         BOUNDED_LEFT, BOUNDED_RIGHT)),
-         (_bwd_d256_compute_partition, (shared, 1, BLOCK_M, BLOCK_N, STAGES, DQ_CHUNK,
+         (_bwd_d256_compute_partition, (shared, 1, BLOCK_M, BLOCK_N, STAGES,
                                         BOUNDED_LEFT, BOUNDED_RIGHT)),
          (_bwd_load_partition, (
             q_desc, do_desc, k_desc, v_desc, stats_desc, q_desc, q_smem, do_smem, k_smem,
@@ -565,18 +562,16 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, rng_state, stats, dq_
 def _backward_d256(spec: AttentionSpec, q, k, v, grad_out, stats, dq_acc, dk, dv) -> None:
     """`backward` at D=256 (no bias, no dropout: `supports` keeps them off it)."""
     num_n = triton.cdiv(spec.seqlen_k, BLOCK_N_D256)
-    # K's tile is sliced by dQ's column chunks: its swizzle may not span more than one.
-    k_swizzle = min(128, DQ_CHUNK * k.element_size())
     _launch_backward_d256(
         (num_n * spec.batch * spec.kv_heads,),
-        hopper.descriptor(q, BLOCK_M), hopper.descriptor(k, BLOCK_N_D256, swizzle=k_swizzle),
+        hopper.descriptor(q, BLOCK_M), hopper.descriptor(k, BLOCK_N_D256),
         hopper.descriptor(v, BLOCK_N_D256), hopper.descriptor(grad_out, BLOCK_M),
-        hopper.descriptor(dq_acc, BLOCK_M, cols=DQ_CHUNK),
+        hopper.descriptor(dq_acc, BLOCK_M, cols=128),
         _row_stats_descriptor(stats, spec.seqlen_q), dk, dv,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_n, spec.scale,
         spec.window_left, spec.window_right,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N_D256, STAGES=STAGES, DQ_CHUNK=DQ_CHUNK,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N_D256, STAGES=STAGES,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
         BOUNDED_RIGHT=spec.window_right >= 0, num_warps=4,
     )  # fmt: skip
