@@ -96,9 +96,12 @@ def info(args) -> int:
     elif device == "cuda" and torch.cuda.get_device_capability(0)[0] == 9:
         from .kernels.backward import backward_sm90
 
-        fwd_min = ", ".join(f">= {n} at D={d}" for d, n in forward_sm90.MIN_KEYS_PER_QUERY.items())
-        hopper = (f"on: dense bf16/fp16, D 64/128/256, keys per query {fwd_min} (forward), "
-                  f">= {backward_sm90.MIN_KEYS_PER_QUERY} and not "
+        def at_least(table):
+            return ", ".join(f">= {n} at D={d}" for d, n in table.items())
+
+        hopper = (f"on: dense bf16/fp16, D 64/128/256, keys per query "
+                  f"{at_least(forward_sm90.MIN_KEYS_PER_QUERY)} (forward), "
+                  f"{at_least(backward_sm90.MIN_KEYS_PER_QUERY)} and not "
                   "deterministic (backward); the rest run the tile kernels")
     else:
         hopper = "off (needs sm_90)"

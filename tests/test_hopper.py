@@ -166,8 +166,10 @@ def test_minus_inf_bias_rows_in_the_gluon_kernels_gpu(monkeypatch):
         pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
     from memattn.kernels import backward_sm90
 
-    monkeypatch.setattr(forward_sm90, "MIN_KEYS_PER_QUERY", {64: 0, 128: 0})
-    monkeypatch.setattr(backward_sm90, "MIN_KEYS_PER_QUERY", 0)
+    monkeypatch.setattr(forward_sm90, "MIN_KEYS_PER_QUERY",
+                        dict.fromkeys(forward_sm90.HEAD_DIMS, 0))
+    monkeypatch.setattr(backward_sm90, "MIN_KEYS_PER_QUERY",
+                        dict.fromkeys(backward_sm90.HEAD_DIMS, 0))
     launched = []
     for module, name in ((forward_sm90, "forward"), (backward_sm90, "backward")):
         run = getattr(module, name)

@@ -64,7 +64,7 @@ def main():
     is_bwd = args.which == "bwd"
     # A/B the kernels themselves, at every size
     forward_sm90.MIN_KEYS_PER_QUERY = dict.fromkeys(forward_sm90.HEAD_DIMS, 0)
-    backward_sm90.MIN_KEYS_PER_QUERY = 0
+    backward_sm90.MIN_KEYS_PER_QUERY = dict.fromkeys(backward_sm90.HEAD_DIMS, 0)
     torch.manual_seed(0)
     what = "dq/dk/dv" if is_bwd else "out"
     print(f"{'shape':20s} {'err tile (' + what + ')':>30s} {'err gluon':>30s} "

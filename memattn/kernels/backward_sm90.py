@@ -20,10 +20,13 @@ tile; dropout's keep bits come from hopper.dropout_keep in the transposed layout
 backward.py zeroes the fp32 dQ buffer (in its preprocess) and converts it to the
 output dtype.
 
-Covers what forward_sm90 covers (bf16/fp16, head dims 64 and 128, dense batches, GQA,
-causal masks either way, sliding windows, a bias, dropout) minus deterministic mode
-(TMA reduce-adds land in any order) and minus a bias gradient summed over broadcast
-dimensions. Every other call runs backward.py.
+At D=256 a second kernel (_bwd_d256_kernel) splits the work the other way round: 64
+keys a program, each warpgroup half of the head dim (see BLOCK_N_D256).
+
+Covers what forward_sm90 covers (bf16/fp16, head dims 64, 128 and 256, dense batches,
+GQA, causal masks either way, sliding windows, a bias, dropout) minus deterministic mode
+(TMA reduce-adds land in any order), minus a bias gradient summed over broadcast
+dimensions, and at D=256 minus a bias and dropout. Every other call runs backward.py.
 """
 
 from __future__ import annotations
@@ -322,8 +325,9 @@ def _bwd_d256_compute_partition(
     """One warpgroup at D=256: S and dP of keys [start_n + HALF * 32, + 32), then dK,
     dV and dQ of head-dim columns [HALF * 128, + 128) over all 64 keys."""
     (dq_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-     q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, dst_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, pds_free, b, hk, GROUP, start_n,
-     lo, full_lo, full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right) = shared
+     q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, dst_smem, kv_bar,
+     q_ready, do_ready, q_empty, do_empty, ds_bar, pds_free, b, hk, GROUP, start_n, lo,
+     full_lo, full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right) = shared
     dtype: gl.constexpr = k_smem.dtype
     HEAD_DIM: gl.constexpr = 256
     HALF_N: gl.constexpr = BLOCK_N // 2
@@ -479,8 +483,9 @@ def _bwd_d256_kernel(
 # Below this many keys per query backward.py's kernels may win: each program then has
 # few query tiles to spread its start-up (K and V loads, the partitions) and its dK/dV
 # stores over. ab_hopper had the Gluon kernel ahead down to causal S=1024 (512 keys:
-# 220 vs 210 TFLOP/s at D=128, 231 vs 214 at D=64); S=512 causal was not measured.
-MIN_KEYS_PER_QUERY = 512
+# 220 vs 210 TFLOP/s at D=128, 231 vs 214 at D=64); S=512 causal was not measured. At
+# D=256 it wins everywhere: S=512 causal (256 keys) 144 vs 104 (v9).
+MIN_KEYS_PER_QUERY = {64: 512, 128: 512, 256: 0}
 HEAD_DIMS = (64, 128, 256)
 
 
@@ -496,7 +501,7 @@ def supports(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes,
         return False
     return (not spec.deterministic
             and hopper.runs_call(spec, q, k, v, bias, alibi_slopes, HEAD_DIMS)
-            and hopper.keys_per_query(spec) >= MIN_KEYS_PER_QUERY
+            and hopper.keys_per_query(spec) >= MIN_KEYS_PER_QUERY[spec.head_dim_qk]
             and hopper.tma_readable(grad_out))
 
 

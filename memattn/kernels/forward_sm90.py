@@ -66,6 +66,10 @@ BIAS_STAGES = {64: 2, 128: 1, 256: 1}
 # Masked calls (causal, windows) run two query blocks per program (_fwd_sm90_kernel);
 # unmasked ones one. Tools set this to A/B.
 FOLD = "masked"
+# ...from this many query blocks on: at D=256 a program's second block waits for its
+# first's O to leave Q's buffer (O_IN_Q), which four blocks' short rows do not repay
+# (S=512 causal: 279 folded, 307 not; S=2048: 552 against 519; v9, GPU alone).
+MIN_BLOCKS_TO_FOLD = {64: 0, 128: 0, 256: 5}
 
 
 @gluon.jit
@@ -418,7 +422,8 @@ def forward(spec: AttentionSpec, q, k, v, bias, rng_state, out, lse) -> None:
     block_m = BLOCK_M_D64 if three_parts else BLOCK_M
     block_n = BLOCK_N[spec.head_dim_qk]
     num_m_blocks = triton.cdiv(spec.seqlen_q, block_m)
-    fold = FOLD is True or (FOLD == "masked" and masked)
+    fold = FOLD is True or (FOLD == "masked" and masked
+                            and num_m_blocks >= MIN_BLOCKS_TO_FOLD[spec.head_dim_qk])
     programs_per_head = triton.cdiv(num_m_blocks, 2) if fold else num_m_blocks
     q_desc = hopper.descriptor(q, ROWS.value)
     if bias is None:
@@ -434,7 +439,8 @@ def forward(spec: AttentionSpec, q, k, v, bias, rng_state, out, lse) -> None:
         num_m_blocks, spec.scale * LOG2E.value, spec.window_left, spec.window_right,
         spec.dropout_p,
         HEAD_DIM=spec.head_dim_qk, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES, FOLD=fold,
-        O_IN_Q=O_IN_Q[spec.head_dim_qk], HAS_BIAS=bias is not None, BIAS_STAGES=BIAS_STAGES[spec.head_dim_qk],
+        O_IN_Q=O_IN_Q[spec.head_dim_qk], HAS_BIAS=bias is not None,
+        BIAS_STAGES=BIAS_STAGES[spec.head_dim_qk],
         HAS_DROPOUT=spec.dropout_p > 0,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
         BOUNDED_RIGHT=spec.window_right >= 0, num_warps=4,
