@@ -239,6 +239,13 @@ HOPPER_CASES = [
          options=dict(causal=True)),
     Case("D256 dropout", seqlen_q=500, seqlen_k=600, dqk=256, dv=256,
          options=dict(dropout_p=0.2)),
+    # ALiBi in both Gluon kernels (at D=256 the forward only): slopes per head or per
+    # (batch, head), with a bias, a window, GQA
+    Case("alibi H causal GQA", heads=4, kv_heads=2, seqlen_q=700, seqlen_k=900, dqk=128,
+         dv=128, alibi="H", options=dict(causal=True)),
+    Case("alibi BH bias D64 window", seqlen_q=600, seqlen_k=1000, dqk=64, dv=64, alibi="BH",
+         bias="BHQK", options=dict(window=(300, 40))),
+    Case("D256 alibi", seqlen_q=300, seqlen_k=400, dqk=256, dv=256, alibi="H"),
 ]
 
 

@@ -118,10 +118,10 @@ def compile_hopper_forward() -> int:
     on CPU tensors: every head dim and mask variant it takes."""
     from memattn.kernels import forward_sm90
 
-    def launch(spec, q, k, bias):
+    def launch(spec, q, k, bias, alibi):
         lse = torch.empty(*spec.bias_shape[:3])
         rng = torch.zeros(2, dtype=torch.int64) if spec.dropout_p > 0 else None
-        forward_sm90.forward(spec, q, k, k, bias, rng, torch.empty_like(q), lse)
+        forward_sm90.forward(spec, q, k, k, bias, alibi, rng, torch.empty_like(q), lse)
 
     return _compile_hopper("forward_sm90", launch)
 
@@ -130,24 +130,25 @@ def compile_hopper_backward() -> int:
     """The Gluon backward (kernels/backward_sm90.py): every head dim and mask variant."""
     from memattn.kernels import backward_sm90
 
-    def launch(spec, q, k, bias):
+    def launch(spec, q, k, bias, alibi):
         stats = backward_sm90.row_stats_buffers(torch.empty(*spec.bias_shape[:3]))[0]
         dbias = None if bias is None else torch.empty_like(bias)
         rng = torch.zeros(2, dtype=torch.int64) if spec.dropout_p > 0 else None
-        backward_sm90.backward(spec, q, k, k, q, bias, rng, stats, torch.empty(q.shape),
+        backward_sm90.backward(spec, q, k, k, q, bias, alibi, rng, stats, torch.empty(q.shape),
                                torch.empty_like(k), torch.empty_like(k), dbias)  # fmt: skip
 
     return _compile_hopper("backward_sm90", launch)
 
 
 def _compile_hopper(name, launch) -> int:
-    """Calls launch(spec, q, k, bias) for D 64, 128 and 256, every mask of HOPPER_MASKS, no
-    bias, a full one, dropout, GQA 4:2, Sq=2100 (D=64's three warpgroups), Sk=704;
-    returns the number of failures. MEMATTN_HOPPER_FEATURES=dropout (comma-separated
-    from none, bias, dropout) and MEMATTN_HOPPER_DIMS=256 compile a subset."""
+    """Calls launch(spec, q, k, bias, alibi_slopes) for D 64, 128 and 256, every mask of
+    HOPPER_MASKS, no bias, a full one, dropout, ALiBi, GQA 4:2, Sq=2100 (D=64's three
+    warpgroups), Sk=704; returns the number of failures. MEMATTN_HOPPER_FEATURES=dropout
+    (comma-separated from none, bias, dropout, alibi) and MEMATTN_HOPPER_DIMS=256 compile
+    a subset."""
     from memattn.spec import check_call
 
-    features = os.environ.get("MEMATTN_HOPPER_FEATURES", "none,bias,dropout").split(",")
+    features = os.environ.get("MEMATTN_HOPPER_FEATURES", "none,bias,dropout,alibi").split(",")
     dims = [int(d) for d in os.environ.get("MEMATTN_HOPPER_DIMS", "64,128,256").split(",")]
     failures = 0
     for d in dims:
@@ -158,9 +159,11 @@ def _compile_hopper(name, launch) -> int:
                 bias = torch.randn(2, 4, 2100, 704, dtype=torch.bfloat16)
                 bias = bias if feature == "bias" else None
                 dropout_p = 0.1 if feature == "dropout" else 0.0
+                alibi = torch.rand(4) if feature == "alibi" else None
                 try:
-                    spec = check_call(q, k, k, bias=bias, dropout_p=dropout_p, **options)
-                    launch(spec, q, k, bias)
+                    spec = check_call(q, k, k, bias=bias, dropout_p=dropout_p,
+                                      alibi_slopes=alibi, **options)
+                    launch(spec, q, k, bias, alibi)
                 except Exception as e:  # noqa: BLE001
                     failures += 1
                     print(f"FAIL {name} D={d} {options} {feature}: "

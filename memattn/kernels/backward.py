@@ -608,7 +608,8 @@ def backward(
             masked = spec.window_left >= 0 or spec.window_right >= 0
             dbias = (torch.zeros if masked else new_output)(bias.shape, dtype=bias.dtype,
                                                             device=bias.device)
-        backward_sm90.backward(spec, q, k, v, grad_out, bias, rng, stats, dq_acc, dk, dv, dbias)
+        backward_sm90.backward(spec, q, k, v, grad_out, bias, alibi_slopes, rng, stats, dq_acc,
+                               dk, dv, dbias)
         dq.copy_(dq_acc)
         return dq, dk if need_dk else None, dv if need_dv else None, dbias
 

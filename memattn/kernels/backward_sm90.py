@@ -24,9 +24,10 @@ At D=256 a second kernel (_bwd_d256_kernel) splits the work the other way round:
 keys a program, each warpgroup half of the head dim (see BLOCK_N_D256).
 
 Covers what forward_sm90 covers (bf16/fp16, head dims 64, 128 and 256, dense batches,
-GQA, causal masks either way, sliding windows, a bias, dropout) minus deterministic mode
+GQA, causal masks either way, sliding windows, a bias, ALiBi, dropout) minus deterministic mode
 (TMA reduce-adds land in any order), minus a bias gradient summed over broadcast
-dimensions, and at D=256 minus a bias and dropout. Every other call runs backward.py.
+dimensions, and at D=256 minus a bias, ALiBi and dropout. Every other call runs
+backward.py.
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ def _bwd_load_partition(
 def _bwd_compute_partition(
     shared, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-    HAS_DBIAS: gl.constexpr, HAS_DROPOUT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
-    BOUNDED_RIGHT: gl.constexpr,
+    HAS_DBIAS: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
+    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: keys [start_n + HALF * 64, + 64) against every query tile.
     ``shared``: the runtime arguments both take (_bwd_sm90_kernel builds the tuple)."""
@@ -98,7 +99,7 @@ def _bwd_compute_partition(
      stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bias_smem, ds_smem,
      dq_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, b, hk, GROUP, start_n, lo,
      full_lo, full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right, seed,
-     rng_offset, heads, dropout_p) = shared
+     rng_offset, heads, dropout_p, Alibi, stride_ab, stride_ah) = shared
     dtype: gl.constexpr = k_smem.dtype
     HALF_N: gl.constexpr = BLOCK_N // 2
     HALF_D: gl.constexpr = HEAD_DIM // 2
@@ -140,11 +141,17 @@ def _bwd_compute_partition(
         s = warpgroup_mma_wait(1, deps=(s,))
 
         p_scale = scale_log2
-        if HAS_BIAS:  # this half's keys of the (queries, keys) tile, transposed
-            bias = (bias_smem.index(slot).reshape([BLOCK_M, BLOCK_N])
-                    .slice(HALF * HALF_N, HALF_N, dim=1).permute((1, 0)).load(s_layout))
-            s = add_bias_alibi_log2(s * scale_log2, 0, 0, 0, 0.0, bias.to(gl.float32), True,
-                                    False)
+        if HAS_BIAS or HAS_ALIBI:  # the scale goes in first, as in the forward
+            bias = 0.0
+            if HAS_BIAS:  # this half's keys of the (queries, keys) tile, transposed
+                bias = (bias_smem.index(slot).reshape([BLOCK_M, BLOCK_N])
+                        .slice(HALF * HALF_N, HALF_N, dim=1).permute((1, 0)).load(s_layout))
+                bias = bias.to(gl.float32)
+            slope = 0.0
+            if HAS_ALIBI:  # this query head's
+                slope = gl.load(Alibi + b.to(gl.int64) * stride_ab + h.to(gl.int64) * stride_ah)
+            s = add_bias_alibi_log2(s * scale_log2, offs_m[None, :], offs_n[:, None], off, slope,
+                                    bias, HAS_BIAS, HAS_ALIBI)
             p_scale = 1.0
         lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
         if (start_m < full_lo) | (start_m >= full_hi):
@@ -233,13 +240,13 @@ def _key_block(
 @gluon.jit
 def _bwd_sm90_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, bias_desc, dbias_desc, DK, DV, Rng,
-    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    HKV, GROUP, bias_batches, bias_heads, seqlen_q, seqlen_k, num_n_blocks, scale,
+    Alibi, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ab,
+    stride_ah, HKV, GROUP, bias_batches, bias_heads, seqlen_q, seqlen_k, num_n_blocks, scale,
     window_left, window_right, dropout_p,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_DBIAS: gl.constexpr,
-    HAS_DROPOUT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
-    BOUNDED_RIGHT: gl.constexpr,
+    HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     b, hk, start_n, off, lo, full_lo, full_hi, n_tiles = _key_block(
         HKV, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right, BLOCK_M,
@@ -288,12 +295,15 @@ def _bwd_sm90_kernel(
               stride_vn, stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
               bias_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar,
               b, hk, GROUP, start_n, lo, full_lo, full_hi, n_tiles, seqlen_k, off, scale,
-              window_left, window_right, seed, rng_offset, heads, dropout_p)
+              window_left, window_right, seed, rng_offset, heads, dropout_p, Alibi, stride_ab,
+              stride_ah)
     gl.warp_specialize(
         [(_bwd_compute_partition, (shared, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS,
-                                   HAS_DBIAS, HAS_DROPOUT, BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                   HAS_DBIAS, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
+                                   BOUNDED_RIGHT)),
          (_bwd_compute_partition, (shared, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS,
-                                   HAS_DBIAS, HAS_DROPOUT, BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                   HAS_DBIAS, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
+                                   BOUNDED_RIGHT)),
          (_bwd_load_partition, (
             q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem,
             v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready, q_empty,
@@ -494,13 +504,14 @@ def supports(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes,
     """True where this kernel runs the call: the calls hopper.runs_call names with
     enough keys per query, not in deterministic mode, grad_out TMA-readable too; a
     bias gradient only of a full bias (no sum over broadcast dimensions), with rows of
-    whole 16 bytes for its TMA stores; at D=256 neither a bias nor dropout."""
-    if spec.head_dim_qk == 256 and (bias is not None or spec.dropout_p > 0):
+    whole 16 bytes for its TMA stores; at D=256 no bias, ALiBi or dropout."""
+    if spec.head_dim_qk == 256 and (bias is not None or alibi_slopes is not None
+                                    or spec.dropout_p > 0):
         return False
     if need_dbias and not (hopper.bias_full(spec, bias) and spec.seqlen_k % 8 == 0):
         return False
     return (not spec.deterministic
-            and hopper.runs_call(spec, q, k, v, bias, alibi_slopes, HEAD_DIMS)
+            and hopper.runs_call(spec, q, k, v, bias, HEAD_DIMS)
             and hopper.keys_per_query(spec) >= MIN_KEYS_PER_QUERY[spec.head_dim_qk]
             and hopper.tma_readable(grad_out))
 
@@ -527,8 +538,8 @@ _launch_backward = hopper.Launcher(_bwd_sm90_kernel)
 _launch_backward_d256 = hopper.Launcher(_bwd_d256_kernel)
 
 
-def backward(spec: AttentionSpec, q, k, v, grad_out, bias, rng_state, stats, dq_acc, dk, dv,
-             dbias) -> None:
+def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_state, stats,
+             dq_acc, dk, dv, dbias) -> None:
     """Adds dQ into dq_acc (fp32, zeroed) and fills dk, dv and dbias (None: not needed;
     every tile a query sees is written, the rest left as it was), for a call `supports`
     accepted; stats as row_stats_buffers made it, filled; rng_state: dropout's
@@ -547,25 +558,28 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, rng_state, stats, dq_
         bias_batches, bias_heads = bias_desc.shape[:2]
     if dbias is not None:
         dbias_desc = hopper.bias_descriptor(dbias, BLOCK_M, BLOCK_N // 2)
+    alibi_strides = (0, 0) if alibi_slopes is None else alibi_slopes.expand(
+        spec.batch, spec.heads).stride()  # (H,) or (B, H)
     _launch_backward(
         (num_n * spec.batch * spec.kv_heads,),
         q_desc, hopper.descriptor(k, BLOCK_N, swizzle=k_swizzle),
         hopper.descriptor(v, BLOCK_N), hopper.descriptor(grad_out, BLOCK_M),
         hopper.descriptor(dq_acc, BLOCK_M, cols=half_d),
         _row_stats_descriptor(stats, spec.seqlen_q), bias_desc, dbias_desc, dk, dv, rng_state,
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        spec.kv_heads, spec.group, bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k,
-        num_n, spec.scale, spec.window_left, spec.window_right, spec.dropout_p,
+        alibi_slopes, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1),
+        dv.stride(2), *alibi_strides, spec.kv_heads, spec.group, bias_batches, bias_heads,
+        spec.seqlen_q, spec.seqlen_k, num_n, spec.scale, spec.window_left, spec.window_right,
+        spec.dropout_p,
         HEAD_DIM=spec.head_dim_qk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
         HAS_BIAS=bias is not None, HAS_DBIAS=dbias is not None,
-        HAS_DROPOUT=spec.dropout_p > 0,
+        HAS_ALIBI=alibi_slopes is not None, HAS_DROPOUT=spec.dropout_p > 0,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
         BOUNDED_RIGHT=spec.window_right >= 0, num_warps=4,
     )  # fmt: skip
 
 
 def _backward_d256(spec: AttentionSpec, q, k, v, grad_out, stats, dq_acc, dk, dv) -> None:
-    """`backward` at D=256 (no bias, no dropout: `supports` keeps them off it)."""
+    """`backward` at D=256 (no bias, ALiBi or dropout: `supports` keeps them off it)."""
     num_n = triton.cdiv(spec.seqlen_k, BLOCK_N_D256)
     _launch_backward_d256(
         (num_n * spec.batch * spec.kv_heads,),

@@ -274,9 +274,9 @@ def forward(
     lse = new_output(lse_shape, torch.float32, q.device)
     if out.numel() == 0 or spec.seqlen_q == 0:
         return out, lse.fill_(float("-inf"))
-    if forward_sm90 is not None and forward_sm90.supports(spec, q, k, v, bias, alibi_slopes):
-        forward_sm90.forward(spec, q, k, v, bias, rng_state if spec.dropout_p > 0 else None,
-                             out, lse)
+    if forward_sm90 is not None and forward_sm90.supports(spec, q, k, v, bias):
+        forward_sm90.forward(spec, q, k, v, bias, alibi_slopes,
+                             rng_state if spec.dropout_p > 0 else None, out, lse)
         return out, lse
 
     def launch(cfg: tuning.Config):

@@ -131,17 +131,18 @@ def _load_partition(
 
 @gluon.jit
 def _softmax_tile(
-    s, m_i, l_i, start_n, offs_m, bias, seqlen_k, off, window_left, window_right, needs_mask,
-    scale_log2, BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
-    BOUNDED_RIGHT: gl.constexpr,
+    s, m_i, l_i, start_n, offs_m, bias, slope, seqlen_k, off, window_left, window_right,
+    needs_mask, scale_log2, BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr,
+    HAS_ALIBI: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
-    """Online-softmax step on raw scores s (and the bias tile, natural units, fp32);
-    m_i is kept in scaled log2 units."""
-    if HAS_BIAS:  # the scale goes in first here, not folded into exp2's operand
-        s = add_bias_alibi_log2(s * scale_log2, 0, 0, 0, 0.0, bias, True, False)
+    """Online-softmax step on raw scores s (with the bias tile, natural units, fp32, and
+    ALiBi's slope for this head); m_i is kept in scaled log2 units."""
+    offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+    if HAS_BIAS or HAS_ALIBI:  # the scale goes in first here, not folded into exp2's
+        s = add_bias_alibi_log2(s * scale_log2, offs_m[:, None], offs_n[None, :], off, slope,
+                                bias, HAS_BIAS, HAS_ALIBI)
         scale_log2 = 1.0
     if needs_mask:
-        offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
         mask = visible(offs_m[:, None], offs_n[None, :], seqlen_k, off, window_left,
                        window_right, BOUNDED_LEFT, BOUNDED_RIGHT)
         s = gl.where(mask, s, float("-inf"))
@@ -194,7 +195,8 @@ def _dropped(p, keep, HAS_DROPOUT: gl.constexpr):
 def _softmax_partition(
     shared, PART: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, O_IN_Q: gl.constexpr,
-    HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr, HAS_DROPOUT: gl.constexpr,
+    HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr, HAS_ALIBI: gl.constexpr,
+    HAS_DROPOUT: gl.constexpr,
     BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: query rows [start_m + PART * ROWS, + ROWS) of each of the
@@ -204,7 +206,7 @@ def _softmax_partition(
     (o_desc, Lse, stride_lb, stride_lh, stride_lm, q_smem, k_smem, v_smem, o_smem, bias_smem,
      q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, b, h, p,
      num_m_blocks, n_blocks, seqlen_q, seqlen_k, off, scale_log2, window_left, window_right,
-     seed, rng_offset, bh, dropout_p) = shared
+     seed, rng_offset, bh, dropout_p, slope) = shared
     PARTS: gl.constexpr = BLOCK_M // ROWS
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -242,9 +244,9 @@ def _softmax_partition(
                               BLOCK_N, BIAS_STAGES, HAS_BIAS)
             needs_mask = (lo < full_lo) | (lo >= full_hi)
             p_, m_i, l_i, alpha = _softmax_tile(
-                s, m_i, l_i, lo, offs_m, bias, seqlen_k, off, window_left, window_right,
-                needs_mask, scale_log2, BLOCK_N, HAS_BIAS, BOUNDED_LEFT,
-                BOUNDED_RIGHT)  # fmt: skip
+                s, m_i, l_i, lo, offs_m, bias, slope, seqlen_k, off, window_left,
+                window_right, needs_mask, scale_log2, BLOCK_N, HAS_BIAS, HAS_ALIBI,
+                BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
             p_op = gl.convert_layout(_dropped(p_, keep, HAS_DROPOUT).to(dtype), p_layout)
             for t in range(1, n_tiles):
                 start_n = lo + t * BLOCK_N
@@ -263,9 +265,9 @@ def _softmax_partition(
                                   PARTS, BLOCK_N, BIAS_STAGES, HAS_BIAS)
                 needs_mask = (start_n < full_lo) | (start_n >= full_hi)
                 p_, m_i, l_i, alpha = _softmax_tile(
-                    s, m_i, l_i, start_n, offs_m, bias, seqlen_k, off, window_left,
-                    window_right, needs_mask, scale_log2, BLOCK_N, HAS_BIAS, BOUNDED_LEFT,
-                    BOUNDED_RIGHT)  # fmt: skip
+                    s, m_i, l_i, start_n, offs_m, bias, slope, seqlen_k, off, window_left,
+                    window_right, needs_mask, scale_log2, BLOCK_N, HAS_BIAS, HAS_ALIBI,
+                    BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
                 acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
                 mbarrier.arrive(v_empty.index(v_slot))
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
@@ -306,13 +308,13 @@ def _softmax_partition(
 
 @gluon.jit
 def _fwd_sm90_kernel(
-    q_desc, k_desc, v_desc, o_desc, bias_desc, Lse, Rng, stride_lb, stride_lh, stride_lm,
-    H, GROUP, bias_batches, bias_heads, seqlen_q, seqlen_k, num_m_blocks, scale_log2,
-    window_left, window_right, dropout_p,
+    q_desc, k_desc, v_desc, o_desc, bias_desc, Lse, Rng, Alibi, stride_lb, stride_lh,
+    stride_lm, stride_ab, stride_ah, H, GROUP, bias_batches, bias_heads, seqlen_q, seqlen_k,
+    num_m_blocks, scale_log2, window_left, window_right, dropout_p,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, FOLD: gl.constexpr, O_IN_Q: gl.constexpr, HAS_BIAS: gl.constexpr,
-    BIAS_STAGES: gl.constexpr, HAS_DROPOUT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
-    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    BIAS_STAGES: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
+    BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     # Query blocks of one head back to back. Folded, program p runs blocks n-1-p and p:
     # under a causal mask every program then has the same work (the blocks' key counts
@@ -335,6 +337,9 @@ def _fwd_sm90_kernel(
     if HAS_DROPOUT:
         seed = gl.load(Rng)
         rng_offset = gl.load(Rng + 1)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = gl.load(Alibi + b.to(gl.int64) * stride_ab + h.to(gl.int64) * stride_ah)
 
     PARTS: gl.constexpr = BLOCK_M // ROWS  # softmax warpgroups
     dtype: gl.constexpr = q_desc.dtype
@@ -364,7 +369,7 @@ def _fwd_sm90_kernel(
     shared = (o_desc, Lse, stride_lb, stride_lh, stride_lm, q_smem, k_smem, v_smem, o_smem,
               bias_smem, q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty,
               bias_empty, b, h, p, num_m_blocks, n_blocks, seqlen_q, seqlen_k, off,
-              scale_log2, window_left, window_right, seed, rng_offset, bh, dropout_p)
+              scale_log2, window_left, window_right, seed, rng_offset, bh, dropout_p, slope)
     loads = (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, q_ready,
              q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, b, h, hk,
              bias_b, bias_h, p, num_m_blocks, n_blocks, seqlen_k, off, window_left,
@@ -372,10 +377,12 @@ def _fwd_sm90_kernel(
     if PARTS == 2:
         gl.warp_specialize([
             (_softmax_partition, (shared, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                  O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_DROPOUT, BOUNDED_LEFT,
+                                  O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_ALIBI, HAS_DROPOUT,
+                                  BOUNDED_LEFT,
                                   BOUNDED_RIGHT)),
             (_softmax_partition, (shared, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                  O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_DROPOUT, BOUNDED_LEFT,
+                                  O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_ALIBI, HAS_DROPOUT,
+                                  BOUNDED_LEFT,
                                   BOUNDED_RIGHT)),
             (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, BIAS_STAGES,
                                BOUNDED_LEFT, BOUNDED_RIGHT)),
@@ -383,13 +390,16 @@ def _fwd_sm90_kernel(
     else:
         gl.warp_specialize([
             (_softmax_partition, (shared, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                  O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_DROPOUT, BOUNDED_LEFT,
+                                  O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_ALIBI, HAS_DROPOUT,
+                                  BOUNDED_LEFT,
                                   BOUNDED_RIGHT)),
             (_softmax_partition, (shared, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                  O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_DROPOUT, BOUNDED_LEFT,
+                                  O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_ALIBI, HAS_DROPOUT,
+                                  BOUNDED_LEFT,
                                   BOUNDED_RIGHT)),
             (_softmax_partition, (shared, 2, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                  O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_DROPOUT, BOUNDED_LEFT,
+                                  O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_ALIBI, HAS_DROPOUT,
+                                  BOUNDED_LEFT,
                                   BOUNDED_RIGHT)),
             (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, BIAS_STAGES,
                                BOUNDED_LEFT, BOUNDED_RIGHT)),
@@ -403,22 +413,23 @@ MIN_KEYS_PER_QUERY = {64: 512, 128: 0, 256: 0}
 HEAD_DIMS = (64, 128, 256)
 
 
-def supports(spec: AttentionSpec, q, k, v, bias, alibi_slopes) -> bool:
+def supports(spec: AttentionSpec, q, k, v, bias) -> bool:
     """True where this kernel runs the call: the calls hopper.runs_call names, with
     enough keys per query to beat forward.py."""
-    return (hopper.runs_call(spec, q, k, v, bias, alibi_slopes, HEAD_DIMS)
+    return (hopper.runs_call(spec, q, k, v, bias, HEAD_DIMS)
             and hopper.keys_per_query(spec) >= MIN_KEYS_PER_QUERY[spec.head_dim_qk])
 
 
 _launch_forward = hopper.Launcher(_fwd_sm90_kernel)
 
 
-def forward(spec: AttentionSpec, q, k, v, bias, rng_state, out, lse) -> None:
+def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, out, lse) -> None:
     """Fills out (B, Sq, H, D) and lse (B, H, Sq) for a call `supports` accepted;
     rng_state: dropout's [seed, offset] (memattn.dropout), None without dropout."""
     masked = spec.window_left >= 0 or spec.window_right >= 0
+    # Three warpgroups have 160 registers a thread: no room for dropout or ALiBi.
     three_parts = (spec.head_dim_qk == 64 and not masked and spec.dropout_p == 0
-                   and spec.seqlen_q >= MIN_SEQLEN_Q_D64)
+                   and alibi_slopes is None and spec.seqlen_q >= MIN_SEQLEN_Q_D64)
     block_m = BLOCK_M_D64 if three_parts else BLOCK_M
     block_n = BLOCK_N[spec.head_dim_qk]
     num_m_blocks = triton.cdiv(spec.seqlen_q, block_m)
@@ -431,16 +442,18 @@ def forward(spec: AttentionSpec, q, k, v, bias, rng_state, out, lse) -> None:
     else:
         bias_desc = hopper.bias_descriptor(bias, ROWS.value, block_n)
         bias_batches, bias_heads = bias_desc.shape[:2]
+    alibi_strides = (0, 0) if alibi_slopes is None else alibi_slopes.expand(
+        spec.batch, spec.heads).stride()  # (H,) or (B, H)
     _launch_forward(
         (programs_per_head * spec.batch * spec.heads,),
         q_desc, hopper.descriptor(k, block_n), hopper.descriptor(v, block_n),
-        hopper.descriptor(out, ROWS.value), bias_desc, lse, rng_state, *lse.stride(),
-        spec.heads, spec.group, bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k,
-        num_m_blocks, spec.scale * LOG2E.value, spec.window_left, spec.window_right,
-        spec.dropout_p,
+        hopper.descriptor(out, ROWS.value), bias_desc, lse, rng_state, alibi_slopes,
+        *lse.stride(), *alibi_strides, spec.heads, spec.group, bias_batches, bias_heads,
+        spec.seqlen_q, spec.seqlen_k, num_m_blocks, spec.scale * LOG2E.value,
+        spec.window_left, spec.window_right, spec.dropout_p,
         HEAD_DIM=spec.head_dim_qk, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES, FOLD=fold,
         O_IN_Q=O_IN_Q[spec.head_dim_qk], HAS_BIAS=bias is not None,
-        BIAS_STAGES=BIAS_STAGES[spec.head_dim_qk],
+        BIAS_STAGES=BIAS_STAGES[spec.head_dim_qk], HAS_ALIBI=alibi_slopes is not None,
         HAS_DROPOUT=spec.dropout_p > 0,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
         BOUNDED_RIGHT=spec.window_right >= 0, num_warps=4,

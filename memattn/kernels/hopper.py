@@ -33,16 +33,16 @@ def tma_readable(t: torch.Tensor) -> bool:
             and all(s % 8 == 0 for s in t.stride()[:-1]))
 
 
-def runs_call(spec: AttentionSpec, q, k, v, bias, alibi_slopes, head_dims) -> bool:
+def runs_call(spec: AttentionSpec, q, k, v, bias, head_dims) -> bool:
     """The calls both Gluon kernels take: a Hopper GPU; bf16/fp16; dense batches; a
     head dim of the kernel's ``head_dims``, q.k and v alike; causal masks, windows,
-    dropout or a bias TMA can read (`bias_readable`), but not both, no ALiBi or
-    softcap; tensors TMA can read."""
+    ALiBi, dropout or a bias TMA can read (`bias_readable`), but not both, no softcap;
+    tensors TMA can read."""
     if not (enabled and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
         return False
     if spec.dtype not in (torch.bfloat16, torch.float16) or spec.varlen or spec.seqlen_k == 0:
         return False
-    if alibi_slopes is not None or spec.softcap > 0:
+    if spec.softcap > 0:
         return False
     if bias is not None and not bias_readable(spec, bias):
         return False
