@@ -30,6 +30,7 @@ from . import tuning
 from .common import (
     LOG2E,
     add_bias_alibi_log2,
+    alibi_strides,
     capped_score_log2,
     diagonal_offset,
     dropout_keep,
@@ -41,7 +42,6 @@ from .common import (
     visible,
 )
 from .forward import (
-    alibi_strides,
     bias_strides,
     dense_strides,
     feature_switches,

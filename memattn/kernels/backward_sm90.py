@@ -47,7 +47,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..spec import AttentionSpec
 from . import hopper
-from .common import LOG2E, add_bias_alibi_log2, diagonal_offset, query_range, visible
+from .common import LOG2E, add_bias_alibi_log2, alibi_strides, diagonal_offset, query_range, visible
 
 BLOCK_N = 128  # keys per program: two warpgroups x 64
 BLOCK_M = 64  # query rows per step (registers: dK and dV take 2 * D / 2 per thread)
@@ -558,8 +558,6 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
         bias_batches, bias_heads = bias_desc.shape[:2]
     if dbias is not None:
         dbias_desc = hopper.bias_descriptor(dbias, BLOCK_M, BLOCK_N // 2)
-    alibi_strides = (0, 0) if alibi_slopes is None else alibi_slopes.expand(
-        spec.batch, spec.heads).stride()  # (H,) or (B, H)
     _launch_backward(
         (num_n * spec.batch * spec.kv_heads,),
         q_desc, hopper.descriptor(k, BLOCK_N, swizzle=k_swizzle),
@@ -567,9 +565,9 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
         hopper.descriptor(dq_acc, BLOCK_M, cols=half_d),
         _row_stats_descriptor(stats, spec.seqlen_q), bias_desc, dbias_desc, dk, dv, rng_state,
         alibi_slopes, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1),
-        dv.stride(2), *alibi_strides, spec.kv_heads, spec.group, bias_batches, bias_heads,
-        spec.seqlen_q, spec.seqlen_k, num_n, spec.scale, spec.window_left, spec.window_right,
-        spec.dropout_p,
+        dv.stride(2), *alibi_strides(alibi_slopes), spec.kv_heads, spec.group, bias_batches,
+        bias_heads, spec.seqlen_q, spec.seqlen_k, num_n, spec.scale, spec.window_left,
+        spec.window_right, spec.dropout_p,
         HEAD_DIM=spec.head_dim_qk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
         HAS_BIAS=bias is not None, HAS_DBIAS=dbias is not None,
         HAS_ALIBI=alibi_slopes is not None, HAS_DROPOUT=spec.dropout_p > 0,

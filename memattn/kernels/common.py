@@ -24,6 +24,15 @@ def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def alibi_strides(alibi: torch.Tensor | None) -> tuple[int, int]:
+    """(batch, head) strides of ALiBi's slopes, (H,) or (B, H); (0, 0) without."""
+    if alibi is None:
+        return (0, 0)
+    if alibi.dim() == 1:
+        return (0, alibi.stride(0))
+    return (alibi.stride(0), alibi.stride(1))
+
+
 @triton.jit
 def sequence_bounds(CuSeqQ, CuSeqK, b, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
     """Start offset (in packed tokens) and length of batch b's query and key sequences."""

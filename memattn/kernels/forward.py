@@ -16,6 +16,7 @@ from . import tuning
 from .common import (
     LN2,
     add_bias_alibi_log2,
+    alibi_strides,
     capped_score_log2,
     diagonal_offset,
     dropout_keep,
@@ -233,14 +234,6 @@ def bias_strides(bias: torch.Tensor | None, spec: AttentionSpec) -> tuple[int, i
     if bias is None:
         return (0, 0, 0, 0)
     return tuple(bias.expand(spec.bias_shape).stride())
-
-
-def alibi_strides(alibi: torch.Tensor | None) -> tuple[int, int]:
-    if alibi is None:
-        return (0, 0)
-    if alibi.dim() == 1:
-        return (0, alibi.stride(0))
-    return (alibi.stride(0), alibi.stride(1))
 
 
 def dense_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int, int]:

@@ -39,7 +39,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..spec import AttentionSpec
 from . import hopper
-from .common import LN2, LOG2E, add_bias_alibi_log2, diagonal_offset, key_range, visible
+from .common import (
+    LN2,
+    LOG2E,
+    add_bias_alibi_log2,
+    alibi_strides,
+    diagonal_offset,
+    key_range,
+    visible,
+)
 
 ROWS = gl.constexpr(64)  # query rows per softmax warpgroup
 # Query rows per program: two softmax warpgroups (128), or three (192) for unmasked
@@ -442,14 +450,12 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, out, ls
     else:
         bias_desc = hopper.bias_descriptor(bias, ROWS.value, block_n)
         bias_batches, bias_heads = bias_desc.shape[:2]
-    alibi_strides = (0, 0) if alibi_slopes is None else alibi_slopes.expand(
-        spec.batch, spec.heads).stride()  # (H,) or (B, H)
     _launch_forward(
         (programs_per_head * spec.batch * spec.heads,),
         q_desc, hopper.descriptor(k, block_n), hopper.descriptor(v, block_n),
         hopper.descriptor(out, ROWS.value), bias_desc, lse, rng_state, alibi_slopes,
-        *lse.stride(), *alibi_strides, spec.heads, spec.group, bias_batches, bias_heads,
-        spec.seqlen_q, spec.seqlen_k, num_m_blocks, spec.scale * LOG2E.value,
+        *lse.stride(), *alibi_strides(alibi_slopes), spec.heads, spec.group, bias_batches,
+        bias_heads, spec.seqlen_q, spec.seqlen_k, num_m_blocks, spec.scale * LOG2E.value,
         spec.window_left, spec.window_right, spec.dropout_p,
         HEAD_DIM=spec.head_dim_qk, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES, FOLD=fold,
         O_IN_Q=O_IN_Q[spec.head_dim_qk], HAS_BIAS=bias is not None,
