@@ -55,6 +55,31 @@ STAGES = 2  # Q and dO rings
 
 
 @gluon.jit
+def _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M: gl.constexpr):
+    """(query head, first row) of a program's i-th query tile: the heads of the GQA
+    group in turn, each's n_tiles tiles from lo on. The load warp and the compute
+    warpgroups walk the same sequence."""
+    return hk * GROUP + i // n_tiles, lo + (i % n_tiles) * BLOCK_M
+
+
+@gluon.jit
+def _store_dk_dv(
+    dk, dv, DK, DV, b, hk, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    seqlen_k, rows, cols, HEAD_DIM: gl.constexpr,
+):  # fmt: skip
+    """dK and dV (in the output dtype) of keys ``rows`` and columns ``cols`` of (b, kv
+    head hk), by plain stores, once per program; keys past Sk are not written."""
+    ok = (rows < seqlen_k)[:, None] & (cols < HEAD_DIM)[None, :]
+    rows64 = rows.to(gl.int64)[:, None]
+    dk_ptrs = (DK + b.to(gl.int64) * stride_kb + hk.to(gl.int64) * stride_kh
+               + rows64 * stride_kn + cols[None, :])
+    gl.store(dk_ptrs, dk, mask=ok)
+    dv_ptrs = (DV + b.to(gl.int64) * stride_vb + hk.to(gl.int64) * stride_vh
+               + rows64 * stride_vn + cols[None, :])
+    gl.store(dv_ptrs, dv, mask=ok)
+
+
+@gluon.jit
 def _bwd_load_partition(
     q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem, v_smem,
     lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, b, hk,
@@ -67,8 +92,7 @@ def _bwd_load_partition(
     tma.async_copy_global_to_shared(k_desc, [b, hk, start_n, 0], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [b, hk, start_n, 0], kv_bar, v_smem)
     for i in range(GROUP * n_tiles):
-        h = hk * GROUP + i // n_tiles
-        start_m = lo + (i % n_tiles) * BLOCK_M
+        h, start_m = _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M)
         nbytes: gl.constexpr = q_desc.block_type.nbytes + stats_desc.block_type.nbytes
         q_bytes: gl.constexpr = nbytes + bias_desc.block_type.nbytes if HAS_BIAS else nbytes
         slot = hopper.claim(q_ready, q_empty, i, q_bytes, STAGES)
@@ -124,8 +148,7 @@ def _bwd_compute_partition(
     mbarrier.wait(kv_bar, 0)
 
     for i in range(GROUP * n_tiles):
-        h = hk * GROUP + i // n_tiles
-        start_m = lo + (i % n_tiles) * BLOCK_M
+        h, start_m = _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M)
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=cols_layout)
         slot = hopper.arrived(q_ready, i, STAGES)
         q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
@@ -202,19 +225,13 @@ def _bwd_compute_partition(
         hopper.tma_reduce_add(dq_desc, [b, h, start_m, HALF * HALF_D], dq_buf)
     tma.store_wait(0)
 
-    # dK and dV of this half's keys, by plain stores: once per program.
-    out_rows = row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv_layout))
-    out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
-    ok = (out_rows < seqlen_k)[:, None] & (out_cols < HEAD_DIM)[None, :]
-    rows64 = out_rows.to(gl.int64)[:, None]
-    dk_ptrs = (DK + b.to(gl.int64) * stride_kb + hk.to(gl.int64) * stride_kh
-               + rows64 * stride_kn + out_cols[None, :])
-    gl.store(dk_ptrs, (dk * scale).to(dtype), mask=ok)
-    dv_ptrs = (DV + b.to(gl.int64) * stride_vb + hk.to(gl.int64) * stride_vh
-               + rows64 * stride_vn + out_cols[None, :])
     if HAS_DROPOUT:
         dv = dv * (1.0 / (1.0 - dropout_p))
-    gl.store(dv_ptrs, dv.to(dtype), mask=ok)
+    _store_dk_dv(
+        (dk * scale).to(dtype), dv.to(dtype), DK, DV, b, hk, stride_kb, stride_kn, stride_kh,
+        stride_vb, stride_vn, stride_vh, seqlen_k,
+        row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv_layout)),
+        gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout)), HEAD_DIM)  # fmt: skip
 
 
 @gluon.jit
@@ -375,8 +392,7 @@ def _bwd_d256_compute_partition(
     mbarrier.wait(kv_bar, 0)
 
     for i in range(GROUP * n_tiles):
-        h = hk * GROUP + i // n_tiles
-        start_m = lo + (i % n_tiles) * BLOCK_M
+        h, start_m = _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M)
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=rows_layout)
         slot = hopper.arrived(q_ready, i, STAGES)
         q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
@@ -424,17 +440,11 @@ def _bwd_d256_compute_partition(
         hopper.tma_reduce_add(dq_desc, [b, h, start_m, col0], dq_buf)
     tma.store_wait(0)
 
-    # dK and dV of this half's columns, by plain stores: once per program.
-    out_rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
-    out_cols = col0 + gl.arange(0, HALF_D, layout=gl.SliceLayout(0, kv_layout))
-    ok = (out_rows < seqlen_k)[:, None] & (out_cols < HEAD_DIM)[None, :]
-    rows64 = out_rows.to(gl.int64)[:, None]
-    dk_ptrs = (DK + b.to(gl.int64) * stride_kb + hk.to(gl.int64) * stride_kh
-               + rows64 * stride_kn + out_cols[None, :])
-    gl.store(dk_ptrs, (dk * scale).to(dtype), mask=ok)
-    dv_ptrs = (DV + b.to(gl.int64) * stride_vb + hk.to(gl.int64) * stride_vh
-               + rows64 * stride_vn + out_cols[None, :])
-    gl.store(dv_ptrs, dv.to(dtype), mask=ok)
+    _store_dk_dv(
+        (dk * scale).to(dtype), dv.to(dtype), DK, DV, b, hk, stride_kb, stride_kn, stride_kh,
+        stride_vb, stride_vn, stride_vh, seqlen_k,
+        start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout)),
+        col0 + gl.arange(0, HALF_D, layout=gl.SliceLayout(0, kv_layout)), HEAD_DIM)  # fmt: skip
 
 
 @gluon.jit
@@ -502,18 +512,22 @@ HEAD_DIMS = (64, 128, 256)
 def supports(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes,
              need_dbias: bool) -> bool:
     """True where this kernel runs the call: the calls hopper.runs_call names with
-    enough keys per query, not in deterministic mode, grad_out TMA-readable too; a
-    bias gradient only of a full bias (no sum over broadcast dimensions), with rows of
-    whole 16 bytes for its TMA stores; at D=256 no bias, ALiBi or dropout."""
-    if spec.head_dim_qk == 256 and (bias is not None or alibi_slopes is not None
-                                    or spec.dropout_p > 0):
-        return False
-    if need_dbias and not (hopper.bias_full(spec, bias) and spec.seqlen_k % 8 == 0):
-        return False
-    return (not spec.deterministic
+    enough keys per query, not in deterministic mode, grad_out TMA-readable too, and
+    features `computes` covers."""
+    return (computes(spec, bias, alibi_slopes, need_dbias) and not spec.deterministic
             and hopper.runs_call(spec, q, k, v, bias, HEAD_DIMS)
             and hopper.keys_per_query(spec) >= MIN_KEYS_PER_QUERY[spec.head_dim_qk]
             and hopper.tma_readable(grad_out))
+
+
+def computes(spec: AttentionSpec, bias, alibi_slopes, need_dbias: bool) -> bool:
+    """Whether the kernel for this head dim computes these features, whatever the
+    device: a bias gradient only of a full bias (no sum over broadcast dimensions),
+    with rows of whole 16 bytes for its TMA stores; at D=256 no bias, ALiBi or dropout."""
+    if spec.head_dim_qk == 256 and (bias is not None or alibi_slopes is not None
+                                    or spec.dropout_p > 0):
+        return False
+    return not need_dbias or (hopper.bias_full(spec, bias) and spec.seqlen_k % 8 == 0)
 
 
 def row_stats_buffers(lse: torch.Tensor):
