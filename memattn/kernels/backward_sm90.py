@@ -255,6 +255,32 @@ def _key_block(
 
 
 @gluon.jit
+def _operand_buffers(q_desc, do_desc, k_desc, v_desc, stats_desc, STAGES: gl.constexpr):
+    """What both backward kernels keep in shared memory: K and V, the Q and dO rings
+    with their rows' lse and delta, K and V's barrier (kv_bar), the barrier where the
+    two compute warpgroups meet each step (ds_bar: both halves of dS stored), and the
+    rings' barriers, each slot released by both compute warpgroups."""
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape,
+                                        do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape,
+                                         stats_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape,
+                                           stats_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(ds_bar, count=2)
+    q_ready, q_empty = hopper.ring(STAGES, 2)
+    do_ready, do_empty = hopper.ring(STAGES, 2)
+    return (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, ds_bar, q_ready,
+            q_empty, do_ready, do_empty)
+
+
+@gluon.jit
 def _bwd_sm90_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, bias_desc, dbias_desc, DK, DV, Rng,
     Alibi, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ab,
@@ -270,11 +296,8 @@ def _bwd_sm90_kernel(
         BLOCK_N, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
 
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape,
-                                        do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, ds_bar, q_ready, q_empty,
+     do_ready, do_empty) = _operand_buffers(q_desc, do_desc, k_desc, v_desc, stats_desc, STAGES)
     # dS as (queries, keys) in two buffers of two halves of the keys, each half a TMA
     # block of the bias gradient: [2 * buffer + half].
     ds_block: gl.constexpr = [1, 1, BLOCK_M, BLOCK_N // 2]
@@ -282,21 +305,11 @@ def _bwd_sm90_kernel(
     ds_smem = gl.allocate_shared_memory(dtype, [4] + ds_block, ds_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape,
                                         dq_desc.layout)
-    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape,
-                                         stats_desc.layout)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape,
-                                           stats_desc.layout)
     if HAS_BIAS:  # a (queries, keys) tile beside each Q tile
         bias_smem = gl.allocate_shared_memory(dtype, [STAGES] + bias_desc.block_type.shape,
                                               bias_desc.layout)
     else:  # a stand-in, never touched
         bias_smem = q_smem
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ds_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    mbarrier.init(ds_bar, count=2)  # both warpgroups' halves of dS written
-    q_ready, q_empty = hopper.ring(STAGES, 2)  # released by both compute warpgroups
-    do_ready, do_empty = hopper.ring(STAGES, 2)
 
     bias_b = b % bias_batches  # 0 where the bias broadcasts over batches
     seed = 0
@@ -461,27 +474,14 @@ def _bwd_d256_kernel(
         BLOCK_N, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
 
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape,
-                                        do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, ds_bar, q_ready, q_empty,
+     do_ready, do_empty) = _operand_buffers(q_desc, do_desc, k_desc, v_desc, stats_desc, STAGES)
     pds_block: gl.constexpr = [BLOCK_N, BLOCK_M]
     pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(pds_block, dtype)
     pt_smem = gl.allocate_shared_memory(dtype, pds_block, pds_layout)
     dst_smem = gl.allocate_shared_memory(dtype, pds_block, pds_layout)
-    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape,
-                                         stats_desc.layout)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape,
-                                           stats_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ds_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     pds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    mbarrier.init(ds_bar, count=2)  # both warpgroups' keys of P and dS stored
-    mbarrier.init(pds_free, count=2)  # both warpgroups' matmuls on them done
-    q_ready, q_empty = hopper.ring(STAGES, 2)
-    do_ready, do_empty = hopper.ring(STAGES, 2)
+    mbarrier.init(pds_free, count=2)  # both warpgroups' matmuls on P and dS done
 
     shared = (dq_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
               stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem,
