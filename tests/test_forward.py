@@ -278,6 +278,46 @@ def test_hopper_kernel_gpu(case, dtype, monkeypatch):
     assert launched, "the call fell back to forward.py"
 
 
+# Persistent programs: with five of them, each walks query blocks of every batch and
+# head through its Q ring; masked calls too (unfolded). Two Q buffers at D 64/128
+# without a bias, one with a bias, ALiBi per (batch, head), dropout, and O in Q's
+# buffer at D=256.
+PERSISTENT_CASES = ["D64 Sq=777 Sk=1030", "D64 Sq=2000 Sk=333", "D128 causal",
+                    "bias BHQK window GQA", "dropout causal GQA", "alibi BH bias D64 window",
+                    "D256 Sq=1100 Sk=130"]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("name", PERSISTENT_CASES)
+def test_hopper_kernel_persistent_gpu(name, dtype, monkeypatch):
+    if not hopper_kernel_runs_here():
+        pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
+    case = next(c for c in HOPPER_CASES if c.name == name)
+    monkeypatch.setattr(forward_sm90, "MIN_KEYS_PER_QUERY",
+                        dict.fromkeys(forward_sm90.HEAD_DIMS, 0))
+    monkeypatch.setattr(forward_sm90, "FOLD", False)
+    monkeypatch.setattr(forward_sm90, "_sm_count", lambda device_index: 5)
+    grids = []
+    launch = forward_sm90._launch_forward
+    monkeypatch.setattr(forward_sm90, "_launch_forward",
+                        lambda grid, *a, **kw: grids.append(grid) or launch(grid, *a, **kw))
+    assert_results(check_forward(case, dtype, "cuda", seed=11))
+    assert grids and all(g == (5,) for g in grids), grids
+
+
+@pytest.mark.parametrize(
+    "head_dim, parts, bias, dropout, stages",
+    [(64, 2, False, False, 2), (64, 3, True, False, 1), (64, 2, True, False, 2),
+     (128, 2, False, False, 2), (128, 2, True, False, 1), (128, 2, False, True, 1),
+     (256, 2, False, False, 1)],
+)  # fmt: skip
+def test_q_stages_fit_shared_memory(head_dim, parts, bias, dropout, stages):
+    """Two Q buffers where the K/V rings, O's and the bias's buffers leave room (227
+    KiB, less dropout's scratch); at D=256 O leaves through Q's buffer: one."""
+    assert forward_sm90.q_stages(head_dim, parts, bias, dropout) == stages
+
+
 @pytest.mark.gpu
 def test_dqk_192_dv_128_gpu():
     case = Case("Dqk=192 Dv=128", seqlen_q=2048, seqlen_k=2048, dqk=192, dv=128,

@@ -4,7 +4,7 @@ replay), as `memattn bench` times it (do_bench, autograd recording, host include
 and the host time per call. bf16, 16k tokens per shape.
 
     python tools/ab_forward_sm90.py [--dims 64,128] [--seqlens 1024,4096] \
-        [--variants tile,default,rows128,fold_all,fold_none]
+        [--variants tile,default,rows128,fold_all,fold_none,one_q,grid,v9]
 
 Correctness is ab_hopper.py's and the GPU suite's business; this is speed only.
 """
@@ -24,13 +24,17 @@ VARIANTS = {
     "default": {},
     "rows128": dict(BLOCK_M_D64=128),  # two warpgroups at D=64 too
     "fold_all": dict(FOLD=True),  # two query blocks per program, masked or not
-    "fold_none": dict(FOLD=False),
+    "fold_none": dict(FOLD=False),  # masked calls persistent too
+    "one_q": dict(MAX_Q_STAGES=1),  # one Q buffer
+    "grid": dict(PERSISTENT=False),  # unmasked calls: a program per query block
+    "v9": dict(PERSISTENT=False, MAX_Q_STAGES=1),  # both, as v9 ran
 }
 
 
 def use(knobs):
     hopper.enabled = knobs is not None
     forward_sm90.FOLD, forward_sm90.BLOCK_M_D64 = "masked", 192
+    forward_sm90.PERSISTENT, forward_sm90.MAX_Q_STAGES = True, 2
     for name, value in (knobs or {}).items():
         setattr(forward_sm90, name, value)
 

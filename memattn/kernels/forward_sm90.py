@@ -26,6 +26,9 @@ says which); every other call runs forward.py: softcap, ALiBi, varlen.
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -72,54 +75,75 @@ O_IN_Q = {64: False, 128: False, 256: True}
 # slot at D=128 (224 KiB in all) and 256 (208 KiB), two at D=64.
 BIAS_STAGES = {64: 2, 128: 1, 256: 1}
 # Masked calls (causal, windows) run two query blocks per program (_fwd_sm90_kernel);
-# unmasked ones one. Tools set this to A/B.
+# unmasked ones run persistent, at most one program per SM walking query blocks
+# PROGRAMS apart (PERSISTENT). Tools set these to A/B.
 FOLD = "masked"
+PERSISTENT = True
 # ...from this many query blocks on: at D=256 a program's second block waits for its
 # first's O to leave Q's buffer (O_IN_Q), which four blocks' short rows do not repay
 # (S=512 causal: 279 folded, 307 not; S=2048: 552 against 519; v9, GPU alone).
 MIN_BLOCKS_TO_FOLD = {64: 0, 128: 0, 256: 5}
+# Q's buffers: two where shared memory holds them, so that a program's next query
+# block loads while this one runs. Tools set MAX_Q_STAGES to A/B.
+MAX_Q_STAGES = 2
+SHARED_MEMORY = 227 * 1024  # an H100 block's opt-in maximum
 
 
 @gluon.jit
-def _query_block(
-    p, j, num_m_blocks, seqlen_k, off, window_left, window_right, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+def _work_item(
+    pid, j, programs, H, GROUP, num_m_blocks, seqlen_k, off, window_left, window_right,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr,
+    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
-    """The j-th query block of program p (of its head): block n-1-p, then block p.
-    Returns its first row, its key range (common.key_range) and its count of key tiles."""
-    m_block = num_m_blocks - 1 - p - j * (num_m_blocks - 1 - 2 * p)
+    """The j-th query block of program pid: (b, h, kv head, first row, key range as
+    common.key_range gives it, count of key tiles). Folded, a program runs blocks n-1-p
+    and p of one head; otherwise item pid + j * programs of the blocks in order (heads
+    one after another, each's last block first: under a causal mask the longest)."""
+    if FOLD:
+        per_head = gl.cdiv(num_m_blocks, 2)
+        bh = pid // per_head
+        p = pid % per_head
+        m_block = num_m_blocks - 1 - p - j * (num_m_blocks - 1 - 2 * p)
+    else:
+        item = pid + j * programs
+        bh = item // num_m_blocks
+        m_block = num_m_blocks - 1 - item % num_m_blocks
+    h = bh % H
     start_m = m_block * BLOCK_M
     lo, full_lo, full_hi, hi = key_range(
         start_m, seqlen_k, off, window_left, window_right,
         BLOCK_M, BLOCK_N, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
-    return start_m, lo, full_lo, full_hi, gl.cdiv(hi - lo, BLOCK_N)
+    return bh // H, h, h // GROUP, start_m, lo, full_lo, full_hi, gl.cdiv(hi - lo, BLOCK_N)
 
 
 @gluon.jit
 def _load_partition(
     loads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
-    BOUNDED_RIGHT: gl.constexpr,
+    Q_STAGES: gl.constexpr, FOLD: gl.constexpr, HAS_BIAS: gl.constexpr,
+    BIAS_STAGES: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
-    """One warp: each query block's Q, then its K (and bias) and V tiles into the rings
-    as slots come free. The rings' index runs on across the program's query blocks, so
-    the next block's first tiles load while this one's last are still in use. ``loads``:
-    its runtime arguments (_fwd_sm90_kernel builds the tuple)."""
+    """One warp: each query block's Q into its ring, then its K (and bias) and V tiles
+    into theirs as slots come free. The rings' index runs on across the program's query
+    blocks, so the next block's first tiles load while this one's last are still in
+    use. ``loads``: its runtime arguments (_fwd_sm90_kernel builds the tuple)."""
     (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, q_ready, q_empty,
-     k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, b, h, hk, bias_b, bias_h, p,
-     num_m_blocks, n_blocks, seqlen_k, off, window_left, window_right) = loads
+     k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, pid, programs, H, GROUP,
+     bias_batches, bias_heads, num_m_blocks, n_items, seqlen_k, off, window_left,
+     window_right) = loads
     PARTS: gl.constexpr = BLOCK_M // ROWS
     kv = 0  # key tiles loaded so far
-    for j in range(n_blocks):
-        start_m, lo, full_lo, full_hi, n_tiles = _query_block(
-            p, j, num_m_blocks, seqlen_k, off, window_left, window_right,
-            BLOCK_M, BLOCK_N, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
-        # Q's buffers are free once every warpgroup has the previous block's last S.
-        mbarrier.wait(q_empty, (j - 1) & 1, pred=j > 0)
-        mbarrier.expect(q_ready, PARTS * q_desc.block_type.nbytes)
+    for j in range(n_items):
+        b, h, hk, start_m, lo, full_lo, full_hi, n_tiles = _work_item(
+            pid, j, programs, H, GROUP, num_m_blocks, seqlen_k, off, window_left,
+            window_right, BLOCK_M, BLOCK_N, FOLD, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+        # A Q slot is free once every warpgroup has its block's last S (or, with O in
+        # Q's buffer, has stored O from it).
+        slot = hopper.claim(q_ready, q_empty, j, PARTS * q_desc.block_type.nbytes, Q_STAGES)
         for i in gl.static_range(PARTS):
             tma.async_copy_global_to_shared(q_desc, [b, h, start_m + i * ROWS, 0],
-                                            q_ready, q_smem.index(i))
+                                            q_ready.index(slot), q_smem.index(slot * PARTS + i))
+        bias_b = b % bias_batches  # 0 where the bias broadcasts over batches
+        bias_h = h % bias_heads
         for t in range(n_tiles):
             slot = hopper.claim(k_ready, k_empty, kv + t, k_desc.block_type.nbytes, STAGES)
             tma.async_copy_global_to_shared(k_desc, [b, hk, lo + t * BLOCK_N, 0],
@@ -202,19 +226,19 @@ def _dropped(p, keep, HAS_DROPOUT: gl.constexpr):
 @gluon.jit
 def _softmax_partition(
     shared, PART: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, O_IN_Q: gl.constexpr,
-    HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr, HAS_ALIBI: gl.constexpr,
-    HAS_DROPOUT: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr,
+    FOLD: gl.constexpr, O_IN_Q: gl.constexpr, HAS_BIAS: gl.constexpr,
+    BIAS_STAGES: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
     BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: query rows [start_m + PART * ROWS, + ROWS) of each of the
     program's query blocks, over every key tile. S(t) and P(t-1)·V(t-1) are in flight
     together; the softmax of S(t) runs while P(t-1)·V(t-1) does. ``shared``: the
     runtime arguments every softmax warpgroup takes (_fwd_sm90_kernel builds it)."""
-    (o_desc, Lse, stride_lb, stride_lh, stride_lm, q_smem, k_smem, v_smem, o_smem, bias_smem,
-     q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, b, h, p,
-     num_m_blocks, n_blocks, seqlen_q, seqlen_k, off, scale_log2, window_left, window_right,
-     seed, rng_offset, bh, dropout_p, slope) = shared
+    (o_desc, Lse, Alibi, stride_lb, stride_lh, stride_lm, stride_ab, stride_ah, q_smem, k_smem,
+     v_smem, o_smem, bias_smem, q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty,
+     v_empty, bias_empty, pid, programs, H, GROUP, num_m_blocks, n_items, seqlen_q, seqlen_k,
+     off, scale_log2, window_left, window_right, seed, rng_offset, dropout_p) = shared
     PARTS: gl.constexpr = BLOCK_M // ROWS
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -224,20 +248,24 @@ def _softmax_partition(
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     s_init = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-    q_tile = q_smem.index(PART).reshape([ROWS, HEAD_DIM])
-    o_buf = o_smem.index(PART)
+    o_buf = o_smem.index(PART)  # with O_IN_Q this warpgroup's Q (one Q slot then)
 
     kv = 0  # key tiles consumed so far: the ring's running index
-    for j in range(n_blocks):
-        start_m, lo, full_lo, full_hi, n_tiles = _query_block(
-            p, j, num_m_blocks, seqlen_k, off, window_left, window_right,
-            BLOCK_M, BLOCK_N, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+    for j in range(n_items):
+        b, h, hk, start_m, lo, full_lo, full_hi, n_tiles = _work_item(
+            pid, j, programs, H, GROUP, num_m_blocks, seqlen_k, off, window_left,
+            window_right, BLOCK_M, BLOCK_N, FOLD, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+        bh = b * H + h  # dropout's stream
+        slope = 0.0
+        if HAS_ALIBI:
+            slope = gl.load(Alibi + b.to(gl.int64) * stride_ab + h.to(gl.int64) * stride_ah)
         row0 = start_m + PART * ROWS
         offs_m = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-        mbarrier.wait(q_ready, j & 1)
+        q_slot = hopper.arrived(q_ready, j, Q_STAGES)
+        q_tile = q_smem.index(q_slot * PARTS + PART).reshape([ROWS, HEAD_DIM])
 
         if n_tiles > 0:
             # Tile 0 alone: its softmax has no P·V to overlap with.
@@ -281,14 +309,14 @@ def _softmax_partition(
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
                 p_op = gl.convert_layout(_dropped(p_, keep, HAS_DROPOUT).to(dtype), p_layout)
             if not O_IN_Q:  # every S of this block is done: Q may be refilled
-                mbarrier.arrive(q_empty)
+                mbarrier.arrive(q_empty.index(q_slot))
             v_slot = hopper.arrived(v_ready, kv + n_tiles - 1, STAGES)
             v = v_smem.index(v_slot).reshape([BLOCK_N, HEAD_DIM])
             acc = warpgroup_mma(p_op, v, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(v_empty.index(v_slot))
         elif not O_IN_Q:
-            mbarrier.arrive(q_empty)
+            mbarrier.arrive(q_empty.index(q_slot))
         kv += n_tiles
 
         # Rows with no visible key: l = 0, out = 0, lse = -inf.
@@ -307,7 +335,7 @@ def _softmax_partition(
         if O_IN_Q:  # o_buf is this warpgroup's Q: refilled once the store has read it
             tma.store_wait(0)
             gl.thread_barrier()
-            mbarrier.arrive(q_empty)
+            mbarrier.arrive(q_empty.index(q_slot))
         l_ptrs = (Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
                   + offs_m.to(gl.int64) * stride_lm)
         gl.store(l_ptrs, lse, mask=offs_m < seqlen_q)
@@ -318,40 +346,36 @@ def _softmax_partition(
 def _fwd_sm90_kernel(
     q_desc, k_desc, v_desc, o_desc, bias_desc, Lse, Rng, Alibi, stride_lb, stride_lh,
     stride_lm, stride_ab, stride_ah, H, GROUP, bias_batches, bias_heads, seqlen_q, seqlen_k,
-    num_m_blocks, scale_log2, window_left, window_right, dropout_p,
+    num_m_blocks, num_items, scale_log2, window_left, window_right, dropout_p,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, FOLD: gl.constexpr, O_IN_Q: gl.constexpr, HAS_BIAS: gl.constexpr,
-    BIAS_STAGES: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
-    BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    STAGES: gl.constexpr, Q_STAGES: gl.constexpr, FOLD: gl.constexpr, O_IN_Q: gl.constexpr,
+    HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr, HAS_ALIBI: gl.constexpr,
+    HAS_DROPOUT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
+    BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
-    # Query blocks of one head back to back. Folded, program p runs blocks n-1-p and p:
-    # under a causal mask every program then has the same work (the blocks' key counts
-    # add up to a constant), and one block's start overlaps the other's end.
+    # Folded, program p runs blocks n-1-p and p of one head: under a causal mask every
+    # program then has the same work (the blocks' key counts add up to a constant).
+    # Otherwise the programs (num_programs of them, one per SM at most) walk the
+    # num_items query blocks in strides (_work_item). Either way a block's start
+    # overlaps the previous one's end.
     pid = gl.program_id(0)
-    programs_per_head = gl.cdiv(num_m_blocks, 2) if FOLD else num_m_blocks
-    bh = pid // programs_per_head
-    p = pid % programs_per_head
-    n_blocks = 1
+    programs = gl.num_programs(0)
     if FOLD:
-        n_blocks += (p < num_m_blocks - 1 - p).to(gl.int32)
-    b = bh // H
-    h = bh % H
-    hk = h // GROUP
-    bias_b = b % bias_batches  # 0 where the bias broadcasts over batches
-    bias_h = h % bias_heads
+        p = pid % gl.cdiv(num_m_blocks, 2)
+        n_items = 1 + (p < num_m_blocks - 1 - p).to(gl.int32)
+    else:
+        n_items = gl.cdiv(num_items - pid, programs)
     off = diagonal_offset(seqlen_q, seqlen_k, BOTTOM_RIGHT)
     seed = 0
     rng_offset = 0
     if HAS_DROPOUT:
         seed = gl.load(Rng)
         rng_offset = gl.load(Rng + 1)
-    slope = 0.0
-    if HAS_ALIBI:
-        slope = gl.load(Alibi + b.to(gl.int64) * stride_ab + h.to(gl.int64) * stride_ah)
 
     PARTS: gl.constexpr = BLOCK_M // ROWS  # softmax warpgroups
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [PARTS] + q_desc.block_type.shape, q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [Q_STAGES * PARTS] + q_desc.block_type.shape,
+                                       q_desc.layout)
     if O_IN_Q:
         o_smem = q_smem
     else:
@@ -359,10 +383,7 @@ def _fwd_sm90_kernel(
                                            o_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_ready, count=1)
-    mbarrier.init(q_empty, count=PARTS)  # one arrival per softmax warpgroup
+    q_ready, q_empty = hopper.ring(Q_STAGES, PARTS)
     k_ready, k_empty = hopper.ring(STAGES, PARTS)
     v_ready, v_empty = hopper.ring(STAGES, PARTS)
     if HAS_BIAS:
@@ -374,38 +395,39 @@ def _fwd_sm90_kernel(
 
     # Runtime values only: a constexpr stored in a variable would turn into a tensor, so
     # the constexprs go into each partition's arguments inline.
-    shared = (o_desc, Lse, stride_lb, stride_lh, stride_lm, q_smem, k_smem, v_smem, o_smem,
-              bias_smem, q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty,
-              bias_empty, b, h, p, num_m_blocks, n_blocks, seqlen_q, seqlen_k, off,
-              scale_log2, window_left, window_right, seed, rng_offset, bh, dropout_p, slope)
+    shared = (o_desc, Lse, Alibi, stride_lb, stride_lh, stride_lm, stride_ab, stride_ah,
+              q_smem, k_smem, v_smem, o_smem, bias_smem, q_ready, q_empty, k_ready, v_ready,
+              bias_ready, k_empty, v_empty, bias_empty, pid, programs, H, GROUP, num_m_blocks,
+              n_items, seqlen_q, seqlen_k, off, scale_log2, window_left, window_right, seed,
+              rng_offset, dropout_p)
     loads = (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, q_ready,
-             q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, b, h, hk,
-             bias_b, bias_h, p, num_m_blocks, n_blocks, seqlen_k, off, window_left,
-             window_right)
+             q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, pid,
+             programs, H, GROUP, bias_batches, bias_heads, num_m_blocks, n_items, seqlen_k,
+             off, window_left, window_right)
     if PARTS == 2:
         gl.warp_specialize([
-            (_softmax_partition, (shared, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                  O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_ALIBI, HAS_DROPOUT,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT)),
-            (_softmax_partition, (shared, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                  O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_ALIBI, HAS_DROPOUT,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT)),
-            (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, BIAS_STAGES,
-                               BOUNDED_LEFT, BOUNDED_RIGHT)),
+            (_softmax_partition, (shared, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_STAGES,
+                                  FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_ALIBI,
+                                  HAS_DROPOUT, BOUNDED_LEFT, BOUNDED_RIGHT)),
+            (_softmax_partition, (shared, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_STAGES,
+                                  FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_ALIBI,
+                                  HAS_DROPOUT, BOUNDED_LEFT, BOUNDED_RIGHT)),
+            (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, HAS_BIAS,
+                               BIAS_STAGES, BOUNDED_LEFT, BOUNDED_RIGHT)),
         ], worker_num_warps=[4, 1], worker_num_regs=[232, 24])  # fmt: skip
     else:
         gl.warp_specialize([
-            (_softmax_partition, (shared, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                  O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_ALIBI, HAS_DROPOUT,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT)),
-            (_softmax_partition, (shared, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                  O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_ALIBI, HAS_DROPOUT,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT)),
-            (_softmax_partition, (shared, 2, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                  O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_ALIBI, HAS_DROPOUT,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT)),
-            (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, BIAS_STAGES,
-                               BOUNDED_LEFT, BOUNDED_RIGHT)),
+            (_softmax_partition, (shared, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_STAGES,
+                                  FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_ALIBI,
+                                  HAS_DROPOUT, BOUNDED_LEFT, BOUNDED_RIGHT)),
+            (_softmax_partition, (shared, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_STAGES,
+                                  FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_ALIBI,
+                                  HAS_DROPOUT, BOUNDED_LEFT, BOUNDED_RIGHT)),
+            (_softmax_partition, (shared, 2, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_STAGES,
+                                  FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_ALIBI,
+                                  HAS_DROPOUT, BOUNDED_LEFT, BOUNDED_RIGHT)),
+            (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, HAS_BIAS,
+                               BIAS_STAGES, BOUNDED_LEFT, BOUNDED_RIGHT)),
         ], worker_num_warps=[4, 4, 1], worker_num_regs=[REGS_3, REGS_3, 24])  # fmt: skip
 
 
@@ -426,6 +448,27 @@ def supports(spec: AttentionSpec, q, k, v, bias) -> bool:
 _launch_forward = hopper.Launcher(_fwd_sm90_kernel)
 
 
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def q_stages(head_dim: int, parts: int, has_bias: bool, dropout: bool) -> int:
+    """Q buffers a program gets: two where shared memory holds them beside the K and V
+    rings, O's buffer and the bias's, one otherwise (and always with O in Q's buffer).
+    Dropout's exchange of keep bits takes scratch of its own: 32 KiB kept clear."""
+    if O_IN_Q[head_dim]:
+        return 1
+    tile = ROWS.value * head_dim * 2  # one warpgroup's rows of Q, or of O
+    block_n = BLOCK_N[head_dim]
+    fixed = 2 * STAGES * block_n * head_dim * 2 + parts * tile
+    if has_bias:
+        fixed += BIAS_STAGES[head_dim] * parts * ROWS.value * block_n * 2
+    budget = SHARED_MEMORY - 3 * 1024 - (32 * 1024 if dropout else 0)
+    fits = [s for s in range(2, MAX_Q_STAGES + 1) if fixed + s * parts * tile <= budget]
+    return max(fits, default=1)
+
+
 def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, out, lse) -> None:
     """Fills out (B, Sq, H, D) and lse (B, H, Sq) for a call `supports` accepted;
     rng_state: dropout's [seed, offset] (memattn.dropout), None without dropout."""
@@ -438,7 +481,13 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, out, ls
     num_m_blocks = triton.cdiv(spec.seqlen_q, block_m)
     fold = FOLD is True or (FOLD == "masked" and masked
                             and num_m_blocks >= MIN_BLOCKS_TO_FOLD[spec.head_dim_qk])
-    programs_per_head = triton.cdiv(num_m_blocks, 2) if fold else num_m_blocks
+    num_items = num_m_blocks * spec.batch * spec.heads
+    if fold:
+        programs = triton.cdiv(num_m_blocks, 2) * spec.batch * spec.heads
+    elif PERSISTENT:
+        programs = min(num_items, _sm_count(q.device.index))
+    else:
+        programs = num_items
     q_desc = hopper.descriptor(q, ROWS.value)
     if bias is None:
         bias_desc, bias_batches, bias_heads = q_desc, 1, 1  # a stand-in, never read
@@ -446,14 +495,16 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, out, ls
         bias_desc = hopper.bias_descriptor(bias, ROWS.value, block_n)
         bias_batches, bias_heads = bias_desc.shape[:2]
     _launch_forward(
-        (programs_per_head * spec.batch * spec.heads,),
+        (programs,),
         q_desc, hopper.descriptor(k, block_n), hopper.descriptor(v, block_n),
         hopper.descriptor(out, ROWS.value), bias_desc, lse, rng_state, alibi_slopes,
         *lse.stride(), *alibi_strides(alibi_slopes), spec.heads, spec.group, bias_batches,
-        bias_heads, spec.seqlen_q, spec.seqlen_k, num_m_blocks, spec.scale * LOG2E.value,
-        spec.window_left, spec.window_right, spec.dropout_p,
-        HEAD_DIM=spec.head_dim_qk, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES, FOLD=fold,
-        O_IN_Q=O_IN_Q[spec.head_dim_qk], HAS_BIAS=bias is not None,
+        bias_heads, spec.seqlen_q, spec.seqlen_k, num_m_blocks, num_items,
+        spec.scale * LOG2E.value, spec.window_left, spec.window_right, spec.dropout_p,
+        HEAD_DIM=spec.head_dim_qk, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES,
+        Q_STAGES=q_stages(spec.head_dim_qk, block_m // ROWS.value, bias is not None,
+                          spec.dropout_p > 0),
+        FOLD=fold, O_IN_Q=O_IN_Q[spec.head_dim_qk], HAS_BIAS=bias is not None,
         BIAS_STAGES=BIAS_STAGES[spec.head_dim_qk], HAS_ALIBI=alibi_slopes is not None,
         HAS_DROPOUT=spec.dropout_p > 0,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
