@@ -72,24 +72,45 @@ def _metadata(t: Tensor | None):
     return (tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
-def _op_spec(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *options) -> AttentionSpec:
-    """The spec of an op call: shapes re-checked, cu_seqlens values not read again.
-
-    Memoised on the tensors' metadata and the options, which are all the check reads:
-    the Python entry point has just validated the same call, and a second full check
-    was a tenth of the host time of a small call. Symbolic shapes (torch.compile with
-    dynamic shapes) are not cached."""
-    tensors = (q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
-    if not all(type(d) is int for t in tensors if t is not None for d in t.shape):
-        return _check_op_call(*tensors, *options)
+def _memoised(tensors: tuple, options: tuple, check) -> AttentionSpec:
+    """check(), memoised on the tensors' metadata and the options, which are all a check
+    of a dense call reads: a full check costs a tenth of a small call's host time, all
+    of it before the kernel launches. Symbolic shapes (torch.compile with dynamic
+    shapes), tensor subclasses and unhashable options are checked every time."""
+    if not all(t is None or (type(t) is Tensor and all(type(d) is int for d in t.shape))
+               for t in tensors):  # fmt: skip
+        return check()
     key = (*map(_metadata, tensors), *options)
-    spec = _SPEC_CACHE.get(key)
+    try:
+        spec = _SPEC_CACHE.get(key)
+    except TypeError:  # an unhashable option (a list for window, say)
+        return check()
     if spec is None:
-        spec = _check_op_call(*tensors, *options)
+        spec = check()
         if len(_SPEC_CACHE) >= 256:  # many distinct shapes: start over
             _SPEC_CACHE.clear()
         _SPEC_CACHE[key] = spec
     return spec
+
+
+def _op_spec(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *options) -> AttentionSpec:
+    """The spec of an op call: shapes re-checked, cu_seqlens values not read again."""
+    tensors = (q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+    return _memoised(tensors, ("op", *options), lambda: _check_op_call(*tensors, *options))
+
+
+def _check_user_call(q, k, v, **options) -> AttentionSpec:
+    """check_call for the Python entry points. Dense calls are memoised (_memoised); the
+    key holds each option's type beside its value, so that True does not pass for 1 nor
+    1 for 1.0 (nor inside window's tuple). Varlen calls read cu_seqlens' values every time."""
+    if options["cu_seqlens_q"] is not None or options["cu_seqlens_k"] is not None:
+        return check_call(q, k, v, **options)
+    tensors = (q, k, v, options["bias"], options["alibi_slopes"])
+    key = tuple((name, type(value), value,
+                 tuple(map(type, value)) if type(value) is tuple else None)
+                for name, value in options.items()
+                if name not in ("bias", "alibi_slopes"))  # fmt: skip
+    return _memoised(tensors, ("user", *key), lambda: check_call(q, k, v, **options))
 
 
 def _check_op_call(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, window_left,
@@ -295,7 +316,7 @@ def forward(
     lse float32 (B, H, Sq) or (H, Tq), natural log, -inf for rows with no visible key;
     rng_state the ``[seed, offset]`` used (an empty tensor without dropout).
     """
-    spec = check_call(
+    spec = _check_user_call(
         q, k, v, causal=causal, window=window, align=align, bias=bias,
         alibi_slopes=alibi_slopes, softcap=softcap, scale=scale, dropout_p=dropout_p,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
@@ -346,7 +367,7 @@ def backward(
     dtype. deterministic=True (or torch.use_deterministic_algorithms(True)) makes every
     gradient bit-identical across runs.
     """
-    spec = check_call(
+    spec = _check_user_call(
         q, k, v, causal=causal, window=window, align=align, bias=bias,
         alibi_slopes=alibi_slopes, softcap=softcap, scale=scale, dropout_p=dropout_p,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,

@@ -330,3 +330,22 @@ def test_one_tensor_as_q_k_and_v():
                              fullgraph=True, backend="aot_eager")
     (g_compiled,) = torch.autograd.grad(compiled(x).square().sum(), [x])
     torch.testing.assert_close(g_compiled, g_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_memoised_checks_still_reject_bad_options_after_a_good_call():
+    """The Python entry points memoise check_call for dense calls: a call that passed
+    must not let through the same call with an option of the wrong type or value."""
+    from memattn import ops
+
+    q = torch.randn(1, 8, 2, 16)
+    ops.forward(q, q, q, causal=True, window=(4, 0), scale=1.0)
+    with pytest.raises(TypeError, match="causal"):
+        ops.forward(q, q, q, causal=1, window=(4, 0), scale=1.0)
+    with pytest.raises(TypeError, match=r"window\[0\]"):
+        ops.forward(q, q, q, causal=True, window=(True, 0), scale=1.0)
+    with pytest.raises(ValueError, match="align"):
+        ops.forward(q, q, q, causal=True, window=(4, 0), scale=1.0, align="top")
+    with pytest.raises(TypeError, match="q, k and v must share a dtype"):
+        ops.forward(q, q.half(), q, causal=True, window=(4, 0), scale=1.0)
+    with pytest.raises(ValueError, match="same number of keys"):
+        ops.forward(q, q, q[:, :4], causal=True, window=(4, 0), scale=1.0)

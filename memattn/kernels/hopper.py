@@ -33,12 +33,17 @@ def tma_readable(t: torch.Tensor) -> bool:
             and all(s % 8 == 0 for s in t.stride()[:-1]))
 
 
+@functools.cache
+def _major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
 def runs_call(spec: AttentionSpec, q, k, v, bias, head_dims) -> bool:
     """The calls both Gluon kernels take: a Hopper GPU; bf16/fp16; dense batches; a
     head dim of the kernel's ``head_dims``, q.k and v alike; causal masks, windows,
     ALiBi, dropout or a bias TMA can read (`bias_readable`), but not both, no softcap;
     tensors TMA can read."""
-    if not (enabled and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+    if not (enabled and q.is_cuda and _major(q.device.index) == 9):
         return False
     if spec.dtype not in (torch.bfloat16, torch.float16) or spec.varlen or spec.seqlen_k == 0:
         return False
