@@ -10,9 +10,11 @@ warpgroups of 64 query rows each (a 128- or 192-row query block, `forward` says 
   together as asynchronous wgmmas and computes the softmax of S(t) while
   P(t-1)·V(t-1) runs; the warpgroups drift apart freely, so one's softmax overlaps
   the others' matmuls.
-Under a mask a program runs two query blocks (`_fwd_sm90_kernel`), the next one's
-loads overlapping this one's end. The output leaves by a TMA store, which clips rows
-past Sq; TMA loads zero-fill past S.
+Unmasked calls run persistent: one program per SM at most walks the query blocks in
+strides, and with two Q buffers (where shared memory holds them) each block's Q and
+first tiles load while the previous block ends. Under a mask a program runs two query
+blocks chosen for equal work (`_fwd_sm90_kernel`). The output leaves by a TMA store,
+which clips rows past Sq; TMA loads zero-fill past S.
 
 A bias comes by TMA too: the load warp puts each key tile's BLOCK_M x BLOCK_N bias
 tile in a ring beside K's, each warpgroup reads its rows. Dropout's keep bits come from
