@@ -12,7 +12,7 @@ import torch
 
 import memattn
 from memattn.check import FEATURE_CASES, Case, check_forward, gpu_sized
-from memattn.kernels import forward_sm90
+from memattn.kernels import forward_sm90, hopper
 
 from .conftest import DEVICE
 
@@ -279,25 +279,31 @@ def test_hopper_kernel_gpu(case, dtype, monkeypatch):
 
 
 # Persistent programs: with five of them, each walks query blocks of every batch and
-# head through its Q ring; masked calls too (unfolded). Two Q buffers at D 64/128
-# without a bias, one with a bias, ALiBi per (batch, head), dropout, and O in Q's
-# buffer at D=256.
+# head through its Q ring, folded (pairs of blocks, some across two heads) or not. Two
+# Q buffers at D 64/128 without a bias, one with a bias, ALiBi per (batch, head),
+# dropout, and O in Q's buffer at D=256.
 PERSISTENT_CASES = ["D64 Sq=777 Sk=1030", "D64 Sq=2000 Sk=333", "D128 causal",
                     "bias BHQK window GQA", "dropout causal GQA", "alibi BH bias D64 window",
-                    "D256 Sq=1100 Sk=130"]  # fmt: skip
+                    "D256 Sq=1100 Sk=130", "D256 causal GQA"]  # fmt: skip
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("fold", [False, True], ids=["strided", "folded"])
 @pytest.mark.parametrize("name", PERSISTENT_CASES)
-def test_hopper_kernel_persistent_gpu(name, dtype, monkeypatch):
+def test_hopper_kernel_persistent_gpu(name, fold, dtype, monkeypatch):
     if not hopper_kernel_runs_here():
         pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
     case = next(c for c in HOPPER_CASES if c.name == name)
     monkeypatch.setattr(forward_sm90, "MIN_KEYS_PER_QUERY",
                         dict.fromkeys(forward_sm90.HEAD_DIMS, 0))
-    monkeypatch.setattr(forward_sm90, "FOLD", False)
-    monkeypatch.setattr(forward_sm90, "_sm_count", lambda device_index: 5)
+    monkeypatch.setattr(forward_sm90, "FOLD", fold)
+    monkeypatch.setattr(forward_sm90, "PERSISTENT", True)
+    monkeypatch.setattr(forward_sm90, "MASKED_PERSISTENT",
+                        dict.fromkeys(forward_sm90.HEAD_DIMS, True))
+    monkeypatch.setattr(forward_sm90, "MIN_BLOCKS_TO_FOLD",
+                        dict.fromkeys(forward_sm90.HEAD_DIMS, 0))
+    monkeypatch.setattr(hopper, "sm_count", lambda device_index: 5)
     grids = []
     launch = forward_sm90._launch_forward
     monkeypatch.setattr(forward_sm90, "_launch_forward",

@@ -24,10 +24,12 @@ VARIANTS = {
     "default": {},
     "rows128": dict(BLOCK_M_D64=128),  # two warpgroups at D=64 too
     "fold_all": dict(FOLD=True),  # two query blocks per program, masked or not
-    "fold_none": dict(FOLD=False),  # masked calls persistent too
+    "fold_none": dict(FOLD=False),  # masked calls unfolded
     "one_q": dict(MAX_Q_STAGES=1),  # one Q buffer
-    "grid": dict(PERSISTENT=False),  # unmasked calls: a program per query block
+    "grid": dict(PERSISTENT=False),  # a program per query block (per pair under a mask)
     "v9": dict(PERSISTENT=False, MAX_Q_STAGES=1),  # both, as v9 ran
+    # masked calls a program per pair of blocks, as v10 ran
+    "v10": dict(MASKED_PERSISTENT=dict.fromkeys(forward_sm90.HEAD_DIMS, False)),
 }
 
 
@@ -35,6 +37,7 @@ def use(knobs):
     hopper.enabled = knobs is not None
     forward_sm90.FOLD, forward_sm90.BLOCK_M_D64 = "masked", 192
     forward_sm90.PERSISTENT, forward_sm90.MAX_Q_STAGES = True, 2
+    forward_sm90.MASKED_PERSISTENT = {64: True, 128: True, 256: False}
     for name, value in (knobs or {}).items():
         setattr(forward_sm90, name, value)
 

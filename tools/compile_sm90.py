@@ -118,8 +118,6 @@ def compile_hopper_forward() -> int:
     on CPU tensors: every head dim and mask variant it takes."""
     from memattn.kernels import forward_sm90
 
-    forward_sm90._sm_count = lambda device_index: 132  # an H100's; no GPU here to ask
-
     def launch(spec, q, k, bias, alibi):
         lse = torch.empty(*spec.bias_shape[:3])
         rng = torch.zeros(2, dtype=torch.int64) if spec.dropout_p > 0 else None
@@ -150,8 +148,10 @@ def _compile_hopper(name, launch) -> int:
     warpgroups), Sk=704; returns the number of failures. MEMATTN_HOPPER_FEATURES=dropout
     (comma-separated from none, bias, dropout, alibi) and MEMATTN_HOPPER_DIMS=256 compile
     a subset."""
+    from memattn.kernels import hopper
     from memattn.spec import check_call
 
+    hopper.sm_count = lambda device_index: 132  # an H100's; no GPU here to ask
     features = os.environ.get("MEMATTN_HOPPER_FEATURES", "none,bias,dropout,alibi").split(",")
     dims = [int(d) for d in os.environ.get("MEMATTN_HOPPER_DIMS", "64,128,256").split(",")]
     failures = 0

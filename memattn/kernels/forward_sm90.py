@@ -10,11 +10,11 @@ warpgroups of 64 query rows each (a 128- or 192-row query block, `forward` says 
   together as asynchronous wgmmas and computes the softmax of S(t) while
   P(t-1)·V(t-1) runs; the warpgroups drift apart freely, so one's softmax overlaps
   the others' matmuls.
-Unmasked calls run persistent: one program per SM at most walks the query blocks in
-strides, and with two Q buffers (where shared memory holds them) each block's Q and
-first tiles load while the previous block ends. Under a mask a program runs two query
-blocks chosen for equal work (`_fwd_sm90_kernel`). The output leaves by a TMA store,
-which clips rows past Sq; TMA loads zero-fill past S.
+Programs run persistent: one per SM at most walks the query blocks in strides (under a
+mask in pairs of blocks of equal work), and with two Q buffers (where shared memory
+holds them) each block's Q and first tiles load while the previous block ends
+(`_fwd_sm90_kernel`; at D=256 masked calls run a program per pair). The output leaves
+by a TMA store, which clips rows past Sq; TMA loads zero-fill past S.
 
 A bias comes by TMA too: the load warp puts each key tile's BLOCK_M x BLOCK_N bias
 tile in a ring beside K's, each warpgroup reads its rows. Dropout's keep bits come from
@@ -28,9 +28,6 @@ says which); every other call runs forward.py: softcap, ALiBi, varlen.
 
 from __future__ import annotations
 
-import functools
-
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -75,14 +72,18 @@ O_IN_Q = {64: False, 128: False, 256: True}
 # A bias's tiles (ROWS x BLOCK_N per warpgroup) take what shared memory is left: one
 # slot at D=128 (224 KiB in all) and 256 (208 KiB), two at D=64.
 BIAS_STAGES = {64: 2, 128: 1, 256: 1}
-# Masked calls (causal, windows) run two query blocks per program (_fwd_sm90_kernel);
-# unmasked ones run persistent, at most one program per SM walking query blocks
-# PROGRAMS apart (PERSISTENT). Tools set these to A/B.
+# Programs run persistent (PERSISTENT): one per SM at most, each walking query blocks
+# in strides (hopper.work_item), under a mask (FOLD) in pairs of blocks whose work adds
+# up to the same, as static strides need. Masked calls at D 64/128 gained from it over
+# v10's program per pair (S=1024 causal, GPU alone: 280 -> 302 TFLOP/s at D=64, 392 ->
+# 424 at D=128). At D=256 they keep v10's schedule (MASKED_PERSISTENT), a program per
+# pair from MIN_BLOCKS_TO_FOLD blocks on and per block below: a block there waits for
+# the previous one's O to leave Q's buffer (O_IN_Q), and persistent lost (S=512 causal
+# 308 -> 280, S=2048 527 -> 501; S=512 folded 279 against 307 in v9). Tools set these
+# to A/B.
 FOLD = "masked"
 PERSISTENT = True
-# ...from this many query blocks on: at D=256 a program's second block waits for its
-# first's O to leave Q's buffer (O_IN_Q), which four blocks' short rows do not repay
-# (S=512 causal: 279 folded, 307 not; S=2048: 552 against 519; v9, GPU alone).
+MASKED_PERSISTENT = {64: True, 128: True, 256: False}
 MIN_BLOCKS_TO_FOLD = {64: 0, 128: 0, 256: 5}
 # Q's buffers: two where shared memory holds them, so that a program's next query
 # block loads while this one runs. Tools set MAX_Q_STAGES to A/B.
@@ -96,19 +97,11 @@ def _work_item(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr,
     BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
-    """The j-th query block of program pid: (b, h, kv head, first row, key range as
-    common.key_range gives it, count of key tiles). Folded, a program runs blocks n-1-p
-    and p of one head; otherwise item pid + j * programs of the blocks in order (heads
-    one after another, each's last block first: under a causal mask the longest)."""
-    if FOLD:
-        per_head = gl.cdiv(num_m_blocks, 2)
-        bh = pid // per_head
-        p = pid % per_head
-        m_block = num_m_blocks - 1 - p - j * (num_m_blocks - 1 - 2 * p)
-    else:
-        item = pid + j * programs
-        bh = item // num_m_blocks
-        m_block = num_m_blocks - 1 - item % num_m_blocks
+    """The j-th query block of program pid (hopper.work_item's order: each head's last
+    block first, folded or not): (b, h, kv head, first row, key range as
+    common.key_range gives it, count of key tiles)."""
+    bh, rank = hopper.work_item(pid, j, programs, num_m_blocks, FOLD)
+    m_block = num_m_blocks - 1 - rank
     h = bh % H
     start_m = m_block * BLOCK_M
     lo, full_lo, full_hi, hi = key_range(
@@ -354,18 +347,12 @@ def _fwd_sm90_kernel(
     HAS_DROPOUT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
     BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
-    # Folded, program p runs blocks n-1-p and p of one head: under a causal mask every
-    # program then has the same work (the blocks' key counts add up to a constant).
-    # Otherwise the programs (num_programs of them, one per SM at most) walk the
-    # num_items query blocks in strides (_work_item). Either way a block's start
-    # overlaps the previous one's end.
+    # The programs (one per SM at most, persistent) walk the num_items query blocks in
+    # strides (hopper.work_item), folded under a mask: pairs of blocks whose work adds
+    # up to the same. A block's start overlaps the previous one's end.
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
-    if FOLD:
-        p = pid % gl.cdiv(num_m_blocks, 2)
-        n_items = 1 + (p < num_m_blocks - 1 - p).to(gl.int32)
-    else:
-        n_items = gl.cdiv(num_items - pid, programs)
+    n_items = hopper.work_items(pid, programs, num_items, FOLD)
     off = diagonal_offset(seqlen_q, seqlen_k, BOTTOM_RIGHT)
     seed = 0
     rng_offset = 0
@@ -449,11 +436,6 @@ def supports(spec: AttentionSpec, q, k, v, bias) -> bool:
 _launch_forward = hopper.Launcher(_fwd_sm90_kernel)
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def q_stages(head_dim: int, parts: int, has_bias: bool, dropout: bool) -> int:
     """Q buffers a program gets: two where shared memory holds them beside the K and V
     rings, O's buffer and the bias's, one otherwise (and always with O in Q's buffer).
@@ -482,13 +464,9 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, out, ls
     num_m_blocks = -(-spec.seqlen_q // block_m)  # triton.cdiv is slower on the host
     fold = FOLD is True or (FOLD == "masked" and masked
                             and num_m_blocks >= MIN_BLOCKS_TO_FOLD[spec.head_dim_qk])
+    persistent = PERSISTENT and (not masked or MASKED_PERSISTENT[spec.head_dim_qk])
     num_items = num_m_blocks * spec.batch * spec.heads
-    if fold:
-        programs = (num_m_blocks + 1) // 2 * spec.batch * spec.heads
-    elif PERSISTENT:
-        programs = min(num_items, _sm_count(q.device.index))
-    else:
-        programs = num_items
+    programs = hopper.programs(num_items, fold, persistent, q.device.index)
     q_desc = hopper.descriptor(q, ROWS.value)
     if bias is None:
         bias_desc, bias_batches, bias_heads = q_desc, 1, 1  # a stand-in, never read

@@ -139,6 +139,48 @@ def make_descriptor(t, shape, strides, block, layout) -> TensorDescriptor:
     return desc
 
 
+@functools.cache
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def programs(items: int, fold: bool, persistent: bool, device_index: int) -> int:
+    """Programs to launch for ``items`` blocks (`work_item` walks them): one per pair
+    of blocks folded, one per block otherwise; persistent, one per SM at most."""
+    wanted = (items + 1) // 2 if fold else items
+    return min(wanted, sm_count(device_index)) if persistent else wanted
+
+
+@gluon.jit
+def work_item(pid, j, programs, blocks, FOLD: gl.constexpr):
+    """Program pid's j-th block of a grid of heads x ``blocks`` blocks each: (head
+    index, rank), rank 0 the block with the most work under a top-left causal mask (the
+    forward's last query block, the backward's first key block). Items are walked in
+    strides of ``programs``; heads one after another, each's blocks by rank. Folded,
+    a head's blocks are listed as ranks 0, n-1, 1, n-2, ... and a program takes them in
+    consecutive pairs, whose work under a causal mask adds up to the same for every
+    pair: static strides then give every program the same work."""
+    if FOLD:
+        g = 2 * (pid + (j // 2) * programs) + j % 2
+        t = g % blocks
+        rank = t // 2 + (t % 2) * (blocks - 1 - 2 * (t // 2))
+    else:
+        g = pid + j * programs
+        rank = g % blocks
+    return g // blocks, rank
+
+
+@gluon.jit
+def work_items(pid, programs, total, FOLD: gl.constexpr):
+    """How many blocks `work_item` gives program pid, of ``total``."""
+    if FOLD:
+        pairs = gl.cdiv(gl.cdiv(total, 2) - pid, programs)
+        last = 2 * (pid + (pairs - 1) * programs) + 1  # a pair cut short at the end
+        return 2 * pairs - (last >= total).to(gl.int32)
+    else:
+        return gl.cdiv(total - pid, programs)
+
+
 # Rings of shared-memory slots between a kernel's TMA load warp and its consumers. Item
 # i goes to slot i % STAGES; the slot's ready barrier completes when the item's bytes
 # have landed, its empty barrier when every consumer has released it.
