@@ -195,3 +195,29 @@ def test_minus_inf_bias_rows_in_the_gluon_kernels_gpu(monkeypatch):
     # head 0's row 5 sees every key at finfo.min (head 1's only the first 150)
     torch.testing.assert_close(out[0, 5, 0].double(), v[0, :, 0].double().mean(dim=0),
                                atol=2e-2, rtol=2e-2)  # fmt: skip
+
+
+@pytest.mark.parametrize("fold", [False, True], ids=["strided", "folded"])
+@pytest.mark.parametrize("heads, blocks", [(1, 1), (1, 2), (3, 1), (2, 7), (5, 4), (4, 8),
+                                           (33, 3)])  # fmt: skip
+@pytest.mark.parametrize("sms", [1, 5, 132])
+def test_work_items_cover_every_block_once(heads, blocks, sms, fold, monkeypatch):
+    """The persistent schedule's arithmetic (hopper.work_item, work_items), run in
+    Python: the programs `programs` launches walk every (head, block) exactly once;
+    folded, each program's pairs within a head hold ranks r and blocks-1-r (equal work
+    under a causal mask), or blocks-r where an odd count put a pair across heads."""
+    monkeypatch.setattr(hopper, "sm_count", lambda device_index: sms)
+    total = heads * blocks
+    programs = hopper.programs(total, fold, True, 0)
+    assert programs == min(sms, (total + 1) // 2 if fold else total)
+    walked = []
+    for pid in range(programs):
+        count = hopper.work_items.fn(pid, programs, total, fold)
+        items = [hopper.work_item.fn(pid, j, programs, blocks, fold) for j in range(count)]
+        assert all(0 <= head < heads and 0 <= rank < blocks for head, rank in items)
+        if fold:
+            for (h0, r0), (h1, r1) in zip(items[::2], items[1::2]):
+                balanced = r0 + r1 == blocks - 1 or (blocks % 2 and r0 + r1 == blocks)
+                assert h0 != h1 or balanced, (pid, items)
+        walked += items
+    assert sorted(walked) == [(h, r) for h in range(heads) for r in range(blocks)]

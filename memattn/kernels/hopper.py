@@ -159,7 +159,8 @@ def work_item(pid, j, programs, blocks, FOLD: gl.constexpr):
     strides of ``programs``; heads one after another, each's blocks by rank. Folded,
     a head's blocks are listed as ranks 0, n-1, 1, n-2, ... and a program takes them in
     consecutive pairs, whose work under a causal mask adds up to the same for every
-    pair: static strides then give every program the same work."""
+    pair (to within a block where an odd n puts a pair across two heads): static
+    strides then give every program the same work."""
     if FOLD:
         g = 2 * (pid + (j // 2) * programs) + j % 2
         t = g % blocks
@@ -172,13 +173,16 @@ def work_item(pid, j, programs, blocks, FOLD: gl.constexpr):
 
 @gluon.jit
 def work_items(pid, programs, total, FOLD: gl.constexpr):
-    """How many blocks `work_item` gives program pid, of ``total``."""
+    """How many blocks `work_item` gives program pid, of ``total`` (pid < the count of
+    pairs folded, of blocks otherwise). Folded: pairs q = pid, pid + programs, ... give
+    block 2q while 2q < total and block 2q + 1 while 2q + 1 < total. Plain integer
+    arithmetic, so that tests can run it in Python."""
     if FOLD:
-        pairs = gl.cdiv(gl.cdiv(total, 2) - pid, programs)
-        last = 2 * (pid + (pairs - 1) * programs) + 1  # a pair cut short at the end
-        return 2 * pairs - (last >= total).to(gl.int32)
+        firsts = ((total + 1) // 2 - pid + programs - 1) // programs
+        seconds = (total // 2 - pid + programs - 1) // programs
+        return firsts + seconds
     else:
-        return gl.cdiv(total - pid, programs)
+        return (total - pid + programs - 1) // programs
 
 
 # Rings of shared-memory slots between a kernel's TMA load warp and its consumers. Item
