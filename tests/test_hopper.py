@@ -5,23 +5,45 @@ import pytest
 import torch
 
 import memattn
-from memattn.kernels import forward_sm90, hopper
+from memattn.kernels import backward_sm90, forward_sm90, hopper
 
 from .test_forward import hopper_kernel_runs_here
+
+
+class _StandInCudaLauncher:
+    """Triton 3.6's CudaLauncher surface: called as run(grid..., *args), and its C
+    launcher behind a descriptor wrapper that closes over it as ``launcher``."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self):
+        self.runs, self.c_launches = [], []
+
+        def launcher(*args):
+            self.c_launches.append(args)
+
+        def inner(*args):  # wrap_handle_tensordesc's shape
+            return launcher(*args)
+
+        self.launch = inner
+
+    def __call__(self, *args):
+        self.runs.append(args)
 
 
 class _StandInKernel:
     function = "fn"
     packed_metadata = "meta"
 
+    class metadata:
+        tensordesc_meta = None
+
     def __init__(self):
-        self.launches = []
+        self.run = _StandInCudaLauncher()
 
     def launch_metadata(self, *args):
-        return None
-
-    def run(self, *args):
-        self.launches.append(args)
+        return "launch meta"
 
 
 class _StandInJit:
@@ -61,13 +83,51 @@ def test_launcher_compiles_once_per_specialisation_then_launches_directly(launch
     assert len(launcher.fn.compiles) == 1
     launcher((5,), x, 48, 0.25, BLOCK=16, FLAG=True, num_warps=4)  # same specialisation
     assert len(launcher.fn.compiles) == 1
-    kernel = launcher.fn.compiles[0][3]
-    # grid, stream, function, metadata, launch metadata, hooks, then the signature's
+    run = launcher.fn.compiles[0][3].run
+    assert run.runs == []
+    # Triton's C launcher format: grid, stream, function, cooperative and PDL flags,
+    # two scratch buffers, metadata, launch metadata, two hooks, then the signature's
     # arguments in order: runtime ones, then the constexprs (num_warps is an option)
-    (launch,) = kernel.launches
-    assert launch[:4] == (5, 1, 1, 1234)
-    assert launch[4:6] == ("fn", "meta")
+    (launch,) = run.c_launches
+    assert launch[:13] == (5, 1, 1, 1234, "fn", False, True, None, None, "meta", None, None,
+                           None)  # fmt: skip
+    assert launch[13:] == (x, 48, 0.25, 16, True)
+
+
+def test_launcher_goes_through_triton_with_a_launch_hook(launcher, monkeypatch):
+    """A launch hook (proton, say) sees every launch: Triton's own path calls it."""
+    x = torch.zeros(64)
+    launcher((3,), x, 32, 0.5, BLOCK=16, FLAG=True, num_warps=4)
+    hook = hopper.knobs.HookChain()  # Triton's default: empty, so not called
+    monkeypatch.setattr(hopper.knobs.runtime, "launch_enter_hook", hook)
+    launcher((4,), x, 48, 0.25, BLOCK=16, FLAG=True, num_warps=4)
+    run = launcher.fn.compiles[0][3].run
+    assert len(run.c_launches) == 1 and run.runs == []
+    hook.add(lambda metadata: None)
+    launcher((5,), x, 48, 0.25, BLOCK=16, FLAG=True, num_warps=4)
+    assert len(run.c_launches) == 1
+    (launch,) = run.runs
+    assert launch[:8] == (5, 1, 1, 1234, "fn", "meta", "launch meta", hook)
     assert launch[9:] == (x, 48, 0.25, 16, True)
+
+
+def test_tensor_maps_are_encoded_once_per_address_and_geometry(monkeypatch):
+    encodes = []
+    monkeypatch.setattr(hopper.nvidia_driver, "make_tensordesc_arg",
+                        lambda desc, meta: encodes.append(desc) or ["map", *desc.shape])
+    monkeypatch.setattr(hopper, "_TENSOR_MAPS", {})
+    meta = {"swizzle": 128}
+    t = torch.zeros(2, 64, 3, 16, dtype=torch.bfloat16)
+    first = hopper._tensor_map_args(hopper.descriptor(t, 32), meta)
+    assert hopper._tensor_map_args(hopper.descriptor(t, 32), meta) == first
+    assert len(encodes) == 1
+    for other in (hopper.descriptor(t, 16), hopper.descriptor(t.clone(), 32),
+                  hopper.descriptor(t[:1], 32), hopper.descriptor(t.transpose(1, 2), 32)):
+        hopper._tensor_map_args(other, meta)
+    hopper._tensor_map_args(hopper.descriptor(t, 32), dict(meta))  # another kernel's
+    assert len(encodes) == 6
+    assert hopper._tensor_map_args(hopper.descriptor(t, 32), None) == ["map", 2, 3, 64, 16]
+    assert len(encodes) == 7  # no map, nothing kept
 
 
 @pytest.mark.parametrize(
@@ -98,21 +158,45 @@ class _CountingJit:
 
 
 @pytest.mark.gpu
-def test_repeat_calls_launch_directly_and_match_gpu(monkeypatch):
-    """The first call of a variant goes through JITFunction.run, the second straight to
-    the compiled kernel: the same result, bit for bit."""
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_repeat_calls_launch_directly_and_match_gpu(monkeypatch, head_dim):
+    """The first call of a variant goes through JITFunction.run, later ones straight to
+    Triton's C launcher with cached tensor maps, and with a launch hook set through
+    Triton's own launcher, which calls the hook: the same results, bit for bit, forward
+    and backward."""
     if not hopper_kernel_runs_here():
         pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
-    launcher = forward_sm90._launch_forward
-    monkeypatch.setattr(launcher, "fn", _CountingJit(launcher.fn))
-    monkeypatch.setattr(launcher, "kernels", {})
-    q, k, v = (torch.randn(2, 2100, 4, 64, device="cuda", dtype=torch.bfloat16)
-               for _ in range(3))  # fmt: skip
-    first = memattn.attention(q, k, v, return_lse=True)
-    assert launcher.fn.runs == 1
-    second = memattn.attention(q, k, v, return_lse=True)
-    assert launcher.fn.runs == 1
+    launchers = [forward_sm90._launch_forward, backward_sm90._launch_backward,
+                 backward_sm90._launch_backward_d256]  # fmt: skip
+    for launcher in launchers:
+        monkeypatch.setattr(launcher, "fn", _CountingJit(launcher.fn))
+        monkeypatch.setattr(launcher, "kernels", {})
+    monkeypatch.setattr(hopper, "_TENSOR_MAPS", {})
+    q, k, v = (torch.randn(2, 1100, 4, head_dim, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))  # fmt: skip
+    grad = torch.randn_like(q)
+
+    def call():
+        out, lse = memattn.attention(q, k, v, causal=True, return_lse=True)
+        return (out, lse, *torch.autograd.grad(out, (q, k, v), grad))
+
+    first = call()
+    used = [launcher for launcher in launchers if launcher.fn.runs]
+    assert len(used) == 2 and all(launcher.fn.runs == 1 for launcher in used)
+    second = call()
+    assert all(launcher.fn.runs == 1 for launcher in used)
+    assert all(c.raw is not None for launcher in used for c in launcher.kernels.values())
+    assert len(hopper._TENSOR_MAPS) > 0
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+    names = []
+    hook = hopper.knobs.HookChain()
+    hook.add(lambda metadata: names.append(metadata.get()["name"]))
+    monkeypatch.setattr(hopper.knobs.runtime, "launch_enter_hook", hook)
+    third = call()
+    assert {"_fwd_sm90_kernel"} < set(names)
+    assert all(launcher.fn.runs == 1 for launcher in used)
+    assert all(torch.equal(a, b) for a, b in zip(first, third))
 
 
 def _spec(bias, seqlen_q=40, seqlen_k=24, dtype=torch.bfloat16):

@@ -11,6 +11,7 @@ import torch
 import triton
 from triton import knobs
 from triton._C.libtriton import ir
+from triton.backends.nvidia import driver as nvidia_driver
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language import _core as gl_core
@@ -331,7 +332,7 @@ class Launcher:
 
     def __init__(self, fn):
         self.fn = fn
-        self.kernels = {}  # key -> (compiled kernel, constexprs in signature order)
+        self.kernels = {}  # key -> _Compiled
 
     def __call__(self, grid, *args, **kwargs):
         device = driver.active.get_current_device()
@@ -340,11 +341,82 @@ class Launcher:
         if found is None:
             kernel = self.fn[grid](*args, **kwargs)
             constexprs = [kwargs[name] for name in self.fn.arg_names[len(args):]]
-            self.kernels[key] = (kernel, constexprs)
+            self.kernels[key] = _Compiled(kernel, constexprs, args)
             return
-        kernel, constexprs = found
-        stream = driver.active.get_current_stream(device)
-        hook = knobs.runtime.launch_enter_hook
-        meta = None if hook is None else kernel.launch_metadata(grid, stream, *args, *constexprs)
-        kernel.run(grid[0], 1, 1, stream, kernel.function, kernel.packed_metadata, meta, hook,
-                   knobs.runtime.launch_exit_hook, *args, *constexprs)
+        found.launch(grid[0], driver.active.get_current_stream(device), args)
+
+
+class _Compiled:
+    """A compiled variant and how to launch it. Where it can, a launch goes to the C
+    launcher Triton built for the kernel, with the descriptors' CUtensorMaps from a
+    cache (`_tensor_map_args`): Triton's Python wrapper around that launcher walks every
+    argument and encodes every descriptor anew on each call, ~40 us of the device
+    host's time for a forward (PERFORMANCE.md v12). A launch hook (a profiler such as
+    proton), scratch memory or a launcher of another shape take Triton's own path."""
+
+    def __init__(self, kernel, constexprs, args):
+        self.kernel = kernel
+        self.constexprs = constexprs
+        metas = iter(getattr(kernel.metadata, "tensordesc_meta", None) or ())
+        # Per argument: its descriptor metadata, or False for an argument passed as is.
+        self.arg_metas = tuple(next(metas, None) if isinstance(a, TensorDescriptor) else False
+                               for a in args)  # fmt: skip
+        run = kernel.run  # Triton's CudaLauncher
+        scratch = run.global_scratch_size or run.profile_scratch_size
+        self.raw = None if scratch else _c_launcher(run.launch)
+        self.flags = (run.launch_cooperative_grid, run.launch_pdl)
+
+    def launch(self, programs: int, stream: int, args: tuple):
+        kernel = self.kernel
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        if self.raw is None or _hooked(enter) or _hooked(leave):
+            meta = kernel.launch_metadata((programs,), stream, *args, *self.constexprs)
+            kernel.run(programs, 1, 1, stream, kernel.function, kernel.packed_metadata, meta,
+                       enter, leave, *args, *self.constexprs)
+            return
+        final = []
+        for arg, meta in zip(args, self.arg_metas):
+            if meta is False:
+                final.append(arg)
+            else:
+                final += _tensor_map_args(arg, meta)
+        self.raw(programs, 1, 1, stream, kernel.function, *self.flags, None, None,
+                 kernel.packed_metadata, None, None, None, *final, *self.constexprs)
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook is set: Triton 3.6 keeps an empty HookChain by default
+    (one Python call and a launch-metadata dict per launch when passed on), or a user
+    may set a function."""
+    return bool(getattr(hook, "calls", hook))
+
+
+def _c_launcher(launch):
+    """The C launcher under Triton 3.6's descriptor wrapper (`wrap_handle_tensordesc`
+    closes over it as ``launcher``), or the launcher itself where nothing wraps it;
+    None for anything else."""
+    code = getattr(launch, "__code__", None)
+    if code is None:
+        return launch
+    cells = dict(zip(code.co_freevars, launch.__closure__ or ()))
+    return cells["launcher"].cell_contents if "launcher" in cells else None
+
+
+_TENSOR_MAPS: dict[tuple, list] = {}
+
+
+def _tensor_map_args(desc: TensorDescriptor, meta) -> list:
+    """What Triton's launcher takes for a descriptor (its CUtensorMap, shape and
+    strides), cached on all the map encodes: the base address, shape, strides, block and
+    padding, and the kernel's metadata for it (swizzle, element type; it lives as long
+    as the kernel, so its id is stable)."""
+    if meta is None:  # no map: Triton passes the tensor itself, which is not ours to keep
+        return nvidia_driver.make_tensordesc_arg(desc, meta)
+    key = (desc.base.data_ptr(), *desc.shape, *desc.strides, *desc.block_shape,
+           desc.padding, id(meta))  # fmt: skip
+    found = _TENSOR_MAPS.get(key)
+    if found is None:
+        if len(_TENSOR_MAPS) >= 4096:  # many distinct tensors: start over
+            _TENSOR_MAPS.clear()
+        found = _TENSOR_MAPS[key] = nvidia_driver.make_tensordesc_arg(desc, meta)
+    return found
