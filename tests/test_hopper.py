@@ -162,8 +162,8 @@ class _CountingJit:
 def test_repeat_calls_launch_directly_and_match_gpu(monkeypatch, head_dim):
     """The first call of a variant goes through JITFunction.run, later ones straight to
     Triton's C launcher with cached tensor maps, and with a launch hook set through
-    Triton's own launcher, which calls the hook: the same results, bit for bit, forward
-    and backward."""
+    Triton's own launcher, which calls the hook: the same results, forward and backward
+    (`_assert_same_results`)."""
     if not hopper_kernel_runs_here():
         pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
     launchers = [forward_sm90._launch_forward, backward_sm90._launch_backward,
@@ -187,7 +187,7 @@ def test_repeat_calls_launch_directly_and_match_gpu(monkeypatch, head_dim):
     assert all(launcher.fn.runs == 1 for launcher in used)
     assert all(c.raw is not None for launcher in used for c in launcher.kernels.values())
     assert len(hopper._TENSOR_MAPS) > 0
-    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    _assert_same_results(first, second)
 
     names = []
     hook = hopper.knobs.HookChain()
@@ -196,7 +196,18 @@ def test_repeat_calls_launch_directly_and_match_gpu(monkeypatch, head_dim):
     third = call()
     assert {"_fwd_sm90_kernel"} < set(names)
     assert all(launcher.fn.runs == 1 for launcher in used)
-    assert all(torch.equal(a, b) for a, b in zip(first, third))
+    _assert_same_results(first, third)
+
+
+def _assert_same_results(first, second):
+    """out, lse, dk and dv bit for bit; dq to rounding, since the Gluon backward adds its
+    fp32 tiles in whatever order programs finish (why deterministic=True runs
+    backward.py): a different order may flip the last bit of a bf16 dq element."""
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), first, second):
+        if name == "dq":
+            torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-3 * a.abs().max().item())
+        else:
+            assert torch.equal(a, b), f"{name} differs between two identical calls"
 
 
 def _spec(bias, seqlen_q=40, seqlen_k=24, dtype=torch.bfloat16):

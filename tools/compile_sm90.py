@@ -133,7 +133,7 @@ def compile_hopper_backward() -> int:
     def launch(spec, q, k, bias, alibi):
         if not backward_sm90.computes(spec, bias, alibi, bias is not None):
             return  # backward.py's call: D=256 with a bias, ALiBi or dropout
-        stats = backward_sm90.row_stats_buffers(torch.empty(*spec.bias_shape[:3]))[0]
+        stats = backward_sm90.row_stats_buffer(torch.empty(*spec.bias_shape[:3]))
         dbias = None if bias is None else torch.empty_like(bias)
         rng = torch.zeros(2, dtype=torch.int64) if spec.dropout_p > 0 else None
         backward_sm90.backward(spec, q, k, k, q, bias, alibi, rng, stats, torch.empty(q.shape),

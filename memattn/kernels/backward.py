@@ -49,9 +49,9 @@ from .forward import (
 )
 
 try:  # Gluon's Hopper API (Triton 3.6); without it every call runs the kernels below
-    from . import backward_sm90
+    from . import backward_sm90, hopper
 except ImportError:
-    backward_sm90 = None
+    backward_sm90 = hopper = None
 
 
 @triton.jit
@@ -97,6 +97,13 @@ def _delta_kernel(
         dq_cols = tl.arange(0, DQK)
         tl.store(DQAcc + b64 * stride_ab + h64 * stride_ah + (row0 + rows)[:, None] * stride_am
                  + dq_cols[None, :], tl.zeros([BLOCK_M, DQK], tl.float32), mask=row_ok[:, None])
+
+
+
+_DELTA_BLOCK_M = 64
+# The Gluon backward's preprocess, launched past JITFunction.run (hopper.Launcher): on the
+# device's host that run() cost ~80 us a call, more than the kernel at 16k tokens.
+_launch_delta_sm90 = hopper.Launcher(_delta_kernel) if hopper is not None else None
 
 
 @triton.jit
@@ -572,46 +579,30 @@ def backward(
             dbias = torch.zeros_like(bias)
         return (*zero, dbias)
 
+    if (backward_sm90 is not None and need_dq and dk is not None
+            and backward_sm90.supports(spec, q, k, v, grad_out, bias, alibi_slopes, need_dbias)):
+        dbias = _backward_sm90(spec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes,
+                               rng_state, dq, dk, dv, need_dbias)  # fmt: skip
+        return dq, dk if need_dk else None, dv if need_dv else None, dbias
+
     common = feature_switches(spec, bias, alibi_slopes)
     options = (spec.scale, spec.softcap, spec.window_left, spec.window_right, spec.dropout_p)
     rng = rng_state if spec.dropout_p > 0 else None
     qkv_strides = (*dense_strides(q, spec.varlen), *dense_strides(k, spec.varlen),
                    *dense_strides(v, spec.varlen), *dense_strides(grad_out, spec.varlen))
-
     configs = tuning.backward_configs(spec)
-    # The Gluon backward (Hopper) takes its row statistics padded for TMA and adds dQ
-    # into an fp32 buffer; the preprocess fills both.
-    use_sm90 = (backward_sm90 is not None and need_dq and dk is not None
-                and backward_sm90.supports(spec, q, k, v, grad_out, bias, alibi_slopes,
-                                           need_dbias))
-    if use_sm90:
-        stats, lse2, delta = backward_sm90.row_stats_buffers(lse)
-        dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        delta_strides, acc_strides = delta.stride(), dq_acc.stride()[:3]
-    else:
-        delta = torch.empty_like(lse)
-        lse2 = dq_acc = None
-        delta_strides, acc_strides = lse_strides(lse, spec.varlen), (0, 0, 0)
-    num_m_delta = triton.cdiv(spec.seqlen_q, 64)
+    delta = torch.empty_like(lse)
+    num_m_delta = triton.cdiv(spec.seqlen_q, _DELTA_BLOCK_M)
     _delta_kernel[(num_m_delta * spec.batch * spec.heads,)](
-        out, grad_out, delta, lse, lse2, dq_acc, *dense_strides(out, spec.varlen),
+        out, grad_out, delta, lse, None, None, *dense_strides(out, spec.varlen),
         *dense_strides(grad_out, spec.varlen), *lse_strides(lse, spec.varlen),
-        *delta_strides, *acc_strides, cu_seqlens_q, spec.heads, spec.seqlen_q, num_m_delta,
-        DV=spec.head_dim_v, DQK=spec.head_dim_qk, BLOCK_M=64,
+        *lse_strides(lse, spec.varlen), 0, 0, 0, cu_seqlens_q, spec.heads, spec.seqlen_q,
+        num_m_delta, DV=spec.head_dim_v, DQK=spec.head_dim_qk, BLOCK_M=_DELTA_BLOCK_M,
         BLOCK_DV=tuning.padded_head_dim(spec.head_dim_v), IS_VARLEN=spec.varlen,
-        FOR_SM90=use_sm90,
+        FOR_SM90=False,
     )  # fmt: skip
     if grad_lse is not None:
         delta.sub_(grad_lse)
-    if use_sm90:
-        if need_dbias:  # tiles no query sees are never written: zeros under a mask
-            masked = spec.window_left >= 0 or spec.window_right >= 0
-            dbias = (torch.zeros if masked else new_output)(bias.shape, dtype=bias.dtype,
-                                                            device=bias.device)
-        backward_sm90.backward(spec, q, k, v, grad_out, bias, alibi_slopes, rng, stats, dq_acc,
-                               dk, dv, dbias)
-        dq.copy_(dq_acc)
-        return dq, dk if need_dk else None, dv if need_dv else None, dbias
 
     # dQ takes one of three paths: from the dS the bias gradient already wrote (a
     # matmul), accumulated with fp32 atomics inside the dK/dV kernel (5 matmuls per
@@ -679,3 +670,35 @@ def backward(
 
         tuning.launch_fitting("dq", spec, configs, launch_dq)
     return dq, dk, dv, dbias
+
+
+def _backward_sm90(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias,
+                   alibi_slopes, rng_state, dq, dk, dv, need_dbias: bool):
+    """`backward` through the Gluon kernel (Hopper, dense batches; `supports` said yes):
+    the preprocess fills the row statistics, padded for TMA, and zeroes an fp32 dQ
+    buffer that the kernel adds into; dQ is converted at the end. Fills dq, dk and dv;
+    returns dbias (None where not needed). Only what this path reads is computed: every
+    line here is host time on each call."""
+    stats = backward_sm90.row_stats_buffer(lse)
+    lse2, delta = stats.unbind(0)  # (B, H, Sq padded) planes: lse * log2(e), delta
+    dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    num_m = triton.cdiv(spec.seqlen_q, _DELTA_BLOCK_M)
+    _launch_delta_sm90(
+        (num_m * spec.batch * spec.heads,), out, grad_out, delta, lse, lse2, dq_acc,
+        *out.stride(), *grad_out.stride(), *lse.stride(), *delta.stride(),
+        *dq_acc.stride()[:3], None, spec.heads, spec.seqlen_q, num_m,
+        DV=spec.head_dim_v, DQK=spec.head_dim_qk, BLOCK_M=_DELTA_BLOCK_M,
+        BLOCK_DV=tuning.padded_head_dim(spec.head_dim_v), IS_VARLEN=False, FOR_SM90=True,
+    )  # fmt: skip
+    if grad_lse is not None:
+        delta[..., : spec.seqlen_q].sub_(grad_lse)
+    dbias = None
+    if need_dbias:  # tiles no query sees are never written: zeros under a mask
+        masked = spec.window_left >= 0 or spec.window_right >= 0
+        dbias = (torch.zeros if masked else new_output)(bias.shape, dtype=bias.dtype,
+                                                        device=bias.device)
+    backward_sm90.backward(spec, q, k, v, grad_out, bias, alibi_slopes,
+                           rng_state if spec.dropout_p > 0 else None, stats, dq_acc, dk, dv,
+                           dbias)  # fmt: skip
+    dq.copy_(dq_acc)
+    return dbias

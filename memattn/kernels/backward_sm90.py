@@ -530,18 +530,18 @@ def computes(spec: AttentionSpec, bias, alibi_slopes, need_dbias: bool) -> bool:
     return not need_dbias or (hopper.bias_full(spec, bias) and spec.seqlen_k % 8 == 0)
 
 
-def row_stats_buffers(lse: torch.Tensor):
-    """(stats, lse2, delta): one (2, B, H, Sq') tensor, rows padded to 16 bytes as TMA
-    needs, and its two (B, H, Sq) views that backward.py's preprocess fills. TMA reads
-    past Sq give zeros, harmless: those rows have Q = dO = 0, so P·dO and dS vanish."""
+def row_stats_buffer(lse: torch.Tensor) -> torch.Tensor:
+    """One (2, B, H, Sq') float32 tensor for the row statistics the preprocess fills,
+    [0] lse * log2(e) and [1] delta, rows padded to 16 bytes as TMA needs (the padding
+    is never written or read: the descriptor's rows end at Sq). TMA reads past Sq give
+    zeros, harmless: those rows have Q = dO = 0, so P·dO and dS vanish."""
     batch, heads, seqlen = lse.shape
     padded = triton.cdiv(seqlen, 4) * 4
-    stats = torch.empty(2, batch, heads, padded, dtype=torch.float32, device=lse.device)
-    return stats, stats[0, :, :, :seqlen], stats[1, :, :, :seqlen]
+    return torch.empty(2, batch, heads, padded, dtype=torch.float32, device=lse.device)
 
 
 def _row_stats_descriptor(stats: torch.Tensor, seqlen_q: int) -> TensorDescriptor:
-    """One descriptor over row_stats_buffers' tensor: [0, b, h, rows] is lse2,
+    """One descriptor over row_stats_buffer's tensor: [0, b, h, rows] is lse2,
     [1, b, h, rows] delta."""
     block = (1, 1, 1, BLOCK_M)
     return hopper.make_descriptor(stats, [*stats.shape[:3], seqlen_q], list(stats.stride()),
@@ -556,7 +556,7 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
              dq_acc, dk, dv, dbias) -> None:
     """Adds dQ into dq_acc (fp32, zeroed) and fills dk, dv and dbias (None: not needed;
     every tile a query sees is written, the rest left as it was), for a call `supports`
-    accepted; stats as row_stats_buffers made it, filled; rng_state: dropout's
+    accepted; stats as row_stats_buffer made it, filled; rng_state: dropout's
     [seed, offset], None without dropout."""
     if spec.head_dim_qk == 256:
         return _backward_d256(spec, q, k, v, grad_out, stats, dq_acc, dk, dv)
