@@ -1,9 +1,11 @@
-"""Where a forward call's host time goes before its launch, layer by layer: perf_counter
-stamps at the entry of each layer (check, the autograd Function, the kernel dispatch,
-the Gluon forward, hopper.Launcher, Triton's CudaLauncher), medians over calls with
-the GPU synced before each, with autograd recording and without. bf16, 16k tokens.
+"""Where a call's host time goes before its launch, layer by layer: perf_counter stamps
+at the first entry of each layer (forward: check, the autograd Function, the kernel
+dispatch, the Gluon forward, hopper.Launcher, the compiled variant's launch; backward:
+the Function, the dispatch, the Gluon path, its first Launcher and launch (the
+preprocess), the Gluon kernel's wrapper), medians over calls with the GPU synced before
+each; forwards with autograd recording and without. bf16, 16k tokens.
 
-    python tools/host_layers.py [--shapes 256x512,128x1024c]
+    python tools/host_layers.py [--shapes 256x512,128x1024c] [--backward]
 
 do_bench counts the host's time before a launch beyond its ~90 µs L2 flush
 (PERFORMANCE.md v10, v11): this says which layer to trim.
@@ -14,12 +16,12 @@ import statistics
 import time
 
 import torch
-from triton.backends.nvidia import driver as nvidia_driver
 
 import memattn
 from memattn import ops
+from memattn.kernels import backward as backward_kernels
+from memattn.kernels import backward_sm90, forward_sm90, hopper
 from memattn.kernels import forward as forward_kernels
-from memattn.kernels import forward_sm90, hopper
 
 STAMPS = {}
 
@@ -38,8 +40,12 @@ def instrument():
     forward_kernels.forward = stamped("kernels.forward", forward_kernels.forward)
     forward_sm90.forward = stamped("forward_sm90", forward_sm90.forward)
     hopper.Launcher.__call__ = stamped("Launcher", hopper.Launcher.__call__)
-    nvidia_driver.CudaLauncher.__call__ = stamped("CudaLauncher",
-                                                  nvidia_driver.CudaLauncher.__call__)
+    hopper._Compiled.launch = stamped("launch", hopper._Compiled.launch)
+    ops._Attention.backward = staticmethod(stamped("Function.backward",
+                                                   ops._Attention.backward))  # fmt: skip
+    backward_kernels.backward = stamped("kernels.backward", backward_kernels.backward)
+    backward_kernels._backward_sm90 = stamped("_backward_sm90", backward_kernels._backward_sm90)
+    backward_sm90.backward = stamped("backward_sm90", backward_sm90.backward)
 
 
 def medians(call, n=60) -> dict:
@@ -58,6 +64,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="256x512,256x1024c,128x1024c",
                     help="DxS, c for causal")  # fmt: skip
+    ap.add_argument("--backward", action="store_true",
+                    help="stamp out.backward(grad) instead of the forward")  # fmt: skip
     args = ap.parse_args()
     instrument()
     for shape in args.shapes.split(","):
@@ -67,9 +75,15 @@ def main():
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16,
                                requires_grad=True) for _ in range(3))  # fmt: skip
         call = lambda: memattn.attention(q, k, v, causal=causal)  # noqa: E731
+        modes = (("autograd", True), ("no_grad", False))
+        if args.backward:
+            out = call()
+            grad_out = torch.randn_like(out)
+            call = lambda: out.backward(grad_out, retain_graph=True)  # noqa: E731
+            modes = (("backward", True),)
         for _ in range(5):
             call()
-        for label, grad in (("autograd", True), ("no_grad", False)):
+        for label, grad in modes:
             with torch.set_grad_enabled(grad):
                 stamps = medians(call)
             cells = ", ".join(f"{name} {us:.0f}" for name, us in stamps.items())
