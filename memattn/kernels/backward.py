@@ -21,6 +21,8 @@ buffer reduced afterwards.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -99,11 +101,29 @@ def _delta_kernel(
                  + dq_cols[None, :], tl.zeros([BLOCK_M, DQK], tl.float32), mask=row_ok[:, None])
 
 
-
 _DELTA_BLOCK_M = 64
 # The Gluon backward's preprocess, launched past JITFunction.run (hopper.Launcher): on the
 # device's host that run() cost ~80 us a call, more than the kernel at 16k tokens.
 _launch_delta_sm90 = hopper.Launcher(_delta_kernel) if hopper is not None else None
+
+
+def _preprocess(spec: AttentionSpec, out, grad_out, lse, cu_seqlens_q, delta, lse2=None,
+                dq_acc=None) -> None:  # fmt: skip
+    """Launches _delta_kernel: delta (laid out as lse) and, for the Gluon backward
+    (dq_acc given, dense batches), lse2 and zeros in dq_acc."""
+    for_sm90 = dq_acc is not None
+    num_m = triton.cdiv(spec.seqlen_q, _DELTA_BLOCK_M)
+    grid = (num_m * spec.batch * spec.heads,)
+    launch = functools.partial(_launch_delta_sm90, grid) if for_sm90 else _delta_kernel[grid]
+    launch(
+        out, grad_out, delta, lse, lse2, dq_acc, *dense_strides(out, spec.varlen),
+        *dense_strides(grad_out, spec.varlen), *lse_strides(lse, spec.varlen),
+        *lse_strides(delta, spec.varlen), *(dq_acc.stride()[:3] if for_sm90 else (0, 0, 0)),
+        cu_seqlens_q, spec.heads, spec.seqlen_q, num_m,
+        DV=spec.head_dim_v, DQK=spec.head_dim_qk, BLOCK_M=_DELTA_BLOCK_M,
+        BLOCK_DV=tuning.padded_head_dim(spec.head_dim_v), IS_VARLEN=spec.varlen,
+        FOR_SM90=for_sm90,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -592,15 +612,7 @@ def backward(
                    *dense_strides(v, spec.varlen), *dense_strides(grad_out, spec.varlen))
     configs = tuning.backward_configs(spec)
     delta = torch.empty_like(lse)
-    num_m_delta = triton.cdiv(spec.seqlen_q, _DELTA_BLOCK_M)
-    _delta_kernel[(num_m_delta * spec.batch * spec.heads,)](
-        out, grad_out, delta, lse, None, None, *dense_strides(out, spec.varlen),
-        *dense_strides(grad_out, spec.varlen), *lse_strides(lse, spec.varlen),
-        *lse_strides(lse, spec.varlen), 0, 0, 0, cu_seqlens_q, spec.heads, spec.seqlen_q,
-        num_m_delta, DV=spec.head_dim_v, DQK=spec.head_dim_qk, BLOCK_M=_DELTA_BLOCK_M,
-        BLOCK_DV=tuning.padded_head_dim(spec.head_dim_v), IS_VARLEN=spec.varlen,
-        FOR_SM90=False,
-    )  # fmt: skip
+    _preprocess(spec, out, grad_out, lse, cu_seqlens_q, delta)
     if grad_lse is not None:
         delta.sub_(grad_lse)
 
@@ -682,14 +694,7 @@ def _backward_sm90(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, b
     stats = backward_sm90.row_stats_buffer(lse)
     lse2, delta = stats.unbind(0)  # (B, H, Sq padded) planes: lse * log2(e), delta
     dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    num_m = triton.cdiv(spec.seqlen_q, _DELTA_BLOCK_M)
-    _launch_delta_sm90(
-        (num_m * spec.batch * spec.heads,), out, grad_out, delta, lse, lse2, dq_acc,
-        *out.stride(), *grad_out.stride(), *lse.stride(), *delta.stride(),
-        *dq_acc.stride()[:3], None, spec.heads, spec.seqlen_q, num_m,
-        DV=spec.head_dim_v, DQK=spec.head_dim_qk, BLOCK_M=_DELTA_BLOCK_M,
-        BLOCK_DV=tuning.padded_head_dim(spec.head_dim_v), IS_VARLEN=False, FOR_SM90=True,
-    )  # fmt: skip
+    _preprocess(spec, out, grad_out, lse, None, delta, lse2, dq_acc)
     if grad_lse is not None:
         delta[..., : spec.seqlen_q].sub_(grad_lse)
     dbias = None
