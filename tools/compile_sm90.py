@@ -75,16 +75,16 @@ def ptxas_report(kernel) -> str:
 
 def _compile_through_run(self, grid, *args, **kwargs):
     """hopper.Launcher without its fast path: every call goes to JITFunction.run (made
-    compile-only above). The fast path wraps the compiled kernel's launcher, which the
+    compile-only by main). The fast path wraps the compiled kernel's launcher, which the
     stand-in driver has none of."""
     self.fn[grid](*args, **kwargs)
 
 
 def main():
-    from memattn.kernels import hopper
-
     driver.set_active(_Sm90Driver())
     JITFunction.run = _compile_only
+    from memattn.kernels import hopper
+
     hopper.Launcher.__call__ = _compile_through_run
     os.environ.pop("MEMATTN_POISON_OUTPUTS", None)
     from memattn import check, ops
