@@ -146,7 +146,9 @@ def compile_hopper_backward() -> int:
         stats = backward_sm90.row_stats_buffer(torch.empty(*spec.bias_shape[:3]))
         dbias = None if bias is None else torch.empty_like(bias)
         rng = torch.zeros(2, dtype=torch.int64) if spec.dropout_p > 0 else None
-        backward_sm90.backward(spec, q, k, k, q, bias, alibi, rng, stats, torch.empty(q.shape),
+        dq = torch.empty(q.shape, dtype=torch.float32 if backward_sm90.dq_in_fp32(spec)
+                         else q.dtype)  # fmt: skip
+        backward_sm90.backward(spec, q, k, k, q, bias, alibi, rng, stats, dq,
                                torch.empty_like(k), torch.empty_like(k), dbias)  # fmt: skip
 
     return _compile_hopper("backward_sm90", launch)

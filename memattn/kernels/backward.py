@@ -66,11 +66,12 @@ def _delta_kernel(
     stride_ab, stride_am, stride_ah,
     CuSeqQ, H, seqlen_q, num_m_blocks,
     DV: tl.constexpr, DQK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, FOR_SM90: tl.constexpr,
+    IS_VARLEN: tl.constexpr, FOR_SM90: tl.constexpr, ZERO_DQ: tl.constexpr,
 ):  # fmt: skip
     """delta = rowsum(dO * O). FOR_SM90 (the Gluon backward's inputs): also
     lse2 = lse * log2(e) (+inf for rows that see no key, so their P is 0, not NaN),
-    stored beside delta (strides stride_d*), and zeros for the fp32 dQ accumulator."""
+    stored beside delta (strides stride_d*), and with ZERO_DQ zeros for the fp32 dQ
+    accumulator."""
     pid = tl.program_id(0)
     bh = pid // num_m_blocks
     start_m = (pid % num_m_blocks) * BLOCK_M
@@ -96,6 +97,7 @@ def _delta_kernel(
                       mask=row_ok, other=0.0)
         tl.store(Lse2 + d_off, tl.where(lse == float("-inf"), float("inf"), lse * LOG2E),
                  mask=row_ok)
+    if ZERO_DQ:
         dq_cols = tl.arange(0, DQK)
         tl.store(DQAcc + b64 * stride_ab + h64 * stride_ah + (row0 + rows)[:, None] * stride_am
                  + dq_cols[None, :], tl.zeros([BLOCK_M, DQK], tl.float32), mask=row_ok[:, None])
@@ -110,19 +112,21 @@ _launch_delta_sm90 = hopper.Launcher(_delta_kernel) if hopper is not None else N
 def _preprocess(spec: AttentionSpec, out, grad_out, lse, cu_seqlens_q, delta, lse2=None,
                 dq_acc=None) -> None:  # fmt: skip
     """Launches _delta_kernel: delta (laid out as lse) and, for the Gluon backward
-    (dq_acc given, dense batches), lse2 and zeros in dq_acc."""
-    for_sm90 = dq_acc is not None
+    (lse2 given, dense batches), lse2 and zeros in dq_acc where given."""
+    for_sm90 = lse2 is not None
+    zero_dq = dq_acc is not None
     num_m = triton.cdiv(spec.seqlen_q, _DELTA_BLOCK_M)
     grid = (num_m * spec.batch * spec.heads,)
     launch = functools.partial(_launch_delta_sm90, grid) if for_sm90 else _delta_kernel[grid]
     launch(
-        out, grad_out, delta, lse, lse2, dq_acc, *dense_strides(out, spec.varlen),
+        out, grad_out, delta, lse, lse2, dq_acc if zero_dq else lse2,
+        *dense_strides(out, spec.varlen),
         *dense_strides(grad_out, spec.varlen), *lse_strides(lse, spec.varlen),
-        *lse_strides(delta, spec.varlen), *(dq_acc.stride()[:3] if for_sm90 else (0, 0, 0)),
+        *lse_strides(delta, spec.varlen), *(dq_acc.stride()[:3] if zero_dq else (0, 0, 0)),
         cu_seqlens_q, spec.heads, spec.seqlen_q, num_m,
         DV=spec.head_dim_v, DQK=spec.head_dim_qk, BLOCK_M=_DELTA_BLOCK_M,
         BLOCK_DV=tuning.padded_head_dim(spec.head_dim_v), IS_VARLEN=spec.varlen,
-        FOR_SM90=for_sm90,
+        FOR_SM90=for_sm90, ZERO_DQ=zero_dq,
     )  # fmt: skip
 
 
@@ -687,13 +691,15 @@ def backward(
 def _backward_sm90(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias,
                    alibi_slopes, rng_state, dq, dk, dv, need_dbias: bool):
     """`backward` through the Gluon kernel (Hopper, dense batches; `supports` said yes):
-    the preprocess fills the row statistics, padded for TMA, and zeroes an fp32 dQ
-    buffer that the kernel adds into; dQ is converted at the end. Fills dq, dk and dv;
+    the preprocess fills the row statistics, padded for TMA, and, where the kernel adds
+    dQ into an fp32 buffer, zeroes it; dQ is then converted at the end. Fills dq, dk and dv;
     returns dbias (None where not needed). Only what this path reads is computed: every
     line here is host time on each call."""
     stats = backward_sm90.row_stats_buffer(lse)
     lse2, delta = stats.unbind(0)  # (B, H, Sq padded) planes: lse * log2(e), delta
-    dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    dq_acc = None
+    if backward_sm90.dq_in_fp32(spec):
+        dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     _preprocess(spec, out, grad_out, lse, None, delta, lse2, dq_acc)
     if grad_lse is not None:
         delta[..., : spec.seqlen_q].sub_(grad_lse)
@@ -703,7 +709,8 @@ def _backward_sm90(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, b
         dbias = (torch.zeros if masked else new_output)(bias.shape, dtype=bias.dtype,
                                                         device=bias.device)
     backward_sm90.backward(spec, q, k, v, grad_out, bias, alibi_slopes,
-                           rng_state if spec.dropout_p > 0 else None, stats, dq_acc, dk, dv,
-                           dbias)  # fmt: skip
-    dq.copy_(dq_acc)
+                           rng_state if spec.dropout_p > 0 else None, stats,
+                           dq if dq_acc is None else dq_acc, dk, dv, dbias)  # fmt: skip
+    if dq_acc is not None:
+        dq.copy_(dq_acc)
     return dbias

@@ -17,17 +17,19 @@ dS stays unscaled in shared memory, as (queries, keys) tiles of 64 x 64: it is t
 gradient of a bias, and for a full bias each warpgroup's tile leaves by TMA store as
 it is; dK and dQ take the softmax scale in fp32. A bias tile loads beside each Q
 tile; dropout's keep bits come from hopper.dropout_keep in the transposed layout.
-backward.py zeroes the fp32 dQ buffer (in its preprocess) and converts it to the
-output dtype.
+At D 64 and 128 backward.py zeroes the fp32 dQ buffer (in its preprocess) and converts
+it to the output dtype.
 
-At D=256 a second kernel (_bwd_d256_kernel) splits the work the other way round: 64
-keys a program, each warpgroup half of the head dim (see BLOCK_N_D256).
+At D=256 two other kernels run: _bwd_d256_kernel splits dK and dV's work the other way
+round (64 keys a program, each warpgroup half of the head dim, see BLOCK_N_D256), and
+_bwd_dq_d256_kernel computes dQ apart, a program per block of queries (see DQ_BLOCK_N),
+writing it in the output dtype: no fp32 buffer, and no atomics.
 
 Covers what forward_sm90 covers (bf16/fp16, head dims 64, 128 and 256, dense batches,
-GQA, causal masks either way, sliding windows, a bias, ALiBi, dropout) minus deterministic mode
-(TMA reduce-adds land in any order), minus a bias gradient summed over broadcast
-dimensions, and at D=256 minus a bias, ALiBi and dropout. Every other call runs
-backward.py.
+GQA, causal masks either way, sliding windows, a bias, ALiBi, dropout) minus
+deterministic mode at D 64 and 128 (TMA reduce-adds land in any order), minus a bias
+gradient summed over broadcast dimensions, and at D=256 minus a bias, ALiBi and
+dropout. Every other call runs backward.py.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from ..spec import AttentionSpec
 from . import hopper
 from .common import LOG2E, add_bias_alibi_log2, alibi_strides, diagonal_offset, query_range, visible
 
+ROWS = gl.constexpr(64)  # query rows per warpgroup in the D=256 dQ kernel
 BLOCK_N = 128  # keys per program: two warpgroups x 64
 BLOCK_M = 64  # query rows per step (registers: dK and dV take 2 * D / 2 per thread)
 STAGES = 2  # Q and dO rings
@@ -345,15 +348,13 @@ def _bwd_sm90_kernel(
 # Head dim 256: a warpgroup's dK and dV over 64 keys would take 256 registers a thread.
 # So a program owns 64 keys and each warpgroup half of the head dim (FlashAttention-3's
 # split): dK[:, half] and dV[:, half] in 128 registers. S and dP are split by keys (each
-# warpgroup 64 queries x 32 keys), P and dS go to shared memory as (keys, queries)
-# tiles that both read, and each warpgroup computes dQ's columns of its half with one
-# wgmma and sends them (fp32, 32 KiB) by one TMA reduce, staged in the step's Q or dO
-# slot once both warpgroups are done reading it. Shared memory: K, V 32 KiB each, Q and
-# dO rings 2 x 32 KiB each, P and dS 8 KiB each (one buffer: a barrier keeps the next
-# step's stores behind both warpgroups' reads): 208 KiB. Staging dQ in 32-column chunks
-# through a buffer of its own (v9's first version) ran at the same speed: what bounds
-# this kernel is the dQ reduce-adds' traffic, 64 KiB per 64 x 64 step, twice D=128's
-# per flop (PERFORMANCE.md v9).
+# warpgroup 64 queries x 32 keys), and P and dS go to shared memory as (keys, queries)
+# tiles that both read. Shared memory: K, V 32 KiB each, Q and dO rings 2 x 32 KiB
+# each, P and dS 8 KiB each (one buffer: a barrier keeps the next step's stores behind
+# both warpgroups' reads): 208 KiB. dQ has a kernel of its own (_bwd_dq_d256_kernel):
+# here its fp32 reduce-adds, 64 KiB per 64 x 64 step, bounded the kernel (v9-v13), and
+# the zeroed buffer and conversion they need cost 164 us at 16k tokens (PERFORMANCE.md
+# v14).
 BLOCK_N_D256 = 64
 
 
@@ -362,12 +363,12 @@ def _bwd_d256_compute_partition(
     shared, HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
-    """One warpgroup at D=256: S and dP of keys [start_n + HALF * 32, + 32), then dK,
-    dV and dQ of head-dim columns [HALF * 128, + 128) over all 64 keys."""
-    (dq_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-     q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, dst_smem, kv_bar,
-     q_ready, do_ready, q_empty, do_empty, ds_bar, pds_free, b, hk, GROUP, start_n, lo,
-     full_lo, full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right) = shared
+    """One warpgroup at D=256: S and dP of keys [start_n + HALF * 32, + 32), then dK
+    and dV of head-dim columns [HALF * 128, + 128) over all 64 keys."""
+    (DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, q_smem,
+     do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, dst_smem, kv_bar, q_ready,
+     do_ready, q_empty, do_empty, ds_bar, pds_free, b, hk, GROUP, start_n, lo, full_lo,
+     full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right) = shared
     dtype: gl.constexpr = k_smem.dtype
     HEAD_DIM: gl.constexpr = 256
     HALF_N: gl.constexpr = BLOCK_N // 2
@@ -380,27 +381,17 @@ def _bwd_d256_compute_partition(
 
     col0: gl.constexpr = HALF * HALF_D
     offs_n = start_n + HALF * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(0, s_layout))
-    k_all = k_smem.reshape([BLOCK_N, HEAD_DIM])
-    k_keys = k_all.slice(HALF * HALF_N, HALF_N, dim=0).permute((1, 0))  # S's keys, as Kᵀ
+    k_keys = k_smem.reshape([BLOCK_N, HEAD_DIM]).slice(HALF * HALF_N, HALF_N,
+                                                        dim=0).permute((1, 0))  # as Kᵀ
     v_keys = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(HALF * HALF_N, HALF_N,
                                                         dim=0).permute((1, 0))
     pt_all = pt_smem.reshape([BLOCK_N, BLOCK_M])
     dst_all = dst_smem.reshape([BLOCK_N, BLOCK_M])
     pt_own = pt_all.slice(HALF * HALF_N, HALF_N, dim=0).permute((1, 0))  # (queries, keys)
     dst_own = dst_all.slice(HALF * HALF_N, HALF_N, dim=0).permute((1, 0))
-    ds_all = dst_all.permute((1, 0))  # dS as (queries, keys): dQ's left operand
-    # dQ[:, half] (fp32, 32 KiB) leaves through a 32 KiB slot of this step's Q (first
-    # warpgroup) or dO (second), by one TMA reduce; the slot is released when the
-    # reduce has read it, a step later.
-    dq_block: gl.constexpr = [1, 1, BLOCK_M, HALF_D]
-    if HALF == 0:
-        stage_smem, stage_empty, other_empty = q_smem, q_empty, do_empty
-    else:
-        stage_smem, stage_empty, other_empty = do_smem, do_empty, q_empty
     dk = gl.zeros([BLOCK_N, HALF_D], gl.float32, layout=kv_layout)
     dv = gl.zeros([BLOCK_N, HALF_D], gl.float32, layout=kv_layout)
     s_init = gl.zeros([BLOCK_M, HALF_N], gl.float32, layout=s_layout)
-    dq_init = gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=kv_layout)
     scale_log2 = scale * LOG2E
     mbarrier.wait(kv_bar, 0)
 
@@ -423,10 +414,6 @@ def _bwd_d256_compute_partition(
         dp = warpgroup_mma_wait(0, deps=(dp,))
         delta = delta_smem.index(slot).reshape([BLOCK_M]).load(rows_layout)
         ds = p * (dp - delta[:, None])
-        if i > 0:  # the previous step's dQ reduce has read its slot: refill it
-            tma.store_wait(0)
-            gl.thread_barrier()
-            mbarrier.arrive(stage_empty.index((i - 1) % STAGES))
 
         # This warpgroup's keys of P and dS into the shared (keys, queries) tiles (both
         # warpgroups' reads of the previous step's are done: pds_free), then wait for
@@ -439,19 +426,12 @@ def _bwd_d256_compute_partition(
 
         dv = warpgroup_mma(pt_all, do.slice(col0, HALF_D, dim=1), dv, is_async=True)
         dk = warpgroup_mma(dst_all, q.slice(col0, HALF_D, dim=1), dk, is_async=True)
-        dq = warpgroup_mma(ds_all, k_all.slice(col0, HALF_D, dim=1), dq_init,
-                           use_acc=False, is_async=True)
-        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-        # This step's Q and dO are read: the slot this warpgroup does not stage dQ in
-        # is released now; once both warpgroups are here, so are P and dS.
-        mbarrier.arrive(other_empty.index(slot))
+        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+        # This step's Q and dO are read; once both warpgroups are here, so are P and dS.
+        mbarrier.arrive(q_empty.index(slot))
+        mbarrier.arrive(do_empty.index(slot))
         mbarrier.arrive(pds_free)
         mbarrier.wait(pds_free, i & 1)
-        dq_buf = stage_smem.index(slot)._reinterpret(gl.float32, dq_block, dq_desc.layout)
-        dq_buf.reshape([BLOCK_M, HALF_D]).store(dq * scale)
-        fence_async_shared()
-        hopper.tma_reduce_add(dq_desc, [b, h, start_m, col0], dq_buf)
-    tma.store_wait(0)
 
     _store_dk_dv(
         (dk * scale).to(dtype), dv.to(dtype), DK, DV, b, hk, stride_kb, stride_kn, stride_kh,
@@ -462,12 +442,11 @@ def _bwd_d256_compute_partition(
 
 @gluon.jit
 def _bwd_d256_kernel(
-    q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, DK, DV,
+    q_desc, k_desc, v_desc, do_desc, stats_desc, DK, DV,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     HKV, GROUP, seqlen_q, seqlen_k, num_n_blocks, scale, window_left, window_right,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
-    BOUNDED_RIGHT: gl.constexpr,
+    BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     b, hk, start_n, off, lo, full_lo, full_hi, n_tiles = _key_block(
         HKV, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right, BLOCK_M,
@@ -483,7 +462,7 @@ def _bwd_d256_kernel(
     pds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(pds_free, count=2)  # both warpgroups' matmuls on P and dS done
 
-    shared = (dq_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
+    shared = (DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
               stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem,
               dst_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar,
               pds_free, b, hk, GROUP, start_n, lo, full_lo, full_hi, n_tiles, seqlen_k, off,
@@ -500,6 +479,179 @@ def _bwd_d256_kernel(
         worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
 
 
+# Head dim 256, dQ: a kernel of its own, the forward's shape. A program owns 128 query
+# rows (a warpgroup 64), keeps dQ in registers (128 a thread) over every key tile, and
+# writes it once, in the output dtype, by a TMA store through its Q buffer. It
+# recomputes S and dP (3 matmuls a step where dQ inside the dK/dV kernel takes 1), but
+# sends no fp32 traffic, needs no zeroed buffer and no conversion, and adds in a fixed
+# order: deterministic. Shared memory: Q and dO 64 KiB each, K and V rings of three
+# 32-key tiles, 16 KiB each: 224 KiB. 64-key tiles fit only with one V slot, and ran
+# slower (S=512: 301 against 210 us a call, PERFORMANCE.md v14); issuing a tile's S
+# and dP ahead of the previous tile's dQ changed nothing.
+DQ_BLOCK_N = 32
+DQ_STAGES = gl.constexpr(3)
+# Under a mask a program takes a pair of query blocks of equal work from this many
+# blocks on, as the forward's D=256 grid does (forward_sm90.MIN_BLOCKS_TO_FOLD).
+DQ_MIN_BLOCKS_TO_FOLD = 5
+
+
+@gluon.jit
+def _dq_load_partition(
+    loads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr,
+    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+):  # fmt: skip
+    """One warp: each query block's Q and dO (with their rows' lse and delta), then its
+    K and V tiles as their rings' slots come free."""
+    (q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
+     delta_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, pid, programs, H,
+     GROUP, num_m_blocks, n_items, seqlen_k, off, window_left, window_right) = loads
+    PARTS: gl.constexpr = BLOCK_M // ROWS
+    block_bytes: gl.constexpr = PARTS * (2 * q_desc.block_type.nbytes
+                                         + 2 * stats_desc.block_type.nbytes)
+    kv = 0
+    for j in range(n_items):
+        b, h, hk, start_m, lo, full_lo, full_hi, n_tiles = hopper.query_block(
+            pid, j, programs, H, GROUP, num_m_blocks, seqlen_k, off, window_left,
+            window_right, BLOCK_M, BLOCK_N, FOLD, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+        hopper.claim(q_ready, q_empty, j, block_bytes, 1)
+        for i in gl.static_range(PARTS):
+            row = start_m + i * ROWS
+            tma.async_copy_global_to_shared(q_desc, [b, h, row, 0], q_ready.index(0),
+                                            q_smem.index(i))
+            tma.async_copy_global_to_shared(do_desc, [b, h, row, 0], q_ready.index(0),
+                                            do_smem.index(i))
+            tma.async_copy_global_to_shared(stats_desc, [0, b, h, row], q_ready.index(0),
+                                            lse_smem.index(i))
+            tma.async_copy_global_to_shared(stats_desc, [1, b, h, row], q_ready.index(0),
+                                            delta_smem.index(i))
+        for t in range(n_tiles):
+            start_n = lo + t * BLOCK_N
+            slot = hopper.claim(k_ready, k_empty, kv + t, k_desc.block_type.nbytes,
+                                DQ_STAGES)
+            tma.async_copy_global_to_shared(k_desc, [b, hk, start_n, 0], k_ready.index(slot),
+                                            k_smem.index(slot))
+            slot = hopper.claim(v_ready, v_empty, kv + t, v_desc.block_type.nbytes,
+                                DQ_STAGES)
+            tma.async_copy_global_to_shared(v_desc, [b, hk, start_n, 0], v_ready.index(slot),
+                                            v_smem.index(slot))
+        kv += n_tiles
+
+
+@gluon.jit
+def _dq_compute_partition(
+    shared, PART: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    FOLD: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+):  # fmt: skip
+    """One warpgroup: dQ of query rows [start_m + PART * 64, + 64) of each of the
+    program's query blocks, over every key tile: S = Q Kᵀ and dP = dO Vᵀ together,
+    P and dS from them, dQ += dS K with dS straight from registers."""
+    (dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, q_empty,
+     k_ready, k_empty, v_ready, v_empty, pid, programs, H, GROUP, num_m_blocks, n_items,
+     seqlen_k, off, scale, window_left, window_right) = shared
+    dtype: gl.constexpr = q_smem.dtype
+    HEAD_DIM: gl.constexpr = 256
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
+    rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    scale_log2 = scale * LOG2E
+    q_tile = q_smem.index(PART).reshape([ROWS, HEAD_DIM])
+    do_tile = do_smem.index(PART).reshape([ROWS, HEAD_DIM])
+
+    kv = 0
+    for j in range(n_items):
+        b, h, hk, start_m, lo, full_lo, full_hi, n_tiles = hopper.query_block(
+            pid, j, programs, H, GROUP, num_m_blocks, seqlen_k, off, window_left,
+            window_right, BLOCK_M, BLOCK_N, FOLD, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+        row0 = start_m + PART * ROWS
+        offs_m = row0 + gl.arange(0, ROWS, layout=rows_layout)
+        hopper.arrived(q_ready, j, 1)
+        lse2 = lse_smem.index(PART).reshape([ROWS]).load(rows_layout)
+        delta = delta_smem.index(PART).reshape([ROWS]).load(rows_layout)
+        dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=dq_layout)
+        for t in range(n_tiles):
+            start_n = lo + t * BLOCK_N
+            k_slot = hopper.arrived(k_ready, kv + t, DQ_STAGES)
+            k = k_smem.index(k_slot).reshape([BLOCK_N, HEAD_DIM])
+            # Zero accumulators made here, not held across the loop: registers are short.
+            s_init = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+            s = warpgroup_mma(q_tile, k.permute((1, 0)), s_init, use_acc=False, is_async=True)
+            v_slot = hopper.arrived(v_ready, kv + t, DQ_STAGES)
+            v = v_smem.index(v_slot).reshape([BLOCK_N, HEAD_DIM])
+            dp = warpgroup_mma(do_tile, v.permute((1, 0)), s_init, use_acc=False,
+                               is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s,))
+            if (start_n < full_lo) | (start_n >= full_hi):
+                offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                mask = visible(offs_m[:, None], offs_n[None, :], seqlen_k, off, window_left,
+                               window_right, BOUNDED_LEFT, BOUNDED_RIGHT)
+                s = gl.where(mask, s, float("-inf"))
+            p = gl.exp2(s * scale_log2 - lse2[:, None])
+            dp = warpgroup_mma_wait(0, deps=(dp,))
+            mbarrier.arrive(v_empty.index(v_slot))
+            ds = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), ds_layout)
+            dq = warpgroup_mma(ds, k, dq, is_async=True)
+            dq, ds = warpgroup_mma_wait(0, deps=(dq, ds))
+            mbarrier.arrive(k_empty.index(k_slot))
+        kv += n_tiles
+
+        # dQ leaves through this warpgroup's Q buffer (its S are all done), refilled
+        # for the next block once the store has read it. Rows with no visible key
+        # get zeros; the store clips rows past Sq.
+        q_tile.store((dq * scale).to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dq_desc, [b, h, row0, 0], q_smem.index(PART))
+        tma.store_wait(0)
+        gl.thread_barrier()
+        mbarrier.arrive(q_empty.index(0))
+
+
+@gluon.jit
+def _bwd_dq_d256_kernel(
+    q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, H, GROUP, seqlen_q, seqlen_k,
+    num_m_blocks, num_items, scale, window_left, window_right,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr,
+    BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+):  # fmt: skip
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    n_items = hopper.work_items(pid, programs, num_items, FOLD)
+    off = diagonal_offset(seqlen_q, seqlen_k, BOTTOM_RIGHT)
+    PARTS: gl.constexpr = BLOCK_M // ROWS
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [PARTS] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [PARTS] + do_desc.block_type.shape,
+                                        do_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [PARTS] + stats_desc.block_type.shape,
+                                         stats_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [PARTS] + stats_desc.block_type.shape,
+                                           stats_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [DQ_STAGES] + k_desc.block_type.shape,
+                                       k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [DQ_STAGES] + v_desc.block_type.shape,
+                                       v_desc.layout)
+    q_ready, q_empty = hopper.ring(1, PARTS)
+    k_ready, k_empty = hopper.ring(DQ_STAGES, PARTS)
+    v_ready, v_empty = hopper.ring(DQ_STAGES, PARTS)
+
+    shared = (dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready,
+              q_empty, k_ready, k_empty, v_ready, v_empty, pid, programs, H, GROUP,
+              num_m_blocks, n_items, seqlen_k, off, scale, window_left, window_right)
+    loads = (q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem,
+             lse_smem, delta_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, pid,
+             programs, H, GROUP, num_m_blocks, n_items, seqlen_k, off, window_left,
+             window_right)
+    gl.warp_specialize(
+        [(_dq_compute_partition, (shared, 0, BLOCK_M, BLOCK_N, FOLD, BOUNDED_LEFT,
+                                  BOUNDED_RIGHT)),
+         (_dq_compute_partition, (shared, 1, BLOCK_M, BLOCK_N, FOLD, BOUNDED_LEFT,
+                                  BOUNDED_RIGHT)),
+         (_dq_load_partition, (loads, BLOCK_M, BLOCK_N, FOLD, BOUNDED_LEFT, BOUNDED_RIGHT))],
+        worker_num_warps=[4, 1], worker_num_regs=[256, 24])  # fmt: skip
+
+
 # Below this many keys per query backward.py's kernels may win: each program then has
 # few query tiles to spread its start-up (K and V loads, the partitions) and its dK/dV
 # stores over. ab_hopper had the Gluon kernel ahead down to causal S=1024 (512 keys:
@@ -512,9 +664,10 @@ HEAD_DIMS = (64, 128, 256)
 def supports(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes,
              need_dbias: bool) -> bool:
     """True where this kernel runs the call: the calls hopper.runs_call names with
-    enough keys per query, not in deterministic mode, grad_out TMA-readable too, and
-    features `computes` covers."""
-    return (computes(spec, bias, alibi_slopes, need_dbias) and not spec.deterministic
+    enough keys per query, in deterministic mode only where no fp32 reduce-adds make
+    dQ (`dq_in_fp32`), grad_out TMA-readable too, and features `computes` covers."""
+    return (computes(spec, bias, alibi_slopes, need_dbias)
+            and not (spec.deterministic and dq_in_fp32(spec))
             and hopper.runs_call(spec, q, k, v, bias, HEAD_DIMS)
             and hopper.keys_per_query(spec) >= MIN_KEYS_PER_QUERY[spec.head_dim_qk]
             and hopper.tma_readable(grad_out))
@@ -550,16 +703,23 @@ def _row_stats_descriptor(stats: torch.Tensor, seqlen_q: int) -> TensorDescripto
 
 _launch_backward = hopper.Launcher(_bwd_sm90_kernel)
 _launch_backward_d256 = hopper.Launcher(_bwd_d256_kernel)
+_launch_dq_d256 = hopper.Launcher(_bwd_dq_d256_kernel)
+
+def dq_in_fp32(spec: AttentionSpec) -> bool:
+    """Whether `backward` adds dQ into an fp32 buffer (zeroed beforehand, converted
+    after: D 64 and 128) rather than writing the output itself (D=256)."""
+    return spec.head_dim_qk != 256
 
 
 def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_state, stats,
-             dq_acc, dk, dv, dbias) -> None:
-    """Adds dQ into dq_acc (fp32, zeroed) and fills dk, dv and dbias (None: not needed;
-    every tile a query sees is written, the rest left as it was), for a call `supports`
-    accepted; stats as row_stats_buffer made it, filled; rng_state: dropout's
-    [seed, offset], None without dropout."""
+             dq, dk, dv, dbias) -> None:
+    """Fills dq, dk, dv and dbias (None: not needed; every tile a query sees is written,
+    the rest left as it was) for a call `supports` accepted; dq is an fp32 buffer,
+    zeroed, that dQ is added into where `dq_in_fp32` says so, the output otherwise;
+    stats as row_stats_buffer made it, filled; rng_state: dropout's [seed, offset],
+    None without dropout."""
     if spec.head_dim_qk == 256:
-        return _backward_d256(spec, q, k, v, grad_out, stats, dq_acc, dk, dv)
+        return _backward_d256(spec, q, k, v, grad_out, stats, dq, dk, dv)
     half_d = spec.head_dim_qk // 2
     num_n = triton.cdiv(spec.seqlen_k, BLOCK_N)
     # K's tile is sliced by columns for dQ: its swizzle may not span more than a half.
@@ -576,7 +736,7 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
         (num_n * spec.batch * spec.kv_heads,),
         q_desc, hopper.descriptor(k, BLOCK_N, swizzle=k_swizzle),
         hopper.descriptor(v, BLOCK_N), hopper.descriptor(grad_out, BLOCK_M),
-        hopper.descriptor(dq_acc, BLOCK_M, cols=half_d),
+        hopper.descriptor(dq, BLOCK_M, cols=half_d),
         _row_stats_descriptor(stats, spec.seqlen_q), bias_desc, dbias_desc, dk, dv, rng_state,
         alibi_slopes, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1),
         dv.stride(2), *alibi_strides(alibi_slopes), spec.kv_heads, spec.group, bias_batches,
@@ -590,19 +750,34 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
     )  # fmt: skip
 
 
-def _backward_d256(spec: AttentionSpec, q, k, v, grad_out, stats, dq_acc, dk, dv) -> None:
-    """`backward` at D=256 (no bias, ALiBi or dropout: `supports` keeps them off it)."""
+def _backward_d256(spec: AttentionSpec, q, k, v, grad_out, stats, dq, dk, dv) -> None:
+    """`backward` at D=256 (no bias, ALiBi or dropout: `supports` keeps them off it):
+    dK and dV from _bwd_d256_kernel, dQ from _bwd_dq_d256_kernel."""
+    q_desc = hopper.descriptor(q, BLOCK_M)
+    do_desc = hopper.descriptor(grad_out, BLOCK_M)
+    stats_desc = _row_stats_descriptor(stats, spec.seqlen_q)
+    bounds = dict(BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
+                  BOUNDED_RIGHT=spec.window_right >= 0)
     num_n = triton.cdiv(spec.seqlen_k, BLOCK_N_D256)
     _launch_backward_d256(
         (num_n * spec.batch * spec.kv_heads,),
-        hopper.descriptor(q, BLOCK_M), hopper.descriptor(k, BLOCK_N_D256),
-        hopper.descriptor(v, BLOCK_N_D256), hopper.descriptor(grad_out, BLOCK_M),
-        hopper.descriptor(dq_acc, BLOCK_M, cols=128),
-        _row_stats_descriptor(stats, spec.seqlen_q), dk, dv,
+        q_desc, hopper.descriptor(k, BLOCK_N_D256), hopper.descriptor(v, BLOCK_N_D256),
+        do_desc, stats_desc, dk, dv,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_n, spec.scale,
         spec.window_left, spec.window_right,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N_D256, STAGES=STAGES,
-        BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
-        BOUNDED_RIGHT=spec.window_right >= 0, num_warps=4,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N_D256, STAGES=STAGES, **bounds, num_warps=4,
+    )  # fmt: skip
+    block_m = 2 * ROWS.value
+    num_m = -(-spec.seqlen_q // block_m)
+    num_items = num_m * spec.batch * spec.heads
+    masked = spec.window_left >= 0 or spec.window_right >= 0
+    fold = masked and num_m >= DQ_MIN_BLOCKS_TO_FOLD
+    _launch_dq_d256(
+        (hopper.programs(num_items, fold, False, q.device.index),),
+        q_desc, hopper.descriptor(k, DQ_BLOCK_N), hopper.descriptor(v, DQ_BLOCK_N),
+        do_desc, hopper.descriptor(dq, ROWS.value), stats_desc, spec.heads, spec.group,
+        spec.seqlen_q, spec.seqlen_k, num_m, num_items, spec.scale, spec.window_left,
+        spec.window_right, BLOCK_M=block_m, BLOCK_N=DQ_BLOCK_N, FOLD=fold, **bounds,
+        num_warps=4,
     )  # fmt: skip

@@ -40,15 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..spec import AttentionSpec
 from . import hopper
-from .common import (
-    LN2,
-    LOG2E,
-    add_bias_alibi_log2,
-    alibi_strides,
-    diagonal_offset,
-    key_range,
-    visible,
-)
+from .common import LN2, LOG2E, add_bias_alibi_log2, alibi_strides, diagonal_offset, visible
 
 ROWS = gl.constexpr(64)  # query rows per softmax warpgroup
 # Query rows per program: two softmax warpgroups (128), or three (192) for unmasked
@@ -92,25 +84,6 @@ SHARED_MEMORY = 227 * 1024  # an H100 block's opt-in maximum
 
 
 @gluon.jit
-def _work_item(
-    pid, j, programs, H, GROUP, num_m_blocks, seqlen_k, off, window_left, window_right,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr,
-    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
-):  # fmt: skip
-    """The j-th query block of program pid (hopper.work_item's order: each head's last
-    block first, folded or not): (b, h, kv head, first row, key range as
-    common.key_range gives it, count of key tiles)."""
-    bh, rank = hopper.work_item(pid, j, programs, num_m_blocks, FOLD)
-    m_block = num_m_blocks - 1 - rank
-    h = bh % H
-    start_m = m_block * BLOCK_M
-    lo, full_lo, full_hi, hi = key_range(
-        start_m, seqlen_k, off, window_left, window_right,
-        BLOCK_M, BLOCK_N, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
-    return bh // H, h, h // GROUP, start_m, lo, full_lo, full_hi, gl.cdiv(hi - lo, BLOCK_N)
-
-
-@gluon.jit
 def _load_partition(
     loads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     Q_STAGES: gl.constexpr, FOLD: gl.constexpr, HAS_BIAS: gl.constexpr,
@@ -127,7 +100,7 @@ def _load_partition(
     PARTS: gl.constexpr = BLOCK_M // ROWS
     kv = 0  # key tiles loaded so far
     for j in range(n_items):
-        b, h, hk, start_m, lo, full_lo, full_hi, n_tiles = _work_item(
+        b, h, hk, start_m, lo, full_lo, full_hi, n_tiles = hopper.query_block(
             pid, j, programs, H, GROUP, num_m_blocks, seqlen_k, off, window_left,
             window_right, BLOCK_M, BLOCK_N, FOLD, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
         # A Q slot is free once every warpgroup has its block's last S (or, with O in
@@ -246,7 +219,7 @@ def _softmax_partition(
 
     kv = 0  # key tiles consumed so far: the ring's running index
     for j in range(n_items):
-        b, h, hk, start_m, lo, full_lo, full_hi, n_tiles = _work_item(
+        b, h, hk, start_m, lo, full_lo, full_hi, n_tiles = hopper.query_block(
             pid, j, programs, H, GROUP, num_m_blocks, seqlen_k, off, window_left,
             window_right, BLOCK_M, BLOCK_N, FOLD, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
         bh = b * H + h  # dropout's stream

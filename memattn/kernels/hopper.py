@@ -20,6 +20,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime import driver
 
 from ..spec import AttentionSpec
+from .common import key_range
 
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
@@ -185,6 +186,25 @@ def work_items(pid, programs, total, FOLD: gl.constexpr):
     else:
         return (total - pid + programs - 1) // programs
 
+
+@gluon.jit
+def query_block(
+    pid, j, programs, H, GROUP, num_m_blocks, seqlen_k, off, window_left, window_right,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr,
+    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+):  # fmt: skip
+    """The j-th query block of program pid (work_item's order: each head's last block
+    first, folded or not) of a grid over query blocks (the forward's, the D=256
+    backward's dQ kernel): (b, h, kv head, first row, key range as common.key_range
+    gives it, count of key tiles)."""
+    bh, rank = work_item(pid, j, programs, num_m_blocks, FOLD)
+    m_block = num_m_blocks - 1 - rank
+    h = bh % H
+    start_m = m_block * BLOCK_M
+    lo, full_lo, full_hi, hi = key_range(
+        start_m, seqlen_k, off, window_left, window_right,
+        BLOCK_M, BLOCK_N, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+    return bh // H, h, h // GROUP, start_m, lo, full_lo, full_hi, gl.cdiv(hi - lo, BLOCK_N)
 
 # Rings of shared-memory slots between a kernel's TMA load warp and its consumers. Item
 # i goes to slot i % STAGES; the slot's ready barrier completes when the item's bytes
