@@ -246,6 +246,17 @@ HOPPER_CASES = [
     Case("alibi BH bias D64 window", seqlen_q=600, seqlen_k=1000, dqk=64, dv=64, alibi="BH",
          bias="BHQK", options=dict(window=(300, 40))),
     Case("D256 alibi", seqlen_q=300, seqlen_k=400, dqk=256, dv=256, alibi="H"),
+    # packed sequences (varlen): TMA loads at each sequence's first token, O stored by
+    # masked pointers (a TMA store would spill into the next sequence), blocks past a
+    # short sequence's end empty, an empty sequence, a diagonal per sequence
+    Case("varlen D128 causal", lengths_q=(700, 0, 1300, 64), lengths_k=(700, 5, 1300, 64),
+         dqk=128, dv=128, options=dict(causal=True)),
+    Case("varlen D64 GQA bottom-right", heads=4, kv_heads=2, lengths_q=(300, 1000, 17),
+         lengths_k=(500, 900, 40), dqk=64, dv=64,
+         options=dict(causal=True, align="bottom_right")),
+    Case("varlen D64 three warpgroups window", lengths_q=(2100, 300), lengths_k=(333, 900),
+         dqk=64, dv=64, options=dict(window=(100, 20))),
+    Case("varlen D256", lengths_q=(130, 600, 1), lengths_k=(200, 600, 77), dqk=256, dv=256),
 ]
 
 
@@ -284,7 +295,8 @@ def test_hopper_kernel_gpu(case, dtype, monkeypatch):
 # dropout, and O in Q's buffer at D=256.
 PERSISTENT_CASES = ["D64 Sq=777 Sk=1030", "D64 Sq=2000 Sk=333", "D128 causal",
                     "bias BHQK window GQA", "dropout causal GQA", "alibi BH bias D64 window",
-                    "D256 Sq=1100 Sk=130", "D256 causal GQA"]  # fmt: skip
+                    "D256 Sq=1100 Sk=130", "D256 causal GQA", "varlen D128 causal",
+                    "varlen D256"]  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -128,10 +128,12 @@ def compile_hopper_forward() -> int:
     on CPU tensors: every head dim and mask variant it takes."""
     from memattn.kernels import forward_sm90
 
-    def launch(spec, q, k, bias, alibi):
-        lse = torch.empty(*spec.bias_shape[:3])
+    def launch(spec, q, k, bias, alibi, cu_seqlens=(None, None)):
+        lse = torch.empty(*spec.bias_shape[1:3]) if spec.varlen else torch.empty(
+            *spec.bias_shape[:3])
         rng = torch.zeros(2, dtype=torch.int64) if spec.dropout_p > 0 else None
-        forward_sm90.forward(spec, q, k, k, bias, alibi, rng, torch.empty_like(q), lse)
+        forward_sm90.forward(spec, q, k, k, bias, alibi, rng, *cu_seqlens,
+                             torch.empty_like(q), lse)
 
     return _compile_hopper("forward_sm90", launch)
 
@@ -140,7 +142,9 @@ def compile_hopper_backward() -> int:
     """The Gluon backward (kernels/backward_sm90.py): every head dim and mask variant."""
     from memattn.kernels import backward_sm90
 
-    def launch(spec, q, k, bias, alibi):
+    def launch(spec, q, k, bias, alibi, cu_seqlens=(None, None)):
+        if spec.varlen:
+            return  # dense batches only
         if not backward_sm90.computes(spec, bias, alibi, bias is not None):
             return  # backward.py's call: D=256 with a bias, ALiBi or dropout
         stats = backward_sm90.row_stats_buffer(torch.empty(*spec.bias_shape[:3]))
@@ -155,16 +159,18 @@ def compile_hopper_backward() -> int:
 
 
 def _compile_hopper(name, launch) -> int:
-    """Calls launch(spec, q, k, bias, alibi_slopes) for D 64, 128 and 256, every mask of
-    HOPPER_MASKS, no bias, a full one, dropout, ALiBi, GQA 4:2, Sq=2100 (D=64's three
+    """Calls launch(spec, q, k, bias, alibi_slopes, cu_seqlens) for D 64, 128 and 256,
+    every mask of HOPPER_MASKS, no bias, a full one, dropout, ALiBi, packed sequences
+    (varlen: 2100 and 704 tokens, cu_seqlens given), GQA 4:2, Sq=2100 (D=64's three
     warpgroups), Sk=704; returns the number of failures. MEMATTN_HOPPER_FEATURES=dropout
-    (comma-separated from none, bias, dropout, alibi) and MEMATTN_HOPPER_DIMS=256 compile
-    a subset."""
+    (comma-separated from none, bias, dropout, alibi, varlen) and MEMATTN_HOPPER_DIMS=256
+    compile a subset."""
     from memattn.kernels import hopper
     from memattn.spec import check_call
 
     hopper.sm_count = lambda device_index: 132  # an H100's; no GPU here to ask
-    features = os.environ.get("MEMATTN_HOPPER_FEATURES", "none,bias,dropout,alibi").split(",")
+    features = os.environ.get("MEMATTN_HOPPER_FEATURES",
+                              "none,bias,dropout,alibi,varlen").split(",")
     dims = [int(d) for d in os.environ.get("MEMATTN_HOPPER_DIMS", "64,128,256").split(",")]
     failures = 0
     for d in dims:
@@ -176,10 +182,18 @@ def _compile_hopper(name, launch) -> int:
                 bias = bias if feature == "bias" else None
                 dropout_p = 0.1 if feature == "dropout" else 0.0
                 alibi = torch.rand(4) if feature == "alibi" else None
+                varlen = {}
+                if feature == "varlen":  # the same tokens as two packed sequences
+                    q, k = q[:1].flatten(0, 1), k[:1].flatten(0, 1)
+                    cu_q = torch.tensor([0, 1500, 2100], dtype=torch.int32)
+                    cu_k = torch.tensor([0, 500, 704], dtype=torch.int32)
+                    varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=1500,
+                                  max_seqlen_k=500)
                 try:
                     spec = check_call(q, k, k, bias=bias, dropout_p=dropout_p,
-                                      alibi_slopes=alibi, **options)
-                    launch(spec, q, k, bias, alibi)
+                                      alibi_slopes=alibi, **options, **varlen)
+                    launch(spec, q, k, bias, alibi, (varlen.get("cu_seqlens_q"),
+                                                     varlen.get("cu_seqlens_k")))
                 except Exception as e:  # noqa: BLE001
                     failures += 1
                     print(f"FAIL {name} D={d} {options} {feature}: "

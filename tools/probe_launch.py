@@ -59,7 +59,7 @@ for s, h in ((128, 2), (1024, 16)):
         "attention, no_grad": lambda: torch.no_grad()(memattn.attention)(q, k, v, causal=True),
         "check_call": lambda: check_call(q, k, v, causal=True),
         "forward_sm90.forward": lambda: forward_sm90.forward(spec, q, k, v, None, None, None,
-                                                             out, lse),
+                                                             None, None, out, lse),
         "4 descriptors": lambda: [hopper.descriptor(q, 64), hopper.descriptor(k, 128),
                                   hopper.descriptor(v, 128), hopper.descriptor(out, 64)],
         "JITFunction[grid](...)": lambda: forward_sm90._fwd_sm90_kernel[grid](

@@ -498,21 +498,22 @@ DQ_MIN_BLOCKS_TO_FOLD = 5
 @gluon.jit
 def _dq_load_partition(
     loads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr,
-    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     """One warp: each query block's Q and dO (with their rows' lse and delta), then its
     K and V tiles as their rings' slots come free."""
     (q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
      delta_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, pid, programs, H,
-     GROUP, num_m_blocks, n_items, seqlen_k, off, window_left, window_right) = loads
+     GROUP, num_m_blocks, n_items, seqlen_q, seqlen_k, window_left, window_right) = loads
     PARTS: gl.constexpr = BLOCK_M // ROWS
     block_bytes: gl.constexpr = PARTS * (2 * q_desc.block_type.nbytes
                                          + 2 * stats_desc.block_type.nbytes)
     kv = 0
     for j in range(n_items):
-        b, h, hk, start_m, lo, full_lo, full_hi, n_tiles = hopper.query_block(
-            pid, j, programs, H, GROUP, num_m_blocks, seqlen_k, off, window_left,
-            window_right, BLOCK_M, BLOCK_N, FOLD, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+        b, h, hk, start_m, _, _, _, _, off, lo, full_lo, full_hi, n_tiles = hopper.query_block(
+            pid, j, programs, H, GROUP, num_m_blocks, 0, 0, seqlen_q, seqlen_k, window_left,
+            window_right, BLOCK_M, BLOCK_N, FOLD, False, BOTTOM_RIGHT, BOUNDED_LEFT,
+            BOUNDED_RIGHT)  # fmt: skip
         hopper.claim(q_ready, q_empty, j, block_bytes, 1)
         for i in gl.static_range(PARTS):
             row = start_m + i * ROWS
@@ -540,14 +541,15 @@ def _dq_load_partition(
 @gluon.jit
 def _dq_compute_partition(
     shared, PART: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    FOLD: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    FOLD: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
+    BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: dQ of query rows [start_m + PART * 64, + 64) of each of the
     program's query blocks, over every key tile: S = Q Kᵀ and dP = dO Vᵀ together,
     P and dS from them, dQ += dS K with dS straight from registers."""
     (dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, q_empty,
      k_ready, k_empty, v_ready, v_empty, pid, programs, H, GROUP, num_m_blocks, n_items,
-     seqlen_k, off, scale, window_left, window_right) = shared
+     seqlen_q, seqlen_k, scale, window_left, window_right) = shared
     dtype: gl.constexpr = q_smem.dtype
     HEAD_DIM: gl.constexpr = 256
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -562,9 +564,10 @@ def _dq_compute_partition(
 
     kv = 0
     for j in range(n_items):
-        b, h, hk, start_m, lo, full_lo, full_hi, n_tiles = hopper.query_block(
-            pid, j, programs, H, GROUP, num_m_blocks, seqlen_k, off, window_left,
-            window_right, BLOCK_M, BLOCK_N, FOLD, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+        b, h, hk, start_m, _, _, _, _, off, lo, full_lo, full_hi, n_tiles = hopper.query_block(
+            pid, j, programs, H, GROUP, num_m_blocks, 0, 0, seqlen_q, seqlen_k, window_left,
+            window_right, BLOCK_M, BLOCK_N, FOLD, False, BOTTOM_RIGHT, BOUNDED_LEFT,
+            BOUNDED_RIGHT)  # fmt: skip
         row0 = start_m + PART * ROWS
         offs_m = row0 + gl.arange(0, ROWS, layout=rows_layout)
         hopper.arrived(q_ready, j, 1)
@@ -618,7 +621,6 @@ def _bwd_dq_d256_kernel(
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
     n_items = hopper.work_items(pid, programs, num_items, FOLD)
-    off = diagonal_offset(seqlen_q, seqlen_k, BOTTOM_RIGHT)
     PARTS: gl.constexpr = BLOCK_M // ROWS
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [PARTS] + q_desc.block_type.shape, q_desc.layout)
@@ -638,17 +640,18 @@ def _bwd_dq_d256_kernel(
 
     shared = (dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready,
               q_empty, k_ready, k_empty, v_ready, v_empty, pid, programs, H, GROUP,
-              num_m_blocks, n_items, seqlen_k, off, scale, window_left, window_right)
+              num_m_blocks, n_items, seqlen_q, seqlen_k, scale, window_left, window_right)
     loads = (q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem,
              lse_smem, delta_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, pid,
-             programs, H, GROUP, num_m_blocks, n_items, seqlen_k, off, window_left,
+             programs, H, GROUP, num_m_blocks, n_items, seqlen_q, seqlen_k, window_left,
              window_right)
     gl.warp_specialize(
-        [(_dq_compute_partition, (shared, 0, BLOCK_M, BLOCK_N, FOLD, BOUNDED_LEFT,
-                                  BOUNDED_RIGHT)),
-         (_dq_compute_partition, (shared, 1, BLOCK_M, BLOCK_N, FOLD, BOUNDED_LEFT,
-                                  BOUNDED_RIGHT)),
-         (_dq_load_partition, (loads, BLOCK_M, BLOCK_N, FOLD, BOUNDED_LEFT, BOUNDED_RIGHT))],
+        [(_dq_compute_partition, (shared, 0, BLOCK_M, BLOCK_N, FOLD, BOTTOM_RIGHT,
+                                  BOUNDED_LEFT, BOUNDED_RIGHT)),
+         (_dq_compute_partition, (shared, 1, BLOCK_M, BLOCK_N, FOLD, BOTTOM_RIGHT,
+                                  BOUNDED_LEFT, BOUNDED_RIGHT)),
+         (_dq_load_partition, (loads, BLOCK_M, BLOCK_N, FOLD, BOTTOM_RIGHT, BOUNDED_LEFT,
+                               BOUNDED_RIGHT))],
         worker_num_warps=[4, 1], worker_num_regs=[256, 24])  # fmt: skip
 
 

@@ -269,7 +269,8 @@ def forward(
         return out, lse.fill_(float("-inf"))
     if forward_sm90 is not None and forward_sm90.supports(spec, q, k, v, bias):
         forward_sm90.forward(spec, q, k, v, bias, alibi_slopes,
-                             rng_state if spec.dropout_p > 0 else None, out, lse)
+                             rng_state if spec.dropout_p > 0 else None, cu_seqlens_q,
+                             cu_seqlens_k, out, lse)  # fmt: skip
         return out, lse
 
     def launch(cfg: tuning.Config):

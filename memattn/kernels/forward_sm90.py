@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..spec import AttentionSpec
 from . import hopper
-from .common import LN2, LOG2E, add_bias_alibi_log2, alibi_strides, diagonal_offset, visible
+from .common import LN2, LOG2E, add_bias_alibi_log2, alibi_strides, visible
 
 ROWS = gl.constexpr(64)  # query rows per softmax warpgroup
 # Query rows per program: two softmax warpgroups (128), or three (192) for unmasked
@@ -87,7 +87,8 @@ SHARED_MEMORY = 227 * 1024  # an H100 block's opt-in maximum
 def _load_partition(
     loads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     Q_STAGES: gl.constexpr, FOLD: gl.constexpr, HAS_BIAS: gl.constexpr,
-    BIAS_STAGES: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    BIAS_STAGES: gl.constexpr, IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     """One warp: each query block's Q into its ring, then its K (and bias) and V tiles
     into theirs as slots come free. The rings' index runs on across the program's query
@@ -95,25 +96,28 @@ def _load_partition(
     use. ``loads``: its runtime arguments (_fwd_sm90_kernel builds the tuple)."""
     (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, q_ready, q_empty,
      k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, pid, programs, H, GROUP,
-     bias_batches, bias_heads, num_m_blocks, n_items, seqlen_k, off, window_left,
-     window_right) = loads
+     bias_batches, bias_heads, num_m_blocks, n_items, CuSeqQ, CuSeqK, seqlen_q, seqlen_k,
+     window_left, window_right) = loads
     PARTS: gl.constexpr = BLOCK_M // ROWS
     kv = 0  # key tiles loaded so far
     for j in range(n_items):
-        b, h, hk, start_m, lo, full_lo, full_hi, n_tiles = hopper.query_block(
-            pid, j, programs, H, GROUP, num_m_blocks, seqlen_k, off, window_left,
-            window_right, BLOCK_M, BLOCK_N, FOLD, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+        (b, h, hk, start_m, q_start, k_start, _, _, _, lo, _, _,
+         n_tiles) = hopper.query_block(
+            pid, j, programs, H, GROUP, num_m_blocks, CuSeqQ, CuSeqK, seqlen_q, seqlen_k,
+            window_left, window_right, BLOCK_M, BLOCK_N, FOLD, IS_VARLEN, BOTTOM_RIGHT,
+            BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+        b_tma = 0 if IS_VARLEN else b  # packed sequences: one batch of all tokens
         # A Q slot is free once every warpgroup has its block's last S (or, with O in
         # Q's buffer, has stored O from it).
         slot = hopper.claim(q_ready, q_empty, j, PARTS * q_desc.block_type.nbytes, Q_STAGES)
         for i in gl.static_range(PARTS):
-            tma.async_copy_global_to_shared(q_desc, [b, h, start_m + i * ROWS, 0],
+            tma.async_copy_global_to_shared(q_desc, [b_tma, h, q_start + start_m + i * ROWS, 0],
                                             q_ready.index(slot), q_smem.index(slot * PARTS + i))
         bias_b = b % bias_batches  # 0 where the bias broadcasts over batches
         bias_h = h % bias_heads
         for t in range(n_tiles):
             slot = hopper.claim(k_ready, k_empty, kv + t, k_desc.block_type.nbytes, STAGES)
-            tma.async_copy_global_to_shared(k_desc, [b, hk, lo + t * BLOCK_N, 0],
+            tma.async_copy_global_to_shared(k_desc, [b_tma, hk, k_start + lo + t * BLOCK_N, 0],
                                             k_ready.index(slot), k_smem.index(slot))
             if HAS_BIAS:  # one ROWS x BLOCK_N tile per warpgroup
                 slot = hopper.claim(bias_ready, bias_empty, kv + t,
@@ -123,7 +127,7 @@ def _load_partition(
                         bias_desc, [bias_b, bias_h, start_m + i * ROWS, lo + t * BLOCK_N],
                         bias_ready.index(slot), bias_smem.index(slot * PARTS + i))
             slot = hopper.claim(v_ready, v_empty, kv + t, v_desc.block_type.nbytes, STAGES)
-            tma.async_copy_global_to_shared(v_desc, [b, hk, lo + t * BLOCK_N, 0],
+            tma.async_copy_global_to_shared(v_desc, [b_tma, hk, k_start + lo + t * BLOCK_N, 0],
                                             v_ready.index(slot), v_smem.index(slot))
         kv += n_tiles
 
@@ -196,16 +200,18 @@ def _softmax_partition(
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr,
     FOLD: gl.constexpr, O_IN_Q: gl.constexpr, HAS_BIAS: gl.constexpr,
     BIAS_STAGES: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
-    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
+    BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: query rows [start_m + PART * ROWS, + ROWS) of each of the
     program's query blocks, over every key tile. S(t) and P(t-1)·V(t-1) are in flight
     together; the softmax of S(t) runs while P(t-1)·V(t-1) does. ``shared``: the
     runtime arguments every softmax warpgroup takes (_fwd_sm90_kernel builds it)."""
-    (o_desc, Lse, Alibi, stride_lb, stride_lh, stride_lm, stride_ab, stride_ah, q_smem, k_smem,
-     v_smem, o_smem, bias_smem, q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty,
-     v_empty, bias_empty, pid, programs, H, GROUP, num_m_blocks, n_items, seqlen_q, seqlen_k,
-     off, scale_log2, window_left, window_right, seed, rng_offset, dropout_p) = shared
+    (o_desc, Out, stride_om, stride_oh, Lse, Alibi, stride_lb, stride_lh, stride_lm,
+     stride_ab, stride_ah, q_smem, k_smem, v_smem, o_smem, bias_smem, q_ready, q_empty,
+     k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, pid, programs, H, GROUP,
+     num_m_blocks, n_items, CuSeqQ, CuSeqK, max_seqlen_q, max_seqlen_k, scale_log2,
+     window_left, window_right, seed, rng_offset, dropout_p) = shared
     PARTS: gl.constexpr = BLOCK_M // ROWS
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -219,9 +225,11 @@ def _softmax_partition(
 
     kv = 0  # key tiles consumed so far: the ring's running index
     for j in range(n_items):
-        b, h, hk, start_m, lo, full_lo, full_hi, n_tiles = hopper.query_block(
-            pid, j, programs, H, GROUP, num_m_blocks, seqlen_k, off, window_left,
-            window_right, BLOCK_M, BLOCK_N, FOLD, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+        (b, h, hk, start_m, q_start, _, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
+         n_tiles) = hopper.query_block(
+            pid, j, programs, H, GROUP, num_m_blocks, CuSeqQ, CuSeqK, max_seqlen_q,
+            max_seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, FOLD, IS_VARLEN,
+            BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
         bh = b * H + h  # dropout's stream
         slope = 0.0
         if HAS_ALIBI:
@@ -293,32 +301,45 @@ def _softmax_partition(
             inv_l = inv_l / (1.0 - dropout_p)
         lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2)
         out = acc * gl.convert_layout(inv_l, o_rows)[:, None]
-        tma.store_wait(0)  # the previous block's store has read o_buf (one thread issued it)
-        gl.thread_barrier()
-        o_buf.reshape([ROWS, HEAD_DIM]).store(out.to(dtype))
-        fence_async_shared()
-        # The TMA store clips rows past Sq; it runs on while the next block starts.
-        tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], o_buf)
-        if O_IN_Q:  # o_buf is this warpgroup's Q: refilled once the store has read it
-            tma.store_wait(0)
+        if IS_VARLEN:
+            # A TMA store clips at the packed tensor's end, not at the sequence's: rows
+            # past it belong to the next sequence. Plain masked stores instead.
+            rows = gl.arange(0, ROWS, layout=o_rows)
+            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            tokens = (q_start + row0 + rows).to(gl.int64)
+            o_ptrs = (Out + tokens[:, None] * stride_om + h.to(gl.int64) * stride_oh
+                      + cols[None, :])
+            gl.store(o_ptrs, out.to(dtype), mask=(row0 + rows < seqlen_q)[:, None])
+            if O_IN_Q:
+                mbarrier.arrive(q_empty.index(q_slot))
+        else:
+            tma.store_wait(0)  # the previous block's store has read o_buf (one thread issued it)
             gl.thread_barrier()
-            mbarrier.arrive(q_empty.index(q_slot))
+            o_buf.reshape([ROWS, HEAD_DIM]).store(out.to(dtype))
+            fence_async_shared()
+            # The TMA store clips rows past Sq; it runs on while the next block starts.
+            tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], o_buf)
+            if O_IN_Q:  # o_buf is this warpgroup's Q: refilled once the store has read it
+                tma.store_wait(0)
+                gl.thread_barrier()
+                mbarrier.arrive(q_empty.index(q_slot))
         l_ptrs = (Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
-                  + offs_m.to(gl.int64) * stride_lm)
+                  + (q_start + offs_m).to(gl.int64) * stride_lm)
         gl.store(l_ptrs, lse, mask=offs_m < seqlen_q)
     tma.store_wait(0)
 
 
 @gluon.jit
 def _fwd_sm90_kernel(
-    q_desc, k_desc, v_desc, o_desc, bias_desc, Lse, Rng, Alibi, stride_lb, stride_lh,
-    stride_lm, stride_ab, stride_ah, H, GROUP, bias_batches, bias_heads, seqlen_q, seqlen_k,
-    num_m_blocks, num_items, scale_log2, window_left, window_right, dropout_p,
+    q_desc, k_desc, v_desc, o_desc, bias_desc, Out, Lse, Rng, Alibi, CuSeqQ, CuSeqK,
+    stride_om, stride_oh, stride_lb, stride_lh, stride_lm, stride_ab, stride_ah, H, GROUP,
+    bias_batches, bias_heads, seqlen_q, seqlen_k, num_m_blocks, num_items, scale_log2,
+    window_left, window_right, dropout_p,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, Q_STAGES: gl.constexpr, FOLD: gl.constexpr, O_IN_Q: gl.constexpr,
     HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr, HAS_ALIBI: gl.constexpr,
-    HAS_DROPOUT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
-    BOUNDED_RIGHT: gl.constexpr,
+    HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     # The programs (one per SM at most, persistent) walk the num_items query blocks in
     # strides (hopper.work_item), folded under a mask: pairs of blocks whose work adds
@@ -326,7 +347,6 @@ def _fwd_sm90_kernel(
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
     n_items = hopper.work_items(pid, programs, num_items, FOLD)
-    off = diagonal_offset(seqlen_q, seqlen_k, BOTTOM_RIGHT)
     seed = 0
     rng_offset = 0
     if HAS_DROPOUT:
@@ -337,7 +357,7 @@ def _fwd_sm90_kernel(
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [Q_STAGES * PARTS] + q_desc.block_type.shape,
                                        q_desc.layout)
-    if O_IN_Q:
+    if O_IN_Q or IS_VARLEN:  # varlen stores O from registers
         o_smem = q_smem
     else:
         o_smem = gl.allocate_shared_memory(dtype, [PARTS] + o_desc.block_type.shape,
@@ -356,39 +376,46 @@ def _fwd_sm90_kernel(
 
     # Runtime values only: a constexpr stored in a variable would turn into a tensor, so
     # the constexprs go into each partition's arguments inline.
-    shared = (o_desc, Lse, Alibi, stride_lb, stride_lh, stride_lm, stride_ab, stride_ah,
-              q_smem, k_smem, v_smem, o_smem, bias_smem, q_ready, q_empty, k_ready, v_ready,
-              bias_ready, k_empty, v_empty, bias_empty, pid, programs, H, GROUP, num_m_blocks,
-              n_items, seqlen_q, seqlen_k, off, scale_log2, window_left, window_right, seed,
-              rng_offset, dropout_p)
+    shared = (o_desc, Out, stride_om, stride_oh, Lse, Alibi, stride_lb, stride_lh, stride_lm,
+              stride_ab, stride_ah, q_smem, k_smem, v_smem, o_smem, bias_smem, q_ready,
+              q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, pid,
+              programs, H, GROUP, num_m_blocks, n_items, CuSeqQ, CuSeqK, seqlen_q, seqlen_k,
+              scale_log2, window_left, window_right, seed, rng_offset, dropout_p)
     loads = (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, q_ready,
              q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, pid,
-             programs, H, GROUP, bias_batches, bias_heads, num_m_blocks, n_items, seqlen_k,
-             off, window_left, window_right)
+             programs, H, GROUP, bias_batches, bias_heads, num_m_blocks, n_items, CuSeqQ,
+             CuSeqK, seqlen_q, seqlen_k, window_left, window_right)
     if PARTS == 2:
         gl.warp_specialize([
             (_softmax_partition, (shared, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_STAGES,
                                   FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_ALIBI,
-                                  HAS_DROPOUT, BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                  HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
+                                  BOUNDED_RIGHT)),
             (_softmax_partition, (shared, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_STAGES,
                                   FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_ALIBI,
-                                  HAS_DROPOUT, BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                  HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
+                                  BOUNDED_RIGHT)),
             (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, HAS_BIAS,
-                               BIAS_STAGES, BOUNDED_LEFT, BOUNDED_RIGHT)),
+                               BIAS_STAGES, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
+                               BOUNDED_RIGHT)),
         ], worker_num_warps=[4, 1], worker_num_regs=[232, 24])  # fmt: skip
     else:
         gl.warp_specialize([
             (_softmax_partition, (shared, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_STAGES,
                                   FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_ALIBI,
-                                  HAS_DROPOUT, BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                  HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
+                                  BOUNDED_RIGHT)),
             (_softmax_partition, (shared, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_STAGES,
                                   FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_ALIBI,
-                                  HAS_DROPOUT, BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                  HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
+                                  BOUNDED_RIGHT)),
             (_softmax_partition, (shared, 2, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_STAGES,
                                   FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_ALIBI,
-                                  HAS_DROPOUT, BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                  HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
+                                  BOUNDED_RIGHT)),
             (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, HAS_BIAS,
-                               BIAS_STAGES, BOUNDED_LEFT, BOUNDED_RIGHT)),
+                               BIAS_STAGES, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
+                               BOUNDED_RIGHT)),
         ], worker_num_warps=[4, 4, 1], worker_num_regs=[REGS_3, REGS_3, 24])  # fmt: skip
 
 
@@ -400,9 +427,9 @@ HEAD_DIMS = (64, 128, 256)
 
 
 def supports(spec: AttentionSpec, q, k, v, bias) -> bool:
-    """True where this kernel runs the call: the calls hopper.runs_call names, with
-    enough keys per query to beat forward.py."""
-    return (hopper.runs_call(spec, q, k, v, bias, HEAD_DIMS)
+    """True where this kernel runs the call: the calls hopper.runs_call names, packed
+    (varlen) ones included, with enough keys per query to beat forward.py."""
+    return (hopper.runs_call(spec, q, k, v, bias, HEAD_DIMS, varlen=True)
             and hopper.keys_per_query(spec) >= MIN_KEYS_PER_QUERY[spec.head_dim_qk])
 
 
@@ -425,9 +452,11 @@ def q_stages(head_dim: int, parts: int, has_bias: bool, dropout: bool) -> int:
     return max(fits, default=1)
 
 
-def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, out, lse) -> None:
-    """Fills out (B, Sq, H, D) and lse (B, H, Sq) for a call `supports` accepted;
-    rng_state: dropout's [seed, offset] (memattn.dropout), None without dropout."""
+def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seqlens_q,
+            cu_seqlens_k, out, lse) -> None:
+    """Fills out (B, Sq, H, D), or (Tq, H, D) packed, and lse (B, H, Sq), or (H, Tq), for
+    a call `supports` accepted; rng_state: dropout's [seed, offset] (memattn.dropout),
+    None without dropout."""
     masked = spec.window_left >= 0 or spec.window_right >= 0
     # Three warpgroups have 160 registers a thread: no room for dropout or ALiBi.
     three_parts = (spec.head_dim_qk == 64 and not masked and spec.dropout_p == 0
@@ -440,7 +469,14 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, out, ls
     persistent = PERSISTENT and (not masked or MASKED_PERSISTENT[spec.head_dim_qk])
     num_items = num_m_blocks * spec.batch * spec.heads
     programs = hopper.programs(num_items, fold, persistent, q.device.index)
+    stride_om = stride_oh = 0  # O leaves by TMA but for packed sequences
+    lse_strides = lse.stride()
+    if spec.varlen:  # one batch of all tokens; O and lse by pointer, rows masked
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        stride_om, stride_oh = out.stride(0), out.stride(1)
+        lse_strides = (0, *lse.stride())
     q_desc = hopper.descriptor(q, ROWS.value)
+    o_desc = q_desc if spec.varlen else hopper.descriptor(out, ROWS.value)
     if bias is None:
         bias_desc, bias_batches, bias_heads = q_desc, 1, 1  # a stand-in, never read
     else:
@@ -448,17 +484,18 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, out, ls
         bias_batches, bias_heads = bias_desc.shape[:2]
     _launch_forward(
         (programs,),
-        q_desc, hopper.descriptor(k, block_n), hopper.descriptor(v, block_n),
-        hopper.descriptor(out, ROWS.value), bias_desc, lse, rng_state, alibi_slopes,
-        *lse.stride(), *alibi_strides(alibi_slopes), spec.heads, spec.group, bias_batches,
-        bias_heads, spec.seqlen_q, spec.seqlen_k, num_m_blocks, num_items,
-        spec.scale * LOG2E.value, spec.window_left, spec.window_right, spec.dropout_p,
+        q_desc, hopper.descriptor(k, block_n), hopper.descriptor(v, block_n), o_desc,
+        bias_desc, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+        stride_om, stride_oh, *lse_strides, *alibi_strides(alibi_slopes), spec.heads,
+        spec.group, bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k, num_m_blocks,
+        num_items, spec.scale * LOG2E.value, spec.window_left, spec.window_right,
+        spec.dropout_p,
         HEAD_DIM=spec.head_dim_qk, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES,
         Q_STAGES=q_stages(spec.head_dim_qk, block_m // ROWS.value, bias is not None,
                           spec.dropout_p > 0),
         FOLD=fold, O_IN_Q=O_IN_Q[spec.head_dim_qk], HAS_BIAS=bias is not None,
         BIAS_STAGES=BIAS_STAGES[spec.head_dim_qk], HAS_ALIBI=alibi_slopes is not None,
-        HAS_DROPOUT=spec.dropout_p > 0,
+        HAS_DROPOUT=spec.dropout_p > 0, IS_VARLEN=spec.varlen,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
         BOUNDED_RIGHT=spec.window_right >= 0, num_warps=4,
     )  # fmt: skip

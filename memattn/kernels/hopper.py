@@ -20,7 +20,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime import driver
 
 from ..spec import AttentionSpec
-from .common import key_range
+from .common import diagonal_offset, key_range, sequence_bounds
 
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
@@ -40,14 +40,18 @@ def _major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
-def runs_call(spec: AttentionSpec, q, k, v, bias, head_dims) -> bool:
-    """The calls both Gluon kernels take: a Hopper GPU; bf16/fp16; dense batches; a
-    head dim of the kernel's ``head_dims``, q.k and v alike; causal masks, windows,
-    ALiBi, dropout or a bias TMA can read (`bias_readable`), but not both, no softcap;
-    tensors TMA can read."""
+def runs_call(spec: AttentionSpec, q, k, v, bias, head_dims, varlen: bool = False) -> bool:
+    """The calls both Gluon kernels take: a Hopper GPU; bf16/fp16; dense batches (and,
+    where ``varlen`` says the kernel takes them, packed ones with no bias, ALiBi or
+    dropout); a head dim of the kernel's ``head_dims``, q.k and v alike; causal masks,
+    windows, ALiBi, dropout or a bias TMA can read (`bias_readable`), but not both, no
+    softcap; tensors TMA can read."""
     if not (enabled and q.is_cuda and _major(q.device.index) == 9):
         return False
-    if spec.dtype not in (torch.bfloat16, torch.float16) or spec.varlen or spec.seqlen_k == 0:
+    if spec.dtype not in (torch.bfloat16, torch.float16) or spec.seqlen_k == 0:
+        return False
+    if spec.varlen and not (varlen and bias is None and not spec.has_alibi
+                            and spec.dropout_p == 0):
         return False
     if spec.softcap > 0:
         return False
@@ -189,22 +193,35 @@ def work_items(pid, programs, total, FOLD: gl.constexpr):
 
 @gluon.jit
 def query_block(
-    pid, j, programs, H, GROUP, num_m_blocks, seqlen_k, off, window_left, window_right,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr,
+    pid, j, programs, H, GROUP, num_m_blocks, CuSeqQ, CuSeqK, seqlen_q, seqlen_k,
+    window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    FOLD: gl.constexpr, IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     """The j-th query block of program pid (work_item's order: each head's last block
     first, folded or not) of a grid over query blocks (the forward's, the D=256
-    backward's dQ kernel): (b, h, kv head, first row, key range as common.key_range
-    gives it, count of key tiles)."""
+    backward's dQ kernel): (b, h, kv head, first row, the sequence's first query and
+    key token and lengths, the diagonal's offset, key range as common.key_range gives
+    it, count of key tiles). Varlen (packed sequences, cu_seqlens): blocks count to
+    the longest sequence, and a block past its own sequence's end has no key tile."""
     bh, rank = work_item(pid, j, programs, num_m_blocks, FOLD)
     m_block = num_m_blocks - 1 - rank
+    b = bh // H
     h = bh % H
     start_m = m_block * BLOCK_M
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(CuSeqQ, CuSeqK, b, seqlen_q,
+                                                           seqlen_k, IS_VARLEN)
+    off = diagonal_offset(seqlen_q, seqlen_k, BOTTOM_RIGHT)
     lo, full_lo, full_hi, hi = key_range(
         start_m, seqlen_k, off, window_left, window_right,
         BLOCK_M, BLOCK_N, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
-    return bh // H, h, h // GROUP, start_m, lo, full_lo, full_hi, gl.cdiv(hi - lo, BLOCK_N)
+    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+    if IS_VARLEN:
+        if start_m >= seqlen_q:
+            n_tiles = 0
+    return (b, h, h // GROUP, start_m, q_start, k_start, seqlen_q, seqlen_k, off, lo, full_lo,
+            full_hi, n_tiles)
+
 
 # Rings of shared-memory slots between a kernel's TMA load warp and its consumers. Item
 # i goes to slot i % STAGES; the slot's ready barrier completes when the item's bytes
