@@ -14,16 +14,20 @@ Programs run persistent: one per SM at most walks the query blocks in strides (u
 mask in pairs of blocks of equal work), and with two Q buffers (where shared memory
 holds them) each block's Q and first tiles load while the previous block ends
 (`_fwd_sm90_kernel`; at D=256 masked calls run a program per pair). The output leaves
-by a TMA store, which clips rows past Sq; TMA loads zero-fill past S.
+by a TMA store, which clips rows past Sq; TMA loads zero-fill past S. Packed sequences
+(varlen) are one batch of all tokens to TMA: blocks count to the longest sequence, loads
+start at each sequence's first token, and O leaves by masked pointer stores (a TMA
+store would clip at the packed tensor's end, not the sequence's).
 
 A bias comes by TMA too: the load warp puts each key tile's BLOCK_M x BLOCK_N bias
 tile in a ring beside K's, each warpgroup reads its rows. Dropout's keep bits come from
 hopper.dropout_keep, drawn while the warpgroup's matmuls run; P·V takes the kept
 probabilities and the output the 1 / (1 - p).
 
-Covers bf16/fp16, head dims 64, 128 and 256 (q·k and v alike), dense batches, GQA, causal
-masks either way, sliding windows, a bias TMA can read, or dropout (hopper.runs_call
-says which); every other call runs forward.py: softcap, ALiBi, varlen.
+Covers bf16/fp16, head dims 64, 128 and 256 (q·k and v alike), GQA, causal masks either
+way, sliding windows, ALiBi, a bias TMA can read or dropout, in dense batches, and
+packed ones with none of the last three (hopper.runs_call says which); every other call
+runs forward.py: softcap, Dqk != Dv, fp32.
 """
 
 from __future__ import annotations
