@@ -510,6 +510,7 @@ def _dq_load_partition(
                                          + 2 * stats_desc.block_type.nbytes)
     kv = 0
     for j in range(n_items):
+        # Dense batches only: no cu_seqlens (the 0s), IS_VARLEN off.
         b, h, hk, start_m, _, _, _, _, off, lo, full_lo, full_hi, n_tiles = hopper.query_block(
             pid, j, programs, H, GROUP, num_m_blocks, 0, 0, seqlen_q, seqlen_k, window_left,
             window_right, BLOCK_M, BLOCK_N, FOLD, False, BOTTOM_RIGHT, BOUNDED_LEFT,
@@ -652,6 +653,8 @@ def _bwd_dq_d256_kernel(
                                   BOUNDED_LEFT, BOUNDED_RIGHT)),
          (_dq_load_partition, (loads, BLOCK_M, BLOCK_N, FOLD, BOTTOM_RIGHT, BOUNDED_LEFT,
                                BOUNDED_RIGHT))],
+        # dQ alone takes 128 registers a thread: the second warpgroup gets the most
+        # there is, and Triton gives the first (the default partition) 224 of the rest.
         worker_num_warps=[4, 1], worker_num_regs=[256, 24])  # fmt: skip
 
 
