@@ -8,7 +8,6 @@ import statistics
 import time
 
 import torch
-import triton
 from triton import knobs
 from triton.runtime import driver
 
@@ -38,14 +37,15 @@ for s, h in ((128, 2), (1024, 16)):
     spec = check_call(q, k, v, causal=True)
     out = torch.empty_like(q)
     lse = torch.empty(1, h, s, device="cuda", dtype=torch.float32)
-    n_m = triton.cdiv(s, 128)
-    grid = (triton.cdiv(n_m, 2) * h,)
-    descs = (hopper.descriptor(q, 64), hopper.descriptor(k, 128), hopper.descriptor(v, 128),
-             hopper.descriptor(out, 64))
-    args = (*descs, lse, *lse.stride(), h, 1, s, s, n_m, 0.1, -1, 0)
-    consts = dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_N=128, STAGES=2, FOLD=True, BOTTOM_RIGHT=False,
-                  BOUNDED_LEFT=False, BOUNDED_RIGHT=True)
-    kern = forward_sm90._fwd_sm90_kernel[grid](*args, **consts, num_warps=4)
+    # The kernel's arguments as forward_sm90.forward builds them: caught from one call.
+    caught = []
+    launcher = forward_sm90._launch_forward
+    forward_sm90._launch_forward = lambda grid, *a, **kw: caught.append((grid, a, kw))
+    forward_sm90.forward(spec, q, k, v, None, None, None, None, None, out, lse)
+    forward_sm90._launch_forward = launcher
+    grid, args, kwargs = caught[0]
+    consts = {name: value for name, value in kwargs.items() if name != "num_warps"}
+    kern = forward_sm90._fwd_sm90_kernel[grid](*args, **kwargs)
     dev = driver.active.get_current_device()
 
     def direct():
@@ -63,7 +63,7 @@ for s, h in ((128, 2), (1024, 16)):
         "4 descriptors": lambda: [hopper.descriptor(q, 64), hopper.descriptor(k, 128),
                                   hopper.descriptor(v, 128), hopper.descriptor(out, 64)],
         "JITFunction[grid](...)": lambda: forward_sm90._fwd_sm90_kernel[grid](
-            *args, **consts, num_warps=4),
+            *args, **kwargs),
         "kernel.run direct": direct,
         "torch.empty x2": lambda: (torch.empty_like(q), torch.empty(1, h, s, device="cuda")),
     }
