@@ -316,29 +316,19 @@ def forward(
     lse float32 (B, H, Sq) or (H, Tq), natural log, -inf for rows with no visible key;
     rng_state the ``[seed, offset]`` used (an empty tensor without dropout).
     """
-    out, lse, rng = forward_outputs(
+    spec = _check_user_call(
         q, k, v, causal=causal, window=window, align=align, bias=bias,
         alibi_slopes=alibi_slopes, softcap=softcap, scale=scale, dropout_p=dropout_p,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, deterministic=deterministic, rng_state=rng_state,
+        max_seqlen_k=max_seqlen_k, deterministic=deterministic,
     )  # fmt: skip
-    if rng is None:
-        rng = torch.empty(0, dtype=torch.int64, device=q.device)
-    return out, lse, rng
-
-
-def forward_outputs(q: Tensor, k: Tensor, v: Tensor, *, rng_state: Tensor | None = None,
-                    **options) -> tuple[Tensor, Tensor, Tensor | None]:
-    """`forward` with rng_state None, not an empty tensor, without dropout: what
-    memattn.attention calls, which discards it (an empty CUDA tensor costs a few µs of
-    host time per call)."""
-    spec = _check_user_call(q, k, v, **options)
     rng = _check_rng_state(rng_state, spec) if spec.dropout_p > 0 else None
     tensors, same_as = _without_repeats(
-        [q, k, v, options["bias"], options["alibi_slopes"], options["cu_seqlens_q"],
-         options["cu_seqlens_k"], rng])  # fmt: skip
+        [q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng])
     direct = spec if _skips_dispatcher(tensors) else None
     out, lse = _Attention.apply(*tensors, same_as, direct, *_op_options(spec))
+    if rng is None:
+        rng = torch.empty(0, dtype=torch.int64, device=spec.device)
     return out, lse, rng
 
 
