@@ -69,16 +69,16 @@ _SPEC_CACHE: dict[tuple, AttentionSpec] = {}
 def _metadata(t: Tensor | None):
     if t is None:
         return None
-    return (tuple(t.shape), t.stride(), t.dtype, t.device)
+    return (t.shape, t.stride(), t.dtype, t.device)
 
 
 def _memoised(tensors: tuple, options: tuple, check) -> AttentionSpec:
     """check(), memoised on the tensors' metadata and the options, which are all a check
     of a dense call reads: a full check costs a tenth of a small call's host time, all
-    of it before the kernel launches. Symbolic shapes (torch.compile with dynamic
+    of it before the kernel launches. Traced calls (torch.compile, export: symbolic
     shapes), tensor subclasses and unhashable options are checked every time."""
-    if not all(t is None or (type(t) is Tensor and all(type(d) is int for d in t.shape))
-               for t in tensors):  # fmt: skip
+    if torch.compiler.is_compiling() or not all(t is None or type(t) is Tensor
+                                                for t in tensors):  # fmt: skip
         return check()
     key = (*map(_metadata, tensors), *options)
     try:
@@ -99,18 +99,28 @@ def _op_spec(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *options) 
     return _memoised(tensors, ("op", *options), lambda: _check_op_call(*tensors, *options))
 
 
-def _check_user_call(q, k, v, **options) -> AttentionSpec:
-    """check_call for the Python entry points. Dense calls are memoised (_memoised); the
-    key holds each option's type beside its value, so that True does not pass for 1 nor
-    1 for 1.0 (nor inside window's tuple). Varlen calls read cu_seqlens' values every time."""
-    if options["cu_seqlens_q"] is not None or options["cu_seqlens_k"] is not None:
-        return check_call(q, k, v, **options)
-    tensors = (q, k, v, options["bias"], options["alibi_slopes"])
-    key = tuple((name, type(value), value,
-                 tuple(map(type, value)) if type(value) is tuple else None)
-                for name, value in options.items()
-                if name not in ("bias", "alibi_slopes"))  # fmt: skip
-    return _memoised(tensors, ("user", *key), lambda: check_call(q, k, v, **options))
+# The options of the Python entry points, in the order _check_user_call takes them.
+_USER_OPTIONS = ("causal", "window", "align", "softcap", "scale", "dropout_p", "max_seqlen_q",
+                 "max_seqlen_k", "deterministic")
+
+
+def _check_user_call(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                     options: tuple) -> AttentionSpec:  # fmt: skip
+    """check_call for the Python entry points, ``options`` their values in _USER_OPTIONS'
+    order. Dense calls are memoised (_memoised); the key holds each option's type beside
+    its value, so that True does not pass for 1 nor 1 for 1.0 (nor inside window's
+    tuple). Varlen calls read cu_seqlens' values every time."""
+
+    def check():
+        return check_call(q, k, v, bias=bias, alibi_slopes=alibi_slopes,
+                          cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                          **dict(zip(_USER_OPTIONS, options)))  # fmt: skip
+
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        return check()
+    window = options[1]
+    types = (*map(type, options), tuple(map(type, window)) if type(window) is tuple else None)
+    return _memoised((q, k, v, bias, alibi_slopes), ("user", *options, *types), check)
 
 
 def _check_op_call(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, window_left,
@@ -192,13 +202,15 @@ def _run_backward(spec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slope
 
 def _skips_dispatcher(tensors) -> bool:
     """Whether a call may run the op bodies directly instead of through PyTorch's
-    dispatcher: plain tensors, nothing tracing (torch.compile, export) and no
-    dispatch or torch-function mode (FakeTensorMode, DeviceContext, ...) to honour.
+    dispatcher: plain tensors, nothing tracing (torch.compile, export), no functorch
+    transform (vmap, grad) and no dispatch or torch-function mode (FakeTensorMode,
+    DeviceContext, ...) to honour.
     The dispatcher's Python layers (autograd key, redispatch, backend wrapper, dynamo's
     disable guard) cost more host time per call than a small shape's kernels."""
     return (not torch.compiler.is_compiling()
             and not torch._C._len_torch_dispatch_stack()
             and not torch._C._is_torch_function_mode_enabled()
+            and not torch._C._are_functorch_transforms_active()
             and all(t is None or type(t) is Tensor for t in tensors))  # fmt: skip
 
 
@@ -221,45 +233,43 @@ class _Attention(torch.autograd.Function):
     call (measured on the CPU) in torch's argument re-binding, more than the whole
     kernel at small shapes.
 
-    Inputs: the op's tensors with repeats replaced by None, ``same_as`` (for each, the
-    index of the earlier identical tensor, or -1), the checked spec where the call may
-    skip the dispatcher (None: go through the ops), then the op's options. Dynamo rejects
+    Inputs: the op's tensors with repeats replaced by None, then one tuple (one
+    argument: each costs host time in Function.apply) of ``same_as`` (for each tensor,
+    the index of the earlier identical tensor, or -1), the checked spec where the call
+    may skip the dispatcher (None: go through the ops), the op's options, and
+    (out, lse) where the forward has already run (`forward`), None otherwise. Dynamo rejects
     a Function given one tensor twice (cu_seqlens_q is cu_seqlens_k in self-attention,
     q is k is v in some tests); the repeats' gradients are summed into the first."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, alibi, cu_q, cu_k, rng_state, same_as, spec, *options):
+    def forward(ctx, q, k, v, bias, alibi, cu_q, cu_k, rng_state, call):
+        same_as, spec, options, outputs = call
         tensors = [q, k, v, bias, alibi, cu_q, cu_k, rng_state]
         tensors = [t if j < 0 else tensors[j] for t, j in zip(tensors, same_as)]
-        if spec is not None:
-            out, lse = _run_forward(spec, *tensors)
-        else:
-            out, lse = torch.ops.memattn.forward(*tensors, *options)
+        out, lse = outputs or torch.ops.memattn.forward(*tensors, *options)
         ctx.save_for_backward(*tensors, out, lse)
         ctx.set_materialize_grads(False)  # an unused lse gets None, not a zero-filled tensor
-        ctx.same_as = same_as
-        ctx.spec = spec
-        ctx.options = options
+        ctx.call = (same_as, spec, options)  # not the outputs: saved above
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, bias, alibi, cu_q, cu_k, rng_state, out, lse = ctx.saved_tensors
-        same_as = ctx.same_as
+        same_as, spec, options = ctx.call
         needs = [bool(ctx.needs_input_grad[i if same_as[i] < 0 else same_as[i]])
                  for i in range(4)]  # fmt: skip
-        *options, deterministic = ctx.options
+        *options, deterministic = options
         deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         args = (grad_out, grad_lse, q, k, v, out, lse, bias, alibi, cu_q, cu_k, rng_state)
-        grads = _call_backward(ctx.spec, args, options, deterministic, needs)
+        grads = _call_backward(spec, args, options, deterministic, needs)
         grads = [g if need else None for g, need in zip(grads, needs)]
         for i in range(4):
             if same_as[i] >= 0 and grads[i] is not None:
                 grads[same_as[i]] = grads[same_as[i]] + grads[i]
                 grads[i] = None
-        return (*grads, *([None] * (len(ctx.options) + 6)))
+        return (*grads, None, None, None, None, None)  # alibi, cu_q, cu_k, rng_state, call
 
 
 def _call_backward(spec, args, options, deterministic: bool, needs) -> tuple:
@@ -277,10 +287,15 @@ def _without_repeats(tensors: list) -> tuple[list, tuple[int, ...]]:
     """``tensors`` with each repeat of an earlier tensor replaced by None, and for each
     the index of that earlier tensor (-1 for a first occurrence or None)."""
     same_as = [-1] * len(tensors)
-    for i, t in enumerate(tensors):  # `is`, not id(): dynamo cannot trace id() of a tensor
+    for i in range(1, len(tensors)):  # `is`, not id(): dynamo cannot trace id() of a tensor
+        t = tensors[i]
         if t is not None:
-            same_as[i] = next((j for j in range(i) if tensors[j] is t), -1)
-    return [None if j >= 0 else t for t, j in zip(tensors, same_as)], tuple(same_as)
+            for j in range(i):
+                if tensors[j] is t:
+                    same_as[i] = j
+                    break
+    same_as = tuple(same_as)
+    return [None if j >= 0 else t for t, j in zip(tensors, same_as)], same_as
 
 
 # ------------------------------------------------------------------ the Python entry points
@@ -316,17 +331,18 @@ def forward(
     lse float32 (B, H, Sq) or (H, Tq), natural log, -inf for rows with no visible key;
     rng_state the ``[seed, offset]`` used (an empty tensor without dropout).
     """
-    spec = _check_user_call(
-        q, k, v, causal=causal, window=window, align=align, bias=bias,
-        alibi_slopes=alibi_slopes, softcap=softcap, scale=scale, dropout_p=dropout_p,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, deterministic=deterministic,
-    )  # fmt: skip
+    spec = _check_user_call(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                            (causal, window, align, softcap, scale, dropout_p, max_seqlen_q,
+                             max_seqlen_k, deterministic))  # fmt: skip
     rng = _check_rng_state(rng_state, spec) if spec.dropout_p > 0 else None
-    tensors, same_as = _without_repeats(
-        [q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng])
-    direct = spec if _skips_dispatcher(tensors) else None
-    out, lse = _Attention.apply(*tensors, same_as, direct, *_op_options(spec))
+    inputs = [q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng]
+    direct = spec if _skips_dispatcher(inputs) else None
+    # Where the call may skip the dispatcher, the kernels launch before the Function
+    # records the call: its bookkeeping then runs while they do, not before (PERFORMANCE.md
+    # v15: the host time before a launch is what a small call waits for).
+    outputs = _run_forward(spec, *inputs) if direct is not None else None
+    tensors, same_as = _without_repeats(inputs)
+    out, lse = _Attention.apply(*tensors, (same_as, direct, _op_options(spec), outputs))
     if rng is None:
         rng = torch.empty(0, dtype=torch.int64, device=spec.device)
     return out, lse, rng
@@ -367,12 +383,9 @@ def backward(
     dtype. deterministic=True (or torch.use_deterministic_algorithms(True)) makes every
     gradient bit-identical across runs.
     """
-    spec = _check_user_call(
-        q, k, v, causal=causal, window=window, align=align, bias=bias,
-        alibi_slopes=alibi_slopes, softcap=softcap, scale=scale, dropout_p=dropout_p,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, deterministic=deterministic,
-    )  # fmt: skip
+    spec = _check_user_call(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                            (causal, window, align, softcap, scale, dropout_p, max_seqlen_q,
+                             max_seqlen_k, deterministic))  # fmt: skip
     out_shape, lse_shape = output_shapes(spec, q)
     for name, t in (("grad_out", grad_out), ("out", out)):
         if not isinstance(t, Tensor):
