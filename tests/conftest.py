@@ -28,3 +28,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device():
     return DEVICE
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _check_launch_variants():
+    """Every Gluon launch given a `variant` also works out its key from the arguments and
+    checks that the variant's first launch had the same (hopper.Launcher): the suite
+    then tests each caller's variant against every call it makes."""
+    from memattn.kernels import hopper
+
+    hopper.CHECK_VARIANTS = True

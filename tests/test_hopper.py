@@ -77,11 +77,13 @@ def launcher(monkeypatch):
     return hopper.Launcher(_StandInJit())
 
 
-def test_launcher_compiles_once_per_specialisation_then_launches_directly(launcher):
+def test_launcher_goes_through_triton_once_per_key_then_launches_directly(launcher):
+    """The first launch of a key goes through JITFunction.run (which compiles where its
+    own cache has not); later ones go straight to the C launcher, whatever the grid."""
     x = torch.zeros(64)
     launcher((3,), x, 32, 0.5, BLOCK=16, FLAG=True, num_warps=4)
     assert len(launcher.fn.compiles) == 1
-    launcher((5,), x, 48, 0.25, BLOCK=16, FLAG=True, num_warps=4)  # same specialisation
+    launcher((5,), x, 32, 0.5, BLOCK=16, FLAG=True, num_warps=4)
     assert len(launcher.fn.compiles) == 1
     run = launcher.fn.compiles[0][3].run
     assert run.runs == []
@@ -91,7 +93,49 @@ def test_launcher_compiles_once_per_specialisation_then_launches_directly(launch
     (launch,) = run.c_launches
     assert launch[:13] == (5, 1, 1, 1234, "fn", False, True, None, None, "meta", None, None,
                            None)  # fmt: skip
-    assert launch[13:] == (x, 48, 0.25, 16, True)
+    assert launch[13:] == (x, 32, 0.5, 16, True)
+
+
+def test_launcher_keys_scalars_by_value_and_type(launcher):
+    """A scalar of another value, or of another type with an equal value (1, 1.0 and
+    True hash alike), is a new key: it goes through JITFunction.run, which specialises
+    it as it should, and only then launches directly."""
+    x = torch.zeros(64)
+    for n, f in ((32, 0.5), (48, 0.5), (32, 0.25), (1, 0.5), (1.0, 0.5), (True, 0.5),
+                 (32, 1), (32, 0.5)):  # fmt: skip
+        launcher((3,), x, n, f, BLOCK=16, FLAG=True, num_warps=4)
+    assert [c[1][1:] for c in launcher.fn.compiles] == [
+        (32, 0.5), (48, 0.5), (32, 0.25), (1, 0.5), (1.0, 0.5), (True, 0.5), (32, 1)]
+    assert [type(c[1][1]) for c in launcher.fn.compiles[3:6]] == [int, float, bool]
+    assert launcher.fn.compiles[0][3].run.c_launches[0][13:] == (x, 32, 0.5, 16, True)
+
+
+def test_launcher_keys_a_variant_without_working_out_the_arguments(launcher, monkeypatch):
+    """A caller's variant replaces the arguments' specialisations in the key: the same
+    variant launches directly whatever the scalars; a new one goes through run()."""
+    monkeypatch.setattr(hopper, "CHECK_VARIANTS", False)
+    monkeypatch.setattr(hopper, "_specialisation", None)  # never called with a variant
+    x = torch.zeros(64)
+    launcher((3,), x, 32, 0.5, BLOCK=16, FLAG=True, num_warps=4, variant=("a", 1))
+    launcher((5,), x, 48, 0.5, BLOCK=16, FLAG=True, num_warps=4, variant=("a", 1))
+    assert len(launcher.fn.compiles) == 1
+    assert launcher.fn.compiles[0][3].run.c_launches[0][13:] == (x, 48, 0.5, 16, True)
+    launcher((5,), x, 48, 0.5, BLOCK=16, FLAG=True, num_warps=4, variant=("a", 2))
+    launcher((5,), x, 48, 0.5, BLOCK=32, FLAG=True, num_warps=4, variant=("a", 1))
+    assert len(launcher.fn.compiles) == 3  # another variant, other constexprs
+
+
+def test_launcher_checks_variants_against_the_arguments(launcher, monkeypatch):
+    """With CHECK_VARIANTS (the suites set it) a variant launched with arguments of
+    another specialisation than its first launch is a caller's bug, and raises."""
+    monkeypatch.setattr(hopper, "CHECK_VARIANTS", True)
+    x = torch.zeros(64)
+    launcher((3,), x, 32, 0.5, BLOCK=16, FLAG=True, num_warps=4, variant="v")
+    launcher((4,), x, 32, 0.5, BLOCK=16, FLAG=True, num_warps=4, variant="v")
+    with pytest.raises(AssertionError, match="another specialisation"):
+        launcher((4,), x, 1, 0.5, BLOCK=16, FLAG=True, num_warps=4, variant="v")
+    with pytest.raises(AssertionError, match="another specialisation"):
+        launcher((4,), x[1:], 32, 0.5, BLOCK=16, FLAG=True, num_warps=4, variant="v")
 
 
 def test_launcher_goes_through_triton_with_a_launch_hook(launcher, monkeypatch):
@@ -100,15 +144,15 @@ def test_launcher_goes_through_triton_with_a_launch_hook(launcher, monkeypatch):
     launcher((3,), x, 32, 0.5, BLOCK=16, FLAG=True, num_warps=4)
     hook = hopper.knobs.HookChain()  # Triton's default: empty, so not called
     monkeypatch.setattr(hopper.knobs.runtime, "launch_enter_hook", hook)
-    launcher((4,), x, 48, 0.25, BLOCK=16, FLAG=True, num_warps=4)
+    launcher((4,), x, 32, 0.5, BLOCK=16, FLAG=True, num_warps=4)
     run = launcher.fn.compiles[0][3].run
     assert len(run.c_launches) == 1 and run.runs == []
     hook.add(lambda metadata: None)
-    launcher((5,), x, 48, 0.25, BLOCK=16, FLAG=True, num_warps=4)
+    launcher((5,), x, 32, 0.5, BLOCK=16, FLAG=True, num_warps=4)
     assert len(run.c_launches) == 1
     (launch,) = run.runs
     assert launch[:8] == (5, 1, 1, 1234, "fn", "meta", "launch meta", hook)
-    assert launch[9:] == (x, 48, 0.25, 16, True)
+    assert launch[9:] == (x, 32, 0.5, 16, True)
 
 
 def test_tensor_maps_are_encoded_once_per_address_and_geometry(monkeypatch):

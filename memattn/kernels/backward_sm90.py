@@ -738,6 +738,11 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
         bias_batches, bias_heads = bias_desc.shape[:2]
     if dbias is not None:
         dbias_desc = hopper.bias_descriptor(dbias, BLOCK_M, BLOCK_N // 2)
+    alibi_batch_stride, alibi_head_stride = alibi_strides(alibi_slopes)
+    # What fixes the arguments' specialisation (hopper.Launcher): the spec, the ints it
+    # does not fix, the pointers' alignment (dk and dv are fresh, so aligned).
+    variant = (spec, bias_batches, bias_heads, alibi_batch_stride, alibi_head_stride,
+               hopper.aligned(rng_state), hopper.aligned(alibi_slopes))  # fmt: skip
     _launch_backward(
         (num_n * spec.batch * spec.kv_heads,),
         q_desc, hopper.descriptor(k, BLOCK_N, swizzle=k_swizzle),
@@ -745,14 +750,14 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
         hopper.descriptor(dq, BLOCK_M, cols=half_d),
         _row_stats_descriptor(stats, spec.seqlen_q), bias_desc, dbias_desc, dk, dv, rng_state,
         alibi_slopes, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1),
-        dv.stride(2), *alibi_strides(alibi_slopes), spec.kv_heads, spec.group, bias_batches,
-        bias_heads, spec.seqlen_q, spec.seqlen_k, num_n, spec.scale, spec.window_left,
+        dv.stride(2), alibi_batch_stride, alibi_head_stride, spec.kv_heads, spec.group,
+        bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k, num_n, spec.scale, spec.window_left,
         spec.window_right, spec.dropout_p,
         HEAD_DIM=spec.head_dim_qk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
         HAS_BIAS=bias is not None, HAS_DBIAS=dbias is not None,
         HAS_ALIBI=alibi_slopes is not None, HAS_DROPOUT=spec.dropout_p > 0,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
-        BOUNDED_RIGHT=spec.window_right >= 0, num_warps=4,
+        BOUNDED_RIGHT=spec.window_right >= 0, num_warps=4, variant=variant,
     )  # fmt: skip
 
 
@@ -773,6 +778,7 @@ def _backward_d256(spec: AttentionSpec, q, k, v, grad_out, stats, dq, dk, dv) ->
         spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_n, spec.scale,
         spec.window_left, spec.window_right,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N_D256, STAGES=STAGES, **bounds, num_warps=4,
+        variant=spec,  # the spec fixes every argument's specialisation (hopper.Launcher)
     )  # fmt: skip
     block_m = 2 * ROWS.value
     num_m = -(-spec.seqlen_q // block_m)
@@ -785,5 +791,5 @@ def _backward_d256(spec: AttentionSpec, q, k, v, grad_out, stats, dq, dk, dv) ->
         do_desc, hopper.descriptor(dq, ROWS.value), stats_desc, spec.heads, spec.group,
         spec.seqlen_q, spec.seqlen_k, num_m, num_items, spec.scale, spec.window_left,
         spec.window_right, BLOCK_M=block_m, BLOCK_N=DQ_BLOCK_N, FOLD=fold, **bounds,
-        num_warps=4,
+        num_warps=4, variant=spec,
     )  # fmt: skip

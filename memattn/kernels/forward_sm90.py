@@ -32,6 +32,8 @@ runs forward.py: softcap, Dqk != Dv, fp32.
 
 from __future__ import annotations
 
+import functools
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -82,7 +84,7 @@ PERSISTENT = True
 MASKED_PERSISTENT = {64: True, 128: True, 256: False}
 MIN_BLOCKS_TO_FOLD = {64: 0, 128: 0, 256: 5}
 # Q's buffers: two where shared memory holds them, so that a program's next query
-# block loads while this one runs. Tools set MAX_Q_STAGES to A/B.
+# block loads while this one runs. Tools set MAX_Q_STAGES to A/B (and clear q_stages' cache).
 MAX_Q_STAGES = 2
 SHARED_MEMORY = 227 * 1024  # an H100 block's opt-in maximum
 
@@ -440,6 +442,7 @@ def supports(spec: AttentionSpec, q, k, v, bias) -> bool:
 _launch_forward = hopper.Launcher(_fwd_sm90_kernel)
 
 
+@functools.cache  # host time on every call otherwise
 def q_stages(head_dim: int, parts: int, has_bias: bool, dropout: bool) -> int:
     """Q buffers a program gets: two where shared memory holds them beside the K and V
     rings, O's buffer and the bias's, one otherwise (and always with O in Q's buffer).
@@ -486,11 +489,18 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
     else:
         bias_desc = hopper.bias_descriptor(bias, ROWS.value, block_n)
         bias_batches, bias_heads = bias_desc.shape[:2]
+    alibi_batch_stride, alibi_head_stride = alibi_strides(alibi_slopes)
+    # What fixes the arguments' specialisation (hopper.Launcher): the spec, the ints it
+    # does not fix (packed lse's stride is the token count), the pointers' alignment.
+    # out and lse are fresh, so aligned.
+    variant = (spec, *lse_strides, bias_batches, bias_heads, alibi_batch_stride,
+               alibi_head_stride, hopper.aligned(rng_state), hopper.aligned(alibi_slopes),
+               hopper.aligned(cu_seqlens_q), hopper.aligned(cu_seqlens_k))  # fmt: skip
     _launch_forward(
         (programs,),
         q_desc, hopper.descriptor(k, block_n), hopper.descriptor(v, block_n), o_desc,
         bias_desc, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-        stride_om, stride_oh, *lse_strides, *alibi_strides(alibi_slopes), spec.heads,
+        stride_om, stride_oh, *lse_strides, alibi_batch_stride, alibi_head_stride, spec.heads,
         spec.group, bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k, num_m_blocks,
         num_items, spec.scale * LOG2E.value, spec.window_left, spec.window_right,
         spec.dropout_p,
@@ -501,5 +511,5 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
         BIAS_STAGES=BIAS_STAGES[spec.head_dim_qk], HAS_ALIBI=alibi_slopes is not None,
         HAS_DROPOUT=spec.dropout_p > 0, IS_VARLEN=spec.varlen,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
-        BOUNDED_RIGHT=spec.window_right >= 0, num_warps=4,
+        BOUNDED_RIGHT=spec.window_right >= 0, num_warps=4, variant=variant,
     )  # fmt: skip

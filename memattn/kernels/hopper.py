@@ -6,6 +6,7 @@ builtin Triton 3.6 lacks (TMA reduce-add), and a launcher."""
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -30,9 +31,10 @@ enabled = triton.__version__.startswith("3.6.")
 
 
 def tma_readable(t: torch.Tensor) -> bool:
-    """Unit last stride, 16-byte aligned base and strides: what a TMA descriptor needs."""
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all(s % 8 == 0 for s in t.stride()[:-1]))
+    """Unit last stride, 16-byte aligned base and strides: what a TMA descriptor needs
+    (2-byte elements: the outer strides' gcd a multiple of 8, a zero stride too)."""
+    *outer, last = t.stride()
+    return last == 1 and t.data_ptr() % 16 == 0 and math.gcd(*outer) % 8 == 0
 
 
 @functools.cache
@@ -345,41 +347,72 @@ def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
                                               tensor_desc.handle, coord, src.handle)
 
 
-def _specialisation(arg) -> tuple:
-    """What JITFunction.run specialises a kernel on, for one argument: an int's 1,
-    divisibility by 16 and width, a tensor's dtype and 16-byte alignment, a descriptor's
-    dtype, block and layout; a float's or a bool's type alone."""
-    if isinstance(arg, TensorDescriptor):
+# Arguments a launch key holds by value: Triton specialises an int on its value (is it
+# 1, divisible by 16, its width), a float or a bool on its type. Keying on the value
+# (the types sit beside it in the key) costs a tenth of working those out on each call,
+# and only makes more keys: a new value first launches through JITFunction.run.
+_BY_VALUE = frozenset({int, float, bool, type(None)})
+
+
+def _specialisation(arg):
+    """What a launch key holds for one argument: a scalar's value, a tensor's dtype and
+    16-byte alignment, a descriptor's dtype, block and layout (what JITFunction.run
+    specialises a kernel on, or finer)."""
+    if type(arg) in _BY_VALUE:
+        return arg
+    if type(arg) is TensorDescriptor:
         return (arg.base.dtype, *arg.block_shape, arg.layout)
     if isinstance(arg, torch.Tensor):
         return (arg.dtype, arg.data_ptr() % 16 == 0)
-    if type(arg) is int:
-        return (arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31, arg < 2**63)
-    return (type(arg),)
+    return type(arg)
+
+
+# Tests set this: every launch given a `variant` then also works out the full key and
+# checks that the variant's first launch had the same (Launcher).
+CHECK_VARIANTS = False
+
+
+def aligned(t: torch.Tensor | None) -> bool:
+    """Whether a pointer argument is 16-byte aligned (None is): what Triton specialises
+    a tensor on beside its dtype, for a caller's `variant`."""
+    return t is None or t.data_ptr() % 16 == 0
 
 
 class Launcher:
     """Launches a kernel straight through its compiled launcher after the first call
     of each variant. JITFunction.run binds and specialises every argument in Python on
     every call: ~25-40 us of the device host's time per launch (PERFORMANCE.md v7),
-    as long as a whole small kernel. The variant's key here is what run() specialises
-    on (`_specialisation`), plus the constexprs and launch options; a new key goes
-    through run(), which compiles and launches it. Call as launcher(grid, *args, **kw)
-    with the constexprs and options as keywords."""
+    as long as a whole small kernel. The variant's key is the constexprs and launch
+    options, plus either the arguments' types and `_specialisation`s (as fine as run()'s
+    specialisation or finer), or, cheaper (~3 µs per launch on a workstation, several
+    times that on the device's host), a ``variant`` from the caller: a hashable that
+    fixes every argument's specialisation (the call's spec, its ints that the spec does
+    not fix, its pointers' alignment). A new key goes through run(), which compiles
+    (where its own cache has not) and launches it. Call as
+    launcher(grid, *args, variant=..., **kw) with the constexprs and options as keywords."""
 
     def __init__(self, fn):
         self.fn = fn
         self.kernels = {}  # key -> _Compiled
 
-    def __call__(self, grid, *args, **kwargs):
+    def __call__(self, grid, *args, variant=None, **kwargs):
         device = driver.active.get_current_device()
-        key = (device, *kwargs.items(), *map(_specialisation, args))
+        full = None
+        if variant is None or CHECK_VARIANTS:
+            full = (device, *kwargs.items(), *map(type, args), *map(_specialisation, args))
+        key = full if variant is None else (device, *kwargs.items(), variant)
         found = self.kernels.get(key)
         if found is None:
             kernel = self.fn[grid](*args, **kwargs)
             constexprs = [kwargs[name] for name in self.fn.arg_names[len(args):]]
-            self.kernels[key] = _Compiled(kernel, constexprs, args)
+            if len(self.kernels) >= 4096:  # many distinct shapes: start over
+                self.kernels.clear()
+            self.kernels[key] = _Compiled(kernel, constexprs, args, full)
             return
+        if CHECK_VARIANTS and found.full_key != full:
+            name = getattr(self.fn, "__name__", self.fn)
+            raise AssertionError(f"{name}: variant {variant!r} launched with arguments of "
+                                 "another specialisation than its first launch")
         found.launch(grid[0], driver.active.get_current_stream(device), args)
 
 
@@ -391,9 +424,10 @@ class _Compiled:
     host's time for a forward (PERFORMANCE.md v12). A launch hook (a profiler such as
     proton), scratch memory or a launcher of another shape take Triton's own path."""
 
-    def __init__(self, kernel, constexprs, args):
+    def __init__(self, kernel, constexprs, args, full_key):
         self.kernel = kernel
         self.constexprs = constexprs
+        self.full_key = full_key  # Launcher's key from the arguments, where worked out
         metas = iter(getattr(kernel.metadata, "tensordesc_meta", None) or ())
         # Per argument: its descriptor metadata, or False for an argument passed as is.
         self.arg_metas = tuple(next(metas, None) if isinstance(a, TensorDescriptor) else False
