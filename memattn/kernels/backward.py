@@ -593,21 +593,21 @@ def backward(
     flowing into lse, adds P * grad_lse to dS: it enters as delta - grad_lse."""
     need_dq, need_dk, need_dv, need_dbias = needs
     need_dbias = need_dbias and bias is not None
+    empty = q.shape[0] == 0 or spec.heads == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0
+    if (not empty and backward_sm90 is not None and need_dq and (need_dk or need_dv)
+            and backward_sm90.supports(spec, q, k, v, grad_out, bias, alibi_slopes, need_dbias)):
+        return _backward_sm90(spec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes,
+                              rng_state, needs, need_dbias)  # fmt: skip
+
     dq = new_output(q.shape, q.dtype, q.device) if need_dq else None
     dk = new_output(k.shape, k.dtype, k.device) if need_dk or need_dv else None
     dv = new_output(v.shape, v.dtype, v.device) if need_dk or need_dv else None
     dbias = None
-    if q.shape[0] == 0 or spec.heads == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0:
+    if empty:
         zero = [None if t is None else t.zero_() for t in (dq, dk, dv)]
         if need_dbias:
             dbias = torch.zeros_like(bias)
         return (*zero, dbias)
-
-    if (backward_sm90 is not None and need_dq and dk is not None
-            and backward_sm90.supports(spec, q, k, v, grad_out, bias, alibi_slopes, need_dbias)):
-        dbias = _backward_sm90(spec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes,
-                               rng_state, dq, dk, dv, need_dbias)  # fmt: skip
-        return dq, dk if need_dk else None, dv if need_dv else None, dbias
 
     common = feature_switches(spec, bias, alibi_slopes)
     options = (spec.scale, spec.softcap, spec.window_left, spec.window_right, spec.dropout_p)
@@ -689,12 +689,13 @@ def backward(
 
 
 def _backward_sm90(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias,
-                   alibi_slopes, rng_state, dq, dk, dv, need_dbias: bool):
-    """`backward` through the Gluon kernel (Hopper, dense batches; `supports` said yes):
+                   alibi_slopes, rng_state, needs, need_dbias: bool):
+    """`backward` through the Gluon kernels (Hopper, dense batches; `supports` said yes):
     the preprocess fills the row statistics, padded for TMA, and, where the kernel adds
-    dQ into an fp32 buffer, zeroes it; dQ is then converted at the end. Fills dq, dk and dv;
-    returns dbias (None where not needed). Only what this path reads is computed: every
-    line here is host time on each call."""
+    dQ into an fp32 buffer, zeroes it; dQ is then converted at the end. Returns (dq, dk,
+    dv, dbias) as `backward` does. Only what this path reads is computed, and the
+    preprocess launches first, before the outputs are allocated: every line here is host
+    time on each call, and what comes before the first launch is what a call waits for."""
     stats = backward_sm90.row_stats_buffer(lse)
     lse2, delta = stats.unbind(0)  # (B, H, Sq padded) planes: lse * log2(e), delta
     dq_acc = None
@@ -703,6 +704,9 @@ def _backward_sm90(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, b
     _preprocess(spec, out, grad_out, lse, None, delta, lse2, dq_acc)
     if grad_lse is not None:
         delta[..., : spec.seqlen_q].sub_(grad_lse)
+    dq = new_output(q.shape, q.dtype, q.device)
+    dk = new_output(k.shape, k.dtype, k.device)
+    dv = new_output(v.shape, v.dtype, v.device)
     dbias = None
     if need_dbias:  # tiles no query sees are never written: zeros under a mask
         masked = spec.window_left >= 0 or spec.window_right >= 0
@@ -713,4 +717,5 @@ def _backward_sm90(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, b
                            dq if dq_acc is None else dq_acc, dk, dv, dbias)  # fmt: skip
     if dq_acc is not None:
         dq.copy_(dq_acc)
-    return dbias
+    _, need_dk, need_dv, _ = needs
+    return dq, dk if need_dk else None, dv if need_dv else None, dbias
