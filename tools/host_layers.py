@@ -3,9 +3,10 @@ at the first entry of each layer (forward: check, the autograd Function, the ker
 dispatch, the Gluon forward, hopper.Launcher, the compiled variant's launch; backward:
 the Function, the dispatch, the Gluon path, its first Launcher and launch (the
 preprocess), the Gluon kernel's wrapper), medians over calls with the GPU synced before
-each; forwards with autograd recording and without. bf16, 16k tokens.
+each (or, --warm, a loop of small calls); forwards with autograd recording and without.
+bf16, 16k tokens.
 
-    python tools/host_layers.py [--shapes 256x512,128x1024c] [--backward]
+    python tools/host_layers.py [--shapes 256x512,128x1024c] [--backward] [--warm]
 
 do_bench counts the host's time before a launch beyond its ~90 µs L2 flush
 (PERFORMANCE.md v10, v11): this says which layer to trim.
@@ -40,7 +41,14 @@ def instrument():
     forward_kernels.forward = stamped("kernels.forward", forward_kernels.forward)
     forward_sm90.forward = stamped("forward_sm90", forward_sm90.forward)
     hopper.Launcher.__call__ = stamped("Launcher", hopper.Launcher.__call__)
-    hopper._Compiled.launch = stamped("launch", hopper._Compiled.launch)
+    real_launch = hopper._Compiled.launch
+
+    def launch(*args, **kwargs):  # every launch: launch, launch#2, ...
+        n = sum(name.startswith("launch") for name in STAMPS)
+        STAMPS[f"launch#{n + 1}" if n else "launch"] = time.perf_counter()
+        return real_launch(*args, **kwargs)
+
+    hopper._Compiled.launch = launch
     ops._Attention.backward = staticmethod(stamped("Function.backward",
                                                    ops._Attention.backward))  # fmt: skip
     backward_kernels.backward = stamped("kernels.backward", backward_kernels.backward)
@@ -48,10 +56,11 @@ def instrument():
     backward_sm90.backward = stamped("backward_sm90", backward_sm90.backward)
 
 
-def medians(call, n=60) -> dict:
+def medians(call, n=60, warm=False) -> dict:
     rows = []
     for _ in range(n):
-        torch.cuda.synchronize()
+        if not warm:
+            torch.cuda.synchronize()
         STAMPS.clear()
         t0 = time.perf_counter()
         call()
@@ -66,12 +75,15 @@ def main():
                     help="DxS, c for causal")  # fmt: skip
     ap.add_argument("--backward", action="store_true",
                     help="stamp out.backward(grad) instead of the forward")  # fmt: skip
+    ap.add_argument("--warm", action="store_true",
+                    help="B=1, H=2 and no sync between calls: the host path as a loop of "
+                         "calls meets it, warm, with the GPU never the bound")  # fmt: skip
     args = ap.parse_args()
     instrument()
     for shape in args.shapes.split(","):
         causal = shape.endswith("c")
         d, s = map(int, shape.rstrip("c").split("x"))
-        b, h = max(1, 16384 // s), 2048 // d
+        b, h = (1, 2) if args.warm else (max(1, 16384 // s), 2048 // d)
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16,
                                requires_grad=True) for _ in range(3))  # fmt: skip
         call = lambda: memattn.attention(q, k, v, causal=causal)  # noqa: E731
@@ -85,7 +97,7 @@ def main():
             call()
         for label, grad in modes:
             with torch.set_grad_enabled(grad):
-                stamps = medians(call)
+                stamps = medians(call, n=300 if args.warm else 60, warm=args.warm)
             cells = ", ".join(f"{name} {us:.0f}" for name, us in stamps.items())
             print(f"D{d} S{s}{' causal' if causal else ''} {label}: µs from the call: {cells}",
                   flush=True)  # fmt: skip

@@ -1,6 +1,7 @@
 """Host time per forward call on the Gluon path, layer by layer (no profiler: each row
-is a loop of real calls at shapes whose kernels take less time than the host), and what
-launching past JITFunction.run saves (hopper.Launcher). On the device:
+is a loop of real calls at shapes whose kernels take less time than the host), a
+backward call's, and what launching past JITFunction.run saves (hopper.Launcher). On
+the device:
 
     python tools/probe_launch.py
 """
@@ -12,10 +13,12 @@ from triton import knobs
 from triton.runtime import driver
 
 import memattn
-from memattn.kernels import forward_sm90, hopper
+from memattn.kernels import backward_sm90, forward_sm90, hopper
+from memattn.kernels import forward as forward_kernels
 from memattn.spec import check_call
 
 forward_sm90.MIN_KEYS_PER_QUERY = dict.fromkeys(forward_sm90.HEAD_DIMS, 0)
+backward_sm90.MIN_KEYS_PER_QUERY = dict.fromkeys(backward_sm90.HEAD_DIMS, 0)
 
 
 def per_call(fn, n=300):
@@ -54,10 +57,17 @@ for s, h in ((128, 2), (1024, 16)):
                  knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook,
                  *args, *consts.values())
 
+    grad_out = torch.randn_like(q)
+    graph_out = memattn.attention(q, k, v, causal=True)
     rows = {
         "attention, autograd": lambda: memattn.attention(q, k, v, causal=True),
+        "backward (autograd.grad)": lambda: torch.autograd.grad(graph_out, (q, k, v), grad_out,
+                                                                retain_graph=True),
         "attention, no_grad": lambda: torch.no_grad()(memattn.attention)(q, k, v, causal=True),
         "check_call": lambda: check_call(q, k, v, causal=True),
+        "kernels.forward.forward": lambda: forward_kernels.forward(spec, q, k, v, None, None,
+                                                                   None, None, None),
+        "forward_sm90.supports": lambda: forward_sm90.supports(spec, q, k, v, None),
         "forward_sm90.forward": lambda: forward_sm90.forward(spec, q, k, v, None, None, None,
                                                              None, None, out, lse),
         "4 descriptors": lambda: [hopper.descriptor(q, 64), hopper.descriptor(k, 128),
