@@ -117,12 +117,17 @@ def _preprocess(spec: AttentionSpec, out, grad_out, lse, cu_seqlens_q, delta, ls
     zero_dq = dq_acc is not None
     num_m = triton.cdiv(spec.seqlen_q, _DELTA_BLOCK_M)
     grid = (num_m * spec.batch * spec.heads,)
-    launch = functools.partial(_launch_delta_sm90, grid) if for_sm90 else _delta_kernel[grid]
+    out_strides = dense_strides(out, spec.varlen)
+    grad_out_strides = dense_strides(grad_out, spec.varlen)
+    launch = _delta_kernel[grid]
+    if for_sm90:  # dense; the stats and dq_acc fresh: what the spec does not fix is here
+        variant = (spec, *out_strides, *grad_out_strides, *lse.stride(),
+                   *map(hopper.aligned, (out, grad_out, lse)))  # fmt: skip
+        launch = functools.partial(_launch_delta_sm90, grid, variant=variant)
     launch(
-        out, grad_out, delta, lse, lse2, dq_acc if zero_dq else lse2,
-        *dense_strides(out, spec.varlen),
-        *dense_strides(grad_out, spec.varlen), *lse_strides(lse, spec.varlen),
-        *lse_strides(delta, spec.varlen), *(dq_acc.stride()[:3] if zero_dq else (0, 0, 0)),
+        out, grad_out, delta, lse, lse2, dq_acc if zero_dq else lse2, *out_strides,
+        *grad_out_strides, *lse_strides(lse, spec.varlen), *lse_strides(delta, spec.varlen),
+        *(dq_acc.stride()[:3] if zero_dq else (0, 0, 0)),
         cu_seqlens_q, spec.heads, spec.seqlen_q, num_m,
         DV=spec.head_dim_v, DQK=spec.head_dim_qk, BLOCK_M=_DELTA_BLOCK_M,
         BLOCK_DV=tuning.padded_head_dim(spec.head_dim_v), IS_VARLEN=spec.varlen,
