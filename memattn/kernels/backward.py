@@ -34,6 +34,7 @@ from .common import (
     add_bias_alibi_log2,
     alibi_strides,
     capped_score_log2,
+    cdiv,
     diagonal_offset,
     dropout_keep,
     key_range,
@@ -115,7 +116,7 @@ def _preprocess(spec: AttentionSpec, out, grad_out, lse, cu_seqlens_q, delta, ls
     (lse2 given, dense batches), lse2 and zeros in dq_acc where given."""
     for_sm90 = lse2 is not None
     zero_dq = dq_acc is not None
-    num_m = triton.cdiv(spec.seqlen_q, _DELTA_BLOCK_M)
+    num_m = cdiv(spec.seqlen_q, _DELTA_BLOCK_M)
     grid = (num_m * spec.batch * spec.heads,)
     out_strides = dense_strides(out, spec.varlen)
     grad_out_strides = dense_strides(grad_out, spec.varlen)
@@ -644,7 +645,7 @@ def backward(
             need_dk = need_dv = False
 
         def launch_dkdv(c: tuning.BackwardConfig):
-            num_n = triton.cdiv(spec.seqlen_k, c.block_n_dkdv)
+            num_n = cdiv(spec.seqlen_k, c.block_n_dkdv)
             _dkdv_kernel[(num_n * spec.batch * spec.kv_heads,)](
                 q, k, v, grad_out, lse, delta, bias, db_buf, alibi_slopes, rng,
                 cu_seqlens_q, cu_seqlens_k, dk, dv, dq_acc, *qkv_strides,
@@ -678,7 +679,7 @@ def backward(
     if need_dq and not (dq_atomic or dq_from_ds):
 
         def launch_dq(c: tuning.BackwardConfig):
-            num_m = triton.cdiv(spec.seqlen_q, c.block_m_dq)
+            num_m = cdiv(spec.seqlen_q, c.block_m_dq)
             _dq_kernel[(num_m * spec.batch * spec.heads,)](
                 q, k, v, grad_out, lse, delta, bias, alibi_slopes, rng, cu_seqlens_q,
                 cu_seqlens_k, dq, *qkv_strides, *lse_strides(lse, spec.varlen),

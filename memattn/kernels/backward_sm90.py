@@ -35,7 +35,6 @@ dropout. Every other call runs backward.py.
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -49,7 +48,15 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..spec import AttentionSpec
 from . import hopper
-from .common import LOG2E, add_bias_alibi_log2, alibi_strides, diagonal_offset, query_range, visible
+from .common import (
+    LOG2E,
+    add_bias_alibi_log2,
+    alibi_strides,
+    cdiv,
+    diagonal_offset,
+    query_range,
+    visible,
+)
 
 ROWS = gl.constexpr(64)  # query rows per warpgroup in the D=256 dQ kernel
 BLOCK_N = 128  # keys per program: two warpgroups x 64
@@ -695,7 +702,7 @@ def row_stats_buffer(lse: torch.Tensor) -> torch.Tensor:
     is never written or read: the descriptor's rows end at Sq). TMA reads past Sq give
     zeros, harmless: those rows have Q = dO = 0, so P·dO and dS vanish."""
     batch, heads, seqlen = lse.shape
-    padded = triton.cdiv(seqlen, 4) * 4
+    padded = cdiv(seqlen, 4) * 4
     return torch.empty(2, batch, heads, padded, dtype=torch.float32, device=lse.device)
 
 
@@ -727,7 +734,7 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
     if spec.head_dim_qk == 256:
         return _backward_d256(spec, q, k, v, grad_out, stats, dq, dk, dv)
     half_d = spec.head_dim_qk // 2
-    num_n = triton.cdiv(spec.seqlen_k, BLOCK_N)
+    num_n = cdiv(spec.seqlen_k, BLOCK_N)
     # K's tile is sliced by columns for dQ: its swizzle may not span more than a half.
     k_swizzle = min(128, half_d * k.element_size())
     q_desc = hopper.descriptor(q, BLOCK_M)
@@ -769,7 +776,7 @@ def _backward_d256(spec: AttentionSpec, q, k, v, grad_out, stats, dq, dk, dv) ->
     stats_desc = _row_stats_descriptor(stats, spec.seqlen_q)
     bounds = dict(BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
                   BOUNDED_RIGHT=spec.window_right >= 0)
-    num_n = triton.cdiv(spec.seqlen_k, BLOCK_N_D256)
+    num_n = cdiv(spec.seqlen_k, BLOCK_N_D256)
     _launch_backward_d256(
         (num_n * spec.batch * spec.kv_heads,),
         q_desc, hopper.descriptor(k, BLOCK_N_D256), hopper.descriptor(v, BLOCK_N_D256),
@@ -781,7 +788,7 @@ def _backward_d256(spec: AttentionSpec, q, k, v, grad_out, stats, dq, dk, dv) ->
         variant=spec,  # the spec fixes every argument's specialisation (hopper.Launcher)
     )  # fmt: skip
     block_m = 2 * ROWS.value
-    num_m = -(-spec.seqlen_q // block_m)
+    num_m = cdiv(spec.seqlen_q, block_m)
     num_items = num_m * spec.batch * spec.heads
     masked = spec.window_left >= 0 or spec.window_right >= 0
     fold = masked and num_m >= DQ_MIN_BLOCKS_TO_FOLD

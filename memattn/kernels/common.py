@@ -20,6 +20,13 @@ LN2 = tl.constexpr(0.6931471805599453)
 POISON_OUTPUTS = os.environ.get("MEMATTN_POISON_OUTPUTS") == "1"
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for the host: triton.cdiv, which also serves inside kernels, costs
+    ~1.5 µs a call on a workstation's CPU (several times that on the device's host),
+    each of them host time before a launch."""
+    return -(-a // b)
+
+
 def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
     """An uninitialised output buffer. With MEMATTN_POISON_OUTPUTS=1 in the environment
     when memattn loads (the test suites set it) it is filled with NaN, so an element a

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dropout_keep
+from .common import cdiv, dropout_keep
 
 
 @triton.jit
@@ -34,7 +34,7 @@ def keep_mask(rng_state: torch.Tensor, dropout_p: float, shape: tuple[int, int, 
     if mask.numel() == 0:
         return mask.bool()
     block_m, block_n = 32, 32
-    num_m, num_n = triton.cdiv(seqlen_q, block_m), triton.cdiv(seqlen_k, block_n)
+    num_m, num_n = cdiv(seqlen_q, block_m), cdiv(seqlen_k, block_n)
     grid = (batch * heads * num_m * num_n,)
     _keep_mask_kernel[grid](
         rng_state, mask, heads, seqlen_q, seqlen_k, num_m, num_n, dropout_p,

@@ -18,6 +18,7 @@ from .common import (
     add_bias_alibi_log2,
     alibi_strides,
     capped_score_log2,
+    cdiv,
     diagonal_offset,
     dropout_keep,
     key_range,
@@ -274,7 +275,7 @@ def forward(
         return out, lse
 
     def launch(cfg: tuning.Config):
-        num_m_blocks = triton.cdiv(spec.seqlen_q, cfg.block_m)
+        num_m_blocks = cdiv(spec.seqlen_q, cfg.block_m)
         _fwd_kernel[(num_m_blocks * spec.batch * spec.heads,)](
             q, k, v, out, lse, bias, alibi_slopes, rng_state, cu_seqlens_q, cu_seqlens_k,
             *dense_strides(q, spec.varlen), *dense_strides(k, spec.varlen),

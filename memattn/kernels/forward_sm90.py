@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..spec import AttentionSpec
 from . import hopper
-from .common import LN2, LOG2E, add_bias_alibi_log2, alibi_strides, visible
+from .common import LN2, LOG2E, add_bias_alibi_log2, alibi_strides, cdiv, visible
 
 ROWS = gl.constexpr(64)  # query rows per softmax warpgroup
 # Query rows per program: two softmax warpgroups (128), or three (192) for unmasked
@@ -470,7 +470,7 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
                    and alibi_slopes is None and spec.seqlen_q >= MIN_SEQLEN_Q_D64)
     block_m = BLOCK_M_D64 if three_parts else BLOCK_M
     block_n = BLOCK_N[spec.head_dim_qk]
-    num_m_blocks = -(-spec.seqlen_q // block_m)  # triton.cdiv is slower on the host
+    num_m_blocks = cdiv(spec.seqlen_q, block_m)
     fold = FOLD is True or (FOLD == "masked" and masked
                             and num_m_blocks >= MIN_BLOCKS_TO_FOLD[spec.head_dim_qk])
     persistent = PERSISTENT and (not masked or MASKED_PERSISTENT[spec.head_dim_qk])

@@ -21,7 +21,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime import driver
 
 from ..spec import AttentionSpec
-from .common import diagonal_offset, key_range, sequence_bounds
+from .common import cdiv, diagonal_offset, key_range, sequence_bounds
 
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
@@ -97,7 +97,7 @@ def bias_descriptor(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
     shape, strides = _bias_4d(t)
     for d in (2, 1, 0):
         if shape[d] == 1:
-            strides[d] = triton.cdiv(strides[d + 1] * shape[d + 1], 8) * 8
+            strides[d] = cdiv(strides[d + 1] * shape[d + 1], 8) * 8
     block = (1, 1, rows, cols)
     return make_descriptor(t, shape, strides, block, shared_layout(block, t.dtype))
 
