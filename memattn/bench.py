@@ -536,6 +536,17 @@ def warm_caches(job: tuple[Row, list[str], bool, str]) -> str:
     return row.name
 
 
+def _compile_in_process() -> None:
+    """After compile_in_workers, the timing process only loads from the caches: it
+    compiles in process, without inductor's pool of compile subprocesses. That pool,
+    started (and restarted after idling) by a flex call's compile, kept a core busy for
+    ~10 s while the next rows were timed (top on the device, PERFORMANCE.md v15): host
+    time taken from every implementation launched from Python, flex's and memattn's."""
+    from torch._inductor import config as inductor_config
+
+    inductor_config.compile_threads = 1
+
+
 def compile_in_workers(rows: list[Row], impls: list[str], quick: bool, workers: int,
                        device="cuda", progress=None) -> None:  # fmt: skip
     """Runs ``warm_caches`` on every row in ``workers`` spawned processes: flex's
@@ -801,6 +812,7 @@ def run(args, rows: list[Row], impls: list[str], device="cuda", console=None) ->
         if args.compile_workers > 0:
             compile_in_workers(rows, impls, args.quick, args.compile_workers, device,
                                progress)  # fmt: skip
+            _compile_in_process()
         results = collect(rows, impls, args.quick, device, progress, on_row=row_done)
     save(results)
     console.print(make_table(results, impls, title))
