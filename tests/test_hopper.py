@@ -155,6 +155,25 @@ def test_launcher_goes_through_triton_with_a_launch_hook(launcher, monkeypatch):
     assert launch[9:] == (x, 32, 0.5, 16, True)
 
 
+def test_launch_splices_descriptor_maps_between_the_other_arguments(monkeypatch):
+    """Each descriptor becomes its map's arguments in place; the rest pass as they are,
+    in order, then the constexprs."""
+    monkeypatch.setattr(hopper, "_tensor_map_args",
+                        lambda desc, meta: [f"map{meta}", *desc.shape])  # fmt: skip
+    kernel = _StandInKernel()
+    kernel.metadata = type("metadata", (), {"tensordesc_meta": [1, 2]})
+    t = torch.zeros(2, 64, 3, 16, dtype=torch.bfloat16)
+    first, second = hopper.descriptor(t, 32), hopper.descriptor(t, 16)
+    for args, expected in (
+        ((first, 7, second, 8.0, None), ["map1", 2, 3, 64, 16, 7, "map2", 2, 3, 64, 16, 8.0,
+                                         None]),
+        ((7, first, second), [7, "map1", 2, 3, 64, 16, "map2", 2, 3, 64, 16]),
+    ):  # fmt: skip
+        compiled = hopper._Compiled(kernel, [16], args, None)
+        compiled.launch(4, 1234, args)
+        assert list(kernel.run.c_launches[-1][13:]) == [*expected, 16]
+
+
 def test_tensor_maps_are_encoded_once_per_address_and_geometry(monkeypatch):
     encodes = []
     monkeypatch.setattr(hopper.nvidia_driver, "make_tensordesc_arg",

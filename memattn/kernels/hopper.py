@@ -432,6 +432,10 @@ class _Compiled:
         # Per argument: its descriptor metadata, or False for an argument passed as is.
         self.arg_metas = tuple(next(metas, None) if isinstance(a, TensorDescriptor) else False
                                for a in args)  # fmt: skip
+        # The descriptors' positions: a launch splices their maps between slices of the
+        # other arguments instead of walking all thirty (~10 us of the device's host).
+        self.descriptors = tuple((i, meta) for i, meta in enumerate(self.arg_metas)
+                                 if meta is not False)  # fmt: skip
         run = kernel.run  # Triton's CudaLauncher
         scratch = run.global_scratch_size or run.profile_scratch_size
         self.raw = None if scratch else _c_launcher(run.launch)
@@ -445,12 +449,12 @@ class _Compiled:
             kernel.run(programs, 1, 1, stream, kernel.function, kernel.packed_metadata, meta,
                        enter, leave, *args, *self.constexprs)
             return
-        final = []
-        for arg, meta in zip(args, self.arg_metas):
-            if meta is False:
-                final.append(arg)
-            else:
-                final += _tensor_map_args(arg, meta)
+        final, start = [], 0
+        for i, meta in self.descriptors:
+            final += args[start:i]
+            final += _tensor_map_args(args[i], meta)
+            start = i + 1
+        final += args[start:]
         self.raw(programs, 1, 1, stream, kernel.function, *self.flags, None, None,
                  kernel.packed_metadata, None, None, None, *final, *self.constexprs)
 
