@@ -123,6 +123,32 @@ def test_eager_calls_skip_the_dispatcher(monkeypatch):
 
 
 @cpu_only
+def test_eager_forward_launches_before_the_function_records(monkeypatch):
+    """An eager call's kernels run before _Attention records it, so that its
+    bookkeeping overlaps them (PERFORMANCE.md v15); the Function is handed the outputs."""
+    order = []
+    real_run, real_forward = memattn.ops._run_forward, memattn.ops._Attention.forward
+
+    def run(*args):
+        order.append("kernels")
+        return real_run(*args)
+
+    def forward(ctx, *args):
+        order.append("Function.forward")
+        assert args[-1][-1] is not None  # (out, lse) already there
+        return real_forward(ctx, *args)
+
+    monkeypatch.setattr(memattn.ops, "_run_forward", run)
+    monkeypatch.setattr(memattn.ops._Attention, "forward", staticmethod(forward))
+    x = make_inputs(OPCHECK_CASES[0], torch.float32, DEVICE, seed=5)
+    q = x.q.requires_grad_()
+    out = memattn.attention(q, x.k, x.v, causal=True)
+    assert order == ["kernels", "Function.forward"] and out.grad_fn is not None
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+@cpu_only
 def test_modes_go_through_the_ops_and_agree(monkeypatch):
     """Under a torch-function mode (here torch.device's) the call goes through the
     custom ops, which give the same result as the direct path, forward and backward."""
