@@ -429,13 +429,11 @@ class _Compiled:
         self.constexprs = constexprs
         self.full_key = full_key  # Launcher's key from the arguments, where worked out
         metas = iter(getattr(kernel.metadata, "tensordesc_meta", None) or ())
-        # Per argument: its descriptor metadata, or False for an argument passed as is.
-        self.arg_metas = tuple(next(metas, None) if isinstance(a, TensorDescriptor) else False
-                               for a in args)  # fmt: skip
-        # The descriptors' positions: a launch splices their maps between slices of the
-        # other arguments instead of walking all thirty (~10 us of the device's host).
-        self.descriptors = tuple((i, meta) for i, meta in enumerate(self.arg_metas)
-                                 if meta is not False)  # fmt: skip
+        # Each descriptor's position and metadata (None: no map, the tensor passes): a
+        # launch splices their maps between slices of the other arguments instead of
+        # walking all thirty (~10 us of the device's host).
+        self.descriptors = tuple((i, next(metas, None)) for i, a in enumerate(args)
+                                 if isinstance(a, TensorDescriptor))  # fmt: skip
         run = kernel.run  # Triton's CudaLauncher
         scratch = run.global_scratch_size or run.profile_scratch_size
         self.raw = None if scratch else _c_launcher(run.launch)
