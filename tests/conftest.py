@@ -38,3 +38,15 @@ def _check_launch_variants():
     from memattn.kernels import hopper
 
     hopper.CHECK_VARIANTS = True
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    """Launch plans are cached from the kernels' knobs and the SM count, which tests
+    monkeypatch: each test makes its own and leaves none (this fixture's teardown runs
+    after monkeypatch has put the knobs back)."""
+    from memattn.kernels import hopper
+
+    hopper.forget_plans()
+    yield
+    hopper.forget_plans()

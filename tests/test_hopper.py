@@ -111,8 +111,9 @@ def test_launcher_keys_scalars_by_value_and_type(launcher):
 
 
 def test_launcher_keys_a_variant_without_working_out_the_arguments(launcher, monkeypatch):
-    """A caller's variant replaces the arguments' specialisations in the key: the same
-    variant launches directly whatever the scalars; a new one goes through run()."""
+    """A caller's variant is the whole key beside the device: the same variant launches
+    directly whatever the scalars (it fixes their specialisation and the constexprs); a
+    new one goes through run()."""
     monkeypatch.setattr(hopper, "CHECK_VARIANTS", False)
     monkeypatch.setattr(hopper, "_specialisation", None)  # never called with a variant
     x = torch.zeros(64)
@@ -120,9 +121,9 @@ def test_launcher_keys_a_variant_without_working_out_the_arguments(launcher, mon
     launcher((5,), x, 48, 0.5, BLOCK=16, FLAG=True, num_warps=4, variant=("a", 1))
     assert len(launcher.fn.compiles) == 1
     assert launcher.fn.compiles[0][3].run.c_launches[0][13:] == (x, 48, 0.5, 16, True)
-    launcher((5,), x, 48, 0.5, BLOCK=16, FLAG=True, num_warps=4, variant=("a", 2))
-    launcher((5,), x, 48, 0.5, BLOCK=32, FLAG=True, num_warps=4, variant=("a", 1))
-    assert len(launcher.fn.compiles) == 3  # another variant, other constexprs
+    launcher((5,), x, 48, 0.5, BLOCK=32, FLAG=True, num_warps=4, variant=("a", 2))
+    assert len(launcher.fn.compiles) == 2  # another variant, through run()
+    assert launcher.fn.compiles[1][2] == dict(BLOCK=32, FLAG=True, num_warps=4)
 
 
 def test_launcher_checks_variants_against_the_arguments(launcher, monkeypatch):
@@ -136,6 +137,8 @@ def test_launcher_checks_variants_against_the_arguments(launcher, monkeypatch):
         launcher((4,), x, 1, 0.5, BLOCK=16, FLAG=True, num_warps=4, variant="v")
     with pytest.raises(AssertionError, match="another specialisation"):
         launcher((4,), x[1:], 32, 0.5, BLOCK=16, FLAG=True, num_warps=4, variant="v")
+    with pytest.raises(AssertionError, match="another specialisation"):  # constexprs too
+        launcher((4,), x, 32, 0.5, BLOCK=32, FLAG=True, num_warps=4, variant="v")
 
 
 def test_launcher_goes_through_triton_with_a_launch_hook(launcher, monkeypatch):

@@ -40,7 +40,7 @@ def use(knobs):
     forward_sm90.MASKED_PERSISTENT = {64: True, 128: True, 256: False}
     for name, value in (knobs or {}).items():
         setattr(forward_sm90, name, value)
-    forward_sm90.q_stages.cache_clear()  # it reads MAX_Q_STAGES
+    hopper.forget_plans()  # plans are made from the knobs
 
 
 def main():

@@ -733,8 +733,8 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
     None without dropout."""
     if spec.head_dim_qk == 256:
         return _backward_d256(spec, q, k, v, grad_out, stats, dq, dk, dv)
+    how = _plan(spec, dbias is not None, q.device.index)
     half_d = spec.head_dim_qk // 2
-    num_n = cdiv(spec.seqlen_k, BLOCK_N)
     # K's tile is sliced by columns for dQ: its swizzle may not span more than a half.
     k_swizzle = min(128, half_d * k.element_size())
     q_desc = hopper.descriptor(q, BLOCK_M)
@@ -746,57 +746,82 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
     if dbias is not None:
         dbias_desc = hopper.bias_descriptor(dbias, BLOCK_M, BLOCK_N // 2)
     alibi_batch_stride, alibi_head_stride = alibi_strides(alibi_slopes)
-    # What fixes the arguments' specialisation (hopper.Launcher): the spec, the ints it
-    # does not fix, the pointers' alignment (dk and dv are fresh, so aligned).
-    variant = (spec, bias_batches, bias_heads, alibi_batch_stride, alibi_head_stride,
+    # What fixes the arguments' specialisation and the constexprs (hopper.Launcher): the
+    # plan, the ints it does not fix, the pointers' alignment (dk and dv are fresh, so
+    # aligned).
+    variant = (how, bias_batches, bias_heads, alibi_batch_stride, alibi_head_stride,
                hopper.aligned(rng_state), hopper.aligned(alibi_slopes))  # fmt: skip
     _launch_backward(
-        (num_n * spec.batch * spec.kv_heads,),
+        (how.programs,),
         q_desc, hopper.descriptor(k, BLOCK_N, swizzle=k_swizzle),
         hopper.descriptor(v, BLOCK_N), hopper.descriptor(grad_out, BLOCK_M),
         hopper.descriptor(dq, BLOCK_M, cols=half_d),
         _row_stats_descriptor(stats, spec.seqlen_q), bias_desc, dbias_desc, dk, dv, rng_state,
         alibi_slopes, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1),
         dv.stride(2), alibi_batch_stride, alibi_head_stride, spec.kv_heads, spec.group,
-        bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k, num_n, spec.scale, spec.window_left,
-        spec.window_right, spec.dropout_p,
-        HEAD_DIM=spec.head_dim_qk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
-        HAS_BIAS=bias is not None, HAS_DBIAS=dbias is not None,
-        HAS_ALIBI=alibi_slopes is not None, HAS_DROPOUT=spec.dropout_p > 0,
-        BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
-        BOUNDED_RIGHT=spec.window_right >= 0, num_warps=4, variant=variant,
+        bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k, *how.counts, spec.scale,
+        spec.window_left, spec.window_right, spec.dropout_p, variant=variant,
+        **how.constexprs,
     )  # fmt: skip
+
+
+@hopper.plan_cache
+def _plan(spec: AttentionSpec, has_dbias: bool, device_index: int) -> hopper.Plan:
+    """The D 64/128 kernel's launch (hopper.Plan): a program per key block and key
+    head. Counts: key blocks per head."""
+    num_n = cdiv(spec.seqlen_k, BLOCK_N)
+    constexprs = dict(
+        HEAD_DIM=spec.head_dim_qk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
+        HAS_BIAS=spec.has_bias, HAS_DBIAS=has_dbias, HAS_ALIBI=spec.has_alibi,
+        HAS_DROPOUT=spec.dropout_p > 0, BOTTOM_RIGHT=spec.bottom_right,
+        BOUNDED_LEFT=spec.window_left >= 0, BOUNDED_RIGHT=spec.window_right >= 0,
+        num_warps=4,
+    )  # fmt: skip
+    return hopper.Plan(num_n * spec.batch * spec.kv_heads, (num_n,), constexprs)
 
 
 def _backward_d256(spec: AttentionSpec, q, k, v, grad_out, stats, dq, dk, dv) -> None:
     """`backward` at D=256 (no bias, ALiBi or dropout: `supports` keeps them off it):
     dK and dV from _bwd_d256_kernel, dQ from _bwd_dq_d256_kernel."""
+    dkdv, dq_plan = _plans_d256(spec, q.device.index)
     q_desc = hopper.descriptor(q, BLOCK_M)
     do_desc = hopper.descriptor(grad_out, BLOCK_M)
     stats_desc = _row_stats_descriptor(stats, spec.seqlen_q)
-    bounds = dict(BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
-                  BOUNDED_RIGHT=spec.window_right >= 0)
-    num_n = cdiv(spec.seqlen_k, BLOCK_N_D256)
     _launch_backward_d256(
-        (num_n * spec.batch * spec.kv_heads,),
+        (dkdv.programs,),
         q_desc, hopper.descriptor(k, BLOCK_N_D256), hopper.descriptor(v, BLOCK_N_D256),
         do_desc, stats_desc, dk, dv,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_n, spec.scale,
+        spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k, *dkdv.counts, spec.scale,
         spec.window_left, spec.window_right,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N_D256, STAGES=STAGES, **bounds, num_warps=4,
-        variant=spec,  # the spec fixes every argument's specialisation (hopper.Launcher)
+        variant=dkdv, **dkdv.constexprs,  # the plan fixes every specialisation
     )  # fmt: skip
+    _launch_dq_d256(
+        (dq_plan.programs,),
+        q_desc, hopper.descriptor(k, DQ_BLOCK_N), hopper.descriptor(v, DQ_BLOCK_N),
+        do_desc, hopper.descriptor(dq, ROWS.value), stats_desc, spec.heads, spec.group,
+        spec.seqlen_q, spec.seqlen_k, *dq_plan.counts, spec.scale, spec.window_left,
+        spec.window_right, variant=dq_plan, **dq_plan.constexprs,
+    )  # fmt: skip
+
+
+@hopper.plan_cache
+def _plans_d256(spec: AttentionSpec, device_index: int) -> tuple[hopper.Plan, hopper.Plan]:
+    """The D=256 launches (hopper.Plan): dK/dV, a program per key block and key head
+    (counts: key blocks per head); dQ, a program per query block and head, or per pair
+    of them folded under a mask (counts: query blocks per head, work items)."""
+    bounds = dict(BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
+                  BOUNDED_RIGHT=spec.window_right >= 0)
+    num_n = cdiv(spec.seqlen_k, BLOCK_N_D256)
+    dkdv = hopper.Plan(num_n * spec.batch * spec.kv_heads, (num_n,),
+                       dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N_D256, STAGES=STAGES, **bounds,
+                            num_warps=4))  # fmt: skip
     block_m = 2 * ROWS.value
     num_m = cdiv(spec.seqlen_q, block_m)
     num_items = num_m * spec.batch * spec.heads
     masked = spec.window_left >= 0 or spec.window_right >= 0
     fold = masked and num_m >= DQ_MIN_BLOCKS_TO_FOLD
-    _launch_dq_d256(
-        (hopper.programs(num_items, fold, False, q.device.index),),
-        q_desc, hopper.descriptor(k, DQ_BLOCK_N), hopper.descriptor(v, DQ_BLOCK_N),
-        do_desc, hopper.descriptor(dq, ROWS.value), stats_desc, spec.heads, spec.group,
-        spec.seqlen_q, spec.seqlen_k, num_m, num_items, spec.scale, spec.window_left,
-        spec.window_right, BLOCK_M=block_m, BLOCK_N=DQ_BLOCK_N, FOLD=fold, **bounds,
-        num_warps=4, variant=spec,
-    )  # fmt: skip
+    dq = hopper.Plan(hopper.programs(num_items, fold, False, device_index), (num_m, num_items),
+                     dict(BLOCK_M=block_m, BLOCK_N=DQ_BLOCK_N, FOLD=fold, **bounds,
+                          num_warps=4))  # fmt: skip
+    return dkdv, dq

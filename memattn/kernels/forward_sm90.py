@@ -32,8 +32,6 @@ runs forward.py: softcap, Dqk != Dv, fp32.
 
 from __future__ import annotations
 
-import functools
-
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -78,13 +76,13 @@ BIAS_STAGES = {64: 2, 128: 1, 256: 1}
 # pair from MIN_BLOCKS_TO_FOLD blocks on and per block below: a block there waits for
 # the previous one's O to leave Q's buffer (O_IN_Q), and persistent lost (S=512 causal
 # 308 -> 280, S=2048 527 -> 501; S=512 folded 279 against 307 in v9). Tools set these
-# to A/B.
+# to A/B, then call hopper.forget_plans().
 FOLD = "masked"
 PERSISTENT = True
 MASKED_PERSISTENT = {64: True, 128: True, 256: False}
 MIN_BLOCKS_TO_FOLD = {64: 0, 128: 0, 256: 5}
 # Q's buffers: two where shared memory holds them, so that a program's next query
-# block loads while this one runs. Tools set MAX_Q_STAGES to A/B (and clear q_stages' cache).
+# block loads while this one runs. Tools set MAX_Q_STAGES to A/B.
 MAX_Q_STAGES = 2
 SHARED_MEMORY = 227 * 1024  # an H100 block's opt-in maximum
 
@@ -442,7 +440,6 @@ def supports(spec: AttentionSpec, q, k, v, bias) -> bool:
 _launch_forward = hopper.Launcher(_fwd_sm90_kernel)
 
 
-@functools.cache  # host time on every call otherwise
 def q_stages(head_dim: int, parts: int, has_bias: bool, dropout: bool) -> int:
     """Q buffers a program gets: two where shared memory holds them beside the K and V
     rings, O's buffer and the bias's, one otherwise (and always with O in Q's buffer).
@@ -459,15 +456,14 @@ def q_stages(head_dim: int, parts: int, has_bias: bool, dropout: bool) -> int:
     return max(fits, default=1)
 
 
-def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seqlens_q,
-            cu_seqlens_k, out, lse) -> None:
-    """Fills out (B, Sq, H, D), or (Tq, H, D) packed, and lse (B, H, Sq), or (H, Tq), for
-    a call `supports` accepted; rng_state: dropout's [seed, offset] (memattn.dropout),
-    None without dropout."""
+@hopper.plan_cache
+def plan(spec: AttentionSpec, device_index: int) -> hopper.Plan:
+    """The forward's launch for this spec (hopper.Plan), from this module's knobs (who sets
+    them calls hopper.forget_plans). Counts: query blocks per head, work items."""
     masked = spec.window_left >= 0 or spec.window_right >= 0
     # Three warpgroups have 160 registers a thread: no room for dropout or ALiBi.
     three_parts = (spec.head_dim_qk == 64 and not masked and spec.dropout_p == 0
-                   and alibi_slopes is None and spec.seqlen_q >= MIN_SEQLEN_Q_D64)
+                   and not spec.has_alibi and spec.seqlen_q >= MIN_SEQLEN_Q_D64)
     block_m = BLOCK_M_D64 if three_parts else BLOCK_M
     block_n = BLOCK_N[spec.head_dim_qk]
     num_m_blocks = cdiv(spec.seqlen_q, block_m)
@@ -475,7 +471,27 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
                             and num_m_blocks >= MIN_BLOCKS_TO_FOLD[spec.head_dim_qk])
     persistent = PERSISTENT and (not masked or MASKED_PERSISTENT[spec.head_dim_qk])
     num_items = num_m_blocks * spec.batch * spec.heads
-    programs = hopper.programs(num_items, fold, persistent, q.device.index)
+    constexprs = dict(
+        HEAD_DIM=spec.head_dim_qk, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES,
+        Q_STAGES=q_stages(spec.head_dim_qk, block_m // ROWS.value, spec.has_bias,
+                          spec.dropout_p > 0),
+        FOLD=fold, O_IN_Q=O_IN_Q[spec.head_dim_qk], HAS_BIAS=spec.has_bias,
+        BIAS_STAGES=BIAS_STAGES[spec.head_dim_qk], HAS_ALIBI=spec.has_alibi,
+        HAS_DROPOUT=spec.dropout_p > 0, IS_VARLEN=spec.varlen,
+        BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
+        BOUNDED_RIGHT=spec.window_right >= 0, num_warps=4,
+    )  # fmt: skip
+    return hopper.Plan(hopper.programs(num_items, fold, persistent, device_index),
+                       (num_m_blocks, num_items), constexprs)
+
+
+def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seqlens_q,
+            cu_seqlens_k, out, lse) -> None:
+    """Fills out (B, Sq, H, D), or (Tq, H, D) packed, and lse (B, H, Sq), or (H, Tq), for
+    a call `supports` accepted; rng_state: dropout's [seed, offset] (memattn.dropout),
+    None without dropout."""
+    how = plan(spec, q.device.index)
+    block_n = how.constexprs["BLOCK_N"]
     stride_om = stride_oh = 0  # O leaves by TMA but for packed sequences
     lse_strides = lse.stride()
     if spec.varlen:  # one batch of all tokens; O and lse by pointer, rows masked
@@ -490,26 +506,18 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
         bias_desc = hopper.bias_descriptor(bias, ROWS.value, block_n)
         bias_batches, bias_heads = bias_desc.shape[:2]
     alibi_batch_stride, alibi_head_stride = alibi_strides(alibi_slopes)
-    # What fixes the arguments' specialisation (hopper.Launcher): the spec, the ints it
-    # does not fix (packed lse's stride is the token count), the pointers' alignment.
-    # out and lse are fresh, so aligned.
-    variant = (spec, *lse_strides, bias_batches, bias_heads, alibi_batch_stride,
+    # What fixes the arguments' specialisation and the constexprs (hopper.Launcher): the
+    # plan, the ints it does not fix (packed lse's stride is the token count), the
+    # pointers' alignment. out and lse are fresh, so aligned.
+    variant = (how, *lse_strides, bias_batches, bias_heads, alibi_batch_stride,
                alibi_head_stride, hopper.aligned(rng_state), hopper.aligned(alibi_slopes),
                hopper.aligned(cu_seqlens_q), hopper.aligned(cu_seqlens_k))  # fmt: skip
     _launch_forward(
-        (programs,),
+        (how.programs,),
         q_desc, hopper.descriptor(k, block_n), hopper.descriptor(v, block_n), o_desc,
         bias_desc, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
         stride_om, stride_oh, *lse_strides, alibi_batch_stride, alibi_head_stride, spec.heads,
-        spec.group, bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k, num_m_blocks,
-        num_items, spec.scale * LOG2E.value, spec.window_left, spec.window_right,
-        spec.dropout_p,
-        HEAD_DIM=spec.head_dim_qk, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES,
-        Q_STAGES=q_stages(spec.head_dim_qk, block_m // ROWS.value, bias is not None,
-                          spec.dropout_p > 0),
-        FOLD=fold, O_IN_Q=O_IN_Q[spec.head_dim_qk], HAS_BIAS=bias is not None,
-        BIAS_STAGES=BIAS_STAGES[spec.head_dim_qk], HAS_ALIBI=alibi_slopes is not None,
-        HAS_DROPOUT=spec.dropout_p > 0, IS_VARLEN=spec.varlen,
-        BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
-        BOUNDED_RIGHT=spec.window_right >= 0, num_warps=4, variant=variant,
+        spec.group, bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k, *how.counts,
+        spec.scale * LOG2E.value, spec.window_left, spec.window_right,
+        spec.dropout_p, variant=variant, **how.constexprs,
     )  # fmt: skip

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -150,6 +151,37 @@ def make_descriptor(t, shape, strides, block, layout) -> TensorDescriptor:
 @functools.cache
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """One kernel's launch for the calls of one spec on one device, worked out once by
+    the kernel's module (host time on every call otherwise, all of it before the
+    launch): its programs, the block counts it takes as arguments, its constexprs and
+    launch options. Hashed by identity, one per spec and device (`plan_cache`): the
+    cheap head of a launch's variant (Launcher)."""
+
+    programs: int
+    counts: tuple[int, ...]
+    constexprs: dict
+
+
+_PLAN_CACHES = []
+
+
+def plan_cache(make_plan):
+    """Caches a module's plan maker (by its arguments: spec, device, flags); every cache
+    is emptied by `forget_plans`."""
+    cached = functools.lru_cache(maxsize=256)(make_plan)
+    _PLAN_CACHES.append(cached)
+    return cached
+
+
+def forget_plans() -> None:
+    """Plans are made from the modules' knobs and `sm_count`: a tool or test that sets
+    those calls this before its calls (and after, to leave no plan of its own)."""
+    for cached in _PLAN_CACHES:
+        cached.cache_clear()
 
 
 def programs(items: int, fold: bool, persistent: bool, device_index: int) -> int:
@@ -382,14 +414,14 @@ class Launcher:
     """Launches a kernel straight through its compiled launcher after the first call
     of each variant. JITFunction.run binds and specialises every argument in Python on
     every call: ~25-40 us of the device host's time per launch (PERFORMANCE.md v7),
-    as long as a whole small kernel. The variant's key is the constexprs and launch
-    options, plus either the arguments' types and `_specialisation`s (as fine as run()'s
-    specialisation or finer), or, cheaper (~3 µs per launch on a workstation, several
-    times that on the device's host), a ``variant`` from the caller: a hashable that
-    fixes every argument's specialisation (the call's spec, its ints that the spec does
-    not fix, its pointers' alignment). A new key goes through run(), which compiles
-    (where its own cache has not) and launches it. Call as
-    launcher(grid, *args, variant=..., **kw) with the constexprs and options as keywords."""
+    as long as a whole small kernel. The variant's key is either the constexprs, launch
+    options, arguments' types and `_specialisation`s (as fine as run()'s specialisation
+    or finer), or, cheaper (~3 µs per launch on a workstation, several times that on
+    the device's host), a ``variant`` from the caller: a hashable that fixes all of
+    those (the call's spec or a plan made from it, the ints they do not fix, the
+    pointers' alignment). A new key goes through run(), which compiles (where its own
+    cache has not) and launches it. Call as launcher(grid, *args, variant=..., **kw)
+    with the constexprs and options as keywords."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -400,7 +432,7 @@ class Launcher:
         full = None
         if variant is None or CHECK_VARIANTS:
             full = (device, *kwargs.items(), *map(type, args), *map(_specialisation, args))
-        key = full if variant is None else (device, *kwargs.items(), variant)
+        key = full if variant is None else (device, variant)
         found = self.kernels.get(key)
         if found is None:
             kernel = self.fn[grid](*args, **kwargs)
