@@ -63,10 +63,9 @@ def attention(
     never O(S^2). Runs as the custom op torch.ops.memattn.forward: torch.compile
     traces through it (fullgraph), CUDA graphs capture it (dropout included).
     """
-    out, lse, _ = ops.forward(
-        q, k, v, causal=causal, window=window, align=align, bias=bias,
-        alibi_slopes=alibi_slopes, softcap=softcap, scale=scale, dropout_p=dropout_p,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, deterministic=deterministic,
+    out, lse, _ = ops.forward_call(
+        q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, None,
+        (causal, window, align, softcap, scale, dropout_p, max_seqlen_q, max_seqlen_k,
+         deterministic),
     )  # fmt: skip
     return (out, lse) if return_lse else out

@@ -256,7 +256,8 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):
         q, k, v, bias, alibi, cu_q, cu_k, rng_state, out, lse = ctx.saved_tensors
         same_as, spec, options = ctx.call
-        needs = [bool(ctx.needs_input_grad[i if same_as[i] < 0 else same_as[i]])
+        needs_input_grad = ctx.needs_input_grad  # a new tuple on each read
+        needs = [bool(needs_input_grad[i if same_as[i] < 0 else same_as[i]])
                  for i in range(4)]  # fmt: skip
         *options, deterministic = options
         deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
@@ -331,9 +332,20 @@ def forward(
     lse float32 (B, H, Sq) or (H, Tq), natural log, -inf for rows with no visible key;
     rng_state the ``[seed, offset]`` used (an empty tensor without dropout).
     """
-    spec = _check_user_call(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                            (causal, window, align, softcap, scale, dropout_p, max_seqlen_q,
-                             max_seqlen_k, deterministic))  # fmt: skip
+    out, lse, rng = forward_call(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                                 rng_state, (causal, window, align, softcap, scale, dropout_p,
+                                             max_seqlen_q, max_seqlen_k, deterministic))
+    if rng is None:
+        rng = torch.empty(0, dtype=torch.int64, device=out.device)
+    return out, lse, rng
+
+
+def forward_call(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state,
+                 options: tuple) -> tuple[Tensor, Tensor, Tensor | None]:
+    """`forward` with its options as one tuple in _USER_OPTIONS' order, and None for
+    rng_state without dropout: memattn.attention calls this, sparing a small call the
+    keyword binding and an empty tensor it drops."""
+    spec = _check_user_call(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, options)
     rng = _check_rng_state(rng_state, spec) if spec.dropout_p > 0 else None
     inputs = [q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng]
     direct = spec if _skips_dispatcher(inputs) else None
@@ -343,8 +355,6 @@ def forward(
     outputs = _run_forward(spec, *inputs) if direct is not None else None
     tensors, same_as = _without_repeats(inputs)
     out, lse = _Attention.apply(*tensors, (same_as, direct, _op_options(spec), outputs))
-    if rng is None:
-        rng = torch.empty(0, dtype=torch.int64, device=spec.device)
     return out, lse, rng
 
 
