@@ -1,5 +1,9 @@
-"""Where the host time of a small call goes: cProfile over many forward and backward
-calls at a shape whose kernels take less time than the host (D=128, S=1024, causal)."""
+"""Where the host time of a small call goes: cProfile over many forward (and backward)
+calls at a shape whose kernels take about as long as the host, at 16k tokens.
+
+    python tools/profile_host.py [DxS, c for causal: 128x1024c] [--forward-only]
+"""
+import argparse
 import cProfile
 import pstats
 import sys
@@ -9,7 +13,13 @@ import torch
 
 import memattn
 
-b, s, h, d = 16, 1024, 16, 128
+ap = argparse.ArgumentParser()
+ap.add_argument("shape", nargs="?", default="128x1024c")
+ap.add_argument("--forward-only", action="store_true")
+args = ap.parse_args()
+causal = args.shape.endswith("c")
+d, s = map(int, args.shape.rstrip("c").split("x"))
+b, h = 16384 // s, 2048 // d
 q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
            for _ in range(3))
 grad = torch.randn_like(q)
@@ -17,7 +27,7 @@ calls = 200
 
 
 def forward():
-    return memattn.attention(q, k, v, causal=True)
+    return memattn.attention(q, k, v, causal=causal)
 
 
 out = forward()
@@ -36,7 +46,10 @@ for name, fn in [("forward, autograd recording", forward),
 profile = cProfile.Profile()
 profile.enable()
 for _ in range(calls):
-    forward().backward(grad)
+    if args.forward_only:
+        forward()
+    else:
+        forward().backward(grad)
 profile.disable()
 stats = pstats.Stats(profile, stream=sys.stdout)
 stats.sort_stats("tottime").print_stats(30)
