@@ -141,6 +141,47 @@ def test_launcher_checks_variants_against_the_arguments(launcher, monkeypatch):
         launcher((4,), x, 32, 0.5, BLOCK=32, FLAG=True, num_warps=4, variant="v")
 
 
+def test_launcher_launches_a_prepared_call_as_it_was_first_launched(launcher, monkeypatch):
+    """A call launched with ``prepare=key`` leaves its C launcher arguments, tensors as
+    addresses (nothing kept alive); launch_prepared(programs, key) launches them as
+    they were, on the current stream, and is False for a key not prepared, under a
+    launch hook, and in tests (CHECK_VARIANTS), which make the arguments every time."""
+    monkeypatch.setattr(hopper, "CHECK_VARIANTS", False)
+    x = torch.zeros(64)
+    assert not launcher.launch_prepared(3, "k")
+    for grid in ((3,), (3,)):  # the first compiles, the second prepares
+        launcher(grid, x, 32, 0.5, BLOCK=16, FLAG=True, num_warps=4, variant="v",
+                 prepare="k")
+    run = launcher.fn.compiles[0][3].run
+    assert run.c_launches[-1][13:] == (x.data_ptr(), 32, 0.5, 16, True)
+    assert launcher.launch_prepared(7, "k")
+    assert run.c_launches[-1][:4] == (7, 1, 1, 1234)
+    assert run.c_launches[-1][4:] == run.c_launches[-2][4:]
+    assert not launcher.launch_prepared(7, "other")
+    hook = hopper.knobs.HookChain()
+    hook.add(lambda metadata: None)
+    monkeypatch.setattr(hopper.knobs.runtime, "launch_enter_hook", hook)
+    assert not launcher.launch_prepared(7, "k")
+    monkeypatch.setattr(hopper.knobs.runtime, "launch_enter_hook", hopper.knobs.HookChain())
+    monkeypatch.setattr(hopper, "CHECK_VARIANTS", True)
+    assert not launcher.launch_prepared(7, "k")
+    assert len(run.c_launches) == 2
+
+
+def test_launcher_checks_a_prepared_key_against_the_arguments(launcher, monkeypatch):
+    """With CHECK_VARIANTS each launch given a ``prepare`` key compares its arguments
+    with those the key first prepared: a key that misses something the arguments are
+    made of (here another tensor's address) is a caller's bug, and raises."""
+    monkeypatch.setattr(hopper, "CHECK_VARIANTS", True)
+    x, y = torch.zeros(64), torch.zeros(64)
+    for _ in range(3):
+        launcher((3,), x, 32, 0.5, BLOCK=16, FLAG=True, num_warps=4, variant="v",
+                 prepare="k")
+    with pytest.raises(AssertionError, match="prepared call"):
+        launcher((3,), y, 32, 0.5, BLOCK=16, FLAG=True, num_warps=4, variant="v",
+                 prepare="k")
+
+
 def test_launcher_goes_through_triton_with_a_launch_hook(launcher, monkeypatch):
     """A launch hook (proton, say) sees every launch: Triton's own path calls it."""
     x = torch.zeros(64)
@@ -173,8 +214,7 @@ def test_launch_splices_descriptor_maps_between_the_other_arguments(monkeypatch)
         ((7, first, second), [7, "map1", 2, 3, 64, 16, "map2", 2, 3, 64, 16]),
     ):  # fmt: skip
         compiled = hopper._Compiled(kernel, [16], args, None)
-        compiled.launch(4, 1234, args)
-        assert list(kernel.run.c_launches[-1][13:]) == [*expected, 16]
+        assert list(compiled.arguments(1234, args)[9:]) == [*expected, 16]
 
 
 def test_tensor_maps_are_encoded_once_per_address_and_geometry(monkeypatch):
@@ -227,8 +267,9 @@ class _CountingJit:
 @pytest.mark.parametrize("head_dim", [64, 256])
 def test_repeat_calls_launch_directly_and_match_gpu(monkeypatch, head_dim):
     """The first call of a variant goes through JITFunction.run, later ones straight to
-    Triton's C launcher with cached tensor maps, and with a launch hook set through
-    Triton's own launcher, which calls the hook: the same results, forward and backward
+    Triton's C launcher with cached tensor maps, then with the arguments it prepared
+    (Launcher.launch_prepared), and with a launch hook set through Triton's own
+    launcher, which calls the hook: the same results, forward and backward
     (`_assert_same_results`)."""
     if not hopper_kernel_runs_here():
         pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
@@ -237,6 +278,7 @@ def test_repeat_calls_launch_directly_and_match_gpu(monkeypatch, head_dim):
     for launcher in launchers:
         monkeypatch.setattr(launcher, "fn", _CountingJit(launcher.fn))
         monkeypatch.setattr(launcher, "kernels", {})
+        monkeypatch.setattr(launcher, "prepared", {})
     monkeypatch.setattr(hopper, "_TENSOR_MAPS", {})
     q, k, v = (torch.randn(2, 1100, 4, head_dim, device="cuda", dtype=torch.bfloat16,
                            requires_grad=True) for _ in range(3))  # fmt: skip
@@ -255,6 +297,27 @@ def test_repeat_calls_launch_directly_and_match_gpu(monkeypatch, head_dim):
     assert all(c.raw is not None for launcher in used for c in launcher.kernels.values())
     assert len(hopper._TENSOR_MAPS) > 0
     _assert_same_results(first, second)
+    # The second call prepared each launch's arguments (checked against the ones it
+    # made); outside the suite's checks (CHECK_VARIANTS) a call of the same addresses
+    # launches them as kept. Which addresses a call's outputs get is the allocator's
+    # business: freed results let the next calls reuse theirs.
+    assert all(launcher.prepared for launcher in used)
+    del second
+    monkeypatch.setattr(hopper, "CHECK_VARIANTS", False)
+    hits = []
+    for launcher in used:
+        monkeypatch.setattr(launcher, "launch_prepared",
+                            lambda *a, f=launcher.launch_prepared: hits.append(f(*a)) or hits[-1])
+    prepared = None
+    for _ in range(3):
+        hits.clear()
+        prepared = None  # frees the last try's results before the next call
+        prepared = call()
+        if hits == [True] * kernels:
+            break
+    assert hits == [True] * kernels, hits
+    assert all(launcher.fn.runs == 1 for launcher in used)
+    _assert_same_results(first, prepared)
 
     names = []
     hook = hopper.knobs.HookChain()

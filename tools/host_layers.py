@@ -1,6 +1,6 @@
 """Where a call's host time goes before its launch, layer by layer: perf_counter stamps
 at the first entry of each layer (forward: check, the autograd Function, the kernel
-dispatch, the Gluon forward, hopper.Launcher, the compiled variant's launch; backward:
+dispatch, the Gluon forward, hopper.Launcher, the launch, prepared or not; backward:
 the Function, the dispatch, the Gluon path, its first Launcher and launch (the
 preprocess), the Gluon kernel's wrapper), medians over calls with the GPU synced before
 each (or, --warm, a loop of small calls); forwards with autograd recording and without.
@@ -41,14 +41,25 @@ def instrument():
     forward_kernels.forward = stamped("kernels.forward", forward_kernels.forward)
     forward_sm90.forward = stamped("forward_sm90", forward_sm90.forward)
     hopper.Launcher.__call__ = stamped("Launcher", hopper.Launcher.__call__)
-    real_launch = hopper._Compiled.launch
+    real_arguments, real_prepared = hopper._Compiled.arguments, hopper.Launcher.launch_prepared
 
-    def launch(*args, **kwargs):  # every launch: launch, launch#2, ...
+    def launched(t):  # every launch: launch, launch#2, ...
         n = sum(name.startswith("launch") for name in STAMPS)
-        STAMPS[f"launch#{n + 1}" if n else "launch"] = time.perf_counter()
-        return real_launch(*args, **kwargs)
+        STAMPS[f"launch#{n + 1}" if n else "launch"] = t
 
-    hopper._Compiled.launch = launch
+    def arguments(*args, **kwargs):  # a launch that makes its arguments
+        launched(time.perf_counter())
+        return real_arguments(*args, **kwargs)
+
+    def launch_prepared(*args, **kwargs):  # one that found them prepared
+        t = time.perf_counter()
+        found = real_prepared(*args, **kwargs)
+        if found:
+            launched(t)
+        return found
+
+    hopper._Compiled.arguments = arguments
+    hopper.Launcher.launch_prepared = launch_prepared
     ops._Attention.backward = staticmethod(stamped("Function.backward",
                                                    ops._Attention.backward))  # fmt: skip
     backward_kernels.backward = stamped("kernels.backward", backward_kernels.backward)

@@ -734,6 +734,15 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
     if spec.head_dim_qk == 256:
         return _backward_d256(spec, q, k, v, grad_out, stats, dq, dk, dv)
     how = _plan(spec, dbias is not None, q.device.index)
+    # What the arguments are made of beside the plan (the spec fixes every shape but
+    # the bias's and ALiBi's): hopper.Launcher.launch_prepared.
+    call = (how, q.data_ptr(), q.stride(), k.data_ptr(), k.stride(), v.data_ptr(),
+            v.stride(), grad_out.data_ptr(), grad_out.stride(), stats.data_ptr(),
+            dq.data_ptr(), dq.stride(), dk.data_ptr(), dk.stride(), dv.data_ptr(),
+            dv.stride(), hopper.where(bias), hopper.where(dbias), hopper.where(alibi_slopes),
+            hopper.where(rng_state))  # fmt: skip
+    if _launch_backward.launch_prepared(how.programs, call):
+        return
     half_d = spec.head_dim_qk // 2
     # K's tile is sliced by columns for dQ: its swizzle may not span more than a half.
     k_swizzle = min(128, half_d * k.element_size())
@@ -761,7 +770,7 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
         dv.stride(2), alibi_batch_stride, alibi_head_stride, spec.kv_heads, spec.group,
         bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k, *how.counts, spec.scale,
         spec.window_left, spec.window_right, spec.dropout_p, variant=variant,
-        **how.constexprs,
+        prepare=call, **how.constexprs,
     )  # fmt: skip
 
 
@@ -784,25 +793,37 @@ def _backward_d256(spec: AttentionSpec, q, k, v, grad_out, stats, dq, dk, dv) ->
     """`backward` at D=256 (no bias, ALiBi or dropout: `supports` keeps them off it):
     dK and dV from _bwd_d256_kernel, dQ from _bwd_dq_d256_kernel."""
     dkdv, dq_plan = _plans_d256(spec, q.device.index)
+    # What each launch's arguments are made of beside its plan (the spec fixes every
+    # shape): hopper.Launcher.launch_prepared.
+    inputs = (q.data_ptr(), q.stride(), k.data_ptr(), k.stride(), v.data_ptr(), v.stride(),
+              grad_out.data_ptr(), grad_out.stride(), stats.data_ptr())  # fmt: skip
+    dkdv_call = (dkdv, *inputs, dk.data_ptr(), dk.stride(), dv.data_ptr(), dv.stride())
+    dq_call = (dq_plan, *inputs, dq.data_ptr(), dq.stride())
+    dkdv_launched = _launch_backward_d256.launch_prepared(dkdv.programs, dkdv_call)
+    dq_launched = _launch_dq_d256.launch_prepared(dq_plan.programs, dq_call)
+    if dkdv_launched and dq_launched:
+        return
     q_desc = hopper.descriptor(q, BLOCK_M)
     do_desc = hopper.descriptor(grad_out, BLOCK_M)
     stats_desc = _row_stats_descriptor(stats, spec.seqlen_q)
-    _launch_backward_d256(
-        (dkdv.programs,),
-        q_desc, hopper.descriptor(k, BLOCK_N_D256), hopper.descriptor(v, BLOCK_N_D256),
-        do_desc, stats_desc, dk, dv,
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k, *dkdv.counts, spec.scale,
-        spec.window_left, spec.window_right,
-        variant=dkdv, **dkdv.constexprs,  # the plan fixes every specialisation
-    )  # fmt: skip
-    _launch_dq_d256(
-        (dq_plan.programs,),
-        q_desc, hopper.descriptor(k, DQ_BLOCK_N), hopper.descriptor(v, DQ_BLOCK_N),
-        do_desc, hopper.descriptor(dq, ROWS.value), stats_desc, spec.heads, spec.group,
-        spec.seqlen_q, spec.seqlen_k, *dq_plan.counts, spec.scale, spec.window_left,
-        spec.window_right, variant=dq_plan, **dq_plan.constexprs,
-    )  # fmt: skip
+    if not dkdv_launched:
+        _launch_backward_d256(
+            (dkdv.programs,),
+            q_desc, hopper.descriptor(k, BLOCK_N_D256), hopper.descriptor(v, BLOCK_N_D256),
+            do_desc, stats_desc, dk, dv,
+            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1),
+            dv.stride(2), spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k,
+            *dkdv.counts, spec.scale, spec.window_left, spec.window_right,
+            variant=dkdv, prepare=dkdv_call, **dkdv.constexprs,
+        )  # fmt: skip
+    if not dq_launched:
+        _launch_dq_d256(
+            (dq_plan.programs,),
+            q_desc, hopper.descriptor(k, DQ_BLOCK_N), hopper.descriptor(v, DQ_BLOCK_N),
+            do_desc, hopper.descriptor(dq, ROWS.value), stats_desc, spec.heads, spec.group,
+            spec.seqlen_q, spec.seqlen_k, *dq_plan.counts, spec.scale, spec.window_left,
+            spec.window_right, variant=dq_plan, prepare=dq_call, **dq_plan.constexprs,
+        )  # fmt: skip
 
 
 @hopper.plan_cache

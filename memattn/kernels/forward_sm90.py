@@ -491,6 +491,15 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
     a call `supports` accepted; rng_state: dropout's [seed, offset] (memattn.dropout),
     None without dropout."""
     how = plan(spec, q.device.index)
+    # What the launch's arguments are made of beside the plan (the spec fixes every
+    # shape but the bias's and ALiBi's): once launched, a call of the same key skips
+    # making them (hopper.Launcher.launch_prepared).
+    call = (how, q.data_ptr(), q.stride(), k.data_ptr(), k.stride(), v.data_ptr(),
+            v.stride(), out.data_ptr(), out.stride(), lse.data_ptr(), lse.stride(),
+            hopper.where(bias), hopper.where(alibi_slopes), hopper.where(rng_state),
+            hopper.where(cu_seqlens_q), hopper.where(cu_seqlens_k))  # fmt: skip
+    if _launch_forward.launch_prepared(how.programs, call):
+        return
     block_n = how.constexprs["BLOCK_N"]
     stride_om = stride_oh = 0  # O leaves by TMA but for packed sequences
     lse_strides = lse.stride()
@@ -519,5 +528,5 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
         stride_om, stride_oh, *lse_strides, alibi_batch_stride, alibi_head_stride, spec.heads,
         spec.group, bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k, *how.counts,
         spec.scale * LOG2E.value, spec.window_left, spec.window_right,
-        spec.dropout_p, variant=variant, **how.constexprs,
+        spec.dropout_p, variant=variant, prepare=call, **how.constexprs,
     )  # fmt: skip

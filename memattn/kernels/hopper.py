@@ -410,6 +410,12 @@ def aligned(t: torch.Tensor | None) -> bool:
     return t is None or t.data_ptr() % 16 == 0
 
 
+def where(t: torch.Tensor | None) -> tuple | None:
+    """A tensor's address, dtype, shape and strides (None for None): what a launch's
+    arguments take from it, for a `Launcher.launch_prepared` key."""
+    return None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride())
+
+
 class Launcher:
     """Launches a kernel straight through its compiled launcher after the first call
     of each variant. JITFunction.run binds and specialises every argument in Python on
@@ -426,8 +432,28 @@ class Launcher:
     def __init__(self, fn):
         self.fn = fn
         self.kernels = {}  # key -> _Compiled
+        self.prepared = {}  # (device, call) -> (C launcher, its arguments after the stream)
 
-    def __call__(self, grid, *args, variant=None, **kwargs):
+    def launch_prepared(self, programs: int, call) -> bool:
+        """Launches the arguments an earlier launch given ``prepare=call`` left, and
+        returns True; False where there are none (the caller then makes its arguments
+        and launches). ``call`` is a hashable of everything those arguments are made
+        of (the plan, the tensors' addresses and strides): a small call then skips
+        making descriptors and looking up their maps, ~30 % of a forward's host time
+        before its launch (PERFORMANCE.md v16). Tests (CHECK_VARIANTS) always make the
+        arguments, compare them with the prepared ones and launch those."""
+        if CHECK_VARIANTS:
+            return False
+        device = driver.active.get_current_device()
+        found = self.prepared.get((device, call))
+        if found is None or _hooked(knobs.runtime.launch_enter_hook) \
+                or _hooked(knobs.runtime.launch_exit_hook):  # fmt: skip
+            return False
+        raw, tail = found
+        raw(programs, 1, 1, driver.active.get_current_stream(device), *tail)
+        return True
+
+    def __call__(self, grid, *args, variant=None, prepare=None, **kwargs):
         device = driver.active.get_current_device()
         full = None
         if variant is None or CHECK_VARIANTS:
@@ -445,7 +471,23 @@ class Launcher:
             name = getattr(self.fn, "__name__", self.fn)
             raise AssertionError(f"{name}: variant {variant!r} launched with arguments of "
                                  "another specialisation than its first launch")
-        found.launch(grid[0], driver.active.get_current_stream(device), args)
+        stream = driver.active.get_current_stream(device)
+        tail = found.arguments(stream, args)
+        if tail is None:  # a hook or scratch memory: Triton's own launch
+            found.launch_by_triton(grid[0], stream, args)
+            return
+        if prepare is not None:
+            # Addresses, not tensors: the C launcher takes either, and the cache must
+            # not keep a call's outputs alive.
+            tail = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in tail)
+            prepared = self.prepared.setdefault((device, prepare), (found.raw, tail))
+            if CHECK_VARIANTS and prepared != (found.raw, tail):
+                name = getattr(self.fn, "__name__", self.fn)
+                raise AssertionError(f"{name}: a prepared call's arguments differ from "
+                                     "those its key was first made for")
+            if len(self.prepared) >= 4096:  # many distinct tensors: start over
+                self.prepared.clear()
+        found.raw(grid[0], 1, 1, stream, *tail)
 
 
 class _Compiled:
@@ -471,22 +513,29 @@ class _Compiled:
         self.raw = None if scratch else _c_launcher(run.launch)
         self.flags = (run.launch_cooperative_grid, run.launch_pdl)
 
-    def launch(self, programs: int, stream: int, args: tuple):
-        kernel = self.kernel
+    def arguments(self, stream: int, args: tuple) -> tuple | None:
+        """The C launcher's arguments after (programs, 1, 1, stream); None where the
+        launch must go through Triton (`launch_by_triton`): a launch hook is set or the
+        kernel needs scratch memory."""
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         if self.raw is None or _hooked(enter) or _hooked(leave):
-            meta = kernel.launch_metadata((programs,), stream, *args, *self.constexprs)
-            kernel.run(programs, 1, 1, stream, kernel.function, kernel.packed_metadata, meta,
-                       enter, leave, *args, *self.constexprs)
-            return
+            return None
         final, start = [], 0
         for i, meta in self.descriptors:
             final += args[start:i]
             final += _tensor_map_args(args[i], meta)
             start = i + 1
         final += args[start:]
-        self.raw(programs, 1, 1, stream, kernel.function, *self.flags, None, None,
-                 kernel.packed_metadata, None, None, None, *final, *self.constexprs)
+        kernel = self.kernel
+        return (kernel.function, *self.flags, None, None, kernel.packed_metadata, None, None,
+                None, *final, *self.constexprs)  # fmt: skip
+
+    def launch_by_triton(self, programs: int, stream: int, args: tuple):
+        kernel = self.kernel
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        meta = kernel.launch_metadata((programs,), stream, *args, *self.constexprs)
+        kernel.run(programs, 1, 1, stream, kernel.function, kernel.packed_metadata, meta,
+                   enter, leave, *args, *self.constexprs)
 
 
 def _hooked(hook) -> bool:
