@@ -739,8 +739,8 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
     call = (how, q.data_ptr(), q.stride(), k.data_ptr(), k.stride(), v.data_ptr(),
             v.stride(), grad_out.data_ptr(), grad_out.stride(), stats.data_ptr(),
             dq.data_ptr(), dq.stride(), dk.data_ptr(), dk.stride(), dv.data_ptr(),
-            dv.stride(), hopper.where(bias), hopper.where(dbias), hopper.where(alibi_slopes),
-            hopper.where(rng_state))  # fmt: skip
+            dv.stride(), hopper.tensor_key(bias), hopper.tensor_key(dbias),
+            hopper.tensor_key(alibi_slopes), hopper.tensor_key(rng_state))  # fmt: skip
     if _launch_backward.launch_prepared(how.programs, call):
         return
     half_d = spec.head_dim_qk // 2

@@ -496,8 +496,8 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
     # making them (hopper.Launcher.launch_prepared).
     call = (how, q.data_ptr(), q.stride(), k.data_ptr(), k.stride(), v.data_ptr(),
             v.stride(), out.data_ptr(), out.stride(), lse.data_ptr(), lse.stride(),
-            hopper.where(bias), hopper.where(alibi_slopes), hopper.where(rng_state),
-            hopper.where(cu_seqlens_q), hopper.where(cu_seqlens_k))  # fmt: skip
+            hopper.tensor_key(bias), hopper.tensor_key(alibi_slopes), hopper.tensor_key(rng_state),
+            hopper.tensor_key(cu_seqlens_q), hopper.tensor_key(cu_seqlens_k))  # fmt: skip
     if _launch_forward.launch_prepared(how.programs, call):
         return
     block_n = how.constexprs["BLOCK_N"]

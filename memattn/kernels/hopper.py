@@ -410,7 +410,7 @@ def aligned(t: torch.Tensor | None) -> bool:
     return t is None or t.data_ptr() % 16 == 0
 
 
-def where(t: torch.Tensor | None) -> tuple | None:
+def tensor_key(t: torch.Tensor | None) -> tuple | None:
     """A tensor's address, dtype, shape and strides (None for None): what a launch's
     arguments take from it, for a `Launcher.launch_prepared` key."""
     return None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride())
@@ -441,7 +441,7 @@ class Launcher:
         of (the plan, the tensors' addresses and strides): a small call then skips
         making descriptors and looking up their maps, ~30 % of a forward's host time
         before its launch (PERFORMANCE.md v16). Tests (CHECK_VARIANTS) always make the
-        arguments, compare them with the prepared ones and launch those."""
+        arguments and check that they equal the prepared ones."""
         if CHECK_VARIANTS:
             return False
         device = driver.active.get_current_device()
@@ -465,6 +465,7 @@ class Launcher:
             constexprs = [kwargs[name] for name in self.fn.arg_names[len(args):]]
             if len(self.kernels) >= 4096:  # many distinct shapes: start over
                 self.kernels.clear()
+                self.prepared.clear()  # their arguments name the dropped kernels
             self.kernels[key] = _Compiled(kernel, constexprs, args, full)
             return
         if CHECK_VARIANTS and found.full_key != full:
