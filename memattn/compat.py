@@ -8,6 +8,9 @@ check themselves. Gradients flow to q, k, v (and to a float ``attn_mask``).
 
     from memattn.compat import scaled_dot_product_attention   # (..., H, L, E) layout
     from memattn.compat import flash_attn_func, flash_attn_varlen_func   # (B, S, H, D)
+
+flash-attn's six ``flash_attn_*func`` functions are here with its 2.8 signatures;
+``flash_attn_with_kvcache`` (a paged, in-place KV cache) is not.
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ import numbers
 
 import torch
 
+from . import reference
 from .api import attention
+from .dropout import dropout_mask
+from .ops import forward
 
 __all__ = [
     "flash_attn_func",
@@ -210,32 +216,62 @@ def _mask_to_bias(mask, dtype, score_shape, batch) -> torch.Tensor:
 
 # ----------------------------------------------------------------- FlashAttention 2
 
-_RETURN_ATTN_PROBS = (
-    "return_attn_probs=True is not supported: memattn never materialises the attention "
-    "probabilities. Use memattn.attention(..., return_lse=True) for softmax_lse, "
-    "memattn.dropout_mask for the dropout pattern, or memattn.reference.attention to "
-    "compute the probabilities in plain PyTorch."
-)
+def _as_int(w) -> int | None:
+    """w as a Python int if it is an integer (Python, numpy, a 0-d integer tensor or
+    array; bools are not), else None."""
+    if isinstance(w, torch.Tensor):
+        integral = not (w.dtype.is_floating_point or w.dtype.is_complex or w.dtype == torch.bool)
+        return int(w.item()) if w.dim() == 0 and integral else None
+    if getattr(getattr(w, "dtype", None), "kind", None) in ("i", "u") and w.shape == ():
+        return int(w)  # a numpy integer, or a 0-d integer array
+    if isinstance(w, numbers.Integral) and not isinstance(w, bool):
+        return int(w)
+    return None
 
 
-def _refuse_attn_probs(return_attn_probs) -> None:
-    if return_attn_probs:
-        raise NotImplementedError(_RETURN_ATTN_PROBS)
+def _window_pair(window_size) -> tuple[int, int]:
+    """window_size in any form flash-attn takes: a tuple or list of two integers, or a
+    1-D integer tensor or numpy array of two (flash-attn's tests sample it with
+    torch.randint)."""
+    pair = window_size
+    if hasattr(pair, "dtype") and getattr(pair, "shape", None) == (2,):  # tensor, ndarray
+        pair = list(pair)
+    if isinstance(pair, (tuple, list)) and len(pair) == 2:
+        left, right = map(_as_int, pair)
+        if left is not None and right is not None:
+            return left, right
+    raise TypeError(
+        "window_size must be a pair (left, right) of integers (a tuple or list of ints, or "
+        f"an integer tensor or array of 2 elements; -1 = unbounded), got {window_size!r}"
+    )
 
 
-def _flash_window(window_size, seqlen_k):
-    """FlashAttention's kernels read a window side >= seqlen_k as unbounded (-1). For the
-    right side this is not the documented formula when Sq > Sk; mirrored here so that
-    results match flash-attn's. Anything malformed is left to memattn's validation."""
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        return window_size
+def _flash_window(window_size, seqlen_k) -> tuple[int, int]:
+    """window_size as memattn's window. FlashAttention's kernels read a side >= seqlen_k
+    as unbounded (-1). For the right side this is not the documented formula when
+    Sq > Sk; mirrored here so that results match flash-attn's. A side below -1 is left to
+    memattn's validation."""
+    sides = _window_pair(window_size)
     if isinstance(seqlen_k, bool) or not isinstance(seqlen_k, numbers.Integral):
-        return tuple(window_size)
-    return tuple(
-        -1 if isinstance(w, numbers.Integral) and not isinstance(w, bool) and w >= seqlen_k
-        else w
-        for w in window_size
-    )  # fmt: skip
+        return sides
+    left, right = (-1 if w >= seqlen_k else w for w in sides)
+    return left, right
+
+
+def _flash_call(q, k, v, return_attn_probs, **options):
+    """memattn.attention with flash-attn's arguments already translated into
+    ``options``; with ``return_attn_probs``, (out, softmax_lse, S_dmask) as flash-attn."""
+    if not return_attn_probs:
+        return attention(q, k, v, **options)
+    out, lse, rng_state = forward(q, k, v, **options)
+    dropout_p = options.pop("dropout_p")
+    del options["deterministic"]
+    with torch.no_grad():  # S_dmask is a debugging aid: no gradient flows through it
+        probs = reference.probabilities(q.detach(), k.detach(), **options)
+        if dropout_p > 0:  # flash-attn's sign convention; -0.0 where a hidden key was dropped
+            keep = dropout_mask(rng_state, dropout_p, *probs.shape)
+            probs = torch.where(keep, probs, -probs)
+    return out, lse, probs
 
 
 def flash_attn_func(
@@ -250,8 +286,9 @@ def flash_attn_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
-) -> torch.Tensor:
-    """``flash_attn.flash_attn_func`` (FlashAttention 2.1+), computed by memattn.
+):
+    """``flash_attn.flash_attn_func`` (flash-attn 2.8), computed by memattn: the same
+    arguments in the same order, with the same defaults.
 
     q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), H a multiple of Hkv (query
     head h reads key/value head h // (H // Hkv)); returns out (B, Sq, H, Dv). Causal
@@ -260,18 +297,27 @@ def flash_attn_func(
     + right for window_size = (left, right), -1 unbounded; ALiBi adds
     -slope * |i + off - j| (alibi_slopes float32 (H,) or (B, H)). softcap > 0 caps the
     scaled score; softmax_scale defaults to 1/sqrt(D). A row with no visible key gives
-    0. As in flash-attn, a window side >= Sk counts as unbounded.
+    0. As in flash-attn, a window side >= Sk counts as unbounded; window_size may be a
+    tuple or list of ints or a 1-D integer tensor of 2 elements.
 
-    return_attn_probs=True raises NotImplementedError (use memattn.attention with
-    return_lse=True for the logsumexp). Unlike flash-attn, softcap combines with
-    dropout, Dv may differ from D, and float32 is accepted.
+    return_attn_probs=True returns (out, softmax_lse, S_dmask): softmax_lse float32
+    (B, H, Sq), natural log; S_dmask (B, H, Sq, Sk) in q's dtype, the probabilities,
+    with the sign bit set where dropout dropped the element (``S_dmask.signbit()`` is
+    ``~memattn.dropout_mask(...)``). It is computed in plain PyTorch and costs
+    O(Sq * Sk) memory: a debugging aid. Gradients flow through out (and softmax_lse).
+
+    Where memattn differs from flash-attn: softcap combines with dropout, Dv may differ
+    from D, any D in [1, 256] and float32 are accepted; S_dmask is returned without
+    dropout too (flash-attn returns an empty tensor), unpadded and normalised (flash-
+    attn's is padded to its tiles and "possibly with different scaling"); softmax_lse is
+    -inf for a row with no visible key (flash-attn: +inf).
     """
-    _refuse_attn_probs(return_attn_probs)
     seqlen_k = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else None
-    return attention(
-        q, k, v, causal=causal, window=_flash_window(window_size, seqlen_k),
-        align="bottom_right", alibi_slopes=alibi_slopes, softcap=softcap,
-        scale=softmax_scale, dropout_p=dropout_p, deterministic=deterministic,
+    return _flash_call(
+        q, k, v, return_attn_probs, causal=causal,
+        window=_flash_window(window_size, seqlen_k), align="bottom_right",
+        alibi_slopes=alibi_slopes, softcap=softcap, scale=softmax_scale, dropout_p=dropout_p,
+        deterministic=deterministic,
     )  # fmt: skip
 
 
@@ -292,8 +338,9 @@ def flash_attn_varlen_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     block_table: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``flash_attn.flash_attn_varlen_func`` (FlashAttention 2.1+), computed by memattn.
+):
+    """``flash_attn.flash_attn_varlen_func`` (flash-attn 2.8), computed by memattn: the
+    same arguments in the same order, with the same defaults.
 
     Packed sequences: q (Tq, H, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv); cu_seqlens_q/k
     int32 (B+1,), from 0, non-decreasing (sequences may be empty); max_seqlen_q/k the
@@ -302,22 +349,25 @@ def flash_attn_varlen_func(
     alibi_slopes (H,) or (B, H). As in flash-attn, a window side >= max_seqlen_k counts
     as unbounded.
 
-    block_table (paged KV cache) raises NotImplementedError: gather the pages into
-    packed k/v and pass cu_seqlens_k. return_attn_probs=True raises
-    NotImplementedError (use memattn.attention with return_lse=True).
+    return_attn_probs=True returns (out, softmax_lse, S_dmask): softmax_lse float32
+    (H, Tq); S_dmask (B, H, max_seqlen_q, max_seqlen_k), indexed by positions inside each
+    sequence, 0 past its lengths; otherwise as :func:`flash_attn_func`.
+
+    Where memattn differs: as :func:`flash_attn_func`; and block_table (a paged KV
+    cache) raises NotImplementedError: gather the pages into packed k/v and pass
+    cu_seqlens_k.
     """
-    _refuse_attn_probs(return_attn_probs)
     if block_table is not None:
         raise NotImplementedError(
             "block_table (a paged KV cache) is not supported: gather each sequence's pages "
             "into packed k/v of shape (Tk, Hkv, D) and pass cu_seqlens_k instead"
         )
-    return attention(
-        q, k, v, causal=causal, window=_flash_window(window_size, max_seqlen_k),
-        align="bottom_right", alibi_slopes=alibi_slopes, softcap=softcap,
-        scale=softmax_scale, dropout_p=dropout_p, cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        deterministic=deterministic,
+    return _flash_call(
+        q, k, v, return_attn_probs, causal=causal,
+        window=_flash_window(window_size, max_seqlen_k), align="bottom_right",
+        alibi_slopes=alibi_slopes, softcap=softcap, scale=softmax_scale, dropout_p=dropout_p,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, deterministic=deterministic,
     )  # fmt: skip
 
 
@@ -340,9 +390,10 @@ def flash_attn_qkvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
-) -> torch.Tensor:
-    """``flash_attn.flash_attn_qkvpacked_func``: qkv (B, S, 3, H, D) -> out (B, S, H, D).
-    Options as :func:`flash_attn_func`; the gradient arrives in qkv's layout."""
+):
+    """``flash_attn.flash_attn_qkvpacked_func``: qkv (B, S, 3, H, D) -> out (B, S, H, D),
+    the gradient in qkv's layout. Arguments, order, defaults, return_attn_probs and the
+    differences from flash-attn as :func:`flash_attn_func`."""
     q, k, v = _unpack("qkv", qkv, 3, 5, "(B, S, 3, H, D)")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs)  # fmt: skip
@@ -359,9 +410,10 @@ def flash_attn_kvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
-) -> torch.Tensor:
+):
     """``flash_attn.flash_attn_kvpacked_func``: q (B, Sq, H, D), kv (B, Sk, 2, Hkv, D) ->
-    out (B, Sq, H, D). Options as :func:`flash_attn_func`."""
+    out (B, Sq, H, D). Arguments, order, defaults, return_attn_probs and the differences
+    from flash-attn as :func:`flash_attn_func`."""
     k, v = _unpack("kv", kv, 2, 5, "(B, Sk, 2, Hkv, D)")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs)  # fmt: skip
@@ -379,9 +431,10 @@ def flash_attn_varlen_qkvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
-) -> torch.Tensor:
+):
     """``flash_attn.flash_attn_varlen_qkvpacked_func``: qkv (T, 3, H, D), cu_seqlens int32
-    (B+1,) -> out (T, H, D). Options as :func:`flash_attn_varlen_func`."""
+    (B+1,) -> out (T, H, D). Arguments, order, defaults, return_attn_probs and the
+    differences from flash-attn as :func:`flash_attn_varlen_func`."""
     q, k, v = _unpack("qkv", qkv, 3, 4, "(T, 3, H, D)")
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   dropout_p, softmax_scale, causal, window_size, softcap,
@@ -403,9 +456,10 @@ def flash_attn_varlen_kvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
-) -> torch.Tensor:
+):
     """``flash_attn.flash_attn_varlen_kvpacked_func``: q (Tq, H, D), kv (Tk, 2, Hkv, D) ->
-    out (Tq, H, D). Options as :func:`flash_attn_varlen_func`."""
+    out (Tq, H, D). Arguments, order, defaults, return_attn_probs and the differences
+    from flash-attn as :func:`flash_attn_varlen_func`."""
     k, v = _unpack("kv", kv, 2, 4, "(Tk, 2, Hkv, D)")
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size,

@@ -69,35 +69,78 @@ def attention(
                 f"dropout_keep must be a bool tensor of shape {spec.bias_shape}, got "
                 f"{dropout_keep.dtype} {tuple(dropout_keep.shape)}"
             )
-    bias_full = None if bias is None else bias.expand(spec.bias_shape)
-    slopes = None
-    if alibi_slopes is not None:
-        slopes = alibi_slopes.expand(spec.batch, spec.heads)
-
+    parts = [_attention_dense(spec, *args)
+             for _, *args in _sequences(spec, q, k, v, bias, alibi_slopes, dropout_keep,
+                                        cu_seqlens_q, cu_seqlens_k)]  # fmt: skip
     if not spec.varlen:
-        out, lse = _attention_dense(spec, q, k, v, bias_full, slopes, dropout_keep)
+        out, lse = parts[0]
+    elif parts:
+        out = torch.cat([o[0] for o, _ in parts], dim=0)
+        lse = torch.cat([s[0] for _, s in parts], dim=1)
     else:
-        outs, lses = [], []
-        starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        for b in range(spec.batch):
-            sq = slice(starts_q[b], starts_q[b + 1])
-            sk = slice(starts_k[b], starts_k[b + 1])
-            n_q, n_k = sq.stop - sq.start, sk.stop - sk.start
-            out_b, lse_b = _attention_dense(
-                spec,
-                q[None, sq],
-                k[None, sk],
-                v[None, sk],
-                None if bias_full is None else bias_full[b : b + 1, :, :n_q, :n_k],
-                None if slopes is None else slopes[b : b + 1],
-                None if dropout_keep is None else dropout_keep[b : b + 1, :, :n_q, :n_k],
-            )
-            outs.append(out_b[0])
-            lses.append(lse_b[0])
-        out = torch.cat(outs, dim=0) if outs else q.new_zeros(0, spec.heads, spec.head_dim_v)
-        lse = torch.cat(lses, dim=1) if lses else q.new_zeros(spec.heads, 0)
+        out, lse = q.new_zeros(0, spec.heads, spec.head_dim_v), q.new_zeros(spec.heads, 0)
     lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
     return (out, lse) if return_lse else out
+
+
+def probabilities(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    causal: bool = False,
+    window: tuple[int, int] | None = None,
+    align: str = "top_left",
+    bias: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    scale: float | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+) -> torch.Tensor:
+    """The probabilities p = softmax_j(s) of :func:`attention` with the same options,
+    before dropout: (B, H, Sq, Sk), or (B, H, max_seqlen_q, max_seqlen_k) in varlen mode,
+    indexed by positions inside each sequence and 0 past its lengths. 0 for a key the
+    query does not see and along a row with no visible key. Computed in float32
+    (float64 for float64 inputs), returned in q's dtype; O(Sq * Sk) memory, a debugging
+    aid (``memattn.compat``'s ``return_attn_probs``)."""
+    spec = check_call(
+        q, k, k, causal=causal, window=window, align=align, bias=bias,  # k stands in for v
+        alibi_slopes=alibi_slopes, softcap=softcap, scale=scale, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        dtypes=REFERENCE_DTYPES,
+    )  # fmt: skip
+    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+    probs = torch.zeros(spec.bias_shape, dtype=wide, device=q.device)
+    for rows, q_b, k_b, _, bias_b, slopes_b, _ in _sequences(
+        spec, q, k, k, bias, alibi_slopes, None, cu_seqlens_q, cu_seqlens_k
+    ):
+        p, _ = _softmax(_scores(spec, q_b.to(wide), k_b.to(wide), bias_b, slopes_b))
+        probs[rows, :, : p.shape[2], : p.shape[3]] = p
+    return probs.to(q.dtype)
+
+
+def _sequences(spec, q, k, v, bias, alibi_slopes, keep, cu_seqlens_q, cu_seqlens_k):
+    """Yields (batch rows, q, k, v, bias, slopes, keep) in the dense layout: the whole
+    batch once in dense mode, each sequence as a batch of one in varlen mode (bias and
+    keep cut to its lengths). bias and slopes come expanded to (B, H, ...)."""
+    bias_full = None if bias is None else bias.expand(spec.bias_shape)
+    slopes = None if alibi_slopes is None else alibi_slopes.expand(spec.batch, spec.heads)
+    if not spec.varlen:
+        yield slice(None), q, k, v, bias_full, slopes, keep
+        return
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(spec.batch):
+        sq = slice(starts_q[b], starts_q[b + 1])
+        sk = slice(starts_k[b], starts_k[b + 1])
+        n_q, n_k = sq.stop - sq.start, sk.stop - sk.start
+        yield (
+            slice(b, b + 1), q[None, sq], k[None, sk], v[None, sk],
+            None if bias_full is None else bias_full[b : b + 1, :, :n_q, :n_k],
+            None if slopes is None else slopes[b : b + 1],
+            None if keep is None else keep[b : b + 1, :, :n_q, :n_k],
+        )  # fmt: skip
 
 
 def visible_mask(spec: AttentionSpec, n_q: int, n_k: int, device) -> torch.Tensor:
@@ -113,13 +156,11 @@ def visible_mask(spec: AttentionSpec, n_q: int, n_k: int, device) -> torch.Tenso
     return mask
 
 
-def _attention_dense(spec, q, k, v, bias, slopes, keep):
-    """Dense attention: q (B, Sq, H, Dqk), k (B, Sk, Hkv, Dqk), v (B, Sk, Hkv, Dv)."""
+def _scores(spec, q, k, bias, slopes):
+    """s for q (B, Sq, H, Dqk), k (B, Sk, Hkv, Dqk): (B, H, Sq, Sk), -inf where hidden."""
     n_q, n_k = q.shape[1], k.shape[1]
     q = q.transpose(1, 2)  # (B, H, Sq, Dqk)
     k = k.transpose(1, 2).repeat_interleave(spec.group, dim=1)  # (B, H, Sk, Dqk)
-    v = v.transpose(1, 2).repeat_interleave(spec.group, dim=1)  # (B, H, Sk, Dv)
-
     s = (q @ k.transpose(-1, -2)) * spec.scale
     if spec.softcap > 0:
         s = spec.softcap * torch.tanh(s / spec.softcap)
@@ -130,13 +171,23 @@ def _attention_dense(spec, q, k, v, bias, slopes, keep):
         i = torch.arange(n_q, device=q.device)[:, None] + off
         j = torch.arange(n_k, device=q.device)[None, :]
         s = s - slopes.to(s.dtype)[:, :, None, None] * (i - j).abs().to(s.dtype)
-    s = s.masked_fill(~visible_mask(spec, n_q, n_k, q.device), float("-inf"))
+    return s.masked_fill(~visible_mask(spec, n_q, n_k, q.device), float("-inf"))
 
+
+def _softmax(s):
+    """(p, lse) of scores s along the keys; lse at least float32."""
     lse = torch.logsumexp(s.float() if s.dtype != torch.float64 else s, dim=-1)
     # A row with no visible key has lse = -inf; softmax would give NaN there, we give 0.
     empty_row = torch.isneginf(lse)[..., None]
     p = torch.softmax(s.masked_fill(empty_row, 0.0), dim=-1).masked_fill(empty_row, 0.0)
+    return p, lse
+
+
+def _attention_dense(spec, q, k, v, bias, slopes, keep):
+    """Dense attention: q (B, Sq, H, Dqk), k (B, Sk, Hkv, Dqk), v (B, Sk, Hkv, Dv)."""
+    p, lse = _softmax(_scores(spec, q, k, bias, slopes))
     if spec.dropout_p > 0:
         p = p * keep.to(p.dtype) / (1.0 - spec.dropout_p)
+    v = v.transpose(1, 2).repeat_interleave(spec.group, dim=1)  # (B, H, Sk, Dv)
     out = p.to(v.dtype) @ v  # (B, H, Sq, Dv)
     return out.transpose(1, 2), lse

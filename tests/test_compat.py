@@ -7,6 +7,9 @@ small odd sizes in float32. GPU (`pytest -m gpu`): bfloat16 at real sizes, with 
 project's tolerance (2x plain PyTorch's error in bfloat16 + 1e-4).
 """
 
+import inspect
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -387,16 +390,6 @@ def _varlen_call(fn, **kwargs):
 
 # (name, the call, exception, words its message must contain)
 FLASH_REFUSALS = [
-    ("flash_attn_func return_attn_probs",
-     lambda: compat.flash_attn_func(*flash_qkv(L, S), return_attn_probs=True),
-     NotImplementedError, "return_lse"),
-    ("varlen return_attn_probs",
-     lambda: _varlen_call(compat.flash_attn_varlen_func, return_attn_probs=True)(),
-     NotImplementedError, "return_lse"),
-    ("qkvpacked return_attn_probs",
-     lambda: compat.flash_attn_qkvpacked_func(randn(B, L, 3, H, E, seed=1), 0.0, None, False,
-                                              (-1, -1), 0.0, None, False, True),
-     NotImplementedError, "return_lse"),
     ("block_table",
      lambda: _varlen_call(compat.flash_attn_varlen_func,
                           block_table=torch.zeros(5, 1, dtype=torch.int32))(),
@@ -411,6 +404,11 @@ FLASH_REFUSALS = [
     ("memattn's validation: window_size (-2, 0)",
      lambda: compat.flash_attn_func(*flash_qkv(L, S), window_size=(-2, 0)),
      ValueError, "window"),
+    *[(f"window_size {w!r}", lambda w=w: compat.flash_attn_func(*flash_qkv(L, S), window_size=w),
+       TypeError, "window_size must be a pair")
+      for w in (3, (3,), (1, 2, 3), (1.0, 2), (True, 2), "ab", None, torch.tensor([1.0, 2.0]),
+                torch.tensor([1, 2, 3]), torch.tensor([[1, 2]]), torch.tensor([True, False]),
+                np.array([1.5, 2.0]), np.array([[1, 2]]), (torch.tensor([1]), 2))],
 ]  # fmt: skip
 
 
@@ -420,6 +418,166 @@ def test_flash_attn_refusals(case):
     _, call, error, words = case
     with pytest.raises(error, match=words):
         call()
+
+
+# window_size in each form flash-attn accepts: all mean (3, 1)
+WINDOW_FORMS = [
+    (3, 1), [3, 1], torch.tensor([3, 1]), torch.tensor([3, 1], dtype=torch.int32),
+    np.array([3, 1]), np.array([3, 1], dtype=np.uint8), (np.int64(3), np.int32(1)),
+    (torch.tensor(3), torch.tensor(1, dtype=torch.int16)), (np.array(3), 1),
+]  # fmt: skip
+
+
+@cpu_only
+@pytest.mark.parametrize("window_size", WINDOW_FORMS, ids=lambda w: type(w).__name__)
+def test_flash_attn_window_size_forms(window_size):
+    """flash-attn's own tests pass window_size as torch.randint(0, seqlen_k, (2,)): every
+    integer pair form gives the tuple's result, and a side >= Sk still reads as -1."""
+    q, k, v = flash_qkv(L, S)
+    out = compat.flash_attn_func(q, k, v, window_size=window_size)
+    close(out.double(), reference64(q, k, v, window=(3, 1)), "out")
+    if isinstance(window_size, (torch.Tensor, np.ndarray)):
+        wide = window_size.clone() if isinstance(window_size, torch.Tensor) else window_size.copy()
+        wide[1] = S
+    else:
+        wide = (3, S)
+    out = compat.flash_attn_func(q, k, v, window_size=wide)
+    close(out.double(), reference64(q, k, v, window=(3, -1)), "out, right side >= Sk")
+
+
+@cpu_only
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_flash_attn_return_attn_probs_dense(dropout_p):
+    """(out, softmax_lse, S_dmask): out equal to the plain call's (same seed), lse
+    (B, H, Sq) and the probabilities (B, H, Sq, Sk) against the float64 reference;
+    S_dmask's sign bit is the dropout mask's complement; gradients flow through out."""
+    q, k, v = flash_qkv(S, L, heads=4, kv_heads=2)
+    kwargs = dict(causal=True, window_size=(4, 0), softcap=2.0, alibi_slopes=slopes(4))
+    ref_kwargs = dict(causal=True, window=(4, 0), softcap=2.0, alibi_slopes=slopes(4))
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    torch.manual_seed(7)
+    out, lse, s_dmask = compat.flash_attn_func(*leaves, dropout_p, **kwargs,
+                                               return_attn_probs=True)  # fmt: skip
+    torch.manual_seed(7)
+    plain = compat.flash_attn_func(q, k, v, dropout_p, **kwargs)
+    assert torch.equal(out.detach(), plain)
+    assert lse.shape == (B, 4, S) and lse.dtype == torch.float32
+    assert s_dmask.shape == (B, 4, S, L) and s_dmask.dtype == q.dtype
+    assert not s_dmask.requires_grad
+
+    q64, k64 = q.double(), k.double()
+    _, lse_ref = memattn.reference.attention(q64, k64, v.double(), align="bottom_right",
+                                             return_lse=True, **ref_kwargs)  # fmt: skip
+    probs = memattn.reference.probabilities(q64, k64, align="bottom_right", **ref_kwargs)
+    close(lse.double(), lse_ref, "softmax_lse")
+    close(s_dmask.abs().double(), probs, "|S_dmask|")
+    assert torch.isneginf(lse[:, :, : S - L]).all()  # causal Sq > Sk: the first rows see nothing
+    if dropout_p > 0:
+        torch.manual_seed(7)
+        keep = memattn.dropout_mask(memattn.dropout.new_rng_state(DEVICE), dropout_p, B, 4, S, L)
+        assert torch.equal(s_dmask.signbit(), ~keep)
+        assert 0 < (~keep).float().mean() < 0.6
+    else:
+        assert not s_dmask.signbit().any()
+
+    grad = randn(*out.shape, seed=8)
+    grads = torch.autograd.grad(out, leaves, grad)
+    torch.manual_seed(7)
+    plain_grads = run_with_grads(compat.flash_attn_func, [q, k, v], grad, dropout_p=dropout_p,
+                                 **kwargs)[1]  # fmt: skip
+    for what, g, g_plain in zip(NAMES[1:], grads, plain_grads, strict=True):
+        assert torch.equal(g, g_plain), what
+
+
+@cpu_only
+def test_flash_attn_return_attn_probs_varlen_and_packed():
+    """varlen: softmax_lse (H, Tq), S_dmask (B, H, max_seqlen_q, max_seqlen_k) by
+    positions inside each sequence, 0 past its lengths; the packed variants return the
+    same triple in flash-attn's positional order."""
+    q, k, v = varlen_qkv()
+    cu_q, cu_k = cu_seqlens(LENS_Q), cu_seqlens(LENS_K)
+    max_q, max_k = max(LENS_Q) + 2, max(LENS_K) + 1
+    torch.manual_seed(5)
+    out, lse, s_dmask = compat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, 0.25,
+                                                      None, True, (-1, -1), 0.0, None, False,
+                                                      True)  # fmt: skip
+    assert lse.shape == (H, sum(LENS_Q)) and s_dmask.shape == (len(LENS_Q), H, max_q, max_k)
+    varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                  causal=True, align="bottom_right")  # fmt: skip
+    _, lse_ref = memattn.reference.attention(q.double(), k.double(), v.double(), **varlen,
+                                             return_lse=True)  # fmt: skip
+    close(lse.double(), lse_ref, "softmax_lse")
+    probs = memattn.reference.probabilities(q.double(), k.double(), **varlen)
+    close(s_dmask.abs().double(), probs, "|S_dmask|")
+    for b, (n_q, n_k) in enumerate(zip(LENS_Q, LENS_K, strict=True)):
+        assert not s_dmask[b, :, n_q:].any() and not s_dmask[b, :, :, n_k:].any()
+        rows = probs[b, :, :n_q, :n_k].sum(-1)  # 1, or 0 for a row that sees no key
+        assert torch.allclose(rows, (rows > 0).double())
+    torch.manual_seed(5)
+    keep = memattn.dropout_mask(memattn.dropout.new_rng_state(DEVICE), 0.25, len(LENS_Q), H,
+                                max_q, max_k)  # fmt: skip
+    assert torch.equal(s_dmask.signbit(), ~keep)
+
+    qkv = randn(B, L, 3, H, E, seed=41)
+    packed = compat.flash_attn_qkvpacked_func(qkv, 0.0, None, True, (-1, -1), 0.0, None, False,
+                                              True)  # fmt: skip
+    direct = compat.flash_attn_func(*qkv.unbind(2), causal=True, return_attn_probs=True)
+    kv_packed = compat.flash_attn_kvpacked_func(qkv[:, :, 0], qkv[:, :, 1:], 0.0, None, True,
+                                                (-1, -1), 0.0, None, False, True)  # fmt: skip
+    for triple in (packed, kv_packed):
+        assert len(triple) == 3
+        for x, y in zip(triple, direct, strict=True):
+            assert torch.equal(x.detach(), y.detach())
+    qkv = randn(sum(LENS_Q), 3, H, E, seed=45)
+    cu = cu_seqlens(LENS_Q)
+    packed = compat.flash_attn_varlen_qkvpacked_func(qkv, cu, max(LENS_Q), 0.0, None, True,
+                                                     (-1, -1), 0.0, None, False, True)
+    kv_packed = compat.flash_attn_varlen_kvpacked_func(qkv[:, 0], qkv[:, 1:], cu, cu,
+                                                       max(LENS_Q), max(LENS_Q), 0.0, None,
+                                                       True, (-1, -1), 0.0, None, False, True)
+    direct = compat.flash_attn_varlen_func(*qkv.unbind(1), cu, cu, max(LENS_Q), max(LENS_Q),
+                                           causal=True, return_attn_probs=True)  # fmt: skip
+    for triple in (packed, kv_packed):
+        for x, y in zip(triple, direct, strict=True):
+            assert torch.equal(x.detach(), y.detach())
+
+
+@cpu_only
+def test_flash_attn_positional_order():
+    """Every argument positionally, in flash-attn 2.8's order, means what its name says."""
+    q, k, v = flash_qkv(L, S, heads=4, kv_heads=2)
+    alibi = slopes(4)
+    out = compat.flash_attn_func(q, k, v, 0.0, 0.3, True, (5, 2), 2.0, alibi, True, False)
+    ref = reference64(q, k, v, scale=0.3, causal=True, window=(5, 2), softcap=2.0,
+                      alibi_slopes=alibi)  # fmt: skip
+    close(out.double(), ref, "flash_attn_func positional")
+    vq, vk, vv = varlen_qkv()
+    cu_q, cu_k = cu_seqlens(LENS_Q), cu_seqlens(LENS_K)
+    alibi = slopes(len(LENS_Q), H)
+    out = compat.flash_attn_varlen_func(vq, vk, vv, cu_q, cu_k, max(LENS_Q), max(LENS_K), 0.0,
+                                        0.4, False, (2, 3), 1.5, alibi, True, False, None)
+    ref = reference64(vq, vk, vv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, scale=0.4,
+                      window=(2, 3), softcap=1.5, alibi_slopes=alibi)  # fmt: skip
+    close(out.double(), ref, "flash_attn_varlen_func positional")
+    names = {
+        compat.flash_attn_func: ["q", "k", "v"],
+        compat.flash_attn_qkvpacked_func: ["qkv"],
+        compat.flash_attn_kvpacked_func: ["q", "kv"],
+        compat.flash_attn_varlen_func: ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k",
+                                        "max_seqlen_q", "max_seqlen_k"],
+        compat.flash_attn_varlen_qkvpacked_func: ["qkv", "cu_seqlens", "max_seqlen"],
+        compat.flash_attn_varlen_kvpacked_func: ["q", "kv", "cu_seqlens_q", "cu_seqlens_k",
+                                                 "max_seqlen_q", "max_seqlen_k"],
+    }  # fmt: skip
+    options = [("dropout_p", 0.0), ("softmax_scale", None), ("causal", False),
+               ("window_size", (-1, -1)), ("softcap", 0.0), ("alibi_slopes", None),
+               ("deterministic", False), ("return_attn_probs", False)]  # fmt: skip
+    for fn, inputs in names.items():
+        params = inspect.signature(fn).parameters
+        expect = [(n, inspect.Parameter.empty) for n in inputs] + options
+        if fn is compat.flash_attn_varlen_func:
+            expect.append(("block_table", None))
+        assert [(n, p.default) for n, p in params.items()] == expect, fn.__name__
 
 
 @cpu_only
@@ -522,3 +680,36 @@ def test_flash_attn_varlen_bf16_gpu():
     ref = reference64(q, k, v, **varlen)
     low = memattn.reference.attention(q, k, v, align="bottom_right", **varlen)
     assert_within(out, ref, low, "out")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dropout_p", [0.0, 0.17])
+def test_flash_attn_return_attn_probs_bf16_gpu(dropout_p):
+    """return_attn_probs in bfloat16 (GQA 8/2, causal, Sq < Sk): out bit-identical to the
+    plain call's under the same seed; softmax_lse and |S_dmask| against the float64
+    reference (tolerance from the reference run in bfloat16 and from rounding the exact
+    probabilities to bfloat16); S_dmask's sign bits are the dropout mask's complement."""
+    dt, sq, sk = torch.bfloat16, GPU_L, 1536
+    q = randn(GPU_B, sq, GPU_H, GPU_E, seed=1, dtype=dt, device="cuda")
+    k, v = (randn(GPU_B, sk, 2, GPU_E, seed=s, dtype=dt, device="cuda") for s in (2, 3))
+    torch.manual_seed(3)
+    out, lse, s_dmask = compat.flash_attn_func(q, k, v, dropout_p, causal=True,
+                                               return_attn_probs=True)  # fmt: skip
+    torch.manual_seed(3)
+    assert torch.equal(out, compat.flash_attn_func(q, k, v, dropout_p, causal=True))
+    assert lse.shape == (GPU_B, GPU_H, sq) and s_dmask.shape == (GPU_B, GPU_H, sq, sk)
+
+    kw = dict(causal=True, align="bottom_right")
+    _, lse_ref = memattn.reference.attention(q.double(), k.double(), v.double(), **kw,
+                                             return_lse=True)  # fmt: skip
+    _, lse_low = memattn.reference.attention(q, k, v, **kw, return_lse=True)
+    assert_within(lse, lse_ref, lse_low, "softmax_lse")
+    probs = memattn.reference.probabilities(q.double(), k.double(), **kw)
+    assert_within(s_dmask.abs(), probs, probs.to(dt), "|S_dmask|")
+    if dropout_p > 0:
+        torch.manual_seed(3)
+        rng_state = memattn.dropout.new_rng_state("cuda")
+        keep = memattn.dropout_mask(rng_state, dropout_p, GPU_B, GPU_H, sq, sk)
+        assert torch.equal(s_dmask.signbit(), ~keep)
+    else:
+        assert not s_dmask.signbit().any()

@@ -571,6 +571,46 @@ def test_varlen_single_sequence_equals_dense():
     close(lse_v, lse[0])
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_probabilities_are_the_weights_of_out(varlen):
+    """probabilities(): rows sum to 1 (0 for a row that sees no key), 0 on hidden keys,
+    and p @ v is attention()'s output; varlen's (B, H, max_q, max_k) is indexed by
+    positions inside each sequence, 0 past its lengths."""
+    gen = torch.Generator().manual_seed(19)
+    h, hkv, d = 4, 2, 3
+    kw = dict(causal=True, window=(3, -1), align="bottom_right", softcap=1.3,
+              alibi_slopes=slopes(gen, h))  # fmt: skip
+    if varlen:
+        lq, lk = (4, 0, 6, 3), (5, 2, 4, 0)
+        q = randn(gen, sum(lq), h, d)
+        k, v = randn(gen, sum(lk), hkv, d), randn(gen, sum(lk), hkv, d)
+        kw.update(cu_seqlens_q=_cu(lq), cu_seqlens_k=_cu(lk), max_seqlen_q=7, max_seqlen_k=6,
+                  bias=randn(gen, 1, h, 7, 6))  # fmt: skip
+        pieces = [(q[a:b][None], k[c:e][None], v[c:e][None])
+                  for a, b, c, e in zip(_cu(lq)[:-1].tolist(), _cu(lq)[1:].tolist(),
+                                        _cu(lk)[:-1].tolist(), _cu(lk)[1:].tolist())]  # fmt: skip
+    else:
+        q, k, v = qkv(gen, 2, 6, 4, h, hkv, d, d)
+        kw["bias"] = randn(gen, 2, 1, 6, 4)
+        pieces = [(q, k, v)]
+    p = memattn.reference.probabilities(q, k, **kw)
+    out = ref_attention(q, k, v, **kw)
+    assert p.dtype == F64 and p.shape == ((4, h, 7, 6) if varlen else (2, h, 6, 4))
+    sums = p.sum(-1)
+    assert torch.allclose(sums, (sums > 0.5).to(F64)) and (p >= 0).all()
+    for b, (qb, kb, vb) in enumerate(pieces):
+        pb = p[b : b + 1, :, : qb.shape[1], : kb.shape[1]] if varlen else p
+        if varlen:
+            assert not p[b, :, qb.shape[1] :].any() and not p[b, :, :, kb.shape[1] :].any()
+        vb = vb.transpose(1, 2).repeat_interleave(h // hkv, dim=1)
+        expect = (pb @ vb).transpose(1, 2)
+        got = out[_cu(lq)[b] : _cu(lq)[b + 1]][None] if varlen else out
+        close(got, expect)
+    if not varlen:  # bottom-right, off = -2: query i sees keys i - 5 ..= i - 2
+        i, j = torch.arange(6)[:, None], torch.arange(4)[None, :]
+        assert not p[..., (j > i - 2) | (j < i - 5)].any()
+
+
 # ----------------------------------------------------------------------------------------
 # (e) gradcheck.
 
