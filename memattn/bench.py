@@ -540,7 +540,7 @@ def _compile_in_process() -> None:
     """After compile_in_workers, the timing process only loads from the caches: it
     compiles in process, without inductor's pool of compile subprocesses. That pool,
     started (and restarted after idling) by a flex call's compile, kept a core busy for
-    ~10 s while the next rows were timed (top on the device, PERFORMANCE.md v15): host
+    ~10 s while the next rows were timed (top on the device): host
     time taken from every implementation launched from Python, flex's and memattn's."""
     from torch._inductor import config as inductor_config
 

@@ -89,20 +89,20 @@ def info(args) -> int:
                             f"{props.total_memory / 2**30:.0f} GiB")]  # fmt: skip
     else:
         rows += [("device", "CPU: kernels run in Triton's interpreter (slow; for tests)")]
-    from .kernels.forward import forward_sm90  # None where Triton lacks Gluon's Hopper API
+    from .kernels.dispatch import backward_sm90, forward_sm90  # None without Gluon's API
 
     if forward_sm90 is None or not forward_sm90.hopper.enabled:
         hopper = "off (built for Triton 3.6's Gluon)"
     elif device == "cuda" and torch.cuda.get_device_capability(0)[0] == 9:
-        from .kernels.backward import backward_sm90
 
         def at_least(table):
             return ", ".join(f">= {n} at D={d}" for d, n in table.items())
 
-        hopper = (f"on: dense bf16/fp16, D 64/128/256, keys per query "
+        hopper = (f"on: bf16/fp16, D 64/128/256, keys per query "
                   f"{at_least(forward_sm90.MIN_KEYS_PER_QUERY)} (forward), "
-                  f"{at_least(backward_sm90.MIN_KEYS_PER_QUERY)} and not "
-                  "deterministic (backward); the rest run the tile kernels")
+                  f"{at_least(backward_sm90.MIN_KEYS_PER_QUERY)} (backward); "
+                  "memattn/kernels/dispatch.py says which calls; the rest run the tile "
+                  "kernels")
     else:
         hopper = "off (needs sm_90)"
     rows += [("Hopper kernels (Gluon)", hopper)]

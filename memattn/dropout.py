@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from .kernels import require_runnable
+
 _OFFSET_LIMIT = 2**31  # the offset is one 32-bit Philox counter word
 
 
@@ -48,8 +50,7 @@ def dropout_mask(
                     ("seqlen_k", seqlen_k)):  # fmt: skip
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"{name} must be an int >= 0, got {n!r}")
-    from .kernels.dropout import keep_mask
-    from .ops import require_runnable
-
     require_runnable(rng_state.device)
+    from .kernels.dropout import keep_mask  # lazily: see memattn/kernels/__init__.py
+
     return keep_mask(rng_state, float(dropout_p), (batch, heads, seqlen_q, seqlen_k))

@@ -19,21 +19,8 @@ import torch
 from torch import Tensor
 
 from . import dropout as _dropout
+from .kernels import require_runnable
 from .spec import AttentionSpec, check_call, output_shapes
-
-
-def require_runnable(device: torch.device) -> None:
-    """CPU tensors run through Triton's interpreter, which is chosen when Triton
-    decorates a kernel: TRITON_INTERPRET=1 must be set before memattn's kernels load."""
-    if device.type != "cpu":
-        return
-    from .kernels.tuning import interpreting
-
-    if not interpreting():
-        raise RuntimeError(
-            "memattn runs CPU tensors through Triton's interpreter: set TRITON_INTERPRET=1 "
-            "in the environment before importing memattn, or use CUDA tensors"
-        )
 
 
 def _check_rng_state(rng_state, spec: AttentionSpec) -> Tensor:
@@ -155,10 +142,10 @@ def _forward_op(
 def _run_forward(spec, q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state):
     """The forward op's body, given its checked spec."""
     require_runnable(spec.device)
-    from .kernels import forward as _fwd
+    from .kernels import dispatch
 
-    return _fwd.forward(spec, q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                        rng_state if spec.dropout_p > 0 else None)  # fmt: skip
+    return dispatch.forward(spec, q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                            rng_state if spec.dropout_p > 0 else None)  # fmt: skip
 
 
 @_forward_op.register_fake
@@ -194,10 +181,10 @@ def _run_backward(spec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slope
     """The backward op's body, given its checked spec: (dq, dk, dv, dbias), None for a
     gradient not needed."""
     require_runnable(spec.device)
-    from .kernels import backward as _bwd
+    from .kernels import dispatch
 
-    return _bwd.backward(spec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes,
-                         cu_seqlens_q, cu_seqlens_k, rng_state, tuple(needs))  # fmt: skip
+    return dispatch.backward(spec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes,
+                             cu_seqlens_q, cu_seqlens_k, rng_state, tuple(needs))  # fmt: skip
 
 
 def _skips_dispatcher(tensors) -> bool:
@@ -350,8 +337,8 @@ def forward_call(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_st
     inputs = [q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng]
     direct = spec if _skips_dispatcher(inputs) else None
     # Where the call may skip the dispatcher, the kernels launch before the Function
-    # records the call: its bookkeeping then runs while they do, not before (PERFORMANCE.md
-    # v15: the host time before a launch is what a small call waits for).
+    # records the call: its bookkeeping then runs while they do, not before (PERFORMANCE.md:
+    # the host time before a launch is what a small call waits for).
     outputs = _run_forward(spec, *inputs) if direct is not None else None
     tensors, same_as = _without_repeats(inputs)
     out, lse = _Attention.apply(*tensors, (same_as, direct, _op_options(spec), outputs))

@@ -125,7 +125,7 @@ def test_eager_calls_skip_the_dispatcher(monkeypatch):
 @cpu_only
 def test_eager_forward_launches_before_the_function_records(monkeypatch):
     """An eager call's kernels run before _Attention records it, so that its
-    bookkeeping overlaps them (PERFORMANCE.md v15); the Function is handed the outputs."""
+    bookkeeping overlaps them (PERFORMANCE.md); the Function is handed the outputs."""
     order = []
     real_run, real_forward = memattn.ops._run_forward, memattn.ops._Attention.forward
 

@@ -4,7 +4,7 @@ Each invalid call must raise ``ValueError`` or ``TypeError`` whose message names
 offending argument, through every entry point (``memattn.attention``,
 ``memattn.ops.forward``, ``memattn.reference.attention`` and ``check_call`` itself),
 and must leave every input untouched (same values, same version counter). The kernel
-launch, ``memattn.kernels.forward.forward``, is replaced by a stub that records calls, so "raised
+launch, ``memattn.kernels.dispatch.forward``, is replaced by a stub that records calls, so "raised
 before any kernel runs" is checked directly, not inferred. Valid calls are checked for
 the normalised fields of the returned :class:`AttentionSpec`, by hand and by fuzzing.
 """
@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import memattn
-import memattn.kernels.forward
+import memattn.kernels.dispatch
 from memattn import ops
 from memattn.spec import (
     KERNEL_DTYPES,
@@ -382,7 +382,7 @@ def kernel_calls(monkeypatch):
         calls.append(spec)
         raise KernelReached
 
-    monkeypatch.setattr(memattn.kernels.forward, "forward", stub)
+    monkeypatch.setattr(memattn.kernels.dispatch, "forward", stub)
     return calls
 
 

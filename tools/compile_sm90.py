@@ -140,12 +140,12 @@ def compile_hopper_forward() -> int:
 
 def compile_hopper_backward() -> int:
     """The Gluon backward (kernels/backward_sm90.py): every head dim and mask variant."""
-    from memattn.kernels import backward_sm90
+    from memattn.kernels import backward_sm90, dispatch
 
     def launch(spec, q, k, bias, alibi, cu_seqlens=(None, None)):
         if spec.varlen:
             return  # dense batches only
-        if not backward_sm90.computes(spec, bias, alibi, bias is not None):
+        if not dispatch.gluon_backward_computes(spec, bias, alibi, bias is not None):
             return  # backward.py's call: D=256 with a bias, ALiBi or dropout
         stats = backward_sm90.row_stats_buffer(torch.empty(*spec.bias_shape[:3]))
         dbias = None if bias is None else torch.empty_like(bias)

@@ -21,8 +21,6 @@ buffer reduced afterwards.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -50,11 +48,6 @@ from .forward import (
     feature_switches,
     lse_strides,
 )
-
-try:  # Gluon's Hopper API (Triton 3.6); without it every call runs the kernels below
-    from . import backward_sm90, hopper
-except ImportError:
-    backward_sm90 = hopper = None
 
 
 @triton.jit
@@ -105,35 +98,29 @@ def _delta_kernel(
 
 
 _DELTA_BLOCK_M = 64
-# The Gluon backward's preprocess, launched past JITFunction.run (hopper.Launcher): on the
-# device's host that run() cost ~80 us a call, more than the kernel at 16k tokens.
-_launch_delta_sm90 = hopper.Launcher(_delta_kernel) if hopper is not None else None
 
 
-def _preprocess(spec: AttentionSpec, out, grad_out, lse, cu_seqlens_q, delta, lse2=None,
-                dq_acc=None) -> None:  # fmt: skip
-    """Launches _delta_kernel: delta (laid out as lse) and, for the Gluon backward
-    (lse2 given, dense batches), lse2 and zeros in dq_acc where given."""
-    for_sm90 = lse2 is not None
+def delta_launch(spec: AttentionSpec, out, grad_out, lse, cu_seqlens_q, delta, lse2=None,
+                 dq_acc=None) -> tuple[tuple, tuple, dict]:  # fmt: skip
+    """_delta_kernel's (grid, arguments, constexprs): delta (laid out as lse) and, for
+    the Gluon backward (lse2 given, dense batches), lse2 and zeros in dq_acc where
+    given. The tile backward launches it here, backward_sm90 through its launcher."""
     zero_dq = dq_acc is not None
     num_m = cdiv(spec.seqlen_q, _DELTA_BLOCK_M)
     grid = (num_m * spec.batch * spec.heads,)
-    out_strides = dense_strides(out, spec.varlen)
-    grad_out_strides = dense_strides(grad_out, spec.varlen)
-    launch = _delta_kernel[grid]
-    if for_sm90:  # dense; the stats and dq_acc fresh: what the spec does not fix is here
-        variant = (spec, *out_strides, *grad_out_strides, *lse.stride(),
-                   *map(hopper.aligned, (out, grad_out, lse)))  # fmt: skip
-        launch = functools.partial(_launch_delta_sm90, grid, variant=variant)
-    launch(
-        out, grad_out, delta, lse, lse2, dq_acc if zero_dq else lse2, *out_strides,
-        *grad_out_strides, *lse_strides(lse, spec.varlen), *lse_strides(delta, spec.varlen),
+    args = (
+        out, grad_out, delta, lse, lse2, dq_acc if zero_dq else lse2,
+        *dense_strides(out, spec.varlen), *dense_strides(grad_out, spec.varlen),
+        *lse_strides(lse, spec.varlen), *lse_strides(delta, spec.varlen),
         *(dq_acc.stride()[:3] if zero_dq else (0, 0, 0)),
         cu_seqlens_q, spec.heads, spec.seqlen_q, num_m,
+    )  # fmt: skip
+    constexprs = dict(
         DV=spec.head_dim_v, DQK=spec.head_dim_qk, BLOCK_M=_DELTA_BLOCK_M,
         BLOCK_DV=tuning.padded_head_dim(spec.head_dim_v), IS_VARLEN=spec.varlen,
-        FOR_SM90=for_sm90, ZERO_DQ=zero_dq,
+        FOR_SM90=lse2 is not None, ZERO_DQ=zero_dq,
     )  # fmt: skip
+    return grid, args, constexprs
 
 
 @triton.jit
@@ -594,26 +581,15 @@ def backward(
     rng_state: torch.Tensor | None,
     needs: tuple[bool, bool, bool, bool],
 ):
-    """Launches the backward kernels for the gradients in ``needs`` (dq, dk, dv, dbias).
-    Returns (dq, dk, dv, dbias) with None for those not needed. ``grad_lse``, a gradient
-    flowing into lse, adds P * grad_lse to dS: it enters as delta - grad_lse."""
+    """Launches the tile backward kernels for the gradients in ``needs`` (dq, dk, dv,
+    dbias; dbias only with a bias) of a non-empty call. Returns (dq, dk, dv, dbias) with
+    None for those not needed. ``grad_lse``, a gradient flowing into lse, adds
+    P * grad_lse to dS: it enters as delta - grad_lse."""
     need_dq, need_dk, need_dv, need_dbias = needs
-    need_dbias = need_dbias and bias is not None
-    empty = q.shape[0] == 0 or spec.heads == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0
-    if (not empty and backward_sm90 is not None and need_dq and (need_dk or need_dv)
-            and backward_sm90.supports(spec, q, k, v, grad_out, bias, alibi_slopes, need_dbias)):
-        return _backward_sm90(spec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes,
-                              rng_state, needs, need_dbias)  # fmt: skip
-
     dq = new_output(q.shape, q.dtype, q.device) if need_dq else None
     dk = new_output(k.shape, k.dtype, k.device) if need_dk or need_dv else None
     dv = new_output(v.shape, v.dtype, v.device) if need_dk or need_dv else None
     dbias = None
-    if empty:
-        zero = [None if t is None else t.zero_() for t in (dq, dk, dv)]
-        if need_dbias:
-            dbias = torch.zeros_like(bias)
-        return (*zero, dbias)
 
     common = feature_switches(spec, bias, alibi_slopes)
     options = (spec.scale, spec.softcap, spec.window_left, spec.window_right, spec.dropout_p)
@@ -622,7 +598,8 @@ def backward(
                    *dense_strides(v, spec.varlen), *dense_strides(grad_out, spec.varlen))
     configs = tuning.backward_configs(spec)
     delta = torch.empty_like(lse)
-    _preprocess(spec, out, grad_out, lse, cu_seqlens_q, delta)
+    grid, args, constexprs = delta_launch(spec, out, grad_out, lse, cu_seqlens_q, delta)
+    _delta_kernel[grid](*args, **constexprs)
     if grad_lse is not None:
         delta.sub_(grad_lse)
 
@@ -692,36 +669,3 @@ def backward(
 
         tuning.launch_fitting("dq", spec, configs, launch_dq)
     return dq, dk, dv, dbias
-
-
-def _backward_sm90(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias,
-                   alibi_slopes, rng_state, needs, need_dbias: bool):
-    """`backward` through the Gluon kernels (Hopper, dense batches; `supports` said yes):
-    the preprocess fills the row statistics, padded for TMA, and, where the kernel adds
-    dQ into an fp32 buffer, zeroes it; dQ is then converted at the end. Returns (dq, dk,
-    dv, dbias) as `backward` does. Only what this path reads is computed, and the
-    preprocess launches first, before the outputs are allocated: every line here is host
-    time on each call, and what comes before the first launch is what a call waits for."""
-    stats = backward_sm90.row_stats_buffer(lse)
-    lse2, delta = stats.unbind(0)  # (B, H, Sq padded) planes: lse * log2(e), delta
-    dq_acc = None
-    if backward_sm90.dq_in_fp32(spec):
-        dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    _preprocess(spec, out, grad_out, lse, None, delta, lse2, dq_acc)
-    if grad_lse is not None:
-        delta[..., : spec.seqlen_q].sub_(grad_lse)
-    dq = new_output(q.shape, q.dtype, q.device)
-    dk = new_output(k.shape, k.dtype, k.device)
-    dv = new_output(v.shape, v.dtype, v.device)
-    dbias = None
-    if need_dbias:  # tiles no query sees are never written: zeros under a mask
-        masked = spec.window_left >= 0 or spec.window_right >= 0
-        dbias = (torch.zeros if masked else new_output)(bias.shape, dtype=bias.dtype,
-                                                        device=bias.device)
-    backward_sm90.backward(spec, q, k, v, grad_out, bias, alibi_slopes,
-                           rng_state if spec.dropout_p > 0 else None, stats,
-                           dq if dq_acc is None else dq_acc, dk, dv, dbias)  # fmt: skip
-    if dq_acc is not None:
-        dq.copy_(dq_acc)
-    _, need_dk, need_dv, _ = needs
-    return dq, dk if need_dk else None, dv if need_dv else None, dbias

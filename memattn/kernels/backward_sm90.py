@@ -47,6 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..spec import AttentionSpec
+from . import backward as tiles
 from . import hopper
 from .common import (
     LOG2E,
@@ -54,6 +55,7 @@ from .common import (
     alibi_strides,
     cdiv,
     diagonal_offset,
+    new_output,
     query_range,
     visible,
 )
@@ -359,9 +361,8 @@ def _bwd_sm90_kernel(
 # tiles that both read. Shared memory: K, V 32 KiB each, Q and dO rings 2 x 32 KiB
 # each, P and dS 8 KiB each (one buffer: a barrier keeps the next step's stores behind
 # both warpgroups' reads): 208 KiB. dQ has a kernel of its own (_bwd_dq_d256_kernel):
-# here its fp32 reduce-adds, 64 KiB per 64 x 64 step, bounded the kernel (v9-v13), and
-# the zeroed buffer and conversion they need cost 164 us at 16k tokens (PERFORMANCE.md
-# v14).
+# here its fp32 reduce-adds, 64 KiB per 64 x 64 step, bounded the kernel, and
+# the zeroed buffer and conversion they need cost 164 us at 16k tokens (H100).
 BLOCK_N_D256 = 64
 
 
@@ -493,7 +494,7 @@ def _bwd_d256_kernel(
 # sends no fp32 traffic, needs no zeroed buffer and no conversion, and adds in a fixed
 # order: deterministic. Shared memory: Q and dO 64 KiB each, K and V rings of three
 # 32-key tiles, 16 KiB each: 224 KiB. 64-key tiles fit only with one V slot, and ran
-# slower (S=512: 301 against 210 us a call, PERFORMANCE.md v14); issuing a tile's S
+# slower (S=512: 301 against 210 us a call, H100); issuing a tile's S
 # and dP ahead of the previous tile's dQ changed nothing.
 DQ_BLOCK_N = 32
 DQ_STAGES = gl.constexpr(3)
@@ -667,33 +668,11 @@ def _bwd_dq_d256_kernel(
 
 # Below this many keys per query backward.py's kernels may win: each program then has
 # few query tiles to spread its start-up (K and V loads, the partitions) and its dK/dV
-# stores over. ab_hopper had the Gluon kernel ahead down to causal S=1024 (512 keys:
+# stores over. tools/ab.py had the Gluon kernel ahead down to causal S=1024 (512 keys:
 # 220 vs 210 TFLOP/s at D=128, 231 vs 214 at D=64); S=512 causal was not measured. At
-# D=256 it wins everywhere: S=512 causal (256 keys) 144 vs 104 (v9).
+# D=256 it wins everywhere: S=512 causal (256 keys) 144 vs 104.
 MIN_KEYS_PER_QUERY = {64: 512, 128: 512, 256: 0}
 HEAD_DIMS = (64, 128, 256)
-
-
-def supports(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes,
-             need_dbias: bool) -> bool:
-    """True where this kernel runs the call: the calls hopper.runs_call names with
-    enough keys per query, in deterministic mode only where no fp32 reduce-adds make
-    dQ (`dq_in_fp32`), grad_out TMA-readable too, and features `computes` covers."""
-    return (computes(spec, bias, alibi_slopes, need_dbias)
-            and not (spec.deterministic and dq_in_fp32(spec))
-            and hopper.runs_call(spec, q, k, v, bias, HEAD_DIMS)
-            and hopper.keys_per_query(spec) >= MIN_KEYS_PER_QUERY[spec.head_dim_qk]
-            and hopper.tma_readable(grad_out))
-
-
-def computes(spec: AttentionSpec, bias, alibi_slopes, need_dbias: bool) -> bool:
-    """Whether the kernel for this head dim computes these features, whatever the
-    device: a bias gradient only of a full bias (no sum over broadcast dimensions),
-    with rows of whole 16 bytes for its TMA stores; at D=256 no bias, ALiBi or dropout."""
-    if spec.head_dim_qk == 256 and (bias is not None or alibi_slopes is not None
-                                    or spec.dropout_p > 0):
-        return False
-    return not need_dbias or (hopper.bias_full(spec, bias) and spec.seqlen_k % 8 == 0)
 
 
 def row_stats_buffer(lse: torch.Tensor) -> torch.Tensor:
@@ -727,7 +706,7 @@ def dq_in_fp32(spec: AttentionSpec) -> bool:
 def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_state, stats,
              dq, dk, dv, dbias) -> None:
     """Fills dq, dk, dv and dbias (None: not needed; every tile a query sees is written,
-    the rest left as it was) for a call `supports` accepted; dq is an fp32 buffer,
+    the rest left as it was) for a call dispatch.gluon_backward took; dq is an fp32 buffer,
     zeroed, that dQ is added into where `dq_in_fp32` says so, the output otherwise;
     stats as row_stats_buffer made it, filled; rng_state: dropout's [seed, offset],
     None without dropout."""
@@ -790,7 +769,7 @@ def _plan(spec: AttentionSpec, has_dbias: bool, device_index: int) -> hopper.Pla
 
 
 def _backward_d256(spec: AttentionSpec, q, k, v, grad_out, stats, dq, dk, dv) -> None:
-    """`backward` at D=256 (no bias, ALiBi or dropout: `supports` keeps them off it):
+    """`backward` at D=256 (no bias, ALiBi or dropout: dispatch keeps them off it):
     dK and dV from _bwd_d256_kernel, dQ from _bwd_dq_d256_kernel."""
     dkdv, dq_plan = _plans_d256(spec, q.device.index)
     # What each launch's arguments are made of beside its plan (the spec fixes every
@@ -846,3 +825,47 @@ def _plans_d256(spec: AttentionSpec, device_index: int) -> tuple[hopper.Plan, ho
                      dict(BLOCK_M=block_m, BLOCK_N=DQ_BLOCK_N, FOLD=fold, **bounds,
                           num_warps=4))  # fmt: skip
     return dkdv, dq
+
+
+# The preprocess (backward.py's delta kernel, FOR_SM90), launched past JITFunction.run
+# (hopper.Launcher): on the device's host that run() cost ~80 us a call, more than the
+# kernel at 16k tokens.
+_launch_delta = hopper.Launcher(tiles._delta_kernel)
+
+
+def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes,
+        cu_seqlens_q, cu_seqlens_k, rng_state, needs) -> tuple:  # fmt: skip
+    """The backward through this module's kernels, for a call dispatch.gluon_backward
+    took (dense: cu_seqlens are None): the preprocess fills the row statistics, padded
+    for TMA, and, where the kernel adds dQ into an fp32 buffer, zeroes it; dQ is then
+    converted at the end. Returns (dq, dk, dv, dbias), None for what ``needs`` does not
+    ask. Only what this path reads is computed, and the preprocess launches first,
+    before the outputs are allocated: every line here is host time on each call, and
+    what comes before the first launch is what a call waits for."""
+    stats = row_stats_buffer(lse)
+    lse2, delta = stats.unbind(0)  # (B, H, Sq padded) planes: lse * log2(e), delta
+    dq_acc = None
+    if dq_in_fp32(spec):
+        dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    grid, args, constexprs = tiles.delta_launch(spec, out, grad_out, lse, None, delta, lse2,
+                                                dq_acc)  # fmt: skip
+    # dense; the stats and dq_acc fresh: what the spec does not fix is here
+    variant = (spec, *out.stride(), *grad_out.stride(), *lse.stride(),
+               *map(hopper.aligned, (out, grad_out, lse)))  # fmt: skip
+    _launch_delta(grid, *args, variant=variant, **constexprs)
+    if grad_lse is not None:
+        delta[..., : spec.seqlen_q].sub_(grad_lse)
+    dq = new_output(q.shape, q.dtype, q.device)
+    dk = new_output(k.shape, k.dtype, k.device)
+    dv = new_output(v.shape, v.dtype, v.device)
+    _, need_dk, need_dv, need_dbias = needs
+    dbias = None
+    if need_dbias:  # tiles no query sees are never written: zeros under a mask
+        masked = spec.window_left >= 0 or spec.window_right >= 0
+        dbias = (torch.zeros if masked else new_output)(bias.shape, dtype=bias.dtype,
+                                                        device=bias.device)
+    backward(spec, q, k, v, grad_out, bias, alibi_slopes, rng_state, stats,
+             dq if dq_acc is None else dq_acc, dk, dv, dbias)
+    if dq_acc is not None:
+        dq.copy_(dq_acc)
+    return dq, dk if need_dk else None, dv if need_dv else None, dbias

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..spec import AttentionSpec, output_shapes
+from ..spec import AttentionSpec
 from . import tuning
 from .common import (
     LN2,
@@ -22,16 +22,10 @@ from .common import (
     diagonal_offset,
     dropout_keep,
     key_range,
-    new_output,
     sequence_bounds,
     tile_span,
     visible,
 )
-
-try:
-    from . import forward_sm90
-except ImportError:  # a Triton without Gluon's Hopper API: the tile kernel runs every call
-    forward_sm90 = None
 
 
 @triton.jit
@@ -251,28 +245,10 @@ def lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
     return tuple(lse.stride())
 
 
-def forward(
-    spec: AttentionSpec,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    bias: torch.Tensor | None,
-    alibi_slopes: torch.Tensor | None,
-    cu_seqlens_q: torch.Tensor | None,
-    cu_seqlens_k: torch.Tensor | None,
-    rng_state: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launches the forward kernel. Returns out (q's layout, Dv) and lse (float32)."""
-    out_shape, lse_shape = output_shapes(spec, q)
-    out = new_output(out_shape, q.dtype, q.device)
-    lse = new_output(lse_shape, torch.float32, q.device)
-    if out.numel() == 0 or spec.seqlen_q == 0:
-        return out, lse.fill_(float("-inf"))
-    if forward_sm90 is not None and forward_sm90.supports(spec, q, k, v, bias):
-        forward_sm90.forward(spec, q, k, v, bias, alibi_slopes,
-                             rng_state if spec.dropout_p > 0 else None, cu_seqlens_q,
-                             cu_seqlens_k, out, lse)  # fmt: skip
-        return out, lse
+def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seqlens_q,
+            cu_seqlens_k, out, lse) -> None:  # fmt: skip
+    """Launches the forward kernel: fills out (q's layout, Dv) and lse (float32) of a
+    call with queries; rng_state: dropout's [seed, offset], None without dropout."""
 
     def launch(cfg: tuning.Config):
         num_m_blocks = cdiv(spec.seqlen_q, cfg.block_m)
@@ -290,4 +266,3 @@ def forward(
         )  # fmt: skip
 
     tuning.launch_fitting("forward", spec, tuning.forward_configs(spec), launch)
-    return out, lse

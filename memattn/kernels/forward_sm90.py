@@ -26,7 +26,7 @@ probabilities and the output the 1 / (1 - p).
 
 Covers bf16/fp16, head dims 64, 128 and 256 (q·k and v alike), GQA, causal masks either
 way, sliding windows, ALiBi, a bias TMA can read or dropout, in dense batches, and
-packed ones with none of the last three (hopper.runs_call says which); every other call
+packed ones with none of the last three (dispatch.py says which); every other call
 runs forward.py: softcap, Dqk != Dv, fp32.
 """
 
@@ -51,7 +51,7 @@ ROWS = gl.constexpr(64)  # query rows per softmax warpgroup
 # calls at D=64 with Sq >= 2048. There the exp2s weigh as much as the matmuls (one MUFU
 # op per score against 4·64 flops), and a third warpgroup gives the tensor cores two
 # others' matmuls to run while one computes its softmax (FA3 takes 192 rows at D=64):
-# 440 -> 465 TFLOP/s at S=4096, 464 -> 505 at S=16384 (v7). At Sq=1024 a sixth block of
+# 440 -> 465 TFLOP/s at S=4096, 464 -> 505 at S=16384. At Sq=1024 a sixth block of
 # 192 rows is two-thirds padding (384 -> 367); masked calls' mask arithmetic spills at
 # three warpgroups' 160 registers. Tools set BLOCK_M_D64 to A/B.
 BLOCK_M = 128
@@ -71,11 +71,11 @@ BIAS_STAGES = {64: 2, 128: 1, 256: 1}
 # Programs run persistent (PERSISTENT): one per SM at most, each walking query blocks
 # in strides (hopper.work_item), under a mask (FOLD) in pairs of blocks whose work adds
 # up to the same, as static strides need. Masked calls at D 64/128 gained from it over
-# v10's program per pair (S=1024 causal, GPU alone: 280 -> 302 TFLOP/s at D=64, 392 ->
-# 424 at D=128). At D=256 they keep v10's schedule (MASKED_PERSISTENT), a program per
+# a program per pair (S=1024 causal, GPU alone: 280 -> 302 TFLOP/s at D=64, 392 ->
+# 424 at D=128). At D=256 they keep that schedule (MASKED_PERSISTENT), a program per
 # pair from MIN_BLOCKS_TO_FOLD blocks on and per block below: a block there waits for
 # the previous one's O to leave Q's buffer (O_IN_Q), and persistent lost (S=512 causal
-# 308 -> 280, S=2048 527 -> 501; S=512 folded 279 against 307 in v9). Tools set these
+# 308 -> 280, S=2048 527 -> 501; S=512 folded 279 against 307 unfolded). Tools set these
 # to A/B, then call hopper.forget_plans().
 FOLD = "masked"
 PERSISTENT = True
@@ -423,18 +423,11 @@ def _fwd_sm90_kernel(
         ], worker_num_warps=[4, 4, 1], worker_num_regs=[REGS_3, REGS_3, 24])  # fmt: skip
 
 
-# Where this kernel beats forward.py, by head dim, in keys per query (v7's A/B on the
+# Where this kernel beats forward.py, by head dim, in keys per query (an A/B on the
 # H100, GPU time alone): at D=128 at every size (S=512 causal: 276 against 171
 # TFLOP/s); at D=64 from 512 (S=512 causal, 256 keys: 194 against 196).
 MIN_KEYS_PER_QUERY = {64: 512, 128: 0, 256: 0}
 HEAD_DIMS = (64, 128, 256)
-
-
-def supports(spec: AttentionSpec, q, k, v, bias) -> bool:
-    """True where this kernel runs the call: the calls hopper.runs_call names, packed
-    (varlen) ones included, with enough keys per query to beat forward.py."""
-    return (hopper.runs_call(spec, q, k, v, bias, HEAD_DIMS, varlen=True)
-            and hopper.keys_per_query(spec) >= MIN_KEYS_PER_QUERY[spec.head_dim_qk])
 
 
 _launch_forward = hopper.Launcher(_fwd_sm90_kernel)
@@ -488,7 +481,7 @@ def plan(spec: AttentionSpec, device_index: int) -> hopper.Plan:
 def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seqlens_q,
             cu_seqlens_k, out, lse) -> None:
     """Fills out (B, Sq, H, D), or (Tq, H, D) packed, and lse (B, H, Sq), or (H, Tq), for
-    a call `supports` accepted; rng_state: dropout's [seed, offset] (memattn.dropout),
+    a call dispatch.gluon_forward took; rng_state: dropout's [seed, offset] (memattn.dropout),
     None without dropout."""
     how = plan(spec, q.device.index)
     # What the launch's arguments are made of beside the plan (the spec fixes every

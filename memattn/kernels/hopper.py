@@ -1,7 +1,7 @@
-"""What the two Gluon kernels (forward_sm90, backward_sm90) share: whether they run
-here, which calls they take, TMA descriptors over our (B, S, H, D) tensors and over a
-bias, their shared-memory rings, dropout's keep bits in wgmma layouts, the one Gluon
-builtin Triton 3.6 lacks (TMA reduce-add), and a launcher."""
+"""What the two Gluon kernels (forward_sm90, backward_sm90) share: whether Gluon runs
+here (dispatch.py says which calls they take), TMA descriptors over our (B, S, H, D)
+tensors and over a bias, their shared-memory rings, dropout's keep bits in wgmma
+layouts, the one Gluon builtin Triton 3.6 lacks (TMA reduce-add), and a launcher."""
 
 from __future__ import annotations
 
@@ -36,35 +36,6 @@ def tma_readable(t: torch.Tensor) -> bool:
     (2-byte elements: the outer strides' gcd a multiple of 8, a zero stride too)."""
     *outer, last = t.stride()
     return last == 1 and t.data_ptr() % 16 == 0 and math.gcd(*outer) % 8 == 0
-
-
-@functools.cache
-def _major(device_index: int) -> int:
-    return torch.cuda.get_device_capability(device_index)[0]
-
-
-def runs_call(spec: AttentionSpec, q, k, v, bias, head_dims, varlen: bool = False) -> bool:
-    """The calls both Gluon kernels take: a Hopper GPU; bf16/fp16; dense batches (and,
-    where ``varlen`` says the kernel takes them, packed ones with no bias, ALiBi or
-    dropout); a head dim of the kernel's ``head_dims``, q.k and v alike; causal masks,
-    windows, ALiBi, dropout or a bias TMA can read (`bias_readable`), but not both, no
-    softcap; tensors TMA can read."""
-    if not (enabled and q.is_cuda and _major(q.device.index) == 9):
-        return False
-    if spec.dtype not in (torch.bfloat16, torch.float16) or spec.seqlen_k == 0:
-        return False
-    if spec.varlen and not (varlen and bias is None and not spec.has_alibi
-                            and spec.dropout_p == 0):
-        return False
-    if spec.softcap > 0:
-        return False
-    if bias is not None and not bias_readable(spec, bias):
-        return False
-    if bias is not None and spec.dropout_p > 0:  # shared memory holds one or the other
-        return False
-    if spec.head_dim_qk != spec.head_dim_v or spec.head_dim_qk not in head_dims:
-        return False
-    return all(tma_readable(t) for t in (q, k, v))
 
 
 def _bias_4d(bias: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -141,7 +112,7 @@ def descriptor(t: torch.Tensor, rows: int, cols: int | None = None,
 def make_descriptor(t, shape, strides, block, layout) -> TensorDescriptor:
     """A TensorDescriptor without its constructor's checks: on the device's host CPU
     they cost ~10 µs per descriptor and call, a tenth of a small backward's host time,
-    and runs_call has checked what they check (alignment, unit last stride)."""
+    and dispatch has checked what they check (alignment, unit last stride)."""
     desc = object.__new__(TensorDescriptor)
     desc.__dict__.update(base=t, shape=shape, strides=strides, block_shape=list(block),
                          layout=layout, padding="zero")
@@ -419,7 +390,7 @@ def tensor_key(t: torch.Tensor | None) -> tuple | None:
 class Launcher:
     """Launches a kernel straight through its compiled launcher after the first call
     of each variant. JITFunction.run binds and specialises every argument in Python on
-    every call: ~25-40 us of the device host's time per launch (PERFORMANCE.md v7),
+    every call: ~25-40 us of the device host's time per launch (PERFORMANCE.md),
     as long as a whole small kernel. The variant's key is either the constexprs, launch
     options, arguments' types and `_specialisation`s (as fine as run()'s specialisation
     or finer), or, cheaper (~3 µs per launch on a workstation, several times that on
@@ -440,7 +411,7 @@ class Launcher:
         and launches). ``call`` is a hashable of everything those arguments are made
         of (the plan, the tensors' addresses and strides): a small call then skips
         making descriptors and looking up their maps, ~30 % of a forward's host time
-        before its launch (PERFORMANCE.md v16). Tests (CHECK_VARIANTS) always make the
+        before its launch (PERFORMANCE.md). Tests (CHECK_VARIANTS) always make the
         arguments and check that they equal the prepared ones."""
         if CHECK_VARIANTS:
             return False
@@ -496,7 +467,7 @@ class _Compiled:
     launcher Triton built for the kernel, with the descriptors' CUtensorMaps from a
     cache (`_tensor_map_args`): Triton's Python wrapper around that launcher walks every
     argument and encodes every descriptor anew on each call, ~40 us of the device
-    host's time for a forward (PERFORMANCE.md v12). A launch hook (a profiler such as
+    host's time for a forward (PERFORMANCE.md). A launch hook (a profiler such as
     proton), scratch memory or a launcher of another shape take Triton's own path."""
 
     def __init__(self, kernel, constexprs, args, full_key):

@@ -45,7 +45,7 @@ def forward_config(spec: AttentionSpec) -> Config:
         return INTERPRETER_FORWARD
     d = max(padded_head_dim(spec.head_dim_qk), padded_head_dim(spec.head_dim_v))
     wide = spec.dtype == torch.float32  # twice the shared memory per tile
-    # H100 sweeps (PERFORMANCE.md, v2 and v3): the best correct configuration per head
+    # H100 sweeps (tools/sweep.py): the best correct configuration per head
     # dim. Bias tiles are pipelined with K and V, so a bias needs smaller tiles to fit
     # the 227 KiB of shared memory (tools/compile_sm90.py checks every variant).
     if d <= 64:
@@ -92,7 +92,7 @@ def backward_config(spec: AttentionSpec) -> BackwardConfig:
         return backward_override
     if interpreting():
         return INTERPRETER_BACKWARD
-    # H100 sweeps (PERFORMANCE.md, v2 and v3), every candidate checked against the
+    # H100 sweeps (tools/sweep.py), every candidate checked against the
     # reference first: Triton 3.6 miscompiled dK/dV (old orientation) at 32x128/8 warps/
     # 2 stages and 16x128/4/2. dq_atomic lost everywhere (pointer atomics: 130-240
     # against 310-386 TFLOP/s at D=128), so the table leaves it off.
@@ -107,7 +107,7 @@ def backward_config(spec: AttentionSpec) -> BackwardConfig:
             return BackwardConfig(64, 64, 4, 1, 64, 64, 4, 2)
         return BackwardConfig(64, 128, 8, 3, 128, 64, 8, 3)
     if d <= 128:
-        if spec.has_bias or spec.dropout_p > 0:  # dropout: 231 against 192 TFLOP/s (v4)
+        if spec.has_bias or spec.dropout_p > 0:  # dropout: 231 against 192 TFLOP/s
             return BackwardConfig(32, 128, 8, 3, 128, 64, 8, 3)
         return BackwardConfig(64, 128, 8, 3, 128, 64, 8, 3)
     return BackwardConfig(64, 64, 8, 2, 128, 32, 8, 2)

@@ -1,0 +1,120 @@
+"""Which kernel family runs a call: the one place that decides, for the forward and the
+backward alike.
+
+- The Gluon kernels (forward_sm90.py, backward_sm90.py): Hopper GPUs (sm_90) with
+  Triton 3.6's Gluon, bf16/fp16, one head dim for q·k and v among the kernel's
+  (64, 128, 256), no softcap, tensors TMA can read, and enough keys per query to beat
+  the tile kernels (their MIN_KEYS_PER_QUERY). Options: causal masks either way,
+  windows, GQA, ALiBi, dropout, or a bias TMA can read (not together with dropout);
+  the forward also takes packed (varlen) batches without bias, ALiBi or dropout. The
+  backward takes dense batches, a bias gradient only of a bias with an element per
+  (b, h, i, j), nothing of bias, ALiBi or dropout at D=256, and deterministic mode only
+  where dQ is not added up in fp32 across programs.
+- The Triton tile kernels (forward.py, backward.py): every call, on any GPU Triton
+  compiles for and on the CPU through Triton's interpreter (``require_runnable`` in
+  this package's __init__ checks it is on).
+
+``forward`` and ``backward`` here are what memattn.ops calls: they allocate the
+outputs, answer empty calls without a launch, and hand the call to one family.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..spec import AttentionSpec, output_shapes
+from . import backward as tiles_backward
+from . import forward as tiles_forward
+from .common import new_output
+
+try:  # Gluon's Hopper API (Triton 3.6); without it every call runs the tile kernels
+    from . import backward_sm90, forward_sm90, hopper
+except ImportError:
+    backward_sm90 = forward_sm90 = hopper = None
+
+
+@functools.cache
+def _major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def _gluon_takes(spec: AttentionSpec, q, k, v, bias, head_dims, varlen: bool) -> bool:
+    """The calls both Gluon kernels take (see the module's docstring); ``varlen``: the
+    kernel takes packed batches (without bias, ALiBi or dropout)."""
+    if hopper is None or not (hopper.enabled and q.is_cuda and _major(q.device.index) == 9):
+        return False  # no Gluon, or not a Hopper GPU
+    if spec.dtype not in (torch.bfloat16, torch.float16) or spec.seqlen_k == 0:
+        return False
+    if spec.varlen and not (varlen and bias is None and not spec.has_alibi
+                            and spec.dropout_p == 0):  # fmt: skip
+        return False
+    if spec.softcap > 0:  # not built: tanh and its derivative in the softmax warpgroups
+        return False
+    if bias is not None and not hopper.bias_readable(spec, bias):
+        return False
+    if bias is not None and spec.dropout_p > 0:  # shared memory holds one or the other
+        return False
+    if spec.head_dim_qk != spec.head_dim_v or spec.head_dim_qk not in head_dims:
+        return False
+    return all(hopper.tma_readable(t) for t in (q, k, v))
+
+
+def gluon_forward(spec: AttentionSpec, q, k, v, bias) -> bool:
+    """Whether the Gluon forward runs this call (else forward.py's tile kernel)."""
+    return (_gluon_takes(spec, q, k, v, bias, forward_sm90.HEAD_DIMS, varlen=True)
+            and hopper.keys_per_query(spec) >= forward_sm90.MIN_KEYS_PER_QUERY[spec.head_dim_qk])
+
+
+def gluon_backward_computes(spec: AttentionSpec, bias, alibi_slopes, need_dbias: bool) -> bool:
+    """Whether the Gluon backward for this head dim computes these features, whatever the
+    device: a bias gradient only of a full bias (no sum over broadcast dimensions) with
+    rows of whole 16 bytes for its TMA stores; at D=256 no bias, ALiBi or dropout."""
+    if spec.head_dim_qk == 256 and (bias is not None or alibi_slopes is not None
+                                    or spec.dropout_p > 0):  # fmt: skip
+        return False
+    return not need_dbias or (hopper.bias_full(spec, bias) and spec.seqlen_k % 8 == 0)
+
+
+def gluon_backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, needs) -> bool:
+    """Whether the Gluon backward runs this call (else backward.py's tile kernels): it
+    computes dQ, dK and dV together, so a call that needs dQ and dK or dV."""
+    need_dq, need_dk, need_dv, need_dbias = needs
+    return (need_dq and (need_dk or need_dv)
+            and _gluon_takes(spec, q, k, v, bias, backward_sm90.HEAD_DIMS, varlen=False)
+            and gluon_backward_computes(spec, bias, alibi_slopes, need_dbias)
+            and not (spec.deterministic and backward_sm90.dq_in_fp32(spec))
+            and hopper.keys_per_query(spec) >= backward_sm90.MIN_KEYS_PER_QUERY[spec.head_dim_qk]
+            and hopper.tma_readable(grad_out))  # fmt: skip
+
+
+def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+            rng_state) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The forward: out (q's layout, Dv) and lse (float32). rng_state: dropout's
+    [seed, offset], None without dropout."""
+    out_shape, lse_shape = output_shapes(spec, q)
+    out = new_output(out_shape, q.dtype, q.device)
+    lse = new_output(lse_shape, torch.float32, q.device)
+    if out.numel() == 0 or spec.seqlen_q == 0:
+        return out, lse.fill_(float("-inf"))
+    run = forward_sm90.forward if gluon_forward(spec, q, k, v, bias) else tiles_forward.forward
+    run(spec, q, k, v, bias, alibi_slopes, rng_state, cu_seqlens_q, cu_seqlens_k, out, lse)
+    return out, lse
+
+
+def backward(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes,
+             cu_seqlens_q, cu_seqlens_k, rng_state, needs: tuple[bool, bool, bool, bool]):
+    """The gradients in ``needs`` (dq, dk, dv, dbias): (dq, dk, dv, dbias), None for
+    those not needed. ``grad_lse``: a gradient flowing into lse, or None."""
+    needs = (*needs[:3], needs[3] and bias is not None)
+    if q.shape[0] == 0 or spec.heads == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0:
+        return tuple(torch.zeros(t.shape, dtype=t.dtype, device=t.device) if need else None
+                     for t, need in zip((q, k, v, bias), needs))  # fmt: skip
+    rng_state = rng_state if spec.dropout_p > 0 else None
+    if gluon_backward(spec, q, k, v, grad_out, bias, alibi_slopes, needs):
+        run = backward_sm90.run
+    else:
+        run = tiles_backward.backward
+    return run(spec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q,
+               cu_seqlens_k, rng_state, needs)  # fmt: skip
