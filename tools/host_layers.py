@@ -1,28 +1,29 @@
 """Where a call's host time goes before its launch, layer by layer: perf_counter stamps
-at the first entry of each layer (forward: check, the autograd Function, the kernel
-dispatch, the Gluon forward, hopper.Launcher, the launch, prepared or not; backward:
-the Function, the dispatch, the Gluon path, its first Launcher and launch (the
-preprocess), the Gluon kernel's wrapper), medians over calls with the GPU synced before
-each (or, --warm, a loop of small calls); forwards with autograd recording and without.
-bf16, 16k tokens.
+at the first entry of each layer (forward: check, the autograd Function, the dispatch,
+the Gluon forward, hopper.Launcher, the launch, prepared or not; backward: the
+Function, the dispatch, the Gluon path, its first Launcher and launch (the preprocess),
+the Gluon kernel's wrapper), medians over calls with the GPU synced before each (or,
+--warm, a loop of small calls); forwards with autograd recording and without. bf16,
+16k tokens. --profile adds cProfile's table of the same calls (by own time).
 
-    python tools/host_layers.py [--shapes 256x512,128x1024c] [--backward] [--warm]
+    python tools/host_layers.py [--shapes 256x512,128x1024c] [--backward] [--warm] [--profile]
 
-do_bench counts the host's time before a launch beyond its ~90 µs L2 flush
-(PERFORMANCE.md v10, v11): this says which layer to trim.
+do_bench counts the host's time before a launch beyond its ~90 µs L2 flush: this says
+which layer to trim.
 """
 
 import argparse
+import cProfile
+import pstats
 import statistics
+import sys
 import time
 
 import torch
 
 import memattn
 from memattn import ops
-from memattn.kernels import backward as backward_kernels
-from memattn.kernels import backward_sm90, forward_sm90, hopper
-from memattn.kernels import forward as forward_kernels
+from memattn.kernels import backward_sm90, dispatch, forward_sm90, hopper
 
 STAMPS = {}
 
@@ -38,7 +39,7 @@ def stamped(name, fn):
 def instrument():
     ops._check_user_call = stamped("check", ops._check_user_call)
     ops._Attention.forward = staticmethod(stamped("Function.forward", ops._Attention.forward))
-    forward_kernels.forward = stamped("kernels.forward", forward_kernels.forward)
+    dispatch.forward = stamped("dispatch.forward", dispatch.forward)
     forward_sm90.forward = stamped("forward_sm90", forward_sm90.forward)
     hopper.Launcher.__call__ = stamped("Launcher", hopper.Launcher.__call__)
     real_arguments, real_prepared = hopper._Compiled.arguments, hopper.Launcher.launch_prepared
@@ -62,8 +63,8 @@ def instrument():
     hopper.Launcher.launch_prepared = launch_prepared
     ops._Attention.backward = staticmethod(stamped("Function.backward",
                                                    ops._Attention.backward))  # fmt: skip
-    backward_kernels.backward = stamped("kernels.backward", backward_kernels.backward)
-    backward_kernels._backward_sm90 = stamped("_backward_sm90", backward_kernels._backward_sm90)
+    dispatch.backward = stamped("dispatch.backward", dispatch.backward)
+    backward_sm90.run = stamped("backward_sm90.run", backward_sm90.run)
     backward_sm90.backward = stamped("backward_sm90", backward_sm90.backward)
 
 
@@ -89,6 +90,8 @@ def main():
     ap.add_argument("--warm", action="store_true",
                     help="B=1, H=2 and no sync between calls: the host path as a loop of "
                          "calls meets it, warm, with the GPU never the bound")  # fmt: skip
+    ap.add_argument("--profile", action="store_true",
+                    help="also cProfile 200 calls of each shape, by own time")  # fmt: skip
     args = ap.parse_args()
     instrument()
     for shape in args.shapes.split(","):
@@ -116,6 +119,11 @@ def main():
             cells = ", ".join(f"{name} {us:.0f}" for name, us in stamps.items())
             print(f"D{d} S{s}{' causal' if causal else ''} {label}: µs from the call: {cells}",
                   flush=True)  # fmt: skip
+        if args.profile:
+            with cProfile.Profile() as profile:
+                for _ in range(200):
+                    call()
+            pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,129 @@
+"""A/B kernel variants on the same inputs, on the device: the tile kernels ("tile"),
+the Gluon kernels as shipped ("default"), and Gluon forward knob settings (VARIANTS).
+Per shape and variant: the relative error against the float64 reference (S <= 4096,
+first batch), TFLOP/s as `memattn bench` times it (do_bench, autograd recording, host
+included), TFLOP/s of the GPU alone (CUDA graph replay) and host µs per call in a loop;
+--kernels adds torch.profiler's table of GPU time per kernel. bf16, 16k tokens a shape
+(B = 16384 / S, H = 2048 / D); the shape "docs" is the bench's packed documents (causal,
+H=16, D=128).
+
+    python tools/ab.py [--pass fwd|bwd] [--shapes 128x4096c,docs] [--variants tile,default]
+"""
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from triton.testing import do_bench, do_bench_cudagraph
+
+import memattn
+from memattn import bench, reference
+from memattn.check import relative_error
+from memattn.kernels import backward_sm90, forward_sm90, hopper
+
+# name -> forward_sm90 knobs (the Gluon backward has none); "tile" runs the tile kernels
+VARIANTS = {
+    "tile": None,
+    "default": {},
+    "rows128": dict(BLOCK_M_D64=128),  # two softmax warpgroups at D=64 too
+    "fold_all": dict(FOLD=True),  # two query blocks per program, masked or not
+    "fold_none": dict(FOLD=False),  # masked calls unfolded
+    "one_q": dict(MAX_Q_STAGES=1),  # one Q buffer
+    "grid": dict(PERSISTENT=False),  # a program per query block (per pair under a mask)
+}
+DEFAULTS = {name: getattr(forward_sm90, name)
+            for name in ("FOLD", "BLOCK_M_D64", "PERSISTENT", "MAX_Q_STAGES")}  # fmt: skip
+
+
+def use(knobs) -> None:
+    """Gluon with these knobs over the shipped ones, or the tile kernels (None)."""
+    hopper.enabled = knobs is not None
+    for name, value in {**DEFAULTS, **(knobs or {})}.items():
+        setattr(forward_sm90, name, value)
+    hopper.forget_plans()  # plans are made from the knobs
+
+
+def inputs(shape: str):
+    """(q, k, v, grad_out, options, flops of the forward) for "DxS[c]" or "docs"."""
+    new = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    if shape == "docs":
+        lengths = bench.DOC_LENGTHS
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                          device="cuda")  # fmt: skip
+        q, k, v, do = (new(sum(lengths), 16, 128) for _ in range(4))
+        kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
+                  max_seqlen_k=max(lengths))  # fmt: skip
+        return q, k, v, do, kw, sum(4 * 16 * 128 * n * (n + 1) / 2 for n in lengths)
+    causal = shape.endswith("c")
+    d, s = map(int, shape.rstrip("c").split("x"))
+    b, h = max(1, 16384 // s), 2048 // d
+    q, k, v, do = (new(b, s, h, d) for _ in range(4))
+    return q, k, v, do, dict(causal=causal), 4 * b * h * s * s * d / (2 if causal else 1)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pass", dest="which", choices=("fwd", "bwd"), default="fwd")
+    ap.add_argument("--shapes", default="64x1024,64x4096c,128x1024,128x4096c,256x4096c,docs")
+    ap.add_argument("--variants", default="tile,default")
+    ap.add_argument("--kernels", action="store_true", help="GPU time per kernel (profiler)")
+    args = ap.parse_args()
+    names = args.variants.split(",")
+    is_bwd = args.which == "bwd"
+    # A/B the kernels themselves, at every size
+    forward_sm90.MIN_KEYS_PER_QUERY = dict.fromkeys(forward_sm90.HEAD_DIMS, 0)
+    backward_sm90.MIN_KEYS_PER_QUERY = dict.fromkeys(backward_sm90.HEAD_DIMS, 0)
+    torch.manual_seed(0)
+    print(f"{args.which}: {'shape':12s} {'variant':10s} {'error':>26s} {'bench':>6s} "
+          f"{'GPU':>6s} {'host us':>8s}  (TFLOP/s)")
+    for shape in args.shapes.split(","):
+        q, k, v, do, kw, flops = inputs(shape)
+        flops *= 2.5 if is_bwd else 1
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        expect = None
+        if "cu_seqlens_q" not in kw and q.shape[1] <= 4096:
+            first = [t[:1].detach().double().requires_grad_() for t in (q, k, v)]
+            expect = reference.attention(*first, **kw)
+            if is_bwd:
+                expect = torch.autograd.grad(expect, first, do[:1].double())
+        for name in names:
+            use(VARIANTS[name])
+            if is_bwd:  # the backward alone, through one recorded graph
+                out = memattn.attention(*leaves, **kw)
+                call = lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)  # noqa: E731
+            else:
+                call = lambda: memattn.attention(*leaves, **kw)  # noqa: E731
+            result = call()
+            error = "-"
+            if expect is not None:
+                got = result if is_bwd else (result,)
+                want = expect if is_bwd else (expect,)
+                error = " ".join(f"{relative_error(x[:1], r):.1e}" for x, r in zip(got, want))
+            bench_ms = do_bench(call)
+            try:
+                with torch.set_grad_enabled(is_bwd):
+                    gpu = f"{flops / do_bench_cudagraph(call) / 1e9:6.0f}"
+            except RuntimeError:  # a call that cannot be captured in a CUDA graph
+                gpu = f"{'-':>6s}"
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(30):
+                call()
+            host_us = (time.perf_counter() - t0) / 30 * 1e6
+            torch.cuda.synchronize()
+            print(f"{args.which}: {shape:12s} {name:10s} {error:>26s} "
+                  f"{flops / bench_ms / 1e9:6.0f} {gpu} {host_us:8.0f}",
+                  flush=True)  # fmt: skip
+            if args.kernels:
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(10):
+                        call()
+                    torch.cuda.synchronize()
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8,
+                                                max_name_column_width=60))  # fmt: skip
+        use({})
+
+
+if __name__ == "__main__":
+    main()
