@@ -775,6 +775,16 @@ def _console():
     return console if console.is_terminal else Console(width=200)
 
 
+FULL_RUN_JSON = "docs/bench/latest.json"  # the repository keeps the latest full run
+PARTIAL_RUN_JSON = "bench-out/bench.json"  # subsets (--quick, --rows, --impls): not kept
+
+
+def default_json(args) -> str:
+    """Where a run writes without --json: a full run (every row and peer) replaces the
+    repository's record of the latest run; a subset goes beside it, ignored by git."""
+    return PARTIAL_RUN_JSON if (args.quick or args.rows or args.impls) else FULL_RUN_JSON
+
+
 def run(args, rows: list[Row], impls: list[str], device="cuda", console=None) -> list[Result]:
     """Times ``rows`` x ``impls`` with a progress bar, then writes the JSON (also after
     every row), prints the table and the reasons behind its gaps, and saves the plot."""
@@ -790,7 +800,8 @@ def run(args, rows: list[Row], impls: list[str], device="cuda", console=None) ->
 
     console = console or _console()
     env = environment(device)
-    json_path = Path(args.json)
+    json_path = Path(args.json or default_json(args))
+    json_path.parent.mkdir(parents=True, exist_ok=True)
     plot_path = Path(args.plot) if args.plot else json_path.with_suffix(".png")
     title = (f"TFLOP/s on {env['device']}, bf16, fwd / bwd (torch {env['torch']}, "
              f"triton {env['triton']})")  # fmt: skip

@@ -160,7 +160,8 @@ def main(argv=None) -> int:
     sub.add_parser("info", help="versions, device, features that run here, tuned configs")
     p = sub.add_parser("bench", help="time memattn against torch's attention backends")
     p.add_argument("--quick", action="store_true", help="a subset that runs in ~2 minutes")
-    p.add_argument("--json", default="bench.json", help="where to write the results")
+    p.add_argument("--json", help="where to write the results (default: a full run "
+                                  "docs/bench/latest.json, a subset bench-out/bench.json)")
     p.add_argument("--plot", metavar="PATH",
                    help="where to save the plot (default: the --json path with .png)")
     p.add_argument("--rows", metavar="GLOBS",

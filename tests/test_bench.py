@@ -447,3 +447,16 @@ def test_warm_caches_runs_each_impl_that_can_run_the_row_once(monkeypatch):
     assert row.dropout  # flex has no dropout: skipped
     assert bench.warm_caches((row, list(bench.IMPLS), False, "cpu")) == row.name
     assert calls == ["memattn", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn"]
+
+
+@pytest.mark.parametrize(
+    "options, path",
+    [(dict(), "docs/bench/latest.json"), (dict(quick=True), "bench-out/bench.json"),
+     (dict(rows="D128_*"), "bench-out/bench.json"), (dict(impls="memattn,flex"),
+                                                     "bench-out/bench.json")],
+)  # fmt: skip
+def test_default_json_keeps_full_runs_in_docs(options, path):
+    """Without --json, only a full run (every row, every peer) replaces the repository's
+    record of the latest run; subsets go to the ignored bench-out/."""
+    args = argparse.Namespace(**{"quick": False, "rows": None, "impls": None, **options})
+    assert bench.default_json(args) == path
