@@ -1,0 +1,77 @@
+"""kernels/dispatch.py: which kernel family runs a call, and the calls no kernel runs.
+
+The Gluon kernels need a Hopper GPU; on the CPU these tests check that no call goes
+there, the feature rules that hold whatever the device, and the empty calls answered
+without a launch. The GPU tests of test_forward/test_backward check which family ran."""
+
+import pytest
+import torch
+
+from memattn.kernels import dispatch
+from memattn.spec import check_call
+
+from .conftest import DEVICE
+
+gluon = pytest.mark.skipif(dispatch.hopper is None, reason="Triton without Gluon's Hopper API")
+
+
+def spec_and_inputs(b=2, sq=16, sk=16, h=2, d=64, bias_shape=None, **options):
+    q = torch.randn(b, sq, h, d, device=DEVICE, dtype=torch.float16)
+    k = torch.randn(b, sk, h, d, device=DEVICE, dtype=torch.float16)
+    v = torch.randn(b, sk, h, d, device=DEVICE, dtype=torch.float16)
+    bias = None if bias_shape is None else torch.randn(bias_shape, device=DEVICE,
+                                                        dtype=torch.float16)  # fmt: skip
+    return check_call(q, k, v, bias=bias, **options), q, k, v, bias
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors")
+def test_cpu_calls_run_the_tile_kernels():
+    spec, q, k, v, bias = spec_and_inputs(causal=True)
+    assert not dispatch.gluon_forward(spec, q, k, v, bias)
+    assert not dispatch.gluon_backward(spec, q, k, v, q, bias, None, (True, True, True, False))
+
+
+@gluon
+@pytest.mark.parametrize(
+    "d, bias_shape, options, need_dbias, computes",
+    [
+        (128, None, {}, False, True),
+        (256, None, {}, False, True),
+        (256, (2, 2, 16, 16), {}, False, False),  # D=256: no bias,
+        (256, None, dict(dropout_p=0.1), False, False),  # no dropout
+        (128, (2, 2, 16, 16), {}, True, True),  # a full bias's gradient is dS
+        (128, (1, 2, 16, 16), {}, True, False),  # one summed over the batch is not
+        (128, (2, 2, 1, 16), {}, True, False),  # nor one over the queries
+        (128, (2, 2, 16, 12), {}, True, False),  # rows of whole 16 bytes for TMA stores
+        (128, (2, 2, 16, 12), {}, False, True),  # (without its gradient, any)
+    ],
+)  # fmt: skip
+def test_gluon_backward_computes(d, bias_shape, options, need_dbias, computes):
+    sk = bias_shape[-1] if bias_shape else 16
+    spec, _, _, _, bias = spec_and_inputs(d=d, sk=sk, bias_shape=bias_shape, **options)
+    assert dispatch.gluon_backward_computes(spec, bias, None, need_dbias) is computes
+
+
+@pytest.mark.parametrize("which", ["no queries", "no keys", "no batch"])
+def test_empty_calls_need_no_kernel(which, monkeypatch):
+    """Empty calls: the forward launches nothing without queries or a batch (a call
+    without keys runs its kernel, which writes out 0 and lse -inf); the backward of each
+    launches nothing and gives zero gradients of the inputs' shapes, None for those not
+    asked."""
+    sizes = {"no queries": dict(sq=0), "no keys": dict(sk=0), "no batch": dict(b=0)}[which]
+    spec, q, k, v, bias = spec_and_inputs(bias_shape=(1, 2, 1, 1), **sizes)
+
+    def no_launch(*args):
+        raise AssertionError("a kernel was launched")
+
+    monkeypatch.setattr(dispatch.tiles_backward, "backward", no_launch)
+    if which != "no keys":
+        monkeypatch.setattr(dispatch.tiles_forward, "forward", no_launch)
+    out, lse = dispatch.forward(spec, q, k, v, bias, None, None, None, None)
+    assert out.shape == (*q.shape[:3], v.shape[-1]) and lse.shape == (q.shape[0], 2, q.shape[1])
+    assert not out.any() and torch.isneginf(lse).all()
+    grads = dispatch.backward(spec, out, None, q, k, v, out, lse, bias, None, None, None, None,
+                              (True, False, True, True))  # fmt: skip
+    assert grads[1] is None
+    for g, t in zip((grads[0], grads[2], grads[3]), (q, v, bias)):
+        assert g.shape == t.shape and g.dtype == t.dtype and not g.any()
