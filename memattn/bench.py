@@ -10,7 +10,9 @@ feature names follow the peer measurements in ``shared/peers-*.json``:
   (B = 16384 // S), causal and not;
 - feature rows at B=4, H=16, S=4096, D=128: bias_grad, dropout0.1, window1024_causal,
   alibi, softcap30, gqa8, varlen_causal_docs (13 documents packed into 16384 tokens),
-  dqk192_dv128_causal.
+  dqk192_dv128_causal;
+- decode rows (few queries against a long KV cache, H=32, Hkv=8, D=128): the forward
+  only, without autograd (inference), rated in GB/s of K and V read once.
 
 Inputs are fresh ``torch.randn`` in bfloat16, made once per row and shared by every
 implementation. Each implementation is warmed up once (forward and backward: the first
@@ -20,7 +22,8 @@ as ``out.backward(grad, retain_graph=True)``.
 
 TFLOP/s count 4*B*H*Sq*Sk*D for the forward (2*B*H*Sq*Sk*(Dqk + Dv) when they differ),
 halved for causal as the peers count it; sliding-window and varlen rows count their
-visible (i, j) pairs exactly. The backward counts 2.5x the forward.
+visible (i, j) pairs exactly. The backward counts 2.5x the forward. Decode rows are
+memory-bound: GB/s count K and V once, B*Sk*Hkv*(Dqk + Dv)*2 bytes, over the time.
 
 A peer that cannot run a row (no kernel for it, a feature it lacks, out of memory) is
 recorded with the reason; nothing stops the run. Output: a table (memattn's ratio to the
@@ -60,8 +63,9 @@ DOC_LENGTHS = (1300, 4000, 200, 2100, 700, 284, 2900, 500, 1700, 400, 1100, 300,
 
 @dataclass(frozen=True)
 class Row:
-    """One configuration to time. q (B, S, H, Dqk), k (B, S, Hkv, Dqk), v (B, S, Hkv, Dv);
-    with ``docs``, B = 1 and the S tokens are packed documents of those lengths."""
+    """One configuration to time. q (B, Sq, H, Dqk), k (B, S, Hkv, Dqk), v (B, S, Hkv, Dv),
+    Sq = ``seqlen_q`` or S; with ``docs``, B = 1 and the S tokens are packed documents of
+    those lengths."""
 
     feature: str  # "" for the grid; the peers' feature name otherwise
     batch: int
@@ -78,6 +82,20 @@ class Row:
     alibi: bool = False
     softcap: float = 0.0
     quick: bool = False  # in the --quick subset
+    seqlen_q: int = 0  # queries, when fewer than seqlen (decode rows); 0: seqlen
+
+    @property
+    def sq(self) -> int:
+        return self.seqlen_q or self.seqlen
+
+    @property
+    def decode(self) -> bool:
+        """A decode row: the forward only, rated in GB/s (``bytes_kv``)."""
+        return self.feature.startswith("decode")
+
+    def bytes_kv(self) -> int:
+        """K and V, read once (bf16)."""
+        return 2 * self.batch * self.seqlen * self.kv_heads * (self.dqk + self.dv)
 
     @property
     def name(self) -> str:
@@ -88,6 +106,8 @@ class Row:
     def describe(self) -> str:
         if self.docs:
             shape = f"T{self.seqlen} ({len(self.docs)} docs)"
+        elif self.seqlen_q:
+            shape = f"B{self.batch} Sq{self.seqlen_q} Sk{self.seqlen}"
         else:
             shape = f"B{self.batch} S{self.seqlen}"
         heads = f"H{self.heads}" + (f"/{self.kv_heads}" if self.kv_heads != self.heads else "")
@@ -120,10 +140,16 @@ FEATURE_ROWS = [
     ),  # fmt: skip
     replace(_BASE, feature="dqk192_dv128_causal", dqk=192, causal=True),
 ]
+_DECODE = Row("decode", batch=1, heads=32, kv_heads=8, seqlen=4096, dqk=128, dv=128, seqlen_q=1)
+DECODE_ROWS = [
+    replace(_DECODE, feature=f"decode_B{b}_Sq{sq}_Sk{sk}", batch=b, seqlen=sk, seqlen_q=sq,
+            quick=b == 8 and sq == 1)
+    for b, sq, sk in ((1, 1, 131072), (8, 1, 32768), (64, 1, 4096), (8, 16, 32768))
+]  # fmt: skip
 
 
 def all_rows() -> list[Row]:
-    return grid_rows() + FEATURE_ROWS
+    return grid_rows() + FEATURE_ROWS + DECODE_ROWS
 
 
 def select_rows(quick: bool, patterns: str | None = None) -> list[Row]:
@@ -163,7 +189,7 @@ def pairs(row: Row) -> float:
     if row.docs:
         return float(sum(visible_pairs(n, row.causal, row.window) for n in row.docs))
     if row.window is None:
-        full = row.batch * row.seqlen * row.seqlen
+        full = row.batch * row.sq * row.seqlen
         return full / 2 if row.causal else float(full)
     return float(row.batch * visible_pairs(row.seqlen, row.causal, row.window))
 
@@ -172,6 +198,11 @@ def tflops(row: Row, ms: float | None, backward: bool) -> float | None:
     if ms is None:
         return None
     return row.flops_fwd() * (2.5 if backward else 1.0) / ms / 1e9
+
+
+def gbps(row: Row, ms: float | None) -> float | None:
+    """A decode row's rate: K and V read once over the time."""
+    return None if ms is None else row.bytes_kv() / ms / 1e6
 
 
 # ------------------------------------------------------------------ inputs
@@ -206,12 +237,12 @@ def alibi_slopes(heads: int) -> torch.Tensor:
 def make_inputs(row: Row, device="cuda", dtype=torch.bfloat16) -> Inputs:
     """Fresh random inputs (never zeros); q, k, v and the bias require grad."""
 
-    def randn(*shape):
-        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+    def randn(*shape):  # decode rows time inference: no autograd
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=not row.decode)
 
     lead = (row.seqlen,) if row.docs else (row.batch, row.seqlen)
     t = Inputs(
-        q=randn(*lead, row.heads, row.dqk),
+        q=randn(*lead[:-1], row.sq, row.heads, row.dqk),
         k=randn(*lead, row.kv_heads, row.dqk),
         v=randn(*lead, row.kv_heads, row.dv),
     )
@@ -402,9 +433,14 @@ def _reason(e: BaseException, caught: list) -> str:
     return text if len(text) <= 800 else text[:797] + "..."
 
 
-def measure(run: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> Timing:
+FORWARD_ONLY = "skipped: decode rows time the forward only (inference)"
+
+
+def measure(run: Callable[[], torch.Tensor], leaves: list[torch.Tensor],
+            backward: bool = True) -> Timing:  # fmt: skip
     """The timing function: warm up once (the first call compiles), then the medians of
-    do_bench for the forward and for the backward. Errors come back per pass, not raised."""
+    do_bench for the forward and (``backward``) for the backward. Errors come back per
+    pass, not raised."""
     from triton.testing import do_bench
 
     timing = Timing()
@@ -419,6 +455,9 @@ def measure(run: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> Timi
         except Exception as e:  # noqa: BLE001 - recorded: a peer may not run a row
             timing.fwd_error = _reason(e, caught)
             timing.bwd_error = timing.fwd_error  # no forward, no backward
+            return timing
+        if not backward:
+            timing.bwd_error = FORWARD_ONLY
             return timing
         try:
             grad = torch.randn_like(out)
@@ -451,6 +490,10 @@ class Result:
     def tflops(self, bwd: bool) -> float | None:
         return tflops(self.row, self.ms(bwd), bwd)
 
+    def rate(self, bwd: bool) -> float | None:
+        """What the table shows: GB/s for a decode row, TFLOP/s otherwise."""
+        return gbps(self.row, self.ms(bwd)) if self.row.decode else self.tflops(bwd)
+
     def error(self, bwd: bool) -> str | None:
         return self.timing.bwd_error if bwd else self.timing.fwd_error
 
@@ -474,7 +517,8 @@ def bench_one(
     if reason:
         return Result(row, impl, Timing(fwd_error=reason, bwd_error=reason))
     try:
-        return Result(row, impl, measure(lambda: IMPLS[impl](row, t), t.leaves))
+        return Result(row, impl, measure(lambda: IMPLS[impl](row, t), t.leaves,
+                                         backward=not row.decode))
     finally:
         t.memo.clear()
         _free(collect=False)
@@ -529,7 +573,8 @@ def warm_caches(job: tuple[Row, list[str], bool, str]) -> str:
             out = IMPLS[impl](row, t)
             # retain_graph as measure() runs it: AOTAutograd compiles flex's backward
             # with donated buffers otherwise, and the cached graph then refuses it.
-            out.backward(torch.randn_like(out), retain_graph=True)
+            if not row.decode:
+                out.backward(torch.randn_like(out), retain_graph=True)
         except Exception:  # noqa: BLE001 - as above
             pass
         t.memo.clear()
@@ -606,6 +651,8 @@ def result_json(r: Result) -> dict:
     row = r.row
     d = dict(row=row.name, impl=r.impl, feature=row.feature, B=row.batch, H=row.heads,
              Hkv=row.kv_heads, N=row.seqlen, D=row.dqk, Dv=row.dv, causal=row.causal)  # fmt: skip
+    if row.seqlen_q:
+        d.update(Sq=row.seqlen_q, Sk=row.seqlen)
     if row.window is not None:
         d["window"] = list(row.window)
     if row.docs:
@@ -618,6 +665,8 @@ def result_json(r: Result) -> dict:
         d[f"{pass_}_ms"] = r.ms(bwd)
         d[f"{pass_}_tflops"] = r.tflops(bwd)
         d[f"{pass_}_error"] = r.error(bwd)
+    if row.decode:
+        d.update(bytes_kv=row.bytes_kv(), fwd_gbps=r.rate(False))
     d["first_call_s"] = r.timing.first_call_s
     worst = [status(r.error(bwd)) for bwd in (False, True)]
     d["status"] = next((s for s in worst if s != "ok"), "ok")
@@ -646,7 +695,8 @@ def report_json(results: list[Result], env: dict, quick: bool) -> dict:
         **env, quick=quick, date=time.strftime("%Y-%m-%d %H:%M:%S"),
         flops="fwd 4*B*H*Sq*Sk*D (2*B*H*Sq*Sk*(Dqk+Dv)), causal /2, window and varlen exact "
               "visible pairs; bwd 2.5x fwd",
-        timing="triton.testing.do_bench medians, bf16; fwd with autograd recording",
+        timing="triton.testing.do_bench medians, bf16; fwd with autograd recording (decode "
+               "rows: without, and rated in GB/s of K and V read once)",
         rows=[result_json(r) for r in results],
         ratios=[dict(row=name, **{f"{p}_ratio": e[p][0] for p in ("fwd", "bwd")},
                      **{f"{p}_best_peer": e[p][1] for p in ("fwd", "bwd")})
@@ -656,9 +706,9 @@ def report_json(results: list[Result], env: dict, quick: bool) -> dict:
 
 def _cell(r: Result) -> str:
     def one(bwd):
-        value = r.tflops(bwd)
+        value = r.rate(bwd)
         if value is not None:
-            return f"{value:.0f}"
+            return f"{value:.0f}" + (" GB/s" if r.row.decode else "")
         return {"unavailable": "n/a", "oom": "OOM", "skipped": "skip"}.get(
             status(r.error(bwd)), "err")  # fmt: skip
 

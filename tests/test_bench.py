@@ -34,7 +34,7 @@ def fresh_import():
 FEATURES = {"bias_grad", "dropout0.1", "window1024_causal", "alibi", "softcap30", "gqa8",
             "varlen_causal_docs", "dqk192_dv128_causal"}  # fmt: skip
 QUICK = {"D128_S1024", "D128_S1024_causal", "D128_S4096", "D128_S4096_causal", "bias_grad",
-         "gqa8"}  # fmt: skip
+         "gqa8", "decode_B8_Sq1_Sk32768"}  # fmt: skip
 
 
 # ------------------------------------------------------------------ rows
@@ -69,7 +69,24 @@ def test_feature_rows_match_the_peers_features():
     assert rows["bias_grad"].bias_grad and rows["dropout0.1"].dropout == 0.1
     assert rows["softcap30"].softcap == 30.0 and rows["alibi"].alibi
     names = [r.name for r in bench.all_rows()]
-    assert len(names) == len(set(names)) == 36 + 8
+    assert len(names) == len(set(names)) == 36 + 8 + 4
+
+
+def test_decode_rows_are_the_issues_shapes_rated_in_gbps():
+    """Four decode shapes (H32/8, D128), forward only, GB/s of K and V read once."""
+    rows = {r.name: r for r in bench.DECODE_ROWS}
+    assert {(r.batch, r.sq, r.seqlen) for r in rows.values()} == {
+        (1, 1, 131072), (8, 1, 32768), (64, 1, 4096), (8, 16, 32768)}
+    for r in rows.values():
+        assert r.decode and (r.heads, r.kv_heads, r.dqk, r.dv) == (32, 8, 128, 128)
+        assert r.bytes_kv() == 2 * r.batch * r.seqlen * 8 * 256
+        assert r.flops_fwd() == 4 * r.batch * 32 * r.sq * r.seqlen * 128
+        assert bench.gbps(r, 2.0) == r.bytes_kv() / 2e6
+    r = rows["decode_B8_Sq16_Sk32768"]
+    assert r.describe() == "B8 Sq16 Sk32768 H32/8 D128"
+    t = bench.make_inputs(r, "meta")
+    assert t.q.shape == (8, 16, 32, 128) and t.k.shape == (8, 32768, 8, 128)
+    assert not any(x.requires_grad for x in t.leaves)
 
 
 def test_quick_is_a_subset_and_keeps_flex_where_cheap():
@@ -285,6 +302,9 @@ def test_measure_records_failures_per_pass(fake_do_bench):
     assert t.fwd_ms == 2.0 and t.bwd_ms is None
     assert bench.status(t.bwd_error) == "oom" and bench.status(t.fwd_error) == "ok"
 
+    t = bench.measure(lambda: NoBackward.apply(x), [x], backward=False)  # decode rows
+    assert t.fwd_ms == 2.0 and t.bwd_ms is None and bench.status(t.bwd_error) == "skipped"
+
 
 # ------------------------------------------------------------------ the report
 
@@ -293,8 +313,10 @@ FAKE_MS = {"memattn": (1.0, 4.0), "sdpa_flash": (2.0, 2.0), "sdpa_efficient": (4
            "sdpa_cudnn": (0.5, 5.0), "flex": (1.25, 3.0)}  # fmt: skip
 
 
-def _fake_measure(run, leaves):
+def _fake_measure(run, leaves, backward=True):
     impl, row = run()  # the fake implementations return who they are
+    if not backward:
+        return bench.Timing(fwd_ms=FAKE_MS[impl][0], bwd_error=bench.FORWARD_ONLY)
     if impl == "sdpa_flash" and row.bias_grad:
         e = "RuntimeError: No available kernel. Aborting execution."
         return bench.Timing(fwd_error=e, bwd_error=e)
@@ -349,6 +371,10 @@ def test_json_has_every_row_with_times_and_errors(fake_run):
     assert rows["gqa8", "flex"]["status"] == "skipped"  # --quick: flex on two rows only
     assert rows["D128_S4096", "flex"]["status"] == "ok"
     assert rows["gqa8", "sdpa_flash"]["Hkv"] == 2
+    dec = rows["decode_B8_Sq1_Sk32768", "memattn"]  # forward only, GB/s
+    assert (dec["Sq"], dec["Sk"], dec["bwd_ms"]) == (1, 32768, None)
+    assert dec["fwd_gbps"] == pytest.approx(dec["bytes_kv"] / dec["fwd_ms"] / 1e6)
+    assert dec["bwd_error"] == bench.FORWARD_ONLY
 
 
 def test_ratio_is_memattn_over_the_best_peer_per_pass(fake_run):

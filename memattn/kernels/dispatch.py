@@ -10,6 +10,9 @@ backward alike.
   backward takes dense batches, a bias gradient only of a bias with an element per
   (b, h, i, j), nothing of bias, ALiBi or dropout at D=256, and deterministic mode only
   where dQ is not added up in fp32 across programs.
+- The split-KV forward (decode.py), before either: few queries a sequence (Sq <= 64)
+  against many keys (Sk >= 4096), every option; the query heads of a GQA group share
+  each K/V tile read and the keys spread over the SMs. Its backward is the others'.
 - The Triton tile kernels (forward.py, backward.py): every call, on any GPU Triton
   compiles for and on the CPU through Triton's interpreter (``require_runnable`` in
   this package's __init__ checks it is on).
@@ -26,6 +29,7 @@ import torch
 
 from ..spec import AttentionSpec, output_shapes
 from . import backward as tiles_backward
+from . import decode
 from . import forward as tiles_forward
 from .common import new_output
 
@@ -98,7 +102,12 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_s
     lse = new_output(lse_shape, torch.float32, q.device)
     if out.numel() == 0 or spec.seqlen_q == 0:
         return out, lse.fill_(float("-inf"))
-    run = forward_sm90.forward if gluon_forward(spec, q, k, v, bias) else tiles_forward.forward
+    if decode.takes(spec):
+        run = decode.forward
+    elif gluon_forward(spec, q, k, v, bias):
+        run = forward_sm90.forward
+    else:
+        run = tiles_forward.forward
     run(spec, q, k, v, bias, alibi_slopes, rng_state, cu_seqlens_q, cu_seqlens_k, out, lse)
     return out, lse
 

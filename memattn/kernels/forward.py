@@ -31,8 +31,7 @@ from .common import (
 @triton.jit
 def _fwd_tiles(
     acc, m_i, l_i, q,
-    k_base, v_base, bias_base, stride_kn, stride_kd, stride_vn, stride_vd,
-    stride_bm, stride_bn,
+    k_base, v_base, bias_rows, stride_kn, stride_kd, stride_vn, stride_vd, stride_bn,
     offs_m, offs_dqk, offs_dv, lo, hi,
     seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
     seed, rng_offset, bh, dropout_p,
@@ -43,9 +42,10 @@ def _fwd_tiles(
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Accumulates key tiles [lo, hi) into (acc, m_i, l_i). MASKED tiles apply the
-    visibility mask; the others are known to be fully visible and skip it."""
+    visibility mask; the others are known to be fully visible and skip it. offs_m: each
+    row's query position; bias_rows: a pointer to each row's bias row (key 0); slope and
+    bh: ALiBi's slope and dropout's head, a scalar or one per row, (BLOCK_M, 1)."""
     arange_n = tl.arange(0, BLOCK_N)
-    arange_m = tl.arange(0, BLOCK_M)  # bias_base already points at row start_m
     row_ok = offs_m < seqlen_q
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + arange_n
@@ -63,8 +63,7 @@ def _fwd_tiles(
 
         bias = qk  # placeholder, unused without a bias
         if HAS_BIAS:
-            b_ptrs = (bias_base + start_n64 * stride_bn
-                      + arange_m[:, None] * stride_bm + arange_n[None, :] * stride_bn)
+            b_ptrs = bias_rows[:, None] + (start_n64 + arange_n[None, :]) * stride_bn
             bias = tl.load(b_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
             bias = bias.to(tl.float32)
         s = capped_score_log2(qk, scale, softcap, HAS_SOFTCAP)
@@ -141,10 +140,10 @@ def _fwd_kernel(
     v_base = V + b64 * stride_vb + hk64 * stride_vh + tl.cast(k_start, tl.int64) * stride_vn
     o_base = Out + b64 * stride_ob + h64 * stride_oh + row0 * stride_om
     l_base = Lse + b64 * stride_lb + h64 * stride_lh + row0 * stride_lm
-    bias_base = Bias
+    bias_rows = Bias  # a stand-in, never read, without a bias
     if HAS_BIAS:  # indexed by positions inside the sequence, also in varlen mode
-        bias_base = (Bias + b64 * stride_bb + h64 * stride_bh
-                     + tl.cast(start_m, tl.int64) * stride_bm)
+        bias_rows = (Bias + b64 * stride_bb + h64 * stride_bh
+                     + (start_m + tl.arange(0, BLOCK_M)).to(tl.int64) * stride_bm)
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(Alibi + b64 * stride_ab + h64 * stride_ah)
@@ -179,8 +178,8 @@ def _fwd_kernel(
     for span in tl.static_range(3):
         span_lo, span_hi = tile_span(span, lo, full_lo, full_hi, hi)
         acc, m_i, l_i = _fwd_tiles(
-            acc, m_i, l_i, q, k_base, v_base, bias_base,
-            stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+            acc, m_i, l_i, q, k_base, v_base, bias_rows,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_bn,
             offs_m, offs_dqk, offs_dv, span_lo, span_hi,
             seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
             seed, rng_offset, bh, dropout_p,

@@ -1,0 +1,383 @@
+"""Few queries, long keys (decode and chunked prefill): a split-KV forward.
+
+With Sq <= 64 queries a sequence, a program per (query block, head) leaves most of the
+GPU idle and reads K and V once per query head. Here a program owns one KV head of one
+sequence and a stretch of its keys (a split), and its rows are the queries of every
+query head of that KV head's GQA group: row r is query head h = hk * GROUP + r // SQ
+and query i = r % SQ (SQ the padded Sq). Each K/V tile is then read once for the whole
+group, and the splits spread long keys over the SMs. Each split writes its partial
+output (normalised by its own sum) and lse in fp32; `_merge_kernel` combines them
+through their lse: lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s.
+With one split the kernel writes out and lse itself.
+
+Every option of the tile forward holds, through the same jit helpers (masks, softcap,
+bias, ALiBi, dropout's keep bits keyed by the row's own head and query: the backward
+replays them), in dense and packed (varlen) batches.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+from ..spec import AttentionSpec
+from . import tuning
+from .common import LN2, alibi_strides, cdiv, diagonal_offset, sequence_bounds
+from .forward import _fwd_tiles, bias_strides, dense_strides, feature_switches, lse_strides
+
+MAX_QUERIES = 64  # per sequence: more run the tile or Gluon forward
+MIN_KEYS = 4096  # fewer, and a program per query block fills the GPU well enough
+MIN_SPLIT_KEYS = 512  # keys per split at least: each split costs a partial output
+MAX_SPLITS = 128  # the merge holds every split's partial row in registers
+
+
+def takes(spec: AttentionSpec) -> bool:
+    """Whether this kernel runs the forward of a call: few queries per sequence and
+    many keys (the padded lengths in varlen mode)."""
+    return spec.seqlen_q <= MAX_QUERIES and spec.seqlen_k >= MIN_KEYS
+
+
+@triton.jit
+def _split_kv_kernel(
+    Q, K, V, Out, Lse, OutPart, LsePart, Bias, Alibi, Rng, CuSeqQ, CuSeqK,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_ob, stride_om, stride_oh, stride_od,
+    stride_lb, stride_lh, stride_lm,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_ab, stride_ah,
+    BATCH, H, KV_HEADS, GROUP, SQ, seqlen_k, num_m_blocks, num_splits, split_keys,
+    scale, softcap, window_left, window_right, dropout_p,
+    DQK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    # One program per (sequence, KV head, row block, split) on a 1-D grid; the splits
+    # of one (sequence, KV head) run side by side.
+    pid = tl.program_id(0)
+    split = pid % num_splits
+    rest = pid // num_splits
+    m_block = rest % num_m_blocks
+    bhk = rest // num_m_blocks
+    b = bhk // KV_HEADS
+    hk = bhk % KV_HEADS
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
+        CuSeqQ, CuSeqK, b, SQ, seqlen_k, IS_VARLEN)
+    off = diagonal_offset(seqlen_q, seqlen_k, BOTTOM_RIGHT)
+
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    h = hk * GROUP + rows // SQ  # the row's query head
+    i = rows % SQ  # and its query
+    row_ok = (rows < GROUP * SQ) & (i < seqlen_q)
+    offs_m = tl.where(row_ok, i, seqlen_q)  # a row past the end is masked as such
+    h = tl.where(rows < GROUP * SQ, h, hk * GROUP)
+
+    # 64-bit base offsets: batch * stride and token * stride can pass 2**31.
+    b64 = tl.cast(b, tl.int64)
+    h64 = h.to(tl.int64)
+    hk64 = tl.cast(hk, tl.int64)
+    i64 = (q_start + offs_m).to(tl.int64)
+    k_base = K + b64 * stride_kb + hk64 * stride_kh + tl.cast(k_start, tl.int64) * stride_kn
+    v_base = V + b64 * stride_vb + hk64 * stride_vh + tl.cast(k_start, tl.int64) * stride_vn
+    bias_rows = Bias  # a stand-in, never read, without a bias
+    if HAS_BIAS:  # indexed by positions inside the sequence, also in varlen mode
+        bias_rows = Bias + b64 * stride_bb + h64 * stride_bh + offs_m.to(tl.int64) * stride_bm
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(Alibi + b64 * stride_ab + h64 * stride_ah, mask=row_ok, other=0.0)
+        slope = slope[:, None]
+    seed = 0
+    rng_offset = 0
+    if HAS_DROPOUT:
+        seed = tl.load(Rng)
+        rng_offset = tl.load(Rng + 1)
+    bh = (b * H + h)[:, None]  # dropout's counter: the row's own head
+
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + b64 * stride_qb + h64[:, None] * stride_qh + i64[:, None] * stride_qm
+                + offs_dqk[None, :] * stride_qd,
+                mask=row_ok[:, None] & (offs_dqk[None, :] < DQK), other=0.0)  # fmt: skip
+
+    # The keys any row may see (queries 0 .. seqlen_q - 1), within this split's stretch.
+    lo = split * split_keys
+    hi = tl.minimum(lo + split_keys, seqlen_k)
+    if BOUNDED_RIGHT:
+        hi = tl.minimum(hi, seqlen_q - 1 + off + window_right + 1)
+    if BOUNDED_LEFT:
+        lo = tl.maximum(lo, (tl.maximum(off - window_left, 0) // BLOCK_N) * BLOCK_N)
+    hi = tl.where(seqlen_q > 0, tl.maximum(hi, lo), lo)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    # Every tile masked: a memory-bound loop, where the mask's arithmetic is free.
+    acc, m_i, l_i = _fwd_tiles(
+        acc, m_i, l_i, q, k_base, v_base, bias_rows,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_bn,
+        offs_m, offs_dqk, offs_dv, lo, hi,
+        seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
+        seed, rng_offset, bh, dropout_p,
+        DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, BOUNDED_LEFT,
+        BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
+
+    empty = l_i == 0.0
+    inv_l = 1.0 / tl.where(empty, 1.0, l_i)
+    if HAS_DROPOUT:
+        inv_l = inv_l / (1.0 - dropout_p)
+    out = acc * inv_l[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    out_mask = row_ok[:, None] & (offs_dv[None, :] < DV)
+    if SPLIT:  # (split, B, H, SQ, DV) and (split, B, H, SQ), contiguous, fp32
+        flat = ((split * BATCH + b).to(tl.int64) * H + h64) * SQ + offs_m.to(tl.int64)
+        tl.store(OutPart + flat[:, None] * DV + offs_dv[None, :], out, mask=out_mask)
+        tl.store(LsePart + flat, lse, mask=row_ok)
+    else:
+        tl.store(Out + b64 * stride_ob + h64[:, None] * stride_oh + i64[:, None] * stride_om
+                 + offs_dv[None, :] * stride_od, out.to(Out.dtype.element_ty), mask=out_mask)
+        tl.store(Lse + b64 * stride_lb + h64 * stride_lh + i64 * stride_lm, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    OutPart, LsePart, Out, Lse, CuSeqQ,
+    stride_ob, stride_om, stride_oh, stride_od,
+    stride_lb, stride_lh, stride_lm,
+    H, SQ, num_splits, split_rows,
+    DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):  # fmt: skip
+    """out and lse of one query of one (sequence, head) from every split's partial
+    results, all splits at once (a loop over them waits on each load in turn):
+    lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s. A split that saw no
+    key has lse_s = -inf and weighs 0; a row no split saw gets out 0 and lse -inf."""
+    pid = tl.program_id(0)
+    i = pid % SQ
+    bh = pid // SQ
+    b = bh // H
+    h = bh % H
+    q_start, _, seqlen_q, _ = sequence_bounds(CuSeqQ, CuSeqQ, b, SQ, SQ, IS_VARLEN)
+    if i < seqlen_q:
+        splits = tl.arange(0, BLOCK_S)
+        split_ok = splits < num_splits
+        rows = splits.to(tl.int64) * split_rows + (b.to(tl.int64) * H + h) * SQ + i
+        lse_s = tl.load(LsePart + rows, mask=split_ok, other=float("-inf"))
+        m = tl.max(lse_s, 0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp(lse_s - m_safe)  # 0 for a split that saw no key
+        offs_dv = tl.arange(0, BLOCK_DV)
+        seen = split_ok & (lse_s > float("-inf"))
+        out_s = tl.load(OutPart + rows[:, None] * DV + offs_dv[None, :],
+                        mask=seen[:, None] & (offs_dv[None, :] < DV), other=0.0)  # fmt: skip
+        total = tl.sum(w, 0)
+        empty = total == 0.0
+        out = tl.sum(w[:, None] * out_s, 0) / tl.where(empty, 1.0, total)
+        lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, total)))
+        row = tl.cast(q_start + i, tl.int64)
+        b64 = tl.cast(b, tl.int64)
+        tl.store(Out + b64 * stride_ob + h * stride_oh + row * stride_om + offs_dv * stride_od,
+                 out.to(Out.dtype.element_ty), mask=offs_dv < DV)  # fmt: skip
+        tl.store(Lse + b64 * stride_lb + h * stride_lh + row * stride_lm, lse)
+
+
+# A launch aims at one wave: as many programs as fit on the SMs at once (shared memory
+# decides, at most PROGRAMS_PER_SM), no split shorter than MIN_SPLIT_KEYS. The
+# interpreter pretends to INTERPRETER_PROGRAMS, so that tests at small sizes split.
+SHARED_MEMORY = 227 * 1024
+PROGRAMS_PER_SM = 4
+INTERPRETER_PROGRAMS = 16
+
+try:  # on CUDA, launches go past JITFunction.run's per-call binding (hopper.Launcher)
+    from . import hopper
+
+    _launch_split_kv = hopper.Launcher(_split_kv_kernel)
+    _launch_merge = hopper.Launcher(_merge_kernel)
+except ImportError:  # a Triton without Gluon's Hopper API: Triton's own launches
+    hopper = None
+
+
+def configs(spec: AttentionSpec, interpreting: bool) -> tuple[tuning.Config, ...]:
+    """Tiles for the split-KV kernel, largest first (a bias's tiles take shared memory
+    too: tuning.launch_fitting moves down the list where one does not fit)."""
+    if interpreting:
+        return (tuning.Config(16, 16, 1, 1),)
+    block_m = min(64, max(16, triton.next_power_of_2(spec.group * spec.seqlen_q)))
+    block_n = 64 if max(spec.head_dim_qk, spec.head_dim_v) > 128 else 128
+    return (tuning.Config(block_m, block_n, 4, 3), tuning.Config(block_m, 64, 4, 3),
+            tuning.Config(block_m, 32, 4, 2))  # fmt: skip
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_splits(spec: AttentionSpec, programs: int, cfg: tuning.Config, device) -> int:
+    """How many stretches to split the keys into: as many as one wave of programs holds
+    beside ``programs`` (sequence, KV head, row block) triples, each at least
+    MIN_SPLIT_KEYS long (a tile under the interpreter)."""
+    if device.type != "cuda":
+        wave, min_keys = INTERPRETER_PROGRAMS, cfg.block_n
+    else:
+        shared = cfg.num_stages * cfg.block_n * (spec.head_dim_qk + spec.head_dim_v) * 2
+        per_sm = max(1, min(PROGRAMS_PER_SM, SHARED_MEMORY // shared))
+        wave, min_keys = per_sm * _sm_count(device.index), MIN_SPLIT_KEYS
+    return max(1, min(spec.seqlen_k // min_keys, wave // programs, MAX_SPLITS))
+
+
+@functools.lru_cache(maxsize=256)
+def plan(spec: AttentionSpec, cfg: tuning.Config, device: torch.device) -> tuple[int, ...]:
+    """(row blocks, programs per split, splits, keys per split) of a launch: worked out
+    once per spec, tiles and device (host time before the launch is a decode call's)."""
+    num_m_blocks = cdiv(spec.group * spec.seqlen_q, cfg.block_m)
+    programs = spec.batch * spec.kv_heads * num_m_blocks
+    splits = num_splits(spec, programs, cfg, device)
+    split_keys = cdiv(cdiv(spec.seqlen_k, splits), cfg.block_n) * cfg.block_n
+    return num_m_blocks, programs, cdiv(spec.seqlen_k, split_keys), split_keys
+
+
+def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seqlens_q,
+            cu_seqlens_k, out, lse) -> None:  # fmt: skip
+    """Fills out (q's layout, Dv) and lse (float32) of a call `takes` accepted."""
+    if hopper is None or q.device.type != "cuda":
+        return _forward_by_triton(spec, q, k, v, bias, alibi_slopes, rng_state,
+                                  cu_seqlens_q, cu_seqlens_k, out, lse)  # fmt: skip
+    # A decode step's GPU time is a few hundred µs: the host's before the launch shows.
+    # So the launch is planned once per spec (`_plans`) and, where a call repeats the
+    # last's tensors, launched from the arguments prepared then (hopper.Launcher).
+    level = _LEVEL.get(spec, 0)
+    while True:
+        split_plan, merge_plan = _plans(spec, q.device.index, level)
+        try:
+            _launch_on_cuda(spec, split_plan, merge_plan, q, k, v, bias, alibi_slopes,
+                            rng_state, cu_seqlens_q, cu_seqlens_k, out, lse)  # fmt: skip
+            return
+        except OutOfResources:  # a bias's tiles too: the next smaller tiles
+            if level + 1 == len(configs(spec, False)):
+                raise
+            level = _LEVEL[spec] = level + 1
+
+
+_LEVEL: dict[AttentionSpec, int] = {}  # per spec, the first of `configs` that fits
+
+
+def _make_plans(spec: AttentionSpec, device_index: int, level: int):
+    """(the split-KV kernel's hopper.Plan, the merge's or None) with the tiles of
+    ``configs(spec)[level]``; cached per spec, device and level (`_plans`)."""
+    cfg = configs(spec, False)[level]
+    num_m_blocks, programs, splits, split_keys = plan(spec, cfg, torch.device("cuda", device_index))
+    # feature_switches reads only whether a bias and slopes are given: the spec says
+    switches = feature_switches(spec, spec.has_bias or None, spec.has_alibi or None)
+    split_plan = hopper.Plan(
+        programs * splits, (num_m_blocks, splits, split_keys),
+        dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=splits > 1,
+             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **switches))
+    merge_plan = None
+    if splits > 1:
+        merge_plan = hopper.Plan(
+            spec.batch * spec.heads * spec.seqlen_q, (splits,),
+            dict(DV=spec.head_dim_v, BLOCK_S=triton.next_power_of_2(splits),
+                 BLOCK_DV=switches["BLOCK_DV"], IS_VARLEN=spec.varlen,
+                 num_warps=4 if splits <= 32 else 8))  # fmt: skip
+    return split_plan, merge_plan
+
+
+_plans = hopper.plan_cache(_make_plans) if hopper is not None else None  # forget_plans empties
+
+
+def _launch_on_cuda(spec, split_plan, merge_plan, q, k, v, bias, alibi_slopes, rng_state,
+                    cu_seqlens_q, cu_seqlens_k, out, lse) -> None:  # fmt: skip
+    num_m_blocks, splits, split_keys = split_plan.counts
+    out_part = lse_part = lse  # stand-ins, never written, with one split
+    if merge_plan is not None:
+        shape = (splits, spec.batch, spec.heads, spec.seqlen_q)
+        out_part = torch.empty((*shape, spec.head_dim_v), dtype=torch.float32,
+                               device=q.device)  # fmt: skip
+        lse_part = torch.empty(shape, dtype=torch.float32, device=q.device)
+    key = hopper.tensor_key
+    call = (split_plan, key(q), key(k), key(v), key(out), key(lse), out_part.data_ptr(),
+            lse_part.data_ptr(), key(bias), key(alibi_slopes), key(rng_state),
+            key(cu_seqlens_q), key(cu_seqlens_k))  # fmt: skip
+    if not _launch_split_kv.launch_prepared(split_plan.programs, call):
+        tensors = (q, k, v, out, lse, out_part, lse_part, bias, alibi_slopes, rng_state,
+                   cu_seqlens_q, cu_seqlens_k)  # fmt: skip
+        ints = _split_ints(spec, q, k, v, out, lse, bias, alibi_slopes, split_plan.counts)
+        kinds = tuple(None if t is None else (t.dtype, hopper.aligned(t)) for t in tensors)
+        _launch_split_kv((split_plan.programs,), *tensors, *ints, *_floats(spec),
+                         variant=(split_plan, ints, kinds), prepare=call,
+                         **split_plan.constexprs)  # fmt: skip
+    if merge_plan is None:
+        return
+    call = (merge_plan, out_part.data_ptr(), lse_part.data_ptr(), key(out), key(lse),
+            key(cu_seqlens_q))  # fmt: skip
+    if not _launch_merge.launch_prepared(merge_plan.programs, call):
+        tensors = (out_part, lse_part, out, lse, cu_seqlens_q)
+        ints = _merge_ints(spec, out, lse, splits)
+        kinds = tuple(None if t is None else (t.dtype, hopper.aligned(t)) for t in tensors)
+        _launch_merge((merge_plan.programs,), *tensors, *ints, variant=(merge_plan, ints, kinds),
+                      prepare=call, **merge_plan.constexprs)  # fmt: skip
+
+
+def _split_ints(spec, q, k, v, out, lse, bias, alibi_slopes, counts) -> tuple:
+    """The split-KV kernel's int arguments: strides, sizes, counts."""
+    return (*dense_strides(q, spec.varlen), *dense_strides(k, spec.varlen),
+            *dense_strides(v, spec.varlen), *dense_strides(out, spec.varlen),
+            *lse_strides(lse, spec.varlen), *bias_strides(bias, spec),
+            *alibi_strides(alibi_slopes),
+            spec.batch, spec.heads, spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k,
+            *counts)  # fmt: skip
+
+
+def _floats(spec) -> tuple:
+    return (spec.scale, spec.softcap, spec.window_left, spec.window_right, spec.dropout_p)
+
+
+def _merge_ints(spec, out, lse, splits) -> tuple:
+    return (*dense_strides(out, spec.varlen), *lse_strides(lse, spec.varlen), spec.heads,
+            spec.seqlen_q, splits, spec.batch * spec.heads * spec.seqlen_q)
+
+
+def _forward_by_triton(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state,
+                       cu_seqlens_q, cu_seqlens_k, out, lse) -> None:  # fmt: skip
+    """`forward` through Triton's own launches: the interpreter, or no Gluon API."""
+    switches = feature_switches(spec, bias, alibi_slopes)
+    interpreting = q.device.type == "cpu"
+    parts = {}
+
+    def launch(cfg: tuning.Config):
+        num_m_blocks, programs, splits, split_keys = plan(spec, cfg, q.device)
+        shape = (splits, spec.batch, spec.heads, spec.seqlen_q)
+        out_part = lse_part = lse  # stand-ins, never written, with one split
+        if splits > 1:
+            out_part = torch.empty((*shape, spec.head_dim_v), dtype=torch.float32,
+                                   device=q.device)  # fmt: skip
+            lse_part = torch.empty(shape, dtype=torch.float32, device=q.device)
+        _split_kv_kernel[(programs * splits,)](
+            q, k, v, out, lse, out_part, lse_part, bias, alibi_slopes, rng_state,
+            cu_seqlens_q, cu_seqlens_k,
+            *_split_ints(spec, q, k, v, out, lse, bias, alibi_slopes,
+                         (num_m_blocks, splits, split_keys)),
+            *_floats(spec), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=splits > 1,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **switches,
+        )  # fmt: skip
+        parts.update(splits=splits, out=out_part, lse=lse_part)
+
+    tuning.launch_fitting("decode", spec, configs(spec, interpreting), launch)
+    splits = parts["splits"]
+    if splits > 1:
+        _merge_kernel[(spec.batch * spec.heads * spec.seqlen_q,)](
+            parts["out"], parts["lse"], out, lse, cu_seqlens_q,
+            *_merge_ints(spec, out, lse, splits),
+            DV=spec.head_dim_v, BLOCK_S=triton.next_power_of_2(splits),
+            BLOCK_DV=switches["BLOCK_DV"], IS_VARLEN=spec.varlen,
+            num_warps=1 if interpreting else (4 if splits <= 32 else 8),
+        )  # fmt: skip
