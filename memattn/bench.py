@@ -2,8 +2,9 @@
 on the same inputs.
 
 Peers: torch SDPA's three fused backends (``sdpa_flash``, ``sdpa_efficient``,
-``sdpa_cudnn``) and FlexAttention (``flex``, ``torch.nn.attention.flex_attention`` under
-``torch.compile``, features as block masks and score_mods). Rows, implementation names and
+``sdpa_cudnn``), FlexAttention (``flex``, ``torch.nn.attention.flex_attention`` under
+``torch.compile``, features as block masks and score_mods) and, where ``flash_attn.cute``
+imports, FlashAttention-4 (``fa4``: no bias, dropout or ALiBi). Rows, implementation names and
 feature names follow the peer measurements in ``shared/peers-*.json``:
 
 - the grid: D in {64, 128, 256} (H = 32, 16, 8), S from 512 to 16384 at 16k tokens
@@ -361,12 +362,41 @@ def _flex(row: Row, t: Inputs) -> torch.Tensor:
     return out[0] if row.docs else out
 
 
+@functools.cache
+def fa4_installed() -> bool:
+    """Whether FlashAttention-4 (CuTe DSL, ``flash_attn.cute``) imports here."""
+    try:
+        import flash_attn.cute.interface  # noqa: F401
+    except Exception:  # noqa: BLE001 - missing, or a broken install: no peer
+        return False
+    return True
+
+
+def _fa4(row: Row, t: Inputs) -> torch.Tensor:
+    from flash_attn.cute.interface import flash_attn_func, flash_attn_varlen_func
+
+    # FA4's window sides: None unbounded; causal and windows aligned bottom-right, as
+    # memattn's top-left ones on these square rows (decode rows have no mask).
+    window = (None, None) if row.window is None else tuple(
+        None if w < 0 else w for w in row.window)  # fmt: skip
+    options = dict(causal=row.causal, window_size=window, softcap=row.softcap)
+    if row.docs:
+        longest = max(row.docs)
+        out, _ = flash_attn_varlen_func(
+            t.q, t.k, t.v, cu_seqlens_q=t.cu_seqlens, cu_seqlens_k=t.cu_seqlens,
+            max_seqlen_q=longest, max_seqlen_k=longest, **options)  # fmt: skip
+    else:
+        out, _ = flash_attn_func(t.q, t.k, t.v, **options)
+    return out
+
+
 IMPLS: dict[str, Callable[[Row, Inputs], torch.Tensor]] = {
     "memattn": _memattn,
     "sdpa_flash": _sdpa("FLASH_ATTENTION"),
     "sdpa_efficient": _sdpa("EFFICIENT_ATTENTION"),
     "sdpa_cudnn": _sdpa("CUDNN_ATTENTION"),
     "flex": _flex,
+    "fa4": _fa4,
 }
 PEERS = [name for name in IMPLS if name != "memattn"]
 # --quick keeps flex where its compile is cheap: two rows (a compile costs ~10-30 s).
@@ -387,6 +417,13 @@ def unsupported(impl: str, row: Row) -> str | None:
             return "unsupported: SDPA takes packed varlen batches only as nested tensors"
     if impl == "flex" and row.dropout:
         return "unsupported: flex_attention has no dropout"
+    if impl == "fa4":
+        if not fa4_installed():
+            return "unsupported: flash_attn.cute (FlashAttention-4) does not import here"
+        for feature, missing in (("bias_grad", "a bias"), ("dropout", "dropout"),
+                                 ("alibi", "ALiBi")):  # fmt: skip
+            if getattr(row, feature):
+                return f"unsupported: FlashAttention-4 has no {missing}"
     return None
 
 
@@ -397,8 +434,10 @@ def skipped(impl: str, row: Row, quick: bool) -> str | None:
 
 
 def select_impls(names: str | None = None) -> list[str]:
+    """The implementations named (comma-separated), or by default every one that runs
+    here (FA4 where it imports)."""
     if not names:
-        return list(IMPLS)
+        return [n for n in IMPLS if n != "fa4" or fa4_installed()]
     chosen = [n.strip() for n in names.split(",") if n.strip()]
     unknown = [n for n in chosen if n not in IMPLS]
     if unknown or not chosen:

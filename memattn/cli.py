@@ -169,7 +169,7 @@ def main(argv=None) -> int:
                         "e.g. 'D128_*,gqa8' (see --list)")
     p.add_argument("--impls", metavar="NAMES",
                    help="only these implementations, comma-separated: memattn, "
-                        "sdpa_flash, sdpa_efficient, sdpa_cudnn, flex")
+                        "sdpa_flash, sdpa_efficient, sdpa_cudnn, flex, fa4 (where it imports)")
     p.add_argument("--list", action="store_true", help="list the rows and exit")
     p.add_argument("--compile-workers", type=int, default=0, metavar="N",
                    help="first compile every row's kernels (memattn's and flex's) in N "

@@ -106,7 +106,8 @@ def test_row_and_impl_selection():
         "D128_S1024_causal", "D128_S4096_causal"]  # fmt: skip
     with pytest.raises(ValueError, match="matches no row"):
         bench.select_rows(False, "nothing*")
-    assert bench.select_impls(None) == list(bench.IMPLS)
+    assert bench.select_impls(None) == [n for n in bench.IMPLS
+                                        if n != "fa4" or bench.fa4_installed()]  # fmt: skip
     assert bench.select_impls("flex,memattn") == ["memattn", "flex"]  # registry order
     with pytest.raises(ValueError, match="unknown"):
         bench.select_impls("memattn,fa3")
@@ -220,6 +221,23 @@ def test_unsupported_features_are_declared():
         assert bench.unsupported("sdpa_efficient", rows[f]) is None  # tried, may refuse
     for row in bench.all_rows():
         assert bench.unsupported("memattn", row) is None
+
+
+def test_fa4_is_a_peer_where_it_imports(monkeypatch):
+    """FA4 runs every row but those with a bias, dropout or ALiBi; where it does not
+    import, no run lists it by default and a row says why."""
+    rows = {r.name: r for r in bench.all_rows()}
+    monkeypatch.setattr(bench, "fa4_installed", lambda: True)
+    assert "fa4" in bench.select_impls(None)
+    for name, row in rows.items():
+        reason = bench.unsupported("fa4", row)
+        if name in ("bias_grad", "dropout0.1", "alibi"):
+            assert reason.startswith("unsupported: FlashAttention-4 has no"), name
+        else:
+            assert reason is None, name
+    monkeypatch.setattr(bench, "fa4_installed", lambda: False)
+    assert "fa4" not in bench.select_impls(None)
+    assert "does not import" in bench.unsupported("fa4", rows["D128_S4096"])
 
 
 @pytest.mark.gpu
