@@ -9,9 +9,11 @@ feature names follow the peer measurements in ``shared/peers-*.json``:
 
 - the grid: D in {64, 128, 256} (H = 32, 16, 8), S from 512 to 16384 at 16k tokens
   (B = 16384 // S), causal and not;
-- feature rows at B=4, H=16, S=4096, D=128: bias_grad, dropout0.1, window1024_causal,
-  alibi, softcap30, gqa8, varlen_causal_docs (13 documents packed into 16384 tokens),
-  dqk192_dv128_causal;
+- feature rows at B=4, H=16, S=4096, D=128: bias_grad (a full (B, H, S, S) bias with
+  its gradient) and the bias broadcast five ways (bias_1HQK, bias_B1QK, bias_11QK and the
+  key-only bias_B11K, bias_1H1K), dropout0.1, window1024_causal, alibi, softcap30, gqa8,
+  packed documents (13 in 16384 tokens: varlen_docs, varlen_causal_docs, with a (1, H,
+  S, S) bias or dropout), dqk192_dv128_causal, dqk128_dv64_causal;
 - decode rows (few queries against a long KV cache, H=32, Hkv=8, D=128): the forward
   only, without autograd (inference), rated in GB/s of K and V read once.
 
@@ -78,7 +80,7 @@ class Row:
     causal: bool = False
     window: tuple[int, int] | None = None  # memattn's (left, right)
     docs: tuple[int, ...] | None = None
-    bias_grad: bool = False  # a full (B, H, S, S) bias that requires grad
+    bias: str = ""  # a bias that requires grad, its shape in B, H, Q, K and 1 (broadcast)
     dropout: float = 0.0
     alibi: bool = False
     softcap: float = 0.0
@@ -129,17 +131,22 @@ def grid_rows() -> list[Row]:
 
 
 _BASE = Row("", batch=4, heads=16, kv_heads=16, seqlen=4096, dqk=128, dv=128)
+_DOCS = replace(_BASE, batch=1, seqlen=TOKENS, docs=DOC_LENGTHS)
 FEATURE_ROWS = [
-    replace(_BASE, feature="bias_grad", bias_grad=True, quick=True),
+    replace(_BASE, feature="bias_grad", bias="BHQK", quick=True),
+    *(replace(_BASE, feature=f"bias_{shape}", bias=shape)
+      for shape in ("1HQK", "B1QK", "11QK", "B11K", "1H1K")),
     replace(_BASE, feature="dropout0.1", dropout=0.1),
     replace(_BASE, feature="window1024_causal", causal=True, window=(1023, 0)),
     replace(_BASE, feature="alibi", alibi=True),
     replace(_BASE, feature="softcap30", softcap=30.0),
     replace(_BASE, feature="gqa8", kv_heads=2, quick=True),
-    replace(
-        _BASE, feature="varlen_causal_docs", batch=1, seqlen=TOKENS, causal=True, docs=DOC_LENGTHS
-    ),  # fmt: skip
+    replace(_DOCS, feature="varlen_docs"),
+    replace(_DOCS, feature="varlen_causal_docs", causal=True),
+    replace(_DOCS, feature="varlen_causal_docs_bias", causal=True, bias="1HQK"),
+    replace(_DOCS, feature="varlen_causal_docs_dropout0.1", causal=True, dropout=0.1),
     replace(_BASE, feature="dqk192_dv128_causal", dqk=192, causal=True),
+    replace(_BASE, feature="dqk128_dv64_causal", dv=64, causal=True),
 ]
 _DECODE = Row("decode", batch=1, heads=32, kv_heads=8, seqlen=4096, dqk=128, dv=128, seqlen_q=1)
 DECODE_ROWS = [
@@ -247,8 +254,11 @@ def make_inputs(row: Row, device="cuda", dtype=torch.bfloat16) -> Inputs:
         k=randn(*lead, row.kv_heads, row.dqk),
         v=randn(*lead, row.kv_heads, row.dv),
     )
-    if row.bias_grad:
-        t.bias = randn(row.batch, row.heads, row.seqlen, row.seqlen)
+    if row.bias:  # in varlen mode indexed by positions inside each document
+        longest = max(row.docs) if row.docs else None
+        sizes = {"B": len(row.docs) if row.docs else row.batch, "H": row.heads,
+                 "Q": longest or row.sq, "K": longest or row.seqlen, "1": 1}  # fmt: skip
+        t.bias = randn(*(sizes[c] for c in row.bias))
     if row.alibi:
         t.slopes = alibi_slopes(row.heads).to(device)
     if row.docs:
@@ -334,12 +344,24 @@ def flex_mods(row: Row, t: Inputs):
     cap, bias, slopes = row.softcap, t.bias, t.slopes
     if not (cap or bias is not None or slopes is not None):
         return block_mask, None
+    if bias is not None:  # the same captured tensor, broadcast through zero strides
+        if t.doc_ids is None:
+            full = bias.expand(row.batch, row.heads, row.sq, row.seqlen)
+            bias_at = lambda b, h, q_idx, kv_idx: full[b, h, q_idx, kv_idx]  # noqa: E731
+        else:  # by document and positions inside it, as memattn's varlen bias
+            longest = max(row.docs)
+            full = bias.expand(len(row.docs), row.heads, longest, longest)
+            doc, starts = t.doc_ids, t.cu_seqlens.long()
+            pos = torch.arange(row.seqlen, device=doc.device) - starts[doc]
+
+            def bias_at(b, h, q_idx, kv_idx):
+                return full[doc[q_idx], h, pos[q_idx], pos[kv_idx]]
 
     def score_mod(score, b, h, q_idx, kv_idx):
         if cap:
             score = cap * torch.tanh(score / cap)
         if bias is not None:
-            score = score + bias[b, h, q_idx, kv_idx]
+            score = score + bias_at(b, h, q_idx, kv_idx)
         if slopes is not None:
             score = score - slopes[h] * torch.abs(q_idx - kv_idx)
         return score
@@ -420,7 +442,7 @@ def unsupported(impl: str, row: Row) -> str | None:
     if impl == "fa4":
         if not fa4_installed():
             return "unsupported: flash_attn.cute (FlashAttention-4) does not import here"
-        for feature, missing in (("bias_grad", "a bias"), ("dropout", "dropout"),
+        for feature, missing in (("bias", "a bias"), ("dropout", "dropout"),
                                  ("alibi", "ALiBi")):  # fmt: skip
             if getattr(row, feature):
                 return f"unsupported: FlashAttention-4 has no {missing}"
@@ -696,7 +718,7 @@ def result_json(r: Result) -> dict:
         d["window"] = list(row.window)
     if row.docs:
         d.update(T=row.seqlen, docs=len(row.docs), doc_lengths=list(row.docs))
-    for name in ("bias_grad", "dropout", "alibi", "softcap"):
+    for name in ("bias", "dropout", "alibi", "softcap"):
         if getattr(row, name):
             d[name] = getattr(row, name)
     d["flops_fwd"] = row.flops_fwd()

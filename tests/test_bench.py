@@ -31,8 +31,10 @@ def fresh_import():
         yield proc
 
 
-FEATURES = {"bias_grad", "dropout0.1", "window1024_causal", "alibi", "softcap30", "gqa8",
-            "varlen_causal_docs", "dqk192_dv128_causal"}  # fmt: skip
+FEATURES = {"bias_grad", "bias_1HQK", "bias_B1QK", "bias_11QK", "bias_B11K", "bias_1H1K",
+            "dropout0.1", "window1024_causal", "alibi", "softcap30", "gqa8", "varlen_docs",
+            "varlen_causal_docs", "varlen_causal_docs_bias", "varlen_causal_docs_dropout0.1",
+            "dqk192_dv128_causal", "dqk128_dv64_causal"}  # fmt: skip
 QUICK = {"D128_S1024", "D128_S1024_causal", "D128_S4096", "D128_S4096_causal", "bias_grad",
          "gqa8", "decode_B8_Sq1_Sk32768"}  # fmt: skip
 
@@ -57,19 +59,22 @@ def test_feature_rows_match_the_peers_features():
     rows = {r.name: r for r in bench.FEATURE_ROWS}
     assert set(rows) == FEATURES
     for name, r in rows.items():
-        assert (r.heads, r.dv) == (16, 128)
-        if name != "varlen_causal_docs":
+        assert r.heads == 16 and r.dv == (64 if name == "dqk128_dv64_causal" else 128)
+        if not name.startswith("varlen"):
             assert (r.batch, r.seqlen) == (4, 4096)
+        else:
+            assert r.docs == rows["varlen_causal_docs"].docs
     assert rows["gqa8"].kv_heads == 2
     assert rows["dqk192_dv128_causal"].dqk == 192 and rows["dqk192_dv128_causal"].causal
     assert rows["window1024_causal"].window == (1023, 0) and rows["window1024_causal"].causal
     docs = rows["varlen_causal_docs"]
     assert docs.batch == 1 and docs.seqlen == sum(docs.docs) == 16384 and len(docs.docs) == 13
     assert len(set(docs.docs)) > 5  # mixed lengths
-    assert rows["bias_grad"].bias_grad and rows["dropout0.1"].dropout == 0.1
+    assert rows["bias_grad"].bias == "BHQK" and rows["dropout0.1"].dropout == 0.1
+    assert rows["varlen_causal_docs_bias"].bias == "1HQK" and rows["bias_B11K"].bias == "B11K"
     assert rows["softcap30"].softcap == 30.0 and rows["alibi"].alibi
     names = [r.name for r in bench.all_rows()]
-    assert len(names) == len(set(names)) == 36 + 8 + 4
+    assert len(names) == len(set(names)) == 36 + 17 + 4
 
 
 def test_decode_rows_are_the_issues_shapes_rated_in_gbps():
@@ -183,7 +188,8 @@ def _tiny_cases():
     combined = replace(rows["window1024_causal"], feature="combined", alibi=True,
                        softcap=rows["softcap30"].softcap, kv_heads=rows["gqa8"].kv_heads,
                        dqk=rows["dqk192_dv128_causal"].dqk)  # fmt: skip
-    return [rows["bias_grad"], rows["gqa8"], rows["varlen_causal_docs"], combined]
+    return [rows["bias_grad"], rows["bias_B11K"], rows["bias_1H1K"], rows["gqa8"],
+            rows["varlen_causal_docs"], rows["varlen_causal_docs_bias"], combined]
 
 
 @pytest.mark.parametrize("row", _tiny_cases(), ids=lambda r: r.name)
@@ -206,7 +212,7 @@ def test_implementations_compute_memattns_definition(row):
         assert out.shape == want.shape, impl
         torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5, msg=impl)
         ran.append(impl)
-    assert ran == (["flex"] if row.name in ("combined", "varlen_causal_docs") else
+    assert ran == (["flex"] if row.name == "combined" or row.docs else
                    ["flex", "sdpa_flash"])  # fmt: skip
 
 
@@ -231,7 +237,7 @@ def test_fa4_is_a_peer_where_it_imports(monkeypatch):
     assert "fa4" in bench.select_impls(None)
     for name, row in rows.items():
         reason = bench.unsupported("fa4", row)
-        if name in ("bias_grad", "dropout0.1", "alibi"):
+        if row.bias or row.dropout or row.alibi:
             assert reason.startswith("unsupported: FlashAttention-4 has no"), name
         else:
             assert reason is None, name
@@ -335,11 +341,11 @@ def _fake_measure(run, leaves, backward=True):
     impl, row = run()  # the fake implementations return who they are
     if not backward:
         return bench.Timing(fwd_ms=FAKE_MS[impl][0], bwd_error=bench.FORWARD_ONLY)
-    if impl == "sdpa_flash" and row.bias_grad:
+    if impl == "sdpa_flash" and row.bias:
         e = "RuntimeError: No available kernel. Aborting execution."
         return bench.Timing(fwd_error=e, bwd_error=e)
     fwd, bwd = FAKE_MS[impl]
-    if impl == "sdpa_cudnn" and row.bias_grad:
+    if impl == "sdpa_cudnn" and row.bias:
         return bench.Timing(fwd_ms=fwd, bwd_error="OutOfMemoryError: CUDA out of memory")
     if impl == "memattn" and row.name == "gqa8":
         return bench.Timing(fwd_error="ValueError: boom", bwd_error="ValueError: boom")
@@ -487,7 +493,8 @@ def test_warm_caches_runs_each_impl_that_can_run_the_row_once(monkeypatch):
 
     for name in bench.IMPLS:
         monkeypatch.setitem(bench.IMPLS, name, fake(name))
-    row = replace(bench.FEATURE_ROWS[1], batch=1, heads=2, kv_heads=2, seqlen=8, dqk=8, dv=8)
+    dropout = next(r for r in bench.FEATURE_ROWS if r.name == "dropout0.1")
+    row = replace(dropout, batch=1, heads=2, kv_heads=2, seqlen=8, dqk=8, dv=8)
     assert row.dropout  # flex has no dropout: skipped
     assert bench.warm_caches((row, list(bench.IMPLS), False, "cpu")) == row.name
     assert calls == ["memattn", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn"]
