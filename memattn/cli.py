@@ -106,6 +106,10 @@ def info(args) -> int:
     else:
         hopper = "off (needs sm_90)"
     rows += [("Hopper kernels (Gluon)", hopper)]
+    from .kernels import decode
+
+    rows += [("split-KV forward", f"Sq <= {decode.MAX_QUERIES} a sequence and Sk >= "
+                                  f"{decode.MIN_KEYS} (decode, chunked prefill), any device")]
     for row in rows:
         table.add_row(*row)
     console.print(table)
