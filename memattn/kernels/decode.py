@@ -234,10 +234,9 @@ def num_splits(spec: AttentionSpec, programs: int, cfg: tuning.Config, device) -
     return max(1, min(spec.seqlen_k // min_keys, wave // programs, MAX_SPLITS))
 
 
-@functools.lru_cache(maxsize=256)
 def plan(spec: AttentionSpec, cfg: tuning.Config, device: torch.device) -> tuple[int, ...]:
-    """(row blocks, programs per split, splits, keys per split) of a launch: worked out
-    once per spec, tiles and device (host time before the launch is a decode call's)."""
+    """(row blocks, programs per split, splits, keys per split) of a launch with tiles
+    ``cfg`` (on CUDA worked out once per spec: `_plans`)."""
     num_m_blocks = cdiv(spec.group * spec.seqlen_q, cfg.block_m)
     programs = spec.batch * spec.kv_heads * num_m_blocks
     splits = num_splits(spec, programs, cfg, device)
@@ -264,6 +263,8 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
         except OutOfResources:  # a bias's tiles too: the next smaller tiles
             if level + 1 == len(configs(spec, False)):
                 raise
+            if len(_LEVEL) >= 4096:  # many distinct shapes: start over
+                _LEVEL.clear()
             level = _LEVEL[spec] = level + 1
 
 
