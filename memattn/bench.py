@@ -279,7 +279,7 @@ def memattn_kwargs(row: Row, t: Inputs) -> dict:
     kw = dict(causal=row.causal, window=row.window, bias=t.bias, alibi_slopes=t.slopes,
               softcap=row.softcap, dropout_p=row.dropout)  # fmt: skip
     if row.docs:
-        longest = max(row.docs)  # memattn still reads cu_seqlens (a host sync) to check them
+        longest = max(row.docs)  # as a training loop passes it
         kw.update(cu_seqlens_q=t.cu_seqlens, cu_seqlens_k=t.cu_seqlens,
                   max_seqlen_q=longest, max_seqlen_k=longest)  # fmt: skip
     return kw

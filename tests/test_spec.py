@@ -675,6 +675,40 @@ def test_spec_varlen_seqlens():
         check_call(*args, bias=bias, **kw)
 
 
+def test_cu_seqlens_values_are_read_once_per_tensor(monkeypatch):
+    """Reading cu_seqlens is a host sync: a tensor's values are read and checked once,
+    then reused while it lives unmodified (a model's layers and its backward pass the
+    same one). An in-place change is read and checked again; another tensor of equal
+    values is read too."""
+    import memattn.spec as spec_module
+
+    reads = []
+    real = spec_module._values
+    monkeypatch.setattr(spec_module, "_values", lambda cu: reads.append(cu) or real(cu))
+    args, kw = varlen()
+    for _ in range(3):
+        check_call(*args, **kw)
+    assert len(reads) == 2  # q's and k's, once
+    cu_q = kw["cu_seqlens_q"]
+    cu_q[1] = 4  # (3, 0, 4) -> (4, -1, 4): decreasing
+    with pytest.raises(ValueError, match=r"^cu_seqlens_q must be non-decreasing"):
+        check_call(*args, **kw)
+    with pytest.raises(ValueError, match=r"^cu_seqlens_q must be non-decreasing"):
+        check_call(*args, **kw)  # a failed check is never kept
+    cu_q[1] = 3
+    check_call(*args, **kw)
+    fresh = dict(kw, cu_seqlens_k=kw["cu_seqlens_k"].clone())
+    before = len(reads)
+    check_call(*args, **fresh)
+    assert reads[before:] == [fresh["cu_seqlens_k"]]
+    with torch.inference_mode():  # no version counter: read every time
+        cu = kw["cu_seqlens_q"].clone()
+    before = len(reads)
+    check_call(*args, **dict(kw, cu_seqlens_q=cu))
+    check_call(*args, **dict(kw, cu_seqlens_q=cu))
+    assert sum(r is cu for r in reads[before:]) == 2
+
+
 def test_spec_varlen_empty_sequences():
     q, k, v = torch.zeros(0, 2, 3), torch.zeros(0, 1, 3), torch.zeros(0, 1, 5)
     cu = torch.zeros(3, dtype=torch.int32)
