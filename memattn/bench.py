@@ -13,7 +13,8 @@ feature names follow the peer measurements in ``shared/peers-*.json``:
   its gradient) and the bias broadcast five ways (bias_1HQK, bias_B1QK, bias_11QK and the
   key-only bias_B11K, bias_1H1K), dropout0.1, window1024_causal, alibi, softcap30, gqa8,
   packed documents (13 in 16384 tokens: varlen_docs, varlen_causal_docs, with a (1, H,
-  S, S) bias or dropout), dqk192_dv128_causal, dqk128_dv64_causal;
+  S, S) bias or dropout), dqk192_dv128_causal, dqk128_dv64_causal, deterministic (the
+  backward's deterministic mode; its ratio to D128_S4096 is what it costs);
 - decode rows (few queries against a long KV cache, H=32, Hkv=8, D=128): the forward
   only, without autograd (inference), rated in GB/s of K and V read once.
 
@@ -84,6 +85,7 @@ class Row:
     dropout: float = 0.0
     alibi: bool = False
     softcap: float = 0.0
+    deterministic: bool = False  # the backward's deterministic mode
     quick: bool = False  # in the --quick subset
     seqlen_q: int = 0  # queries, when fewer than seqlen (decode rows); 0: seqlen
 
@@ -147,6 +149,7 @@ FEATURE_ROWS = [
     replace(_DOCS, feature="varlen_causal_docs_dropout0.1", causal=True, dropout=0.1),
     replace(_BASE, feature="dqk192_dv128_causal", dqk=192, causal=True),
     replace(_BASE, feature="dqk128_dv64_causal", dv=64, causal=True),
+    replace(_BASE, feature="deterministic", deterministic=True),
 ]
 _DECODE = Row("decode", batch=1, heads=32, kv_heads=8, seqlen=4096, dqk=128, dv=128, seqlen_q=1)
 DECODE_ROWS = [
@@ -277,7 +280,8 @@ def make_inputs(row: Row, device="cuda", dtype=torch.bfloat16) -> Inputs:
 def memattn_kwargs(row: Row, t: Inputs) -> dict:
     """memattn.attention's options for a row (memattn.reference takes the same ones)."""
     kw = dict(causal=row.causal, window=row.window, bias=t.bias, alibi_slopes=t.slopes,
-              softcap=row.softcap, dropout_p=row.dropout)  # fmt: skip
+              softcap=row.softcap, dropout_p=row.dropout,
+              deterministic=row.deterministic)  # fmt: skip
     if row.docs:
         longest = max(row.docs)  # as a training loop passes it
         kw.update(cu_seqlens_q=t.cu_seqlens, cu_seqlens_k=t.cu_seqlens,
@@ -401,7 +405,8 @@ def _fa4(row: Row, t: Inputs) -> torch.Tensor:
     # memattn's top-left ones on these square rows (decode rows have no mask).
     window = (None, None) if row.window is None else tuple(
         None if w < 0 else w for w in row.window)  # fmt: skip
-    options = dict(causal=row.causal, window_size=window, softcap=row.softcap)
+    options = dict(causal=row.causal, window_size=window, softcap=row.softcap,
+                   deterministic=row.deterministic)
     if row.docs:
         longest = max(row.docs)
         out, _ = flash_attn_varlen_func(
@@ -428,6 +433,8 @@ QUICK_FLEX_ROWS = ("D128_S4096", "D128_S4096_causal")
 def unsupported(impl: str, row: Row) -> str | None:
     """Why ``impl`` cannot express ``row`` at all, or None (then it is tried: a backend
     may still refuse, e.g. SDPA's "No available kernel", which is recorded too)."""
+    if row.deterministic and impl not in ("memattn", "fa4"):
+        return "unsupported: no deterministic backward of its own"
     if impl.startswith("sdpa_"):
         if row.window is not None:
             return "unsupported: SDPA has no sliding window (only a dense mask)"
@@ -718,7 +725,7 @@ def result_json(r: Result) -> dict:
         d["window"] = list(row.window)
     if row.docs:
         d.update(T=row.seqlen, docs=len(row.docs), doc_lengths=list(row.docs))
-    for name in ("bias", "dropout", "alibi", "softcap"):
+    for name in ("bias", "dropout", "alibi", "softcap", "deterministic"):
         if getattr(row, name):
             d[name] = getattr(row, name)
     d["flops_fwd"] = row.flops_fwd()
