@@ -8,8 +8,9 @@ before the local attention on the current shard, so that compute hides it. Each 
 partial result (``memattn.ops.forward``: out and lse) is merged exactly through the lse.
 The backward sends the K/V shards around again, now with their dK/dV accumulators (fp32),
 and calls ``memattn.ops.backward`` with the merged (global) out and lse; after a full
-turn each accumulator is back on the rank that owns its shard. Its transfers follow each
-step's compute (the accumulators change during it): not yet overlapped.
+turn each accumulator is back on the rank that owns its shard. There too the K/V shard
+goes on before the step's compute, and the accumulators, added to after it, arrive
+during it.
 
 Layouts: "contiguous" (rank r holds tokens [r·S/W, (r+1)·S/W)) and "zigzag" (the
 sequence in 2W chunks, rank r holding chunks r and 2W-1-r, so that under a causal mask
@@ -215,13 +216,17 @@ class _Ring(torch.autograd.Function):
         glse_c = split(grad_lse, 2) if grad_lse is not None else [None] * per_rank
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dq_c = split(dq)
-        # The K/V shard in hand travels with its dK/dV accumulators (fp32).
-        blocks = [k, v, torch.zeros(k.shape, dtype=torch.float32, device=k.device),
-                  torch.zeros(v.shape, dtype=torch.float32, device=v.device)]  # fmt: skip
+        # Each step: the K/V shard in hand goes on to rank + 1 at once (the next step's),
+        # its dK/dV part is computed, then added to the shard's accumulators (fp32), which
+        # arrive from rank - 1 meanwhile and go on after the add.
+        kv, accumulators, arriving = [k, v], None, None
         for step in range(world):
             source = (rank - step) % world
-            kb, vb, dkb, dvb = blocks
-            k_c, v_c, dk_c, dv_c = split(kb), split(vb), split(dkb), split(dvb)
+            ring = _RingStep(kv, group, world, rank) if step + 1 < world else None
+            k_c, v_c = split(kv[0]), split(kv[1])
+            dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+            dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+            dk_c, dv_c = split(dk), split(dv)
             for qs, ks, diagonal in _pairs(rank, source, world, layout, causal):
                 dq_p, dk_p, dv_p, _ = ops.backward(
                     go_c[qs], q_c[qs], k_c[ks], v_c[ks], o_c[qs], lse_c[qs].contiguous(),
@@ -230,10 +235,16 @@ class _Ring(torch.autograd.Function):
                 dq_c[qs].add_(dq_p)
                 dk_c[ks].add_(dk_p)
                 dv_c[ks].add_(dv_p)
-            # A full turn: every accumulator back on its shard's rank (the K/V blocks
-            # themselves are not needed after the last step).
-            if world > 1:
-                travel = blocks if step + 1 < world else [dkb, dvb]
-                received = _RingStep(travel, group, world, rank).wait()
-                blocks = received if step + 1 < world else [None, None, *received]
-        return dq.to(q.dtype), blocks[2].to(k.dtype), blocks[3].to(v.dtype), None
+            if arriving is not None:  # what earlier ranks added for this shard
+                dk_in, dv_in = arriving.wait()
+                dk.add_(dk_in)
+                dv.add_(dv_in)
+            accumulators = [dk, dv]
+            if world > 1:  # after the last step, a final hop takes them home
+                arriving = _RingStep(accumulators, group, world, rank)
+            if ring is not None:
+                kv = ring.wait()
+        if arriving is not None:
+            accumulators = arriving.wait()
+        dk, dv = accumulators
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
