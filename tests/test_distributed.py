@@ -68,6 +68,9 @@ def _check_rank(world: int, case: dict):
 
 CASES = [
     (2, dict(layout="zigzag", heads=2, kv_heads=2, options=dict(causal=True))),
+    (2, dict(layout="zigzag", heads=2, kv_heads=1, options=dict(window=(5, 3)))),
+    (4, dict(layout="contiguous", heads=2, kv_heads=2,
+             options=dict(causal=True, window=(11, -1), align="bottom_right"))),
     (2, dict(layout="contiguous", heads=4, kv_heads=2, options=dict(softcap=2.0, scale=0.3))),
     (4, dict(layout="zigzag", heads=4, kv_heads=1, options=dict(causal=True))),
     (4, dict(layout="contiguous", heads=2, kv_heads=2,
@@ -82,11 +85,43 @@ def test_ring_matches_the_whole_sequence(world, case):
     mp.spawn(_worker, args=(world, _free_port(), case), nprocs=world, join=True)
 
 
+@pytest.mark.parametrize("c", [1, 4, 7])
+def test_blocks_cut_the_band_exactly(c):
+    """Each (query chunk, key chunk) block: the rows and keys it keeps, with its window
+    top-left on them, see exactly the pairs the band (left, right) shifted by the
+    chunks' distance d shows; an empty block is skipped."""
+    from memattn.distributed.context_parallel import _block
+
+    i, j = torch.arange(c)[:, None], torch.arange(c)[None, :]
+    for d in range(-3 * c, 3 * c + 1):
+        for left in (-1, 0, 1, 2, c, 2 * c + 1):
+            for right in (-1, 0, 1, 3, c + 2):
+                want = torch.ones(c, c, dtype=torch.bool)
+                if left >= 0:
+                    want &= j >= i + d - left
+                if right >= 0:
+                    want &= j <= i + d + right
+                view = _block(d, c, left, right)
+                got = torch.zeros(c, c, dtype=torch.bool)
+                if view is not None:
+                    q_lo, q_hi, k_lo, k_hi, (l2, r2) = view
+                    ii = torch.arange(q_hi - q_lo)[:, None]
+                    jj = torch.arange(k_hi - k_lo)[None, :]
+                    seen = torch.ones(q_hi - q_lo, k_hi - k_lo, dtype=torch.bool)
+                    if l2 >= 0:
+                        seen &= jj >= ii - l2
+                    if r2 >= 0:
+                        seen &= jj <= ii + r2
+                    assert seen.any(), (d, left, right, view)  # skipped if empty
+                    got[q_lo:q_hi, k_lo:k_hi] = seen
+                assert torch.equal(got, want), (d, left, right, view)
+
+
 def test_refuses_what_it_cannot_yet_split():
     """Options that need global positions in the kernels are refused before any
     communication, naming the argument."""
     q = torch.zeros(1, 4, 2, 8)
-    for kwargs, name in ((dict(window=(2, 0)), "window"), (dict(dropout_p=0.1), "dropout_p"),
+    for kwargs, name in ((dict(dropout_p=0.1), "dropout_p"),
                          (dict(alibi_slopes=torch.ones(2)), "alibi_slopes")):  # fmt: skip
         with pytest.raises(ValueError, match=f"^{name} is not supported"):
             cp.context_parallel_attention(q, q, q, **kwargs)

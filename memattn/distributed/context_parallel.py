@@ -82,12 +82,12 @@ def context_parallel_attention(
     group=None,
     layout: str = "zigzag",
     causal: bool = False,
+    window: tuple[int, int] | None = None,
+    align: str = "top_left",
     softcap: float = 0.0,
     scale: float | None = None,
     return_lse: bool = False,
     deterministic: bool = False,
-    window=None,
-    align: str = "top_left",
     alibi_slopes: Tensor | None = None,
     dropout_p: float = 0.0,
 ):
@@ -96,15 +96,14 @@ def context_parallel_attention(
     shards as :func:`shard` cuts them (``layout``); returns this rank's shard of
     ``memattn.attention`` on the whole sequence, out (B, S/W, H, Dv) (and lse
     (B, H, S/W) with ``return_lse``), differentiable with respect to q, k and v.
-    causal masks (Sq = Sk: top-left and bottom-right agree), softcap, scale, GQA and
-    deterministic gradients hold as in ``memattn.attention``.
+    causal masks and sliding windows (Sq = Sk: both alignments agree), softcap, scale,
+    GQA and deterministic gradients hold as in ``memattn.attention``.
 
-    Not yet across shards (ValueError): sliding windows, ALiBi and dropout, which need
-    the kernels to take global positions (a window's band and ALiBi's distance cross
-    shard boundaries; dropout's Philox counters key on positions), a bias and packed
-    (varlen) batches.
+    Not yet across shards (ValueError): ALiBi and dropout, which need the kernels to
+    take global positions (ALiBi's distance crosses shard boundaries; dropout's Philox
+    counters key on positions), a bias and packed (varlen) batches.
     """
-    for name, given in (("window", window is not None), ("alibi_slopes", alibi_slopes is not None),
+    for name, given in (("alibi_slopes", alibi_slopes is not None),
                         ("dropout_p", dropout_p != 0.0)):  # fmt: skip
         if given:
             raise ValueError(
@@ -112,53 +111,81 @@ def context_parallel_attention(
                 "take positions inside the shard, not global ones"
             )
     _check_layout(layout)
-    if align not in ("top_left", "bottom_right"):
-        raise ValueError(f"align must be 'top_left' or 'bottom_right', got {align!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D (B, S/W, H, D) tensor")
     if not q.shape[1] == k.shape[1] == v.shape[1]:
         raise ValueError(f"q, k and v must hold shards of one length, got {q.shape[1]}, "
                          f"{k.shape[1]}, {v.shape[1]}")  # fmt: skip
+    # Every other argument checked as memattn.attention checks it; causal folds into the
+    # window's right side.
+    spec = check_call(q, k, v, causal=causal, window=window, align=align, softcap=softcap,
+                      scale=scale, deterministic=deterministic)  # fmt: skip
     world, rank = _world(group)
     per_rank = 2 if layout == "zigzag" else 1
     if q.shape[1] % per_rank:
         raise ValueError(f"a zigzag shard holds two chunks: its length must be even, got "
                          f"{q.shape[1]}")  # fmt: skip
     options = dict(softcap=softcap, scale=scale, deterministic=deterministic)
-    check_call(q, k, v, causal=causal, **options)  # every other argument, as attention's
-    out, lse = _Ring.apply(q, k, v, (group, world, rank, layout, causal, options))
+    band = (spec.window_left, spec.window_right)
+    out, lse = _Ring.apply(q, k, v, (group, world, rank, layout, band, options))
     return (out, lse) if return_lse else out
 
 
 # ------------------------------------------------------------------ the ring
 
 
-def _pairs(rank: int, source: int, world: int, layout: str, causal: bool):
-    """Which (query chunk, key chunk) pairs of this rank's queries and ``source``'s keys
-    to attend: [(q slot, k slot, diagonal)], slots indexing the shards' chunks. Under a
-    causal mask a key chunk after the query chunk is skipped, the same chunk is the
-    diagonal (causal), an earlier one is attended whole."""
-    pairs = []
+def _block(d: int, c: int, left: int, right: int):
+    """How query chunk and key chunk of c tokens each, the query chunk d tokens after the
+    key chunk in the sequence, see each other under the band (left, right) (-1:
+    unbounded): key j visible from query i when i + d - left <= j <= i + d + right.
+    Returns None where no pair is visible (the block is skipped), else (q_lo, q_hi, k_lo,
+    k_hi, window): the rows and keys that take part, and the window that is the band on
+    them, top-left aligned (memattn's windows reach only sides >= -1 from the diagonal,
+    so a band off the diagonal is cut to the rows and keys it covers)."""
+    a = None if left < 0 else d - left  # j >= i + a
+    b = None if right < 0 else d + right  # j <= i + b
+    if (a is not None and a >= c) or (b is not None and b <= -c):
+        return None
+    q_lo = 0 if b is None else max(0, -b)
+    q_hi = c if a is None else min(c, c - a)
+    k_lo = 0 if a is None else max(0, q_lo + a)
+    k_hi = c if b is None else min(c, q_hi - 1 + b + 1)
+    if q_lo >= q_hi or k_lo >= k_hi:
+        return None
+    left = -1 if a is None else k_lo - q_lo - a
+    right = -1 if b is None else q_lo + b - k_lo
+    # A side that binds no pair of the cut block is unbounded: a whole block runs unmasked.
+    if left >= q_hi - q_lo - 1:
+        left = -1
+    if right >= k_hi - k_lo - 1:
+        right = -1
+    return q_lo, q_hi, k_lo, k_hi, (left, right)
+
+
+def _blocks(rank: int, source: int, world: int, layout: str, c: int, band):
+    """The blocks of this rank's query chunks against ``source``'s key chunks:
+    [(q slot, k slot, (q_lo, q_hi, k_lo, k_hi, window))], slots indexing the shards'
+    chunks; blocks the band leaves empty are not listed."""
+    blocks = []
     for qs, qc in enumerate(_chunks_of(rank, world, layout)):
         for ks, kc in enumerate(_chunks_of(source, world, layout)):
-            if not causal or kc < qc:
-                pairs.append((qs, ks, False))
-            elif kc == qc:
-                pairs.append((qs, ks, True))
-    return pairs
+            view = _block((qc - kc) * c, c, *band)
+            if view is not None:
+                blocks.append((qs, ks, view))
+    return blocks
 
 
-def _merge(out, lse, part_out, part_lse):
-    """(out, lse) and a partial (out_p, lse_p) over other keys merged exactly: lse =
-    log(e^lse + e^lse_p), out = e^(lse - lse') out + e^(lse_p - lse') out_p; fp32 out."""
-    if out is None:
-        return part_out.float(), part_lse
+def _merge_into(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor) -> None:
+    """Merges a partial (out_p, lse_p) over other keys into (out, lse), in place and
+    exactly: lse' = log(e^lse + e^lse_p), out' = e^(lse - lse') out + e^(lse_p - lse') out_p.
+    out fp32 (B, S, H, Dv), lse (B, H, S)."""
     new = torch.logaddexp(lse, part_lse)
     safe = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
     w_old = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)  # (B, S, H, 1)
     w_new = torch.exp(part_lse - safe).transpose(1, 2).unsqueeze(-1)
-    return out * w_old + part_out.float() * w_new, new
+    out.copy_(out * w_old + part_out.float() * w_new)
+    lse.copy_(new)
 
 
 class _RingStep:
@@ -182,23 +209,30 @@ class _RingStep:
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, call):
-        group, world, rank, layout, causal, options = call
+        group, world, rank, layout, band, options = call
         per_rank = 2 if layout == "zigzag" else 1
+        c = q.shape[1] // per_rank
+        b, _, h, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[3]
         q_chunks = q.chunk(per_rank, dim=1)
-        outs, lses = [None] * per_rank, [None] * per_rank
+        out = torch.zeros(b, q.shape[1], h, dv, dtype=torch.float32, device=q.device)
+        lse = torch.full((b, h, q.shape[1]), float("-inf"), device=q.device)
+        out_c, lse_c = out.chunk(per_rank, dim=1), lse.chunk(per_rank, dim=2)
         kv = [k, v]
         for step in range(world):
             source = (rank - step) % world
             ring = _RingStep(kv, group, world, rank) if step + 1 < world else None
             k_chunks, v_chunks = (t.chunk(per_rank, dim=1) for t in kv)
-            for qs, ks, diagonal in _pairs(rank, source, world, layout, causal):
+            for qs, ks, (q_lo, q_hi, k_lo, k_hi, window) in _blocks(
+                rank, source, world, layout, c, band
+            ):
                 part_out, part_lse, _ = ops.forward(
-                    q_chunks[qs], k_chunks[ks], v_chunks[ks], causal=diagonal, **options)
-                outs[qs], lses[qs] = _merge(outs[qs], lses[qs], part_out, part_lse)
+                    q_chunks[qs][:, q_lo:q_hi], k_chunks[ks][:, k_lo:k_hi],
+                    v_chunks[ks][:, k_lo:k_hi], window=window, **options)  # fmt: skip
+                _merge_into(out_c[qs][:, q_lo:q_hi], lse_c[qs][:, :, q_lo:q_hi], part_out,
+                            part_lse)  # fmt: skip
             if ring is not None:
                 kv = ring.wait()
-        out = torch.cat(outs, dim=1).to(q.dtype)
-        lse = torch.cat(lses, dim=2)
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.call = call
         ctx.set_materialize_grads(False)
@@ -207,8 +241,9 @@ class _Ring(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        group, world, rank, layout, causal, options = ctx.call
+        group, world, rank, layout, band, options = ctx.call
         per_rank = 2 if layout == "zigzag" else 1
+        c = q.shape[1] // per_rank
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         split = lambda t, dim=1: t.chunk(per_rank, dim=dim)  # noqa: E731
@@ -227,14 +262,19 @@ class _Ring(torch.autograd.Function):
             dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
             dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
             dk_c, dv_c = split(dk), split(dv)
-            for qs, ks, diagonal in _pairs(rank, source, world, layout, causal):
+            for qs, ks, (q_lo, q_hi, k_lo, k_hi, window) in _blocks(
+                rank, source, world, layout, c, band
+            ):
+                rows, keys = slice(q_lo, q_hi), slice(k_lo, k_hi)
+                g_lse = glse_c[qs]
                 dq_p, dk_p, dv_p, _ = ops.backward(
-                    go_c[qs], q_c[qs], k_c[ks], v_c[ks], o_c[qs], lse_c[qs].contiguous(),
-                    causal=diagonal, grad_lse=None if glse_c[qs] is None
-                    else glse_c[qs].contiguous(), **options)  # fmt: skip
-                dq_c[qs].add_(dq_p)
-                dk_c[ks].add_(dk_p)
-                dv_c[ks].add_(dv_p)
+                    go_c[qs][:, rows], q_c[qs][:, rows], k_c[ks][:, keys], v_c[ks][:, keys],
+                    o_c[qs][:, rows], lse_c[qs][:, :, rows].contiguous(), window=window,
+                    grad_lse=None if g_lse is None else g_lse[:, :, rows].contiguous(),
+                    **options)  # fmt: skip
+                dq_c[qs][:, rows].add_(dq_p)
+                dk_c[ks][:, keys].add_(dk_p)
+                dv_c[ks][:, keys].add_(dv_p)
             if arriving is not None:  # what earlier ranks added for this shard
                 dk_in, dv_in = arriving.wait()
                 dk.add_(dk_in)
