@@ -298,12 +298,7 @@ _plans = hopper.plan_cache(_make_plans) if hopper is not None else None  # forge
 def _launch_on_cuda(spec, split_plan, merge_plan, q, k, v, bias, alibi_slopes, rng_state,
                     cu_seqlens_q, cu_seqlens_k, out, lse) -> None:  # fmt: skip
     num_m_blocks, splits, split_keys = split_plan.counts
-    out_part = lse_part = lse  # stand-ins, never written, with one split
-    if merge_plan is not None:
-        shape = (splits, spec.batch, spec.heads, spec.seqlen_q)
-        out_part = torch.empty((*shape, spec.head_dim_v), dtype=torch.float32,
-                               device=q.device)  # fmt: skip
-        lse_part = torch.empty(shape, dtype=torch.float32, device=q.device)
+    out_part, lse_part = _partials(spec, splits, lse)
     key = hopper.tensor_key
     call = (split_plan, key(q), key(k), key(v), key(out), key(lse), out_part.data_ptr(),
             lse_part.data_ptr(), key(bias), key(alibi_slopes), key(rng_state),
@@ -326,6 +321,16 @@ def _launch_on_cuda(spec, split_plan, merge_plan, q, k, v, bias, alibi_slopes, r
         kinds = tuple(None if t is None else (t.dtype, hopper.aligned(t)) for t in tensors)
         _launch_merge((merge_plan.programs,), *tensors, *ints, variant=(merge_plan, ints, kinds),
                       prepare=call, **merge_plan.constexprs)  # fmt: skip
+
+
+def _partials(spec: AttentionSpec, splits: int, lse: torch.Tensor):
+    """The splits' partial outputs (split, B, H, Sq, Dv) and lse (split, B, H, Sq), fp32;
+    with one split lse stands in for both, never written."""
+    if splits == 1:
+        return lse, lse
+    shape = (splits, spec.batch, spec.heads, spec.seqlen_q)
+    return (torch.empty((*shape, spec.head_dim_v), dtype=torch.float32, device=lse.device),
+            torch.empty(shape, dtype=torch.float32, device=lse.device))  # fmt: skip
 
 
 def _split_ints(spec, q, k, v, out, lse, bias, alibi_slopes, counts) -> tuple:
@@ -356,12 +361,7 @@ def _forward_by_triton(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_sta
 
     def launch(cfg: tuning.Config):
         num_m_blocks, programs, splits, split_keys = plan(spec, cfg, q.device)
-        shape = (splits, spec.batch, spec.heads, spec.seqlen_q)
-        out_part = lse_part = lse  # stand-ins, never written, with one split
-        if splits > 1:
-            out_part = torch.empty((*shape, spec.head_dim_v), dtype=torch.float32,
-                                   device=q.device)  # fmt: skip
-            lse_part = torch.empty(shape, dtype=torch.float32, device=q.device)
+        out_part, lse_part = _partials(spec, splits, lse)
         _split_kv_kernel[(programs * splits,)](
             q, k, v, out, lse, out_part, lse_part, bias, alibi_slopes, rng_state,
             cu_seqlens_q, cu_seqlens_k,
