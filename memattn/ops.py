@@ -145,7 +145,7 @@ def _run_forward(spec, q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, 
     from .kernels import dispatch
 
     return dispatch.forward(spec, q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                            rng_state if spec.dropout_p > 0 else None)  # fmt: skip
+                            rng_state)
 
 
 @_forward_op.register_fake

@@ -591,9 +591,8 @@ def backward(
     dv = new_output(v.shape, v.dtype, v.device) if need_dk or need_dv else None
     dbias = None
 
-    common = feature_switches(spec, bias, alibi_slopes)
+    common = feature_switches(spec)
     options = (spec.scale, spec.softcap, spec.window_left, spec.window_right, spec.dropout_p)
-    rng = rng_state if spec.dropout_p > 0 else None
     qkv_strides = (*dense_strides(q, spec.varlen), *dense_strides(k, spec.varlen),
                    *dense_strides(v, spec.varlen), *dense_strides(grad_out, spec.varlen))
     configs = tuning.backward_configs(spec)
@@ -624,7 +623,7 @@ def backward(
         def launch_dkdv(c: tuning.BackwardConfig):
             num_n = cdiv(spec.seqlen_k, c.block_n_dkdv)
             _dkdv_kernel[(num_n * spec.batch * spec.kv_heads,)](
-                q, k, v, grad_out, lse, delta, bias, db_buf, alibi_slopes, rng,
+                q, k, v, grad_out, lse, delta, bias, db_buf, alibi_slopes, rng_state,
                 cu_seqlens_q, cu_seqlens_k, dk, dv, dq_acc, *qkv_strides,
                 *lse_strides(lse, spec.varlen), *bias_strides(bias, spec), *db_strides,
                 *alibi_strides(alibi_slopes), *dense_strides(dk, spec.varlen),
@@ -658,7 +657,7 @@ def backward(
         def launch_dq(c: tuning.BackwardConfig):
             num_m = cdiv(spec.seqlen_q, c.block_m_dq)
             _dq_kernel[(num_m * spec.batch * spec.heads,)](
-                q, k, v, grad_out, lse, delta, bias, alibi_slopes, rng, cu_seqlens_q,
+                q, k, v, grad_out, lse, delta, bias, alibi_slopes, rng_state, cu_seqlens_q,
                 cu_seqlens_k, dq, *qkv_strides, *lse_strides(lse, spec.varlen),
                 *bias_strides(bias, spec), *alibi_strides(alibi_slopes),
                 *dense_strides(dq, spec.varlen),

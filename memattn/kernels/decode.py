@@ -276,8 +276,7 @@ def _make_plans(spec: AttentionSpec, device_index: int, level: int):
     ``configs(spec)[level]``; cached per spec, device and level (`_plans`)."""
     cfg = configs(spec, False)[level]
     num_m_blocks, programs, splits, split_keys = plan(spec, cfg, torch.device("cuda", device_index))
-    # feature_switches reads only whether a bias and slopes are given: the spec says
-    switches = feature_switches(spec, spec.has_bias or None, spec.has_alibi or None)
+    switches = feature_switches(spec)
     split_plan = hopper.Plan(
         programs * splits, (num_m_blocks, splits, split_keys),
         dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=splits > 1,
@@ -355,7 +354,7 @@ def _merge_ints(spec, out, lse, splits) -> tuple:
 def _forward_by_triton(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state,
                        cu_seqlens_q, cu_seqlens_k, out, lse) -> None:  # fmt: skip
     """`forward` through Triton's own launches: the interpreter, or no Gluon API."""
-    switches = feature_switches(spec, bias, alibi_slopes)
+    switches = feature_switches(spec)
     interpreting = q.device.type == "cpu"
     parts = {}
 

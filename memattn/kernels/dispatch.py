@@ -96,12 +96,13 @@ def gluon_backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, n
 def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
             rng_state) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The forward: out (q's layout, Dv) and lse (float32). rng_state: dropout's
-    [seed, offset], None without dropout."""
+    [seed, offset] (ignored without dropout)."""
     out_shape, lse_shape = output_shapes(spec, q)
     out = new_output(out_shape, q.dtype, q.device)
     lse = new_output(lse_shape, torch.float32, q.device)
     if out.numel() == 0 or spec.seqlen_q == 0:
         return out, lse.fill_(float("-inf"))
+    rng_state = rng_state if spec.dropout_p > 0 else None
     if decode.takes(spec):
         run = decode.forward
     elif gluon_forward(spec, q, k, v, bias):

@@ -208,7 +208,7 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
-def feature_switches(spec: AttentionSpec, bias, alibi_slopes) -> dict:
+def feature_switches(spec: AttentionSpec) -> dict:
     """The compile-time switches every attention kernel takes, named alike in all."""
     return dict(
         DQK=spec.head_dim_qk, DV=spec.head_dim_v,
@@ -216,7 +216,7 @@ def feature_switches(spec: AttentionSpec, bias, alibi_slopes) -> dict:
         BLOCK_DV=tuning.padded_head_dim(spec.head_dim_v),
         IS_VARLEN=spec.varlen, BOTTOM_RIGHT=spec.bottom_right,
         BOUNDED_LEFT=spec.window_left >= 0, BOUNDED_RIGHT=spec.window_right >= 0,
-        HAS_BIAS=bias is not None, HAS_ALIBI=alibi_slopes is not None,
+        HAS_BIAS=spec.has_bias, HAS_ALIBI=spec.has_alibi,
         HAS_SOFTCAP=spec.softcap > 0, HAS_DROPOUT=spec.dropout_p > 0,
         DOT_PRECISION=dot_precision(spec.dtype),
     )  # fmt: skip
@@ -261,7 +261,7 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
             spec.scale, spec.softcap, spec.window_left, spec.window_right, spec.dropout_p,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **feature_switches(spec, bias, alibi_slopes),
+            **feature_switches(spec),
         )  # fmt: skip
 
     tuning.launch_fitting("forward", spec, tuning.forward_configs(spec), launch)
