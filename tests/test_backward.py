@@ -277,13 +277,18 @@ def hopper_backward_launches(monkeypatch):
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: c.name)
 def test_hopper_backward_gpu(case, dtype, hopper_backward_launches):
     assert_results(check_backward(case, dtype, "cuda", seed=7))
-    # A bias gradient summed over broadcast dimensions runs backward.py by design, and
-    # so do a bias, ALiBi and dropout at D=256, and packed sequences (varlen).
+    # A bias gradient summed over broadcast dimensions other than the queries runs
+    # backward.py by design, and so do a bias, ALiBi, dropout and packed sequences at
+    # D=256.
     d256_plain = case.dqk != 256 or (case.bias is None and case.alibi is None
-                                     and "dropout_p" not in case.options)
-    gluon = _bias_full(case) and d256_plain and not case.varlen
+                                     and "dropout_p" not in case.options and not case.varlen)
+    gluon = (_bias_full(case) or _bias_row(case)) and d256_plain
     assert bool(hopper_backward_launches) == gluon, (
-        "a full bias's gradient (or none) runs the Gluon backward; a summed one does not")
+        "a full bias's gradient, a key row's (or none) runs the Gluon backward; others not")
+
+
+def _bias_letters(case) -> str:
+    return "1" * (4 - len(case.bias)) + case.bias
 
 
 def _bias_full(case) -> bool:
@@ -291,8 +296,12 @@ def _bias_full(case) -> bool:
     if case.bias is None:
         return True
     sizes = dict(B=case.batch, H=case.heads, Q=case.seqlen_q, K=case.seqlen_k)
-    letters = "1" * (4 - len(case.bias)) + case.bias
-    return all(c != "1" or sizes[d] == 1 for c, d in zip(letters, "BHQK"))
+    return all(c != "1" or sizes[d] == 1 for c, d in zip(_bias_letters(case), "BHQK"))
+
+
+def _bias_row(case) -> bool:
+    """A bias constant along queries: (B or 1, H or 1, 1, Sk)."""
+    return case.bias is not None and _bias_letters(case)[2:] == "1K"
 
 
 @pytest.mark.gpu

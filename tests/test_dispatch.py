@@ -41,7 +41,11 @@ def test_cpu_calls_run_the_tile_kernels():
         (256, None, dict(dropout_p=0.1), False, False),  # no dropout
         (128, (2, 2, 16, 16), {}, True, True),  # a full bias's gradient is dS
         (128, (1, 2, 16, 16), {}, True, False),  # one summed over the batch is not
-        (128, (2, 2, 1, 16), {}, True, False),  # nor one over the queries
+        (128, (2, 2, 1, 16), {}, True, True),  # one over the queries: summed in registers
+        (128, (1, 2, 1, 16), {}, True, True),  # also over the batch (partial sums)
+        (128, (2, 1, 1, 12), {}, True, True),  # any key count: stored by pointer
+        (128, (2, 2, 16, 1), {}, True, False),  # one over the keys is not
+        (256, (2, 1, 1, 16), {}, False, False),  # D=256: no bias of any shape
         (128, (2, 2, 16, 12), {}, True, False),  # rows of whole 16 bytes for TMA stores
         (128, (2, 2, 16, 12), {}, False, True),  # (without its gradient, any)
     ],

@@ -246,9 +246,21 @@ HOPPER_CASES = [
     Case("alibi BH bias D64 window", seqlen_q=600, seqlen_k=1000, dqk=64, dv=64, alibi="BH",
          bias="BHQK", options=dict(window=(300, 40))),
     Case("D256 alibi", seqlen_q=300, seqlen_k=400, dqk=256, dv=256, alibi="H"),
+    # a bias constant along queries (key padding): read by pointer, a row of keys per
+    # key tile; its gradient summed over queries in registers, then over the batch or
+    # the heads it broadcasts over; with dropout (no shared memory taken)
+    Case("bias B11K causal GQA", heads=4, kv_heads=2, seqlen_q=777, seqlen_k=1030, dqk=128,
+         dv=128, bias="B11K", options=dict(causal=True)),
+    Case("bias 1H1K D64 window dropout", seqlen_q=600, seqlen_k=900, dqk=64, dv=64,
+         bias="1H1K", options=dict(window=(300, 40), dropout_p=0.2)),
+    Case("bias K Sq=2100 Sk=333", batch=1, seqlen_q=2100, seqlen_k=333, dqk=64, dv=64,
+         bias="K"),
     # packed sequences (varlen): TMA loads at each sequence's first token, O stored by
     # masked pointers (a TMA store would spill into the next sequence), blocks past a
-    # short sequence's end empty, an empty sequence, a diagonal per sequence
+    # short sequence's end empty, an empty sequence, a diagonal per sequence; in the
+    # backward, query rows past a sequence's end (the next one's) masked, dK and dV
+    # stored from the sequence's first key; a bias, ALiBi and dropout by positions
+    # inside each sequence
     Case("varlen D128 causal", lengths_q=(700, 0, 1300, 64), lengths_k=(700, 5, 1300, 64),
          dqk=128, dv=128, options=dict(causal=True)),
     Case("varlen D64 GQA bottom-right", heads=4, kv_heads=2, lengths_q=(300, 1000, 17),
@@ -257,6 +269,11 @@ HOPPER_CASES = [
     Case("varlen D64 three warpgroups window", lengths_q=(2100, 300), lengths_k=(333, 900),
          dqk=64, dv=64, options=dict(window=(100, 20))),
     Case("varlen D256", lengths_q=(130, 600, 1), lengths_k=(200, 600, 77), dqk=256, dv=256),
+    Case("varlen bias alibi", lengths_q=(700, 0, 1300, 64), lengths_k=(700, 5, 1304, 64),
+         dqk=128, dv=128, bias="BHQK", alibi="BH", options=dict(causal=True)),
+    Case("varlen dropout key bias GQA", heads=4, kv_heads=2, lengths_q=(300, 1000, 17),
+         lengths_k=(500, 900, 40), dqk=64, dv=64, bias="B11K",
+         options=dict(window=(200, 10), dropout_p=0.2)),
 ]
 
 
@@ -296,7 +313,8 @@ def test_hopper_kernel_gpu(case, dtype, monkeypatch):
 PERSISTENT_CASES = ["D64 Sq=777 Sk=1030", "D64 Sq=2000 Sk=333", "D128 causal",
                     "bias BHQK window GQA", "dropout causal GQA", "alibi BH bias D64 window",
                     "D256 Sq=1100 Sk=130", "D256 causal GQA", "varlen D128 causal",
-                    "varlen D256"]  # fmt: skip
+                    "varlen D256", "bias B11K causal GQA",
+                    "varlen dropout key bias GQA"]  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -447,3 +447,29 @@ def test_work_items_cover_every_block_once(heads, blocks, sms, fold, monkeypatch
                 assert h0 != h1 or balanced, (pid, items)
         walked += items
     assert sorted(walked) == [(h, r) for h in range(heads) for r in range(blocks)]
+
+
+def test_launcher_refuses_grids_of_more_dimensions(launcher):
+    """Later launches pass the C launcher grid[0] alone: a 2-D grid would lose rows."""
+    with pytest.raises(ValueError, match="1-D grid"):
+        launcher((4, 2), torch.zeros(4), 3, 0.5, BLOCK=16, FLAG=True)
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 1, 70), (1, 2, 1, 1500), (70,)],
+                         ids=["B11K", "1H1K", "K"])
+def test_bias_row_log2_is_what_the_kernels_add(shape, monkeypatch):
+    """The forward's key row (hopper.bias_row_log2), computed once per call: the bias
+    times log2(e) in fp32, -inf kept, finite values below -2e38 clamped (common's rule,
+    so a row of finfo.min averages), over every (batch, head) row and key block."""
+    def launch(grid, *args, **kwargs):  # Triton's own launch (the interpreter on CPU)
+        hopper._bias_row_log2_kernel[grid](*args, **kwargs)
+
+    monkeypatch.setattr(hopper, "_launch_bias_row_log2", launch)
+    bias = torch.randn(shape).to(torch.bfloat16)
+    flat = bias.view(-1)
+    flat[::7] = float("-inf")
+    flat[3::11] = torch.finfo(torch.bfloat16).min
+    row = hopper.bias_row_log2(bias)
+    b = bias.float().reshape(row.shape)
+    expected = torch.where(b == float("-inf"), b, b.clamp(min=-2.0e38) * 1.4426950408889634)
+    torch.testing.assert_close(row, expected, rtol=1e-6, atol=0)

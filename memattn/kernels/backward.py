@@ -103,8 +103,8 @@ _DELTA_BLOCK_M = 64
 def delta_launch(spec: AttentionSpec, out, grad_out, lse, cu_seqlens_q, delta, lse2=None,
                  dq_acc=None) -> tuple[tuple, tuple, dict]:  # fmt: skip
     """_delta_kernel's (grid, arguments, constexprs): delta (laid out as lse) and, for
-    the Gluon backward (lse2 given, dense batches), lse2 and zeros in dq_acc where
-    given. The tile backward launches it here, backward_sm90 through its launcher."""
+    the Gluon backward (lse2 given), lse2 and zeros in dq_acc where given. The tile
+    backward launches it here, backward_sm90 through its launcher."""
     zero_dq = dq_acc is not None
     num_m = cdiv(spec.seqlen_q, _DELTA_BLOCK_M)
     grid = (num_m * spec.batch * spec.heads,)
@@ -112,7 +112,7 @@ def delta_launch(spec: AttentionSpec, out, grad_out, lse, cu_seqlens_q, delta, l
         out, grad_out, delta, lse, lse2, dq_acc if zero_dq else lse2,
         *dense_strides(out, spec.varlen), *dense_strides(grad_out, spec.varlen),
         *lse_strides(lse, spec.varlen), *lse_strides(delta, spec.varlen),
-        *(dq_acc.stride()[:3] if zero_dq else (0, 0, 0)),
+        *(dense_strides(dq_acc, spec.varlen)[:3] if zero_dq else (0, 0, 0)),
         cu_seqlens_q, spec.heads, spec.seqlen_q, num_m,
     )  # fmt: skip
     constexprs = dict(

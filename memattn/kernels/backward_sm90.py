@@ -16,7 +16,14 @@ TMA reduce-add (an L2-side atomic of a whole tile). Three partitions:
 dS stays unscaled in shared memory, as (queries, keys) tiles of 64 x 64: it is the
 gradient of a bias, and for a full bias each warpgroup's tile leaves by TMA store as
 it is; dK and dQ take the softmax scale in fp32. A bias tile loads beside each Q
-tile; dropout's keep bits come from hopper.dropout_keep in the transposed layout.
+tile; a bias constant along queries (key padding) is read by pointer, 64 keys a
+warpgroup, and its gradient is dS summed over each query head's tiles in registers,
+stored once per (b, h, keys) into an fp32 buffer that run() sums over the dimensions
+the bias broadcasts over: no atomics, no expanded buffer, the same bits every run.
+Dropout's keep bits come from hopper.dropout_keep in the transposed layout. Packed
+sequences (varlen): one batch of all tokens to TMA, tiles from each sequence's first
+token, query rows past a sequence's end masked, dK and dV stored from its first key;
+lse and delta by pointer there (a TMA box along the tokens must start 16-byte aligned).
 At D 64 and 128 backward.py zeroes the fp32 dQ buffer (in its preprocess) and converts
 it to the output dtype.
 
@@ -25,11 +32,12 @@ round (64 keys a program, each warpgroup half of the head dim, see BLOCK_N_D256)
 _bwd_dq_d256_kernel computes dQ apart, a program per block of queries (see DQ_BLOCK_N),
 writing it in the output dtype: no fp32 buffer, and no atomics.
 
-Covers what forward_sm90 covers (bf16/fp16, head dims 64, 128 and 256, dense batches,
-GQA, causal masks either way, sliding windows, a bias, ALiBi, dropout) minus
-deterministic mode at D 64 and 128 (TMA reduce-adds land in any order), minus a bias
-gradient summed over broadcast dimensions, and at D=256 minus a bias, ALiBi and
-dropout. Every other call runs backward.py.
+Covers what forward_sm90 covers (bf16/fp16, head dims 64, 128 and 256, GQA, causal
+masks either way, sliding windows, a bias, ALiBi, dropout, dense and packed batches)
+minus deterministic mode at D 64 and 128 (TMA reduce-adds land in any order), minus a
+bias gradient summed over batch, heads or keys (a key row's, summed over queries, it
+computes), and at D=256 minus a bias, ALiBi, dropout and packed batches. Every other
+call runs backward.py.
 """
 
 from __future__ import annotations
@@ -57,8 +65,10 @@ from .common import (
     diagonal_offset,
     new_output,
     query_range,
+    sequence_bounds,
     visible,
 )
+from .forward import dense_strides
 
 ROWS = gl.constexpr(64)  # query rows per warpgroup in the D=256 dQ kernel
 BLOCK_N = 128  # keys per program: two warpgroups x 64
@@ -94,48 +104,61 @@ def _store_dk_dv(
 @gluon.jit
 def _bwd_load_partition(
     q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem, v_smem,
-    lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, b, hk,
-    GROUP, bias_b, bias_heads, start_n, lo, n_tiles, BLOCK_M: gl.constexpr,
-    STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
+    lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, b_tma,
+    hk, q_start, k_start, GROUP, bias_b, bias_heads, start_n, lo, n_tiles,
+    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
+    IS_VARLEN: gl.constexpr,
 ):  # fmt: skip
     """One warp: K and V once, then Q (with its rows' lse and the bias tile) and dO
-    (with delta) tiles of every query head of the group."""
+    (with delta) tiles of every query head of the group. b_tma: the batch's index to
+    TMA, 0 for packed sequences (one batch of all tokens), whose tiles start at their
+    sequence's first token (q_start, k_start; 0 dense). There the compute warpgroups
+    load lse and delta themselves: a TMA box along the tokens must start 16-byte
+    aligned, at a multiple of 4 tokens, and a sequence may start anywhere (an illegal
+    instruction otherwise)."""
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [b, hk, start_n, 0], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [b, hk, start_n, 0], kv_bar, v_smem)
+    tma.async_copy_global_to_shared(k_desc, [b_tma, hk, k_start + start_n, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [b_tma, hk, k_start + start_n, 0], kv_bar, v_smem)
     for i in range(GROUP * n_tiles):
         h, start_m = _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M)
-        nbytes: gl.constexpr = q_desc.block_type.nbytes + stats_desc.block_type.nbytes
+        row = q_start + start_m
+        stats_bytes: gl.constexpr = 0 if IS_VARLEN else stats_desc.block_type.nbytes
+        nbytes: gl.constexpr = q_desc.block_type.nbytes + stats_bytes
         q_bytes: gl.constexpr = nbytes + bias_desc.block_type.nbytes if HAS_BIAS else nbytes
         slot = hopper.claim(q_ready, q_empty, i, q_bytes, STAGES)
-        tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], q_ready.index(slot),
+        tma.async_copy_global_to_shared(q_desc, [b_tma, h, row, 0], q_ready.index(slot),
                                         q_smem.index(slot))
-        tma.async_copy_global_to_shared(stats_desc, [0, b, h, start_m], q_ready.index(slot),
-                                        lse_smem.index(slot))
-        if HAS_BIAS:
+        if not IS_VARLEN:
+            tma.async_copy_global_to_shared(stats_desc, [0, b_tma, h, row], q_ready.index(slot),
+                                            lse_smem.index(slot))
+        if HAS_BIAS:  # indexed by positions inside the sequence
             tma.async_copy_global_to_shared(bias_desc, [bias_b, h % bias_heads, start_m, start_n],
                                             q_ready.index(slot), bias_smem.index(slot))
         slot = hopper.claim(do_ready, do_empty, i, nbytes, STAGES)
-        tma.async_copy_global_to_shared(do_desc, [b, h, start_m, 0], do_ready.index(slot),
+        tma.async_copy_global_to_shared(do_desc, [b_tma, h, row, 0], do_ready.index(slot),
                                         do_smem.index(slot))
-        tma.async_copy_global_to_shared(stats_desc, [1, b, h, start_m], do_ready.index(slot),
-                                        delta_smem.index(slot))
+        if not IS_VARLEN:
+            tma.async_copy_global_to_shared(stats_desc, [1, b_tma, h, row],
+                                            do_ready.index(slot), delta_smem.index(slot))
 
 
 @gluon.jit
 def _bwd_compute_partition(
     shared, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-    HAS_DBIAS: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
+    HAS_DBIAS: gl.constexpr, BIAS_ROW: gl.constexpr, DBIAS_ROW: gl.constexpr,
+    HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr,
     BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: keys [start_n + HALF * 64, + 64) against every query tile.
     ``shared``: the runtime arguments both take (_bwd_sm90_kernel builds the tuple)."""
     (dq_desc, dbias_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
      stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bias_smem, ds_smem,
-     dq_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, b, hk, GROUP, start_n, lo,
-     full_lo, full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right, seed,
-     rng_offset, heads, dropout_p, Alibi, stride_ab, stride_ah) = shared
+     dq_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, b, b_tma, hk, q_start,
+     k_start, GROUP, start_n, lo, full_lo, full_hi, n_tiles, seqlen_q, seqlen_k, off, scale,
+     window_left, window_right, seed, rng_offset, heads, dropout_p, Alibi, stride_ab,
+     stride_ah, BiasRow, stride_rb, stride_rh, stride_rn, bias_batches, bias_heads, DBiasRow,
+     stride_pb, stride_ph, Stats, stride_sp, stride_sh) = shared
     dtype: gl.constexpr = k_smem.dtype
     HALF_N: gl.constexpr = BLOCK_N // 2
     HALF_D: gl.constexpr = HEAD_DIM // 2
@@ -156,6 +179,9 @@ def _bwd_compute_partition(
     k_cols = k_all.slice(HALF * HALF_D, HALF_D, dim=1)  # dQ's columns this warpgroup makes
     dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=kv_layout)
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=kv_layout)
+    if DBIAS_ROW:  # this query head's dS summed over its query tiles so far
+        db_row = gl.zeros([HALF_N], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    bias_b = (b % bias_batches).to(gl.int64)  # 0 where the bias broadcasts over batches
     scale_log2 = scale * LOG2E
     mbarrier.wait(kv_bar, 0)
 
@@ -173,34 +199,56 @@ def _bwd_compute_partition(
         if HAS_DROPOUT:  # Philox's integer work runs while the tensor cores do S and dP
             keep = hopper.dropout_keep(seed, rng_offset, b * heads + h, start_m, row0,
                                        dropout_p, BLOCK_M, HALF_N, True, s_layout)
+        if IS_VARLEN:  # this tile's lse2 (_bwd_load_partition says why not by TMA)
+            stats_row = Stats + h.to(gl.int64) * stride_sh + q_start  # a scalar: no
+            lse2 = gl.load(stats_row + offs_m, mask=offs_m < seqlen_q, other=0.0)  # pointers held
+        if BIAS_ROW:  # this half's keys of a bias constant along queries, this head's
+            row_ptrs = (BiasRow + bias_b * stride_rb + (h % bias_heads).to(gl.int64) * stride_rh
+                        + offs_n.to(gl.int64) * stride_rn)
+            bias_row = gl.load(row_ptrs, mask=offs_n < seqlen_k, other=0.0)
         s = warpgroup_mma_wait(1, deps=(s,))
 
         p_scale = scale_log2
-        if HAS_BIAS or HAS_ALIBI:  # the scale goes in first, as in the forward
+        if HAS_BIAS or BIAS_ROW or HAS_ALIBI:  # the scale goes in first, as in the forward
             bias = 0.0
             if HAS_BIAS:  # this half's keys of the (queries, keys) tile, transposed
                 bias = (bias_smem.index(slot).reshape([BLOCK_M, BLOCK_N])
                         .slice(HALF * HALF_N, HALF_N, dim=1).permute((1, 0)).load(s_layout))
                 bias = bias.to(gl.float32)
+            if BIAS_ROW:
+                bias = bias_row.to(gl.float32)[:, None]
             slope = 0.0
             if HAS_ALIBI:  # this query head's
                 slope = gl.load(Alibi + b.to(gl.int64) * stride_ab + h.to(gl.int64) * stride_ah)
             s = add_bias_alibi_log2(s * scale_log2, offs_m[None, :], offs_n[:, None], off, slope,
-                                    bias, HAS_BIAS, HAS_ALIBI)
+                                    bias, HAS_BIAS or BIAS_ROW, HAS_ALIBI)
             p_scale = 1.0
-        lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
+        if IS_VARLEN:  # and delta, loaded while dP runs on
+            delta = gl.load(stats_row + stride_sp + offs_m, mask=offs_m < seqlen_q, other=0.0)
+        else:
+            lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
         if (start_m < full_lo) | (start_m >= full_hi):
+            # Rows past Sq: zeros by TMA in a dense batch, the next sequence's in a
+            # packed one; either way no query.
             mask = visible(offs_m[None, :], offs_n[:, None], seqlen_k, off, window_left,
                            window_right, BOUNDED_LEFT, BOUNDED_RIGHT)
-            s = gl.where(mask, s, float("-inf"))
+            s = gl.where(mask & (offs_m < seqlen_q)[None, :], s, float("-inf"))
         p = gl.exp2(s * p_scale - lse2[None, :])
         dp = warpgroup_mma_wait(0, deps=(dp,))
-        delta = delta_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
+        if not IS_VARLEN:
+            delta = delta_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
         p_kept = p
         if HAS_DROPOUT:  # dP Z / (1 - p); dV takes its 1 / (1 - p) at the end
             dp = gl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
             p_kept = gl.where(keep, p, 0.0)
         ds = p * (dp - delta[None, :])  # the bias gradient; dK and dQ take the scale later
+        if DBIAS_ROW:  # summed over queries; stored once per query head, its last tile
+            db_row += gl.sum(ds, 1)
+            head_done = i % n_tiles == n_tiles - 1
+            if head_done:
+                gl.store(DBiasRow + b.to(gl.int64) * stride_pb + h.to(gl.int64) * stride_ph
+                         + offs_n, db_row, mask=offs_n < seqlen_k)
+            db_row = gl.where(head_done, 0.0, db_row)
 
         p_op = gl.convert_layout(p_kept.to(dtype), op_layout)
         dv = warpgroup_mma(p_op, do, dv, is_async=True)
@@ -234,7 +282,7 @@ def _bwd_compute_partition(
         dq_buf = dq_smem.index(HALF)
         dq_buf.reshape([BLOCK_M, HALF_D]).store(dq * scale)
         fence_async_shared()
-        hopper.tma_reduce_add(dq_desc, [b, h, start_m, HALF * HALF_D], dq_buf)
+        hopper.tma_reduce_add(dq_desc, [b_tma, h, q_start + start_m, HALF * HALF_D], dq_buf)
     tma.store_wait(0)
 
     if HAS_DROPOUT:
@@ -248,22 +296,35 @@ def _bwd_compute_partition(
 
 @gluon.jit
 def _key_block(
-    HKV, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
-    BOUNDED_RIGHT: gl.constexpr,
+    HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr,
+    BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
-    """This program's keys: (b, kv head, first key, the diagonal's offset, the query
-    range common.query_range gives, its count of query tiles). Key blocks of one head
-    run back to back, first first: with a causal mask (top-left) they see the most
-    queries, so the longest programs start earliest."""
+    """This program's keys: (b, kv head, first key, the sequence's first query and key
+    token and lengths, the diagonal's offset, the query range common.query_range gives,
+    its count of query tiles). Key blocks of one head run back to back, first first:
+    with a causal mask (top-left) they see the most queries, so the longest programs
+    start earliest; and they read the same Q and dO tiles, which stay in L2 (taking
+    each (sequence, head)'s first block first instead, for packed sequences, halved the
+    backward's speed: 427 -> 231 TFLOP/s on 13 documents, H100). Varlen (packed
+    sequences, cu_seqlens): blocks count to the longest sequence, and a block past its
+    own sequence's end has no query tile."""
     pid = gl.program_id(0)
     bhk = pid // num_n_blocks
     start_n = (pid % num_n_blocks) * BLOCK_N
+    b = bhk // HKV
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(CuSeqQ, CuSeqK, b, seqlen_q,
+                                                           seqlen_k, IS_VARLEN)
     off = diagonal_offset(seqlen_q, seqlen_k, BOTTOM_RIGHT)
     lo, full_lo, full_hi, hi = query_range(
         start_n, seqlen_q, seqlen_k, off, window_left, window_right,
         BLOCK_M, BLOCK_N, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
-    return bhk // HKV, bhk % HKV, start_n, off, lo, full_lo, full_hi, gl.cdiv(hi - lo, BLOCK_M)
+    n_tiles = gl.cdiv(hi - lo, BLOCK_M)
+    if IS_VARLEN:
+        if start_n >= seqlen_k:
+            n_tiles = 0
+    return (b, bhk % HKV, start_n, q_start, k_start, seqlen_q, seqlen_k, off, lo, full_lo,
+            full_hi, n_tiles)
 
 
 @gluon.jit
@@ -295,17 +356,24 @@ def _operand_buffers(q_desc, do_desc, k_desc, v_desc, stats_desc, STAGES: gl.con
 @gluon.jit
 def _bwd_sm90_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, bias_desc, dbias_desc, DK, DV, Rng,
-    Alibi, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ab,
-    stride_ah, HKV, GROUP, bias_batches, bias_heads, seqlen_q, seqlen_k, num_n_blocks, scale,
-    window_left, window_right, dropout_p,
+    Alibi, CuSeqQ, CuSeqK, BiasRow, DBiasRow, Stats, stride_sp, stride_sh, stride_kb,
+    stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ab, stride_ah, stride_rb,
+    stride_rh, stride_rn, stride_pb, stride_ph, HKV, GROUP, bias_batches, bias_heads, seqlen_q,
+    seqlen_k, num_n_blocks, scale, window_left, window_right, dropout_p,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_DBIAS: gl.constexpr,
-    HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+    BIAS_ROW: gl.constexpr, DBIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr,
+    HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
-    b, hk, start_n, off, lo, full_lo, full_hi, n_tiles = _key_block(
-        HKV, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right, BLOCK_M,
-        BLOCK_N, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+    (b, hk, start_n, q_start, k_start, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
+     n_tiles) = _key_block(
+        HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right,
+        BLOCK_M, BLOCK_N, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+    b_tma = 0 if IS_VARLEN else b  # packed sequences: one batch of all tokens to TMA
+    if IS_VARLEN:  # dK and dV rows from the sequence's first key on
+        DK += k_start.to(gl.int64) * stride_kn
+        DV += k_start.to(gl.int64) * stride_vn
 
     dtype: gl.constexpr = q_desc.dtype
     (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, ds_bar, q_ready, q_empty,
@@ -336,21 +404,23 @@ def _bwd_sm90_kernel(
     shared = (dq_desc, dbias_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb,
               stride_vn, stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
               bias_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar,
-              b, hk, GROUP, start_n, lo, full_lo, full_hi, n_tiles, seqlen_k, off, scale,
-              window_left, window_right, seed, rng_offset, heads, dropout_p, Alibi, stride_ab,
-              stride_ah)
+              b, b_tma, hk, q_start, k_start, GROUP, start_n, lo, full_lo, full_hi, n_tiles,
+              seqlen_q, seqlen_k, off, scale, window_left, window_right, seed, rng_offset,
+              heads, dropout_p, Alibi, stride_ab, stride_ah, BiasRow, stride_rb, stride_rh,
+              stride_rn, bias_batches, bias_heads, DBiasRow, stride_pb, stride_ph, Stats,
+              stride_sp, stride_sh)
     gl.warp_specialize(
         [(_bwd_compute_partition, (shared, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS,
-                                   HAS_DBIAS, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
-                                   BOUNDED_RIGHT)),
+                                   HAS_DBIAS, BIAS_ROW, DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT,
+                                   IS_VARLEN, BOUNDED_LEFT, BOUNDED_RIGHT)),
          (_bwd_compute_partition, (shared, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS,
-                                   HAS_DBIAS, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
-                                   BOUNDED_RIGHT)),
+                                   HAS_DBIAS, BIAS_ROW, DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT,
+                                   IS_VARLEN, BOUNDED_LEFT, BOUNDED_RIGHT)),
          (_bwd_load_partition, (
             q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem,
             v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready, q_empty,
-            do_empty, b, hk, GROUP, bias_b, bias_heads, start_n, lo, n_tiles, BLOCK_M, STAGES,
-            HAS_BIAS))],
+            do_empty, b_tma, hk, q_start, k_start, GROUP, bias_b, bias_heads, start_n, lo,
+            n_tiles, BLOCK_M, STAGES, HAS_BIAS, IS_VARLEN))],
         worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
 
 
@@ -456,9 +526,10 @@ def _bwd_d256_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
-    b, hk, start_n, off, lo, full_lo, full_hi, n_tiles = _key_block(
-        HKV, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right, BLOCK_M,
-        BLOCK_N, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+    # Dense batches only: no cu_seqlens (the 0s), IS_VARLEN off.
+    b, hk, start_n, _, _, _, seqlen_k, off, lo, full_lo, full_hi, n_tiles = _key_block(
+        HKV, 0, 0, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right, BLOCK_M,
+        BLOCK_N, False, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
 
     dtype: gl.constexpr = q_desc.dtype
     (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, ds_bar, q_ready, q_empty,
@@ -483,7 +554,8 @@ def _bwd_d256_kernel(
          (_bwd_load_partition, (
             q_desc, do_desc, k_desc, v_desc, stats_desc, q_desc, q_smem, do_smem, k_smem,
             v_smem, lse_smem, delta_smem, q_smem, kv_bar, q_ready, do_ready, q_empty,
-            do_empty, b, hk, GROUP, 0, 1, start_n, lo, n_tiles, BLOCK_M, STAGES, False))],
+            do_empty, b, hk, 0, 0, GROUP, 0, 1, start_n, lo, n_tiles, BLOCK_M, STAGES,
+            False, False))],
         worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
 
 
@@ -520,7 +592,7 @@ def _dq_load_partition(
     for j in range(n_items):
         # Dense batches only: no cu_seqlens (the 0s), IS_VARLEN off.
         b, h, hk, start_m, _, _, _, _, off, lo, full_lo, full_hi, n_tiles = hopper.query_block(
-            pid, j, programs, H, GROUP, num_m_blocks, 0, 0, seqlen_q, seqlen_k, window_left,
+            pid, j, programs, H, GROUP, num_m_blocks, 0, 0, 0, seqlen_q, seqlen_k, window_left,
             window_right, BLOCK_M, BLOCK_N, FOLD, False, BOTTOM_RIGHT, BOUNDED_LEFT,
             BOUNDED_RIGHT)  # fmt: skip
         hopper.claim(q_ready, q_empty, j, block_bytes, 1)
@@ -574,7 +646,7 @@ def _dq_compute_partition(
     kv = 0
     for j in range(n_items):
         b, h, hk, start_m, _, _, _, _, off, lo, full_lo, full_hi, n_tiles = hopper.query_block(
-            pid, j, programs, H, GROUP, num_m_blocks, 0, 0, seqlen_q, seqlen_k, window_left,
+            pid, j, programs, H, GROUP, num_m_blocks, 0, 0, 0, seqlen_q, seqlen_k, window_left,
             window_right, BLOCK_M, BLOCK_N, FOLD, False, BOTTOM_RIGHT, BOUNDED_LEFT,
             BOUNDED_RIGHT)  # fmt: skip
         row0 = start_m + PART * ROWS
@@ -679,17 +751,20 @@ def row_stats_buffer(lse: torch.Tensor) -> torch.Tensor:
     """One (2, B, H, Sq') float32 tensor for the row statistics the preprocess fills,
     [0] lse * log2(e) and [1] delta, rows padded to 16 bytes as TMA needs (the padding
     is never written or read: the descriptor's rows end at Sq). TMA reads past Sq give
-    zeros, harmless: those rows have Q = dO = 0, so P·dO and dS vanish."""
+    zeros, harmless: those rows have Q = dO = 0, so P·dO and dS vanish. Packed
+    sequences' lse (H, Tq) is one batch: (2, 1, H, Tq')."""
+    if lse.dim() == 2:
+        lse = lse.unsqueeze(0)
     batch, heads, seqlen = lse.shape
     padded = cdiv(seqlen, 4) * 4
     return torch.empty(2, batch, heads, padded, dtype=torch.float32, device=lse.device)
 
 
-def _row_stats_descriptor(stats: torch.Tensor, seqlen_q: int) -> TensorDescriptor:
+def _row_stats_descriptor(stats: torch.Tensor, rows: int) -> TensorDescriptor:
     """One descriptor over row_stats_buffer's tensor: [0, b, h, rows] is lse2,
-    [1, b, h, rows] delta."""
+    [1, b, h, rows] delta. rows: Sq, or the packed query tokens."""
     block = (1, 1, 1, BLOCK_M)
-    return hopper.make_descriptor(stats, [*stats.shape[:3], seqlen_q], list(stats.stride()),
+    return hopper.make_descriptor(stats, [*stats.shape[:3], rows], list(stats.stride()),
                                   block, hopper.shared_layout(block, torch.float32))
 
 
@@ -703,67 +778,85 @@ def dq_in_fp32(spec: AttentionSpec) -> bool:
     return spec.head_dim_qk != 256
 
 
-def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_state, stats,
-             dq, dk, dv, dbias) -> None:
+def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_state,
+             cu_seqlens_q, cu_seqlens_k, stats, dq, dk, dv, dbias) -> None:
     """Fills dq, dk, dv and dbias (None: not needed; every tile a query sees is written,
     the rest left as it was) for a call dispatch.gluon_backward took; dq is an fp32 buffer,
     zeroed, that dQ is added into where `dq_in_fp32` says so, the output otherwise;
     stats as row_stats_buffer made it, filled; rng_state: dropout's [seed, offset],
-    None without dropout."""
+    None without dropout. For a bias constant along queries (hopper.bias_row), dbias is
+    a zeroed (B, H, Sk) fp32 buffer that takes dS summed over each head's queries."""
     if spec.head_dim_qk == 256:
         return _backward_d256(spec, q, k, v, grad_out, stats, dq, dk, dv)
-    how = _plan(spec, dbias is not None, q.device.index)
+    bias_row = bias is not None and hopper.bias_row(spec, bias)
+    how = _plan(spec, bias_row, dbias is not None, q.device.index)
     # What the arguments are made of beside the plan (the spec fixes every shape but
     # the bias's and ALiBi's): hopper.Launcher.launch_prepared.
     call = (how, q.data_ptr(), q.stride(), k.data_ptr(), k.stride(), v.data_ptr(),
             v.stride(), grad_out.data_ptr(), grad_out.stride(), stats.data_ptr(),
             dq.data_ptr(), dq.stride(), dk.data_ptr(), dk.stride(), dv.data_ptr(),
             dv.stride(), hopper.tensor_key(bias), hopper.tensor_key(dbias),
-            hopper.tensor_key(alibi_slopes), hopper.tensor_key(rng_state))  # fmt: skip
+            hopper.tensor_key(alibi_slopes), hopper.tensor_key(rng_state),
+            hopper.tensor_key(cu_seqlens_q), hopper.tensor_key(cu_seqlens_k))  # fmt: skip
     if _launch_backward.launch_prepared(how.programs, call):
         return
     half_d = spec.head_dim_qk // 2
     # K's tile is sliced by columns for dQ: its swizzle may not span more than a half.
     k_swizzle = min(128, half_d * k.element_size())
+    k_strides, v_strides = dense_strides(dk, spec.varlen)[:3], dense_strides(dv, spec.varlen)[:3]
+    if spec.varlen:  # one batch of all tokens to TMA
+        q, k, v, grad_out, dq = (t.unsqueeze(0) for t in (q, k, v, grad_out, dq))
     q_desc = hopper.descriptor(q, BLOCK_M)
     bias_desc = dbias_desc = q_desc  # stand-ins, never read without a bias (gradient)
     bias_batches = bias_heads = 1
-    if bias is not None:
+    if bias_row:
+        bias_batches, bias_heads = hopper.bias_dims(bias)
+    elif bias is not None:
         bias_desc = hopper.bias_descriptor(bias, BLOCK_M, BLOCK_N)
         bias_batches, bias_heads = bias_desc.shape[:2]
-    if dbias is not None:
+    if dbias is not None and not bias_row:
         dbias_desc = hopper.bias_descriptor(dbias, BLOCK_M, BLOCK_N // 2)
+    row_strides = hopper.bias_row_strides(bias if bias_row else None)
+    partial_strides = dbias.stride()[:2] if bias_row and dbias is not None else (0, 0)
     alibi_batch_stride, alibi_head_stride = alibi_strides(alibi_slopes)
     # What fixes the arguments' specialisation and the constexprs (hopper.Launcher): the
-    # plan, the ints it does not fix, the pointers' alignment (dk and dv are fresh, so
-    # aligned).
+    # plan, the ints it does not fix, the pointers' alignment (dk, dv and a row bias's
+    # gradient buffer are fresh, so aligned).
     variant = (how, bias_batches, bias_heads, alibi_batch_stride, alibi_head_stride,
-               hopper.aligned(rng_state), hopper.aligned(alibi_slopes))  # fmt: skip
+               *row_strides, *partial_strides, hopper.aligned(rng_state),
+               hopper.aligned(alibi_slopes), (bias.dtype, hopper.aligned(bias)) if bias_row
+               else None, hopper.aligned(cu_seqlens_q), hopper.aligned(cu_seqlens_k))  # fmt: skip
     _launch_backward(
         (how.programs,),
         q_desc, hopper.descriptor(k, BLOCK_N, swizzle=k_swizzle),
         hopper.descriptor(v, BLOCK_N), hopper.descriptor(grad_out, BLOCK_M),
         hopper.descriptor(dq, BLOCK_M, cols=half_d),
-        _row_stats_descriptor(stats, spec.seqlen_q), bias_desc, dbias_desc, dk, dv, rng_state,
-        alibi_slopes, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1),
-        dv.stride(2), alibi_batch_stride, alibi_head_stride, spec.kv_heads, spec.group,
-        bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k, *how.counts, spec.scale,
-        spec.window_left, spec.window_right, spec.dropout_p, variant=variant,
-        prepare=call, **how.constexprs,
+        _row_stats_descriptor(stats, q.shape[1]), bias_desc, dbias_desc, dk, dv, rng_state,
+        alibi_slopes, cu_seqlens_q, cu_seqlens_k, bias if bias_row else dk,
+        dbias if bias_row and dbias is not None else dk, stats, stats.stride(0),
+        stats.stride(2), *k_strides, *v_strides,
+        alibi_batch_stride, alibi_head_stride, *row_strides, *partial_strides,
+        spec.kv_heads, spec.group, bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k,
+        *how.counts, spec.scale, spec.window_left, spec.window_right, spec.dropout_p,
+        variant=variant, prepare=call, **how.constexprs,
     )  # fmt: skip
 
 
 @hopper.plan_cache
-def _plan(spec: AttentionSpec, has_dbias: bool, device_index: int) -> hopper.Plan:
+def _plan(spec: AttentionSpec, bias_row: bool, has_dbias: bool,
+          device_index: int) -> hopper.Plan:  # fmt: skip
     """The D 64/128 kernel's launch (hopper.Plan): a program per key block and key
-    head. Counts: key blocks per head."""
+    head (packed sequences: blocks of the longest). bias_row: the bias is one row of
+    keys (hopper.bias_row), read by pointer, its gradient summed in registers. Counts:
+    key blocks per head."""
     num_n = cdiv(spec.seqlen_k, BLOCK_N)
     constexprs = dict(
         HEAD_DIM=spec.head_dim_qk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
-        HAS_BIAS=spec.has_bias, HAS_DBIAS=has_dbias, HAS_ALIBI=spec.has_alibi,
-        HAS_DROPOUT=spec.dropout_p > 0, BOTTOM_RIGHT=spec.bottom_right,
-        BOUNDED_LEFT=spec.window_left >= 0, BOUNDED_RIGHT=spec.window_right >= 0,
-        num_warps=4,
+        HAS_BIAS=spec.has_bias and not bias_row, HAS_DBIAS=has_dbias and not bias_row,
+        BIAS_ROW=bias_row, DBIAS_ROW=has_dbias and bias_row, HAS_ALIBI=spec.has_alibi,
+        HAS_DROPOUT=spec.dropout_p > 0, IS_VARLEN=spec.varlen,
+        BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
+        BOUNDED_RIGHT=spec.window_right >= 0, num_warps=4,
     )  # fmt: skip
     return hopper.Plan(num_n * spec.batch * spec.kv_heads, (num_n,), constexprs)
 
@@ -836,36 +929,43 @@ _launch_delta = hopper.Launcher(tiles._delta_kernel)
 def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes,
         cu_seqlens_q, cu_seqlens_k, rng_state, needs) -> tuple:  # fmt: skip
     """The backward through this module's kernels, for a call dispatch.gluon_backward
-    took (dense: cu_seqlens are None): the preprocess fills the row statistics, padded
-    for TMA, and, where the kernel adds dQ into an fp32 buffer, zeroes it; dQ is then
-    converted at the end. Returns (dq, dk, dv, dbias), None for what ``needs`` does not
-    ask. Only what this path reads is computed, and the preprocess launches first,
-    before the outputs are allocated: every line here is host time on each call, and
-    what comes before the first launch is what a call waits for."""
+    took: the preprocess fills the row statistics, padded for TMA, and, where the kernel
+    adds dQ into an fp32 buffer, zeroes it; dQ is then converted at the end. Returns
+    (dq, dk, dv, dbias), None for what ``needs`` does not ask. Only what this path reads
+    is computed, and the preprocess launches first, before the outputs are allocated:
+    every line here is host time on each call, and what comes before the first launch
+    is what a call waits for."""
     stats = row_stats_buffer(lse)
-    lse2, delta = stats.unbind(0)  # (B, H, Sq padded) planes: lse * log2(e), delta
+    # (B, H, Sq padded) planes, packed sequences' (H, Tq padded): lse * log2(e), delta
+    lse2, delta = stats[:, 0] if spec.varlen else stats.unbind(0)
     dq_acc = None
     if dq_in_fp32(spec):
         dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    grid, args, constexprs = tiles.delta_launch(spec, out, grad_out, lse, None, delta, lse2,
-                                                dq_acc)  # fmt: skip
-    # dense; the stats and dq_acc fresh: what the spec does not fix is here
+    grid, args, constexprs = tiles.delta_launch(spec, out, grad_out, lse, cu_seqlens_q, delta,
+                                                lse2, dq_acc)  # fmt: skip
+    # the stats and dq_acc fresh: what the spec does not fix is here
     variant = (spec, *out.stride(), *grad_out.stride(), *lse.stride(),
-               *map(hopper.aligned, (out, grad_out, lse)))  # fmt: skip
+               *map(hopper.aligned, (out, grad_out, lse, cu_seqlens_q)))  # fmt: skip
     _launch_delta(grid, *args, variant=variant, **constexprs)
     if grad_lse is not None:
-        delta[..., : spec.seqlen_q].sub_(grad_lse)
+        delta[..., : lse.shape[-1]].sub_(grad_lse)
     dq = new_output(q.shape, q.dtype, q.device)
     dk = new_output(k.shape, k.dtype, k.device)
     dv = new_output(v.shape, v.dtype, v.device)
     _, need_dk, need_dv, need_dbias = needs
     dbias = None
-    if need_dbias:  # tiles no query sees are never written: zeros under a mask
-        masked = spec.window_left >= 0 or spec.window_right >= 0
+    bias_row = need_dbias and hopper.bias_row(spec, bias)
+    if bias_row:  # dS summed over queries per (b, h, key), then over broadcast dims
+        dbias = torch.zeros(spec.batch, spec.heads, spec.seqlen_k, dtype=torch.float32,
+                            device=bias.device)
+    elif need_dbias:  # tiles no query sees are never written: zeros under a mask
+        masked = spec.window_left >= 0 or spec.window_right >= 0 or spec.varlen
         dbias = (torch.zeros if masked else new_output)(bias.shape, dtype=bias.dtype,
                                                         device=bias.device)
-    backward(spec, q, k, v, grad_out, bias, alibi_slopes, rng_state, stats,
-             dq if dq_acc is None else dq_acc, dk, dv, dbias)
+    backward(spec, q, k, v, grad_out, bias, alibi_slopes, rng_state, cu_seqlens_q,
+             cu_seqlens_k, stats, dq if dq_acc is None else dq_acc, dk, dv, dbias)
     if dq_acc is not None:
         dq.copy_(dq_acc)
+    if bias_row:
+        dbias = hopper.sum_to_bias(dbias, bias)
     return dq, dk if need_dk else None, dv if need_dv else None, dbias

@@ -5,10 +5,11 @@ backward alike.
   Triton 3.6's Gluon, bf16/fp16, one head dim for q·k and v among the kernel's
   (64, 128, 256), no softcap, tensors TMA can read, and enough keys per query to beat
   the tile kernels (their MIN_KEYS_PER_QUERY). Options: causal masks either way,
-  windows, GQA, ALiBi, dropout, or a bias TMA can read (not together with dropout);
-  the forward also takes packed (varlen) batches without bias, ALiBi or dropout. The
-  backward takes dense batches, a bias gradient only of a bias with an element per
-  (b, h, i, j), nothing of bias, ALiBi or dropout at D=256, and deterministic mode only
+  windows, GQA, ALiBi, dropout, packed (varlen) batches, and a bias: one constant
+  along queries ((B or 1, H or 1, 1, Sk): key padding) read by pointer, any other by
+  TMA tiles (not together with dropout). The backward computes a bias gradient of a
+  key row (summed in registers) or of a bias with an element per (b, h, i, j), and at
+  D=256 nothing of bias, ALiBi, dropout or packed batches; deterministic mode only
   where dQ is not added up in fp32 across programs.
 - The split-KV forward (decode.py), before either: few queries a sequence (Sq <= 64)
   against many keys (Sk >= 4096), every option; the query heads of a GQA group share
@@ -44,22 +45,19 @@ def _major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
-def _gluon_takes(spec: AttentionSpec, q, k, v, bias, head_dims, varlen: bool) -> bool:
-    """The calls both Gluon kernels take (see the module's docstring); ``varlen``: the
-    kernel takes packed batches (without bias, ALiBi or dropout)."""
+def _gluon_takes(spec: AttentionSpec, q, k, v, bias, head_dims) -> bool:
+    """The calls both Gluon kernels take (see the module's docstring)."""
     if hopper is None or not (hopper.enabled and q.is_cuda and _major(q.device.index) == 9):
         return False  # no Gluon, or not a Hopper GPU
     if spec.dtype not in (torch.bfloat16, torch.float16) or spec.seqlen_k == 0:
         return False
-    if spec.varlen and not (varlen and bias is None and not spec.has_alibi
-                            and spec.dropout_p == 0):  # fmt: skip
-        return False
     if spec.softcap > 0:  # not built: tanh and its derivative in the softmax warpgroups
         return False
-    if bias is not None and not hopper.bias_readable(spec, bias):
-        return False
-    if bias is not None and spec.dropout_p > 0:  # shared memory holds one or the other
-        return False
+    if bias is not None and not hopper.bias_row(spec, bias):  # else by TMA tiles
+        if not hopper.bias_readable(spec, bias):
+            return False
+        if spec.dropout_p > 0:  # shared memory holds the bias tiles or dropout's scratch
+            return False
     if spec.head_dim_qk != spec.head_dim_v or spec.head_dim_qk not in head_dims:
         return False
     return all(hopper.tma_readable(t) for t in (q, k, v))
@@ -67,18 +65,20 @@ def _gluon_takes(spec: AttentionSpec, q, k, v, bias, head_dims, varlen: bool) ->
 
 def gluon_forward(spec: AttentionSpec, q, k, v, bias) -> bool:
     """Whether the Gluon forward runs this call (else forward.py's tile kernel)."""
-    return (_gluon_takes(spec, q, k, v, bias, forward_sm90.HEAD_DIMS, varlen=True)
+    return (_gluon_takes(spec, q, k, v, bias, forward_sm90.HEAD_DIMS)
             and hopper.keys_per_query(spec) >= forward_sm90.MIN_KEYS_PER_QUERY[spec.head_dim_qk])
 
 
 def gluon_backward_computes(spec: AttentionSpec, bias, alibi_slopes, need_dbias: bool) -> bool:
     """Whether the Gluon backward for this head dim computes these features, whatever the
-    device: a bias gradient only of a full bias (no sum over broadcast dimensions) with
-    rows of whole 16 bytes for its TMA stores; at D=256 no bias, ALiBi or dropout."""
+    device: a bias gradient of a bias constant along queries (summed in registers) or
+    of a full bias (no sum over broadcast dimensions) with rows of whole 16 bytes for
+    its TMA stores; at D=256 no bias, ALiBi, dropout or packed sequences."""
     if spec.head_dim_qk == 256 and (bias is not None or alibi_slopes is not None
-                                    or spec.dropout_p > 0):  # fmt: skip
+                                    or spec.dropout_p > 0 or spec.varlen):  # fmt: skip
         return False
-    return not need_dbias or (hopper.bias_full(spec, bias) and spec.seqlen_k % 8 == 0)
+    return (not need_dbias or hopper.bias_row(spec, bias)
+            or (hopper.bias_full(spec, bias) and spec.seqlen_k % 8 == 0))
 
 
 def gluon_backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, needs) -> bool:
@@ -86,7 +86,7 @@ def gluon_backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, n
     computes dQ, dK and dV together, so a call that needs dQ and dK or dV."""
     need_dq, need_dk, need_dv, need_dbias = needs
     return (need_dq and (need_dk or need_dv)
-            and _gluon_takes(spec, q, k, v, bias, backward_sm90.HEAD_DIMS, varlen=False)
+            and _gluon_takes(spec, q, k, v, bias, backward_sm90.HEAD_DIMS)
             and gluon_backward_computes(spec, bias, alibi_slopes, need_dbias)
             and not (spec.deterministic and backward_sm90.dq_in_fp32(spec))
             and hopper.keys_per_query(spec) >= backward_sm90.MIN_KEYS_PER_QUERY[spec.head_dim_qk]

@@ -15,19 +15,23 @@ mask in pairs of blocks of equal work), and with two Q buffers (where shared mem
 holds them) each block's Q and first tiles load while the previous block ends
 (`_fwd_sm90_kernel`; at D=256 masked calls run a program per pair). The output leaves
 by a TMA store, which clips rows past Sq; TMA loads zero-fill past S. Packed sequences
-(varlen) are one batch of all tokens to TMA: blocks count to the longest sequence, loads
-start at each sequence's first token, and O leaves by masked pointer stores (a TMA
-store would clip at the packed tensor's end, not the sequence's).
+(varlen) are one batch of all tokens to TMA: blocks count to the longest sequence and
+are walked rank by rank, heaviest first (hopper.query_block), blocks past a sequence's
+end skipped by both partitions; loads start at each sequence's first token, and O
+leaves by masked pointer stores (a TMA store would clip at the packed tensor's end,
+not the sequence's).
 
-A bias comes by TMA too: the load warp puts each key tile's BLOCK_M x BLOCK_N bias
-tile in a ring beside K's, each warpgroup reads its rows. Dropout's keep bits come from
-hopper.dropout_keep, drawn while the warpgroup's matmuls run; P·V takes the kept
-probabilities and the output the 1 / (1 - p).
+A bias comes by TMA: the load warp puts each key tile's BLOCK_M x BLOCK_N bias tile in
+a ring beside K's, each warpgroup reads its rows. A bias constant along queries (key
+padding) instead comes as one row per key tile, fp32 in log2 units from
+hopper.bias_row_log2, loaded by each warpgroup while its matmuls run and added with one
+FMA a score. Dropout's keep bits come from hopper.dropout_keep, drawn while the
+warpgroup's matmuls run; P·V takes the kept probabilities and the output the 1 / (1 - p).
 
 Covers bf16/fp16, head dims 64, 128 and 256 (q·k and v alike), GQA, causal masks either
-way, sliding windows, ALiBi, a bias TMA can read or dropout, in dense batches, and
-packed ones with none of the last three (dispatch.py says which); every other call
-runs forward.py: softcap, Dqk != Dv, fp32.
+way, sliding windows, ALiBi, a bias (TMA tiles, not with dropout; or a key row), dropout,
+dense and packed batches (dispatch.py says which); every other call runs forward.py:
+softcap, Dqk != Dv, fp32.
 """
 
 from __future__ import annotations
@@ -100,51 +104,63 @@ def _load_partition(
     use. ``loads``: its runtime arguments (_fwd_sm90_kernel builds the tuple)."""
     (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, q_ready, q_empty,
      k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, pid, programs, H, GROUP,
-     bias_batches, bias_heads, num_m_blocks, n_items, CuSeqQ, CuSeqK, seqlen_q, seqlen_k,
-     window_left, window_right) = loads
+     bias_batches, bias_heads, num_m_blocks, heads_total, n_items, CuSeqQ, CuSeqK, seqlen_q,
+     seqlen_k, window_left, window_right) = loads
     PARTS: gl.constexpr = BLOCK_M // ROWS
     kv = 0  # key tiles loaded so far
+    qi = 0  # query blocks loaded so far: the Q ring's index
     for j in range(n_items):
-        (b, h, hk, start_m, q_start, k_start, _, _, _, lo, _, _,
+        (b, h, hk, start_m, q_start, k_start, seqlen_q_b, _, _, lo, _, _,
          n_tiles) = hopper.query_block(
-            pid, j, programs, H, GROUP, num_m_blocks, CuSeqQ, CuSeqK, seqlen_q, seqlen_k,
-            window_left, window_right, BLOCK_M, BLOCK_N, FOLD, IS_VARLEN, BOTTOM_RIGHT,
-            BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
-        b_tma = 0 if IS_VARLEN else b  # packed sequences: one batch of all tokens
-        # A Q slot is free once every warpgroup has its block's last S (or, with O in
-        # Q's buffer, has stored O from it).
-        slot = hopper.claim(q_ready, q_empty, j, PARTS * q_desc.block_type.nbytes, Q_STAGES)
-        for i in gl.static_range(PARTS):
-            tma.async_copy_global_to_shared(q_desc, [b_tma, h, q_start + start_m + i * ROWS, 0],
-                                            q_ready.index(slot), q_smem.index(slot * PARTS + i))
-        bias_b = b % bias_batches  # 0 where the bias broadcasts over batches
-        bias_h = h % bias_heads
-        for t in range(n_tiles):
-            slot = hopper.claim(k_ready, k_empty, kv + t, k_desc.block_type.nbytes, STAGES)
-            tma.async_copy_global_to_shared(k_desc, [b_tma, hk, k_start + lo + t * BLOCK_N, 0],
-                                            k_ready.index(slot), k_smem.index(slot))
-            if HAS_BIAS:  # one ROWS x BLOCK_N tile per warpgroup
-                slot = hopper.claim(bias_ready, bias_empty, kv + t,
-                                    PARTS * bias_desc.block_type.nbytes, BIAS_STAGES)
-                for i in gl.static_range(PARTS):
-                    tma.async_copy_global_to_shared(
-                        bias_desc, [bias_b, bias_h, start_m + i * ROWS, lo + t * BLOCK_N],
-                        bias_ready.index(slot), bias_smem.index(slot * PARTS + i))
-            slot = hopper.claim(v_ready, v_empty, kv + t, v_desc.block_type.nbytes, STAGES)
-            tma.async_copy_global_to_shared(v_desc, [b_tma, hk, k_start + lo + t * BLOCK_N, 0],
-                                            v_ready.index(slot), v_smem.index(slot))
-        kv += n_tiles
+            pid, j, programs, H, GROUP, num_m_blocks, heads_total, CuSeqQ, CuSeqK, seqlen_q,
+            seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, FOLD, IS_VARLEN,
+            BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+        if not IS_VARLEN or start_m < seqlen_q_b:  # a packed block past its end: none
+            b_tma = 0 if IS_VARLEN else b  # packed sequences: one batch of all tokens
+            # A Q slot is free once every warpgroup has its block's last S (or, with O in
+            # Q's buffer, has stored O from it).
+            slot = hopper.claim(q_ready, q_empty, qi, PARTS * q_desc.block_type.nbytes,
+                                Q_STAGES)
+            for i in gl.static_range(PARTS):
+                tma.async_copy_global_to_shared(
+                    q_desc, [b_tma, h, q_start + start_m + i * ROWS, 0], q_ready.index(slot),
+                    q_smem.index(slot * PARTS + i))
+            bias_b = b % bias_batches  # 0 where the bias broadcasts over batches
+            bias_h = h % bias_heads
+            for t in range(n_tiles):
+                slot = hopper.claim(k_ready, k_empty, kv + t, k_desc.block_type.nbytes, STAGES)
+                tma.async_copy_global_to_shared(
+                    k_desc, [b_tma, hk, k_start + lo + t * BLOCK_N, 0], k_ready.index(slot),
+                    k_smem.index(slot))
+                if HAS_BIAS:  # one ROWS x BLOCK_N tile per warpgroup
+                    slot = hopper.claim(bias_ready, bias_empty, kv + t,
+                                        PARTS * bias_desc.block_type.nbytes, BIAS_STAGES)
+                    for i in gl.static_range(PARTS):
+                        tma.async_copy_global_to_shared(
+                            bias_desc, [bias_b, bias_h, start_m + i * ROWS, lo + t * BLOCK_N],
+                            bias_ready.index(slot), bias_smem.index(slot * PARTS + i))
+                slot = hopper.claim(v_ready, v_empty, kv + t, v_desc.block_type.nbytes, STAGES)
+                tma.async_copy_global_to_shared(
+                    v_desc, [b_tma, hk, k_start + lo + t * BLOCK_N, 0], v_ready.index(slot),
+                    v_smem.index(slot))
+            kv += n_tiles
+            qi += 1
 
 
 @gluon.jit
 def _softmax_tile(
     s, m_i, l_i, start_n, offs_m, bias, slope, seqlen_k, off, window_left, window_right,
     needs_mask, scale_log2, BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr,
-    HAS_ALIBI: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
+    BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
-    """Online-softmax step on raw scores s (with the bias tile, natural units, fp32, and
-    ALiBi's slope for this head); m_i is kept in scaled log2 units."""
+    """Online-softmax step on raw scores s (with the bias: a tile in natural units, or
+    a row in log2 units (BIAS_ROW), fp32; and ALiBi's slope for this head); m_i is kept
+    in scaled log2 units."""
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+    if BIAS_ROW:  # one FMA a score
+        s = s * scale_log2 + bias
+        scale_log2 = 1.0
     if HAS_BIAS or HAS_ALIBI:  # the scale goes in first here, not folded into exp2's
         s = add_bias_alibi_log2(s * scale_log2, offs_m[:, None], offs_n[None, :], off, slope,
                                 bias, HAS_BIAS, HAS_ALIBI)
@@ -163,20 +179,37 @@ def _softmax_tile(
 
 
 @gluon.jit
-def _bias_tile(
-    bias_smem, bias_ready, bias_empty, i, layout: gl.constexpr, PART: gl.constexpr,
+def _bias(
+    row, bias_smem, bias_ready, bias_empty, i, layout: gl.constexpr, PART: gl.constexpr,
     PARTS: gl.constexpr, BLOCK_N: gl.constexpr, BIAS_STAGES: gl.constexpr,
-    HAS_BIAS: gl.constexpr,
+    HAS_BIAS: gl.constexpr, BIAS_ROW: gl.constexpr,
 ):  # fmt: skip
-    """This warpgroup's rows of the bias tile for key tile i (fp32, in the scores'
-    layout), its slot released at once; 0.0 without a bias."""
+    """The bias of this warpgroup's rows and key tile i, fp32, in the scores' layout:
+    the row _bias_row loaded, or the TMA tile (its slot released at once); 0.0 without
+    a bias."""
     bias = 0.0
+    if BIAS_ROW:
+        bias = row
     if HAS_BIAS:
         slot = hopper.arrived(bias_ready, i, BIAS_STAGES)
         tile = bias_smem.index(slot * PARTS + PART).reshape([ROWS, BLOCK_N])
         bias = tile.load(layout).to(gl.float32)
         mbarrier.arrive(bias_empty.index(slot))
     return bias
+
+
+@gluon.jit
+def _bias_row(row_base, start_n, seqlen_k, BLOCK_N: gl.constexpr,
+              layout: gl.constexpr, BIAS_ROW: gl.constexpr):
+    """Keys start_n + [0, BLOCK_N) of a bias constant along queries, as
+    hopper.bias_row_log2 made it (fp32, log2 units, unit key stride), a (1, BLOCK_N)
+    row in the scores' layout (0 past Sk). Loaded while the matmuls run; 0.0 without
+    such a bias."""
+    row = 0.0
+    if BIAS_ROW:
+        offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        row = gl.load(row_base + offs_n, mask=offs_n < seqlen_k, other=0.0)[None, :]
+    return row
 
 
 @gluon.jit
@@ -203,9 +236,9 @@ def _softmax_partition(
     shared, PART: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr,
     FOLD: gl.constexpr, O_IN_Q: gl.constexpr, HAS_BIAS: gl.constexpr,
-    BIAS_STAGES: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
-    IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
-    BOUNDED_RIGHT: gl.constexpr,
+    BIAS_STAGES: gl.constexpr, BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr,
+    HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: query rows [start_m + PART * ROWS, + ROWS) of each of the
     program's query blocks, over every key tile. S(t) and P(t-1)·V(t-1) are in flight
@@ -214,8 +247,9 @@ def _softmax_partition(
     (o_desc, Out, stride_om, stride_oh, Lse, Alibi, stride_lb, stride_lh, stride_lm,
      stride_ab, stride_ah, q_smem, k_smem, v_smem, o_smem, bias_smem, q_ready, q_empty,
      k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, pid, programs, H, GROUP,
-     num_m_blocks, n_items, CuSeqQ, CuSeqK, max_seqlen_q, max_seqlen_k, scale_log2,
-     window_left, window_right, seed, rng_offset, dropout_p) = shared
+     num_m_blocks, heads_total, n_items, CuSeqQ, CuSeqK, max_seqlen_q, max_seqlen_k, scale_log2,
+     window_left, window_right, seed, rng_offset, dropout_p, BiasRow, stride_rb, stride_rh,
+     bias_batches, bias_heads) = shared
     PARTS: gl.constexpr = BLOCK_M // ROWS
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -228,122 +262,130 @@ def _softmax_partition(
     o_buf = o_smem.index(PART)  # with O_IN_Q this warpgroup's Q (one Q slot then)
 
     kv = 0  # key tiles consumed so far: the ring's running index
+    qi = 0  # query blocks taken so far: the Q ring's index
     for j in range(n_items):
         (b, h, hk, start_m, q_start, _, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
          n_tiles) = hopper.query_block(
-            pid, j, programs, H, GROUP, num_m_blocks, CuSeqQ, CuSeqK, max_seqlen_q,
-            max_seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, FOLD, IS_VARLEN,
-            BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
-        bh = b * H + h  # dropout's stream
-        slope = 0.0
-        if HAS_ALIBI:
-            slope = gl.load(Alibi + b.to(gl.int64) * stride_ab + h.to(gl.int64) * stride_ah)
-        row0 = start_m + PART * ROWS
-        offs_m = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
-        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-        q_slot = hopper.arrived(q_ready, j, Q_STAGES)
-        q_tile = q_smem.index(q_slot * PARTS + PART).reshape([ROWS, HEAD_DIM])
+            pid, j, programs, H, GROUP, num_m_blocks, heads_total, CuSeqQ, CuSeqK,
+            max_seqlen_q, max_seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, FOLD,
+            IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+        if not IS_VARLEN or start_m < seqlen_q:  # a packed block past its end: none
+            bh = b * H + h  # dropout's stream
+            row_base = BiasRow + ((b % bias_batches).to(gl.int64) * stride_rb
+                                  + (h % bias_heads).to(gl.int64) * stride_rh)
+            slope = 0.0
+            if HAS_ALIBI:
+                slope = gl.load(Alibi + b.to(gl.int64) * stride_ab + h.to(gl.int64) * stride_ah)
+            row0 = start_m + PART * ROWS
+            offs_m = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+            m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+            l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
+            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+            q_slot = hopper.arrived(q_ready, qi, Q_STAGES)
+            q_tile = q_smem.index(q_slot * PARTS + PART).reshape([ROWS, HEAD_DIM])
 
-        if n_tiles > 0:
-            # Tile 0 alone: its softmax has no P·V to overlap with.
-            slot = hopper.arrived(k_ready, kv, STAGES)
-            k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-            s = warpgroup_mma(q_tile, k, s_init, use_acc=False, is_async=True)
-            keep = _keep(seed, rng_offset, bh, row0, lo, dropout_p, BLOCK_N, s_layout,
-                         HAS_DROPOUT)
-            s = warpgroup_mma_wait(0, deps=(s,))
-            mbarrier.arrive(k_empty.index(slot))
-            bias = _bias_tile(bias_smem, bias_ready, bias_empty, kv, s_layout, PART, PARTS,
-                              BLOCK_N, BIAS_STAGES, HAS_BIAS)
-            needs_mask = (lo < full_lo) | (lo >= full_hi)
-            p_, m_i, l_i, alpha = _softmax_tile(
-                s, m_i, l_i, lo, offs_m, bias, slope, seqlen_k, off, window_left,
-                window_right, needs_mask, scale_log2, BLOCK_N, HAS_BIAS, HAS_ALIBI,
-                BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
-            p_op = gl.convert_layout(_dropped(p_, keep, HAS_DROPOUT).to(dtype), p_layout)
-            for t in range(1, n_tiles):
-                start_n = lo + t * BLOCK_N
-                k_slot = hopper.arrived(k_ready, kv + t, STAGES)
-                k = k_smem.index(k_slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-                s_tok = warpgroup_mma(q_tile, k, s_init, use_acc=False, is_async=True)
-                v_slot = hopper.arrived(v_ready, kv + t - 1, STAGES)
-                v = v_smem.index(v_slot).reshape([BLOCK_N, HEAD_DIM])
-                acc_tok = warpgroup_mma(p_op, v, acc, is_async=True)
-                # Philox's integer work runs while the tensor cores do S(t) and P·V.
-                keep = _keep(seed, rng_offset, bh, row0, start_n, dropout_p, BLOCK_N,
-                             s_layout, HAS_DROPOUT)
-                s = warpgroup_mma_wait(1, deps=(s_tok,))  # S(t) done; P(t-1)·V(t-1) runs on
-                mbarrier.arrive(k_empty.index(k_slot))
-                bias = _bias_tile(bias_smem, bias_ready, bias_empty, kv + t, s_layout, PART,
-                                  PARTS, BLOCK_N, BIAS_STAGES, HAS_BIAS)
-                needs_mask = (start_n < full_lo) | (start_n >= full_hi)
+            if n_tiles > 0:
+                # Tile 0 alone: its softmax has no P·V to overlap with.
+                slot = hopper.arrived(k_ready, kv, STAGES)
+                k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+                s = warpgroup_mma(q_tile, k, s_init, use_acc=False, is_async=True)
+                keep = _keep(seed, rng_offset, bh, row0, lo, dropout_p, BLOCK_N, s_layout,
+                             HAS_DROPOUT)
+                bias = _bias_row(row_base, lo, seqlen_k, BLOCK_N, s_layout, BIAS_ROW)
+                s = warpgroup_mma_wait(0, deps=(s,))
+                mbarrier.arrive(k_empty.index(slot))
+                bias = _bias(bias, bias_smem, bias_ready, bias_empty, kv, s_layout, PART, PARTS,
+                             BLOCK_N, BIAS_STAGES, HAS_BIAS, BIAS_ROW)
+                needs_mask = (lo < full_lo) | (lo >= full_hi)
                 p_, m_i, l_i, alpha = _softmax_tile(
-                    s, m_i, l_i, start_n, offs_m, bias, slope, seqlen_k, off, window_left,
-                    window_right, needs_mask, scale_log2, BLOCK_N, HAS_BIAS, HAS_ALIBI,
-                    BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
-                acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
-                mbarrier.arrive(v_empty.index(v_slot))
-                acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+                    s, m_i, l_i, lo, offs_m, bias, slope, seqlen_k, off, window_left,
+                    window_right, needs_mask, scale_log2, BLOCK_N, HAS_BIAS, BIAS_ROW,
+                    HAS_ALIBI, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
                 p_op = gl.convert_layout(_dropped(p_, keep, HAS_DROPOUT).to(dtype), p_layout)
-            if not O_IN_Q:  # every S of this block is done: Q may be refilled
+                for t in range(1, n_tiles):
+                    start_n = lo + t * BLOCK_N
+                    k_slot = hopper.arrived(k_ready, kv + t, STAGES)
+                    k = k_smem.index(k_slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+                    s_tok = warpgroup_mma(q_tile, k, s_init, use_acc=False, is_async=True)
+                    v_slot = hopper.arrived(v_ready, kv + t - 1, STAGES)
+                    v = v_smem.index(v_slot).reshape([BLOCK_N, HEAD_DIM])
+                    acc_tok = warpgroup_mma(p_op, v, acc, is_async=True)
+                    # Philox's integer work runs while the tensor cores do S(t) and P·V.
+                    keep = _keep(seed, rng_offset, bh, row0, start_n, dropout_p, BLOCK_N,
+                                 s_layout, HAS_DROPOUT)
+                    bias = _bias_row(row_base, start_n, seqlen_k, BLOCK_N, s_layout, BIAS_ROW)
+                    s = warpgroup_mma_wait(1, deps=(s_tok,))  # S(t) done; P(t-1)·V(t-1) runs on
+                    mbarrier.arrive(k_empty.index(k_slot))
+                    bias = _bias(bias, bias_smem, bias_ready, bias_empty, kv + t, s_layout, PART,
+                                 PARTS, BLOCK_N, BIAS_STAGES, HAS_BIAS, BIAS_ROW)
+                    needs_mask = (start_n < full_lo) | (start_n >= full_hi)
+                    p_, m_i, l_i, alpha = _softmax_tile(
+                        s, m_i, l_i, start_n, offs_m, bias, slope, seqlen_k, off, window_left,
+                        window_right, needs_mask, scale_log2, BLOCK_N, HAS_BIAS, BIAS_ROW,
+                        HAS_ALIBI, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+                    acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
+                    mbarrier.arrive(v_empty.index(v_slot))
+                    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+                    p_op = gl.convert_layout(_dropped(p_, keep, HAS_DROPOUT).to(dtype), p_layout)
+                if not O_IN_Q:  # every S of this block is done: Q may be refilled
+                    mbarrier.arrive(q_empty.index(q_slot))
+                v_slot = hopper.arrived(v_ready, kv + n_tiles - 1, STAGES)
+                v = v_smem.index(v_slot).reshape([BLOCK_N, HEAD_DIM])
+                acc = warpgroup_mma(p_op, v, acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                mbarrier.arrive(v_empty.index(v_slot))
+            elif not O_IN_Q:
                 mbarrier.arrive(q_empty.index(q_slot))
-            v_slot = hopper.arrived(v_ready, kv + n_tiles - 1, STAGES)
-            v = v_smem.index(v_slot).reshape([BLOCK_N, HEAD_DIM])
-            acc = warpgroup_mma(p_op, v, acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(v_empty.index(v_slot))
-        elif not O_IN_Q:
-            mbarrier.arrive(q_empty.index(q_slot))
-        kv += n_tiles
+            kv += n_tiles
 
-        # Rows with no visible key: l = 0, out = 0, lse = -inf.
-        empty = l_i == 0.0
-        inv_l = 1.0 / gl.where(empty, 1.0, l_i)
-        if HAS_DROPOUT:  # kept probabilities weigh 1 / (1 - p)
-            inv_l = inv_l / (1.0 - dropout_p)
-        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2)
-        out = acc * gl.convert_layout(inv_l, o_rows)[:, None]
-        if IS_VARLEN:
-            # A TMA store clips at the packed tensor's end, not at the sequence's: rows
-            # past it belong to the next sequence. Plain masked stores instead.
-            rows = gl.arange(0, ROWS, layout=o_rows)
-            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-            tokens = (q_start + row0 + rows).to(gl.int64)
-            o_ptrs = (Out + tokens[:, None] * stride_om + h.to(gl.int64) * stride_oh
-                      + cols[None, :])
-            gl.store(o_ptrs, out.to(dtype), mask=(row0 + rows < seqlen_q)[:, None])
-            if O_IN_Q:
-                mbarrier.arrive(q_empty.index(q_slot))
-        else:
-            tma.store_wait(0)  # the previous block's store has read o_buf (one thread issued it)
-            gl.thread_barrier()
-            o_buf.reshape([ROWS, HEAD_DIM]).store(out.to(dtype))
-            fence_async_shared()
-            # The TMA store clips rows past Sq; it runs on while the next block starts.
-            tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], o_buf)
-            if O_IN_Q:  # o_buf is this warpgroup's Q: refilled once the store has read it
-                tma.store_wait(0)
+            # Rows with no visible key: l = 0, out = 0, lse = -inf.
+            empty = l_i == 0.0
+            inv_l = 1.0 / gl.where(empty, 1.0, l_i)
+            if HAS_DROPOUT:  # kept probabilities weigh 1 / (1 - p)
+                inv_l = inv_l / (1.0 - dropout_p)
+            lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2)
+            out = acc * gl.convert_layout(inv_l, o_rows)[:, None]
+            if IS_VARLEN:
+                # A TMA store clips at the packed tensor's end, not at the sequence's: rows
+                # past it belong to the next sequence. Plain masked stores instead.
+                rows = gl.arange(0, ROWS, layout=o_rows)
+                cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+                tokens = (q_start + row0 + rows).to(gl.int64)
+                o_ptrs = (Out + tokens[:, None] * stride_om + h.to(gl.int64) * stride_oh
+                          + cols[None, :])
+                gl.store(o_ptrs, out.to(dtype), mask=(row0 + rows < seqlen_q)[:, None])
+                if O_IN_Q:
+                    mbarrier.arrive(q_empty.index(q_slot))
+            else:
+                tma.store_wait(0)  # the previous block's store has read o_buf (one thread
+                # issued it)
                 gl.thread_barrier()
-                mbarrier.arrive(q_empty.index(q_slot))
-        l_ptrs = (Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
-                  + (q_start + offs_m).to(gl.int64) * stride_lm)
-        gl.store(l_ptrs, lse, mask=offs_m < seqlen_q)
+                o_buf.reshape([ROWS, HEAD_DIM]).store(out.to(dtype))
+                fence_async_shared()
+                # The TMA store clips rows past Sq; it runs on while the next block starts.
+                tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], o_buf)
+                if O_IN_Q:  # o_buf is this warpgroup's Q: refilled once the store has read it
+                    tma.store_wait(0)
+                    gl.thread_barrier()
+                    mbarrier.arrive(q_empty.index(q_slot))
+            l_ptrs = (Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+                      + (q_start + offs_m).to(gl.int64) * stride_lm)
+            gl.store(l_ptrs, lse, mask=offs_m < seqlen_q)
+            qi += 1
     tma.store_wait(0)
 
 
 @gluon.jit
 def _fwd_sm90_kernel(
     q_desc, k_desc, v_desc, o_desc, bias_desc, Out, Lse, Rng, Alibi, CuSeqQ, CuSeqK,
-    stride_om, stride_oh, stride_lb, stride_lh, stride_lm, stride_ab, stride_ah, H, GROUP,
-    bias_batches, bias_heads, seqlen_q, seqlen_k, num_m_blocks, num_items, scale_log2,
-    window_left, window_right, dropout_p,
+    stride_om, stride_oh, stride_lb, stride_lh, stride_lm, stride_ab, stride_ah, BiasRow,
+    stride_rb, stride_rh, H, GROUP, bias_batches, bias_heads, seqlen_q, seqlen_k,
+    num_m_blocks, num_items, scale_log2, window_left, window_right, dropout_p,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, Q_STAGES: gl.constexpr, FOLD: gl.constexpr, O_IN_Q: gl.constexpr,
-    HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr, HAS_ALIBI: gl.constexpr,
-    HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
-    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr, BIAS_ROW: gl.constexpr,
+    HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr,
+    BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     # The programs (one per SM at most, persistent) walk the num_items query blocks in
     # strides (hopper.work_item), folded under a mask: pairs of blocks whose work adds
@@ -351,6 +393,7 @@ def _fwd_sm90_kernel(
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
     n_items = hopper.work_items(pid, programs, num_items, FOLD)
+    heads_total = num_items // num_m_blocks  # (batch, head) pairs
     seed = 0
     rng_offset = 0
     if HAS_DROPOUT:
@@ -383,20 +426,21 @@ def _fwd_sm90_kernel(
     shared = (o_desc, Out, stride_om, stride_oh, Lse, Alibi, stride_lb, stride_lh, stride_lm,
               stride_ab, stride_ah, q_smem, k_smem, v_smem, o_smem, bias_smem, q_ready,
               q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, pid,
-              programs, H, GROUP, num_m_blocks, n_items, CuSeqQ, CuSeqK, seqlen_q, seqlen_k,
-              scale_log2, window_left, window_right, seed, rng_offset, dropout_p)
+              programs, H, GROUP, num_m_blocks, heads_total, n_items, CuSeqQ, CuSeqK, seqlen_q,
+              seqlen_k, scale_log2, window_left, window_right, seed, rng_offset, dropout_p, BiasRow,
+              stride_rb, stride_rh, bias_batches, bias_heads)
     loads = (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, q_ready,
              q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, pid,
-             programs, H, GROUP, bias_batches, bias_heads, num_m_blocks, n_items, CuSeqQ,
-             CuSeqK, seqlen_q, seqlen_k, window_left, window_right)
+             programs, H, GROUP, bias_batches, bias_heads, num_m_blocks, heads_total, n_items,
+             CuSeqQ, CuSeqK, seqlen_q, seqlen_k, window_left, window_right)
     if PARTS == 2:
         gl.warp_specialize([
             (_softmax_partition, (shared, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_STAGES,
-                                  FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_ALIBI,
+                                  FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES, BIAS_ROW, HAS_ALIBI,
                                   HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
                                   BOUNDED_RIGHT)),
             (_softmax_partition, (shared, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_STAGES,
-                                  FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_ALIBI,
+                                  FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES, BIAS_ROW, HAS_ALIBI,
                                   HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
                                   BOUNDED_RIGHT)),
             (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, HAS_BIAS,
@@ -406,15 +450,15 @@ def _fwd_sm90_kernel(
     else:
         gl.warp_specialize([
             (_softmax_partition, (shared, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_STAGES,
-                                  FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_ALIBI,
+                                  FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES, BIAS_ROW, HAS_ALIBI,
                                   HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
                                   BOUNDED_RIGHT)),
             (_softmax_partition, (shared, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_STAGES,
-                                  FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_ALIBI,
+                                  FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES, BIAS_ROW, HAS_ALIBI,
                                   HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
                                   BOUNDED_RIGHT)),
             (_softmax_partition, (shared, 2, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_STAGES,
-                                  FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES, HAS_ALIBI,
+                                  FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES, BIAS_ROW, HAS_ALIBI,
                                   HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
                                   BOUNDED_RIGHT)),
             (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, HAS_BIAS,
@@ -450,26 +494,32 @@ def q_stages(head_dim: int, parts: int, has_bias: bool, dropout: bool) -> int:
 
 
 @hopper.plan_cache
-def plan(spec: AttentionSpec, device_index: int) -> hopper.Plan:
+def plan(spec: AttentionSpec, bias_row: bool, device_index: int) -> hopper.Plan:
     """The forward's launch for this spec (hopper.Plan), from this module's knobs (who sets
-    them calls hopper.forget_plans). Counts: query blocks per head, work items."""
+    them calls hopper.forget_plans); bias_row: the bias is one row of keys
+    (hopper.bias_row), read by pointer. Counts: query blocks per head, work items."""
     masked = spec.window_left >= 0 or spec.window_right >= 0
-    # Three warpgroups have 160 registers a thread: no room for dropout or ALiBi.
+    tile_bias = spec.has_bias and not bias_row
+    # Three warpgroups have 160 registers a thread: no room for dropout, ALiBi or the
+    # bias row's 32 values a thread.
     three_parts = (spec.head_dim_qk == 64 and not masked and spec.dropout_p == 0
-                   and not spec.has_alibi and spec.seqlen_q >= MIN_SEQLEN_Q_D64)
+                   and not spec.has_alibi and not bias_row
+                   and spec.seqlen_q >= MIN_SEQLEN_Q_D64)
     block_m = BLOCK_M_D64 if three_parts else BLOCK_M
     block_n = BLOCK_N[spec.head_dim_qk]
     num_m_blocks = cdiv(spec.seqlen_q, block_m)
-    fold = FOLD is True or (FOLD == "masked" and masked
-                            and num_m_blocks >= MIN_BLOCKS_TO_FOLD[spec.head_dim_qk])
+    # Packed sequences walk their blocks rank by rank instead (hopper.query_block).
+    fold = not spec.varlen and (FOLD is True or (
+        FOLD == "masked" and masked and num_m_blocks >= MIN_BLOCKS_TO_FOLD[spec.head_dim_qk]))
     persistent = PERSISTENT and (not masked or MASKED_PERSISTENT[spec.head_dim_qk])
     num_items = num_m_blocks * spec.batch * spec.heads
     constexprs = dict(
         HEAD_DIM=spec.head_dim_qk, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES,
-        Q_STAGES=q_stages(spec.head_dim_qk, block_m // ROWS.value, spec.has_bias,
+        Q_STAGES=q_stages(spec.head_dim_qk, block_m // ROWS.value, tile_bias,
                           spec.dropout_p > 0),
-        FOLD=fold, O_IN_Q=O_IN_Q[spec.head_dim_qk], HAS_BIAS=spec.has_bias,
-        BIAS_STAGES=BIAS_STAGES[spec.head_dim_qk], HAS_ALIBI=spec.has_alibi,
+        FOLD=fold, O_IN_Q=O_IN_Q[spec.head_dim_qk], HAS_BIAS=tile_bias,
+        BIAS_STAGES=BIAS_STAGES[spec.head_dim_qk], BIAS_ROW=bias_row,
+        HAS_ALIBI=spec.has_alibi,
         HAS_DROPOUT=spec.dropout_p > 0, IS_VARLEN=spec.varlen,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
         BOUNDED_RIGHT=spec.window_right >= 0, num_warps=4,
@@ -483,7 +533,10 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
     """Fills out (B, Sq, H, D), or (Tq, H, D) packed, and lse (B, H, Sq), or (H, Tq), for
     a call dispatch.gluon_forward took; rng_state: dropout's [seed, offset] (memattn.dropout),
     None without dropout."""
-    how = plan(spec, q.device.index)
+    bias_row = bias is not None and hopper.bias_row(spec, bias)
+    how = plan(spec, bias_row, q.device.index)
+    if bias_row:  # (B', H', Sk) fp32 in log2 units: what the kernel adds
+        bias = hopper.bias_row_log2(bias)
     # What the launch's arguments are made of beside the plan (the spec fixes every
     # shape but the bias's and ALiBi's): once launched, a call of the same key skips
     # making them (hopper.Launcher.launch_prepared).
@@ -502,24 +555,29 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
         lse_strides = (0, *lse.stride())
     q_desc = hopper.descriptor(q, ROWS.value)
     o_desc = q_desc if spec.varlen else hopper.descriptor(out, ROWS.value)
-    if bias is None:
-        bias_desc, bias_batches, bias_heads = q_desc, 1, 1  # a stand-in, never read
-    else:
+    bias_desc, bias_batches, bias_heads = q_desc, 1, 1  # a stand-in, never read
+    row_strides = (0, 0)
+    if bias_row:
+        bias_batches, bias_heads = bias.shape[:2]
+        row_strides = bias.stride()[:2]
+    elif bias is not None:
         bias_desc = hopper.bias_descriptor(bias, ROWS.value, block_n)
         bias_batches, bias_heads = bias_desc.shape[:2]
     alibi_batch_stride, alibi_head_stride = alibi_strides(alibi_slopes)
     # What fixes the arguments' specialisation and the constexprs (hopper.Launcher): the
     # plan, the ints it does not fix (packed lse's stride is the token count), the
     # pointers' alignment. out and lse are fresh, so aligned.
-    variant = (how, *lse_strides, bias_batches, bias_heads, alibi_batch_stride,
+    variant = (how, *lse_strides, bias_batches, bias_heads, *row_strides, alibi_batch_stride,
                alibi_head_stride, hopper.aligned(rng_state), hopper.aligned(alibi_slopes),
+               hopper.aligned(bias) if bias_row else None,
                hopper.aligned(cu_seqlens_q), hopper.aligned(cu_seqlens_k))  # fmt: skip
     _launch_forward(
         (how.programs,),
         q_desc, hopper.descriptor(k, block_n), hopper.descriptor(v, block_n), o_desc,
         bias_desc, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-        stride_om, stride_oh, *lse_strides, alibi_batch_stride, alibi_head_stride, spec.heads,
-        spec.group, bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k, *how.counts,
-        spec.scale * LOG2E.value, spec.window_left, spec.window_right,
-        spec.dropout_p, variant=variant, prepare=call, **how.constexprs,
+        stride_om, stride_oh, *lse_strides, alibi_batch_stride, alibi_head_stride,
+        bias if bias_row else out, *row_strides, spec.heads, spec.group, bias_batches,
+        bias_heads, spec.seqlen_q, spec.seqlen_k, *how.counts, spec.scale * LOG2E.value,
+        spec.window_left, spec.window_right, spec.dropout_p, variant=variant, prepare=call,
+        **how.constexprs,
     )  # fmt: skip

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 from triton import knobs
 from triton._C.libtriton import ir
 from triton.backends.nvidia import driver as nvidia_driver
@@ -22,7 +23,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime import driver
 
 from ..spec import AttentionSpec
-from .common import cdiv, diagonal_offset, key_range, sequence_bounds
+from .common import add_bias_alibi_log2, cdiv, diagonal_offset, key_range, sequence_bounds
 
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
@@ -53,6 +54,40 @@ def bias_readable(spec: AttentionSpec, bias: torch.Tensor) -> bool:
     if strides[3] != 1 or bias.data_ptr() % 16:
         return False
     return all(s % 8 == 0 for n, s in zip(shape[:3], strides[:3]) if n > 1)
+
+
+def bias_row(spec: AttentionSpec, bias: torch.Tensor) -> bool:
+    """A bias constant along queries, (B or 1, H or 1, 1, Sk): key padding, per-key
+    offsets. The Gluon kernels read it by pointer, one row of keys per key tile (no TMA
+    tiles, no shared memory: any floating dtype and strides), and reduce its gradient,
+    dS summed over queries, in registers."""
+    shape, _ = _bias_4d(bias)
+    return shape[2] == 1 and shape[3] == spec.seqlen_k
+
+
+def bias_dims(bias: torch.Tensor) -> tuple[int, int]:
+    """A bias's (batch, head) sizes, 1 where it broadcasts: the kernels index batch b
+    and head h at (b % batches, h % heads)."""
+    return tuple(_bias_4d(bias)[0][:2])
+
+
+def bias_row_strides(bias: torch.Tensor | None) -> tuple[int, int, int]:
+    """(batch, head, key) strides of a bias `bias_row` accepted; a broadcast
+    dimension's is 0 (the kernels index it at 0 anyway). (0, 0, 0) without one."""
+    if bias is None:
+        return (0, 0, 0)
+    shape, strides = _bias_4d(bias)
+    return tuple(0 if n == 1 else s for n, s in zip(shape[:2], strides[:2])) + (strides[3],)
+
+
+def sum_to_bias(partial: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """A row bias's gradient from the kernels' (B, H, Sk) fp32 sums over queries:
+    summed over the dimensions the bias broadcasts over, in its shape and dtype."""
+    shape, _ = _bias_4d(bias)
+    summed = [d for d in (0, 1) if shape[d] == 1 and partial.shape[d] != 1]
+    if summed:
+        partial = partial.sum(dim=summed, keepdim=True)
+    return partial.unsqueeze(2).reshape(bias.shape).to(bias.dtype)
 
 
 def bias_full(spec: AttentionSpec, bias: torch.Tensor) -> bool:
@@ -198,8 +233,8 @@ def work_items(pid, programs, total, FOLD: gl.constexpr):
 
 @gluon.jit
 def query_block(
-    pid, j, programs, H, GROUP, num_m_blocks, CuSeqQ, CuSeqK, seqlen_q, seqlen_k,
-    window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    pid, j, programs, H, GROUP, num_m_blocks, heads_total, CuSeqQ, CuSeqK, seqlen_q,
+    seqlen_k, window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     FOLD: gl.constexpr, IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
@@ -208,8 +243,19 @@ def query_block(
     backward's dQ kernel): (b, h, kv head, first row, the sequence's first query and
     key token and lengths, the diagonal's offset, key range as common.key_range gives
     it, count of key tiles). Varlen (packed sequences, cu_seqlens): blocks count to
-    the longest sequence, and a block past its own sequence's end has no key tile."""
-    bh, rank = work_item(pid, j, programs, num_m_blocks, FOLD)
+    the longest sequence, and a block past its own sequence's end has no key tile.
+    There the blocks are walked rank by rank across all heads_total = B * H (sequence,
+    head) pairs, unfolded: every sequence's last block, then the one before, ... Under
+    a causal mask each rank's blocks have the same work and the ranks come heaviest
+    first, so strided programs take the longest work first (a sequence shorter than
+    the longest has no block in the first ranks); without a mask the longest
+    sequences' blocks still come first."""
+    if IS_VARLEN:
+        g = pid + j * programs
+        bh = g % heads_total
+        rank = g // heads_total
+    else:
+        bh, rank = work_item(pid, j, programs, num_m_blocks, FOLD)
     m_block = num_m_blocks - 1 - rank
     b = bh // H
     h = bh % H
@@ -398,7 +444,8 @@ class Launcher:
     those (the call's spec or a plan made from it, the ints they do not fix, the
     pointers' alignment). A new key goes through run(), which compiles (where its own
     cache has not) and launches it. Call as launcher(grid, *args, variant=..., **kw)
-    with the constexprs and options as keywords."""
+    with the constexprs and options as keywords; grid is one-dimensional, (programs,):
+    later launches pass the C launcher grid[0] alone."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -432,6 +479,8 @@ class Launcher:
         key = full if variant is None else (device, variant)
         found = self.kernels.get(key)
         if found is None:
+            if len(grid) != 1:
+                raise ValueError(f"Launcher takes a 1-D grid, got {grid}")
             kernel = self.fn[grid](*args, **kwargs)
             constexprs = [kwargs[name] for name in self.fn.arg_names[len(args):]]
             if len(self.kernels) >= 4096:  # many distinct shapes: start over
@@ -546,3 +595,36 @@ def _tensor_map_args(desc: TensorDescriptor, meta) -> list:
             _TENSOR_MAPS.clear()
         found = _TENSOR_MAPS[key] = nvidia_driver.make_tensordesc_arg(desc, meta)
     return found
+
+
+@triton.jit
+def _bias_row_log2_kernel(Bias, Out, stride_b, stride_h, stride_n, heads, seqlen_k, blocks,
+                          BLOCK: tl.constexpr):  # fmt: skip
+    bh = tl.program_id(0) // blocks  # a 1-D grid, as Launcher launches
+    offs = (tl.program_id(0) % blocks) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < seqlen_k
+    x = tl.load(Bias + (bh // heads).to(tl.int64) * stride_b + (bh % heads).to(tl.int64)
+                * stride_h + offs.to(tl.int64) * stride_n, mask=ok, other=0.0)
+    # exactly what the kernels add to a score: common.add_bias_alibi_log2's rule
+    row = add_bias_alibi_log2(tl.zeros([BLOCK], tl.float32), 0, 0, 0, 0.0, x.to(tl.float32),
+                              True, False)  # fmt: skip
+    tl.store(Out + bh.to(tl.int64) * seqlen_k + offs, row, mask=ok)
+
+
+_launch_bias_row_log2 = Launcher(_bias_row_log2_kernel)
+
+
+def bias_row_log2(bias: torch.Tensor) -> torch.Tensor:
+    """A bias `bias_row` accepted, as the forward adds it to a log2-domain score: fp32
+    (B', H', Sk), times log2(e), finite values clamped as common.add_bias_alibi_log2
+    does. Worked out once per call here, the forward's softmax adds it with one FMA a
+    score: converting and clamping in the kernel, 32 values a thread for each key
+    tile, weighed as much as the rest of the softmax."""
+    shape, _ = _bias_4d(bias)
+    batches, heads, _, seqlen_k = shape
+    out = torch.empty(batches, heads, seqlen_k, dtype=torch.float32, device=bias.device)
+    block = 1024
+    blocks = cdiv(seqlen_k, block)
+    _launch_bias_row_log2((blocks * batches * heads,), bias, out, *bias_row_strides(bias),
+                          heads, seqlen_k, blocks, BLOCK=block)  # fmt: skip
+    return out
