@@ -77,6 +77,8 @@ def _compile_through_run(self, grid, *args, **kwargs):
     """hopper.Launcher without its fast path: every call goes to JITFunction.run (made
     compile-only by main). The fast path wraps the compiled kernel's launcher, which the
     stand-in driver has none of."""
+    kwargs.pop("variant", None)
+    kwargs.pop("prepare", None)
     self.fn[grid](*args, **kwargs)
 
 
@@ -143,16 +145,18 @@ def compile_hopper_backward() -> int:
     from memattn.kernels import backward_sm90, dispatch
 
     def launch(spec, q, k, bias, alibi, cu_seqlens=(None, None)):
-        if spec.varlen:
-            return  # dense batches only
         if not dispatch.gluon_backward_computes(spec, bias, alibi, bias is not None):
-            return  # backward.py's call: D=256 with a bias, ALiBi or dropout
-        stats = backward_sm90.row_stats_buffer(torch.empty(*spec.bias_shape[:3]))
+            return  # backward.py's call: D=256 with a bias, ALiBi, dropout or varlen
+        lse = (torch.empty(spec.heads, q.shape[0]) if spec.varlen
+               else torch.empty(*spec.bias_shape[:3]))  # fmt: skip
+        stats = backward_sm90.row_stats_buffer(lse)
         dbias = None if bias is None else torch.empty_like(bias)
+        if bias is not None and backward_sm90.hopper.bias_row(spec, bias):
+            dbias = torch.empty(*spec.bias_shape[:2], spec.seqlen_k)
         rng = torch.zeros(2, dtype=torch.int64) if spec.dropout_p > 0 else None
         dq = torch.empty(q.shape, dtype=torch.float32 if backward_sm90.dq_in_fp32(spec)
                          else q.dtype)  # fmt: skip
-        backward_sm90.backward(spec, q, k, k, q, bias, alibi, rng, stats, dq,
+        backward_sm90.backward(spec, q, k, k, q, bias, alibi, rng, *cu_seqlens, stats, dq,
                                torch.empty_like(k), torch.empty_like(k), dbias)  # fmt: skip
 
     return _compile_hopper("backward_sm90", launch)
@@ -160,17 +164,19 @@ def compile_hopper_backward() -> int:
 
 def _compile_hopper(name, launch) -> int:
     """Calls launch(spec, q, k, bias, alibi_slopes, cu_seqlens) for D 64, 128 and 256,
-    every mask of HOPPER_MASKS, no bias, a full one, dropout, ALiBi, packed sequences
-    (varlen: 2100 and 704 tokens, cu_seqlens given), GQA 4:2, Sq=2100 (D=64's three
-    warpgroups), Sk=704; returns the number of failures. MEMATTN_HOPPER_FEATURES=dropout
-    (comma-separated from none, bias, dropout, alibi, varlen) and MEMATTN_HOPPER_DIMS=256
-    compile a subset."""
+    every mask of HOPPER_MASKS, no bias, a full one, a key-padding row (B, 1, 1, Sk),
+    dropout, ALiBi, packed sequences (varlen: 2100 and 704 tokens, cu_seqlens given;
+    varlen_bias with a full bias, varlen_all with a key row, dropout and ALiBi), GQA
+    4:2, Sq=2100 (D=64's three warpgroups), Sk=704; returns the number of failures.
+    MEMATTN_HOPPER_FEATURES=dropout (comma-separated from none, bias, rowbias, dropout,
+    alibi, varlen, varlen_bias, varlen_all) and MEMATTN_HOPPER_DIMS=256 compile a
+    subset."""
     from memattn.kernels import hopper
     from memattn.spec import check_call
 
     hopper.sm_count = lambda device_index: 132  # an H100's; no GPU here to ask
     features = os.environ.get("MEMATTN_HOPPER_FEATURES",
-                              "none,bias,dropout,alibi,varlen").split(",")
+                              "none,bias,rowbias,dropout,alibi,varlen,varlen_bias,varlen_all").split(",")
     dims = [int(d) for d in os.environ.get("MEMATTN_HOPPER_DIMS", "64,128,256").split(",")]
     failures = 0
     for d in dims:
@@ -178,12 +184,19 @@ def _compile_hopper(name, launch) -> int:
             for feature in features:
                 q = torch.randn(2, 2100, 4, d, dtype=torch.bfloat16)
                 k = torch.randn(2, 704, 2, d, dtype=torch.bfloat16)
-                bias = torch.randn(2, 4, 2100, 704, dtype=torch.bfloat16)
-                bias = bias if feature == "bias" else None
-                dropout_p = 0.1 if feature == "dropout" else 0.0
-                alibi = torch.rand(4) if feature == "alibi" else None
+                bias = None
+                if feature == "bias":
+                    bias = torch.randn(2, 4, 2100, 704, dtype=torch.bfloat16)
+                elif feature == "rowbias":
+                    bias = torch.randn(2, 1, 1, 704, dtype=torch.bfloat16)
+                elif feature == "varlen_bias":
+                    bias = torch.randn(2, 4, 1500, 500, dtype=torch.bfloat16)
+                elif feature == "varlen_all":
+                    bias = torch.randn(2, 1, 1, 500, dtype=torch.bfloat16)
+                dropout_p = 0.1 if feature in ("dropout", "varlen_all") else 0.0
+                alibi = torch.rand(4) if feature in ("alibi", "varlen_all") else None
                 varlen = {}
-                if feature == "varlen":  # the same tokens as two packed sequences
+                if feature.startswith("varlen"):  # the same tokens as two packed sequences
                     q, k = q[:1].flatten(0, 1), k[:1].flatten(0, 1)
                     cu_q = torch.tensor([0, 1500, 2100], dtype=torch.int32)
                     cu_k = torch.tensor([0, 500, 704], dtype=torch.int32)
