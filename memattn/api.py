@@ -66,6 +66,6 @@ def attention(
     out, lse, _ = ops.forward_call(
         q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, None,
         (causal, window, align, softcap, scale, dropout_p, max_seqlen_q, max_seqlen_k,
-         deterministic),
+         deterministic, None),
     )  # fmt: skip
     return (out, lse) if return_lse else out

@@ -46,7 +46,8 @@ def _op_options(spec: AttentionSpec) -> tuple:
     return (
         spec.window_left, spec.window_right, spec.bottom_right, spec.softcap, spec.scale,
         spec.dropout_p, spec.seqlen_q if spec.varlen else 0,
-        spec.seqlen_k if spec.varlen else 0, spec.deterministic,
+        spec.seqlen_k if spec.varlen else 0, spec.position_q, spec.position_k,
+        spec.deterministic,
     )  # fmt: skip
 
 
@@ -88,7 +89,7 @@ def _op_spec(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *options) 
 
 # The options of the Python entry points, in the order _check_user_call takes them.
 _USER_OPTIONS = ("causal", "window", "align", "softcap", "scale", "dropout_p", "max_seqlen_q",
-                 "max_seqlen_k", "deterministic")
+                 "max_seqlen_k", "deterministic", "positions")
 
 
 def _check_user_call(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
@@ -105,14 +106,16 @@ def _check_user_call(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
 
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         return check()
-    window = options[1]
-    types = (*map(type, options), tuple(map(type, window)) if type(window) is tuple else None)
+    window, positions = options[1], options[9]
+    types = (*map(type, options), *(tuple(map(type, x)) if type(x) is tuple else None
+                                    for x in (window, positions)))
     return _memoised((q, k, v, bias, alibi_slopes), ("user", *options, *types), check)
 
 
 def _check_op_call(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, window_left,
                    window_right, bottom_right, softcap, scale, dropout_p, max_seqlen_q,
-                   max_seqlen_k, deterministic) -> AttentionSpec:  # fmt: skip
+                   max_seqlen_k, position_q, position_k,
+                   deterministic) -> AttentionSpec:  # fmt: skip
     varlen = cu_seqlens_q is not None
     return check_call(
         q, k, v, window=(window_left, window_right),
@@ -121,7 +124,8 @@ def _check_op_call(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, wind
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q if varlen else None,
         max_seqlen_k=max_seqlen_k if varlen else None,
-        deterministic=deterministic, read_cu_seqlens=False,
+        deterministic=deterministic, positions=(position_q, position_k),
+        read_cu_seqlens=False,
     )  # fmt: skip
 
 
@@ -130,11 +134,12 @@ def _forward_op(
     q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, alibi_slopes: Tensor | None,
     cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, rng_state: Tensor | None,
     window_left: int, window_right: int, bottom_right: bool, softcap: float, scale: float,
-    dropout_p: float, max_seqlen_q: int, max_seqlen_k: int, deterministic: bool,
+    dropout_p: float, max_seqlen_q: int, max_seqlen_k: int, position_q: int, position_k: int,
+    deterministic: bool,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     spec = _op_spec(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, window_left,
                     window_right, bottom_right, softcap, scale, dropout_p, max_seqlen_q,
-                    max_seqlen_k, deterministic)  # fmt: skip
+                    max_seqlen_k, position_q, position_k, deterministic)  # fmt: skip
     return _run_forward(spec, q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                         rng_state)  # fmt: skip
 
@@ -164,13 +169,13 @@ def _backward_op(
     out: Tensor, lse: Tensor, bias: Tensor | None, alibi_slopes: Tensor | None,
     cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, rng_state: Tensor | None,
     window_left: int, window_right: int, bottom_right: bool, softcap: float, scale: float,
-    dropout_p: float, max_seqlen_q: int, max_seqlen_k: int, deterministic: bool,
-    needs: list[bool],
+    dropout_p: float, max_seqlen_q: int, max_seqlen_k: int, position_q: int, position_k: int,
+    deterministic: bool, needs: list[bool],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """Returns (dq, dk, dv, dbias), an empty tensor for each gradient not needed."""
     spec = _op_spec(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, window_left,
                     window_right, bottom_right, softcap, scale, dropout_p, max_seqlen_q,
-                    max_seqlen_k, deterministic)  # fmt: skip
+                    max_seqlen_k, position_q, position_k, deterministic)  # fmt: skip
     grads = _run_backward(spec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes,
                           cu_seqlens_q, cu_seqlens_k, rng_state, needs)  # fmt: skip
     return tuple(q.new_empty(0) if g is None else g for g in grads)
@@ -308,12 +313,18 @@ def forward(
     max_seqlen_k: int | None = None,
     deterministic: bool = False,
     rng_state: Tensor | None = None,
+    positions: tuple[int, int] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Attention forward. Same options as :func:`memattn.attention`; differentiable
     with respect to q, k, v and bias (and out's lse).
 
     ``rng_state``: an int64 ``[seed, offset]`` tensor to replay a dropout mask; drawn
     from PyTorch's generator when None and ``dropout_p > 0``.
+    ``positions``: (first query, first key) positions of this call inside a longer
+    sequence (dense calls; the key's a multiple of 8 with dropout). ALiBi's distance and
+    dropout's mask then are those of the whole sequence's call at those positions, so
+    that blocks of one sequence (memattn.distributed) add up to it; masks (causal,
+    window) stay in this call's own positions. Default (0, 0).
 
     Returns ``(out, lse, rng_state)``: out (B, Sq, H, Dv) or (Tq, H, Dv) in q's dtype;
     lse float32 (B, H, Sq) or (H, Tq), natural log, -inf for rows with no visible key;
@@ -321,7 +332,8 @@ def forward(
     """
     out, lse, rng = forward_call(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                                  rng_state, (causal, window, align, softcap, scale, dropout_p,
-                                             max_seqlen_q, max_seqlen_k, deterministic))
+                                             max_seqlen_q, max_seqlen_k, deterministic,
+                                             positions))
     if rng is None:
         rng = torch.empty(0, dtype=torch.int64, device=out.device)
     return out, lse, rng
@@ -369,6 +381,7 @@ def backward(
     rng_state: Tensor | None = None,
     grad_lse: Tensor | None = None,
     needs: tuple[bool, bool, bool, bool] = (True, True, True, False),
+    positions: tuple[int, int] | None = None,
 ) -> tuple[Tensor | None, ...]:
     """Attention backward: the gradients with respect to q, k, v and bias.
 
@@ -377,12 +390,13 @@ def backward(
     forward's dropout state; ``grad_lse`` an optional gradient flowing into lse.
     ``needs`` = (dq, dk, dv, dbias) selects what is computed. Returns
     (dq, dk, dv, dbias), None for what was not asked; dbias in the bias's own shape and
-    dtype. deterministic=True (or torch.use_deterministic_algorithms(True)) makes every
-    gradient bit-identical across runs.
+    dtype. ``positions`` as in :func:`forward`. deterministic=True (or
+    torch.use_deterministic_algorithms(True)) makes every gradient bit-identical across
+    runs.
     """
     spec = _check_user_call(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                             (causal, window, align, softcap, scale, dropout_p, max_seqlen_q,
-                             max_seqlen_k, deterministic))  # fmt: skip
+                             max_seqlen_k, deterministic, positions))  # fmt: skip
     out_shape, lse_shape = output_shapes(spec, q)
     for name, t in (("grad_out", grad_out), ("out", out)):
         if not isinstance(t, Tensor):

@@ -51,11 +51,23 @@ class AttentionSpec:
     deterministic: bool
     dtype: torch.dtype
     device: torch.device
+    # Global positions of this call's first query and first key, for ALiBi's distance
+    # and dropout's Philox counters only (masks stay in the call's own positions): a
+    # block of a longer sequence (context parallelism) then draws the whole call's.
+    position_q: int = 0
+    position_k: int = 0
 
     @property
     def group(self) -> int:
         """Query heads per key/value head (1 for MHA, H for MQA)."""
         return self.heads // self.kv_heads
+
+    @property
+    def positioned(self) -> bool:
+        """Whether the global positions change the result: ALiBi or dropout away from
+        position (0, 0). Only the tile kernels take them."""
+        return bool(self.position_q or self.position_k) and (self.has_alibi
+                                                            or self.dropout_p > 0)
 
     @property
     def bias_shape(self) -> tuple[int, int, int, int]:
@@ -98,6 +110,28 @@ def _check_window(window) -> tuple[int, int]:
             raise ValueError(f"window[{i}] must be >= -1 (-1 = unbounded), got {w}")
         sides.append(int(w))
     return sides[0], sides[1]
+
+
+def _check_positions(positions, varlen: bool, dropout_p: float) -> tuple[int, int]:
+    if positions is None:
+        return 0, 0
+    if (not isinstance(positions, (tuple, list)) or len(positions) != 2
+            or any(isinstance(p, bool) or not isinstance(p, numbers.Integral)
+                   for p in positions)):  # fmt: skip
+        raise TypeError(
+            f"positions must be a pair of ints (first query, first key), got {positions!r}"
+        )
+    position_q, position_k = (int(p) for p in positions)
+    if position_q < 0 or position_k < 0:
+        raise ValueError(f"positions must be >= 0, got {positions!r}")
+    if varlen and (position_q or position_k):
+        raise ValueError("positions are for dense calls; packed (varlen) calls take none")
+    if dropout_p > 0 and position_k % 8:
+        raise ValueError(
+            "positions[1] must be a multiple of 8 with dropout (its Philox draws eight "
+            f"keys at a time), got {position_k}"
+        )
+    return position_q, position_k
 
 
 def _seqlens(
@@ -201,10 +235,14 @@ def check_call(
     max_seqlen_q=None,
     max_seqlen_k=None,
     deterministic=False,
+    positions=None,
     dtypes=KERNEL_DTYPES,
     read_cu_seqlens=True,
 ) -> AttentionSpec:
     """Validates an attention call and returns its normalised :class:`AttentionSpec`.
+
+    ``positions``: (first query, first key) positions of this call inside a longer
+    sequence, for ALiBi's distance and dropout's counters (AttentionSpec.position_q/k).
 
     ``dtypes`` is the set of admitted q/k/v dtypes: the kernels take float16,
     bfloat16 and float32; the reference also takes float64. ``read_cu_seqlens=False``
@@ -290,6 +328,7 @@ def check_call(
     dropout_p = _check_real("dropout_p", dropout_p)
     if dropout_p >= 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    position_q, position_k = _check_positions(positions, varlen, dropout_p)
 
     target = (batch, heads, seqlen_q, seqlen_k)
     if bias is not None:
@@ -341,6 +380,8 @@ def check_call(
         deterministic=deterministic,
         dtype=q.dtype,
         device=q.device,
+        position_q=position_q,
+        position_k=position_k,
     )
 
 

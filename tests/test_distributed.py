@@ -39,23 +39,34 @@ def _worker(rank: int, world: int, port: int, case: dict):
 
 def _check_rank(world: int, case: dict):
     layout, heads, kv_heads = case["layout"], case["heads"], case["kv_heads"]
-    options = case["options"]
+    options = dict(case["options"])
     gen = torch.Generator().manual_seed(0)
-    seqlen, d = 8 * world, 16
+    seqlen, d = case.get("tokens_per_rank", 8) * world, 16
     q = torch.randn(2, seqlen, heads, d, generator=gen)
     k = torch.randn(2, seqlen, kv_heads, d, generator=gen)
     v = torch.randn(2, seqlen, kv_heads, d, generator=gen)
     grad_out = torch.randn(2, seqlen, heads, d, generator=gen)
     grad_lse = torch.randn(2, heads, seqlen, generator=gen)
+    if case.get("alibi"):
+        options["alibi_slopes"] = torch.rand(heads, generator=gen)
+    ring_options = dict(options)
+    if options.get("dropout_p"):  # one mask for both: the whole call's
+        if case.get("give_rng"):
+            options["rng_state"] = torch.tensor([123456789, 7], dtype=torch.int64)
+            ring_options["rng_state"] = options["rng_state"]
+        else:  # the ring draws it on rank 0 (seeded 1000 below) and broadcasts it
+            options["rng_state"] = _drawn_with_seed(1000)
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = memattn.attention(*leaves, return_lse=True, **options)
+    out, lse, _ = memattn.ops.forward(*leaves, **options)
     grads = torch.autograd.grad((out, lse), leaves, (grad_out, grad_lse))
 
     cut = lambda t, dim=1: cp.shard(t, layout=layout, dim=dim)  # noqa: E731
     shards = [cut(t).requires_grad_() for t in (q, k, v)]
+    if "rng_state" in options and "rng_state" not in ring_options:
+        torch.manual_seed(1000 + dist.get_rank())  # apart on each rank: rank 0's counts
     out_s, lse_s = cp.context_parallel_attention(*shards, layout=layout, return_lse=True,
-                                                 **options)  # fmt: skip
+                                                 **ring_options)  # fmt: skip
     grads_s = torch.autograd.grad((out_s, lse_s), shards, (cut(grad_out), cut(grad_lse, 2)))
 
     expected = [cut(out), cut(lse, 2), *(cut(g) for g in grads)]
@@ -64,6 +75,12 @@ def _check_rank(world: int, case: dict):
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5, msg=lambda m, n=name: n + m)
     whole = out.detach()  # unshard is shard's inverse, bit for bit
     assert torch.equal(cp.unshard(cut(whole), layout=layout), whole)
+
+
+def _drawn_with_seed(seed: int) -> torch.Tensor:
+    """The [seed, offset] memattn draws with torch's generator seeded ``seed``."""
+    torch.manual_seed(seed)
+    return memattn.dropout.new_rng_state("cpu")
 
 
 CASES = [
@@ -75,12 +92,22 @@ CASES = [
     (4, dict(layout="zigzag", heads=4, kv_heads=1, options=dict(causal=True))),
     (4, dict(layout="contiguous", heads=2, kv_heads=2,
              options=dict(causal=True, deterministic=True))),
+    # global positions: ALiBi's distances and dropout's mask across shards
+    (2, dict(layout="zigzag", heads=4, kv_heads=2, alibi=True, options=dict(causal=True))),
+    (4, dict(layout="contiguous", heads=2, kv_heads=2, alibi=True,
+             options=dict(window=(5, 3)))),
+    (2, dict(layout="zigzag", heads=2, kv_heads=2, tokens_per_rank=16, give_rng=True,
+             options=dict(causal=True, dropout_p=0.3))),
+    (4, dict(layout="contiguous", heads=4, kv_heads=2, tokens_per_rank=8, alibi=True,
+             options=dict(dropout_p=0.2))),
 ]  # fmt: skip
 
 
 @cpu_only
-@pytest.mark.parametrize("world, case", CASES,
-                         ids=[f"{w}-{c['layout']}-{'-'.join(c['options'])}" for w, c in CASES])
+@pytest.mark.parametrize(
+    "world, case", CASES,
+    ids=[f"{w}-{c['layout']}-{'-'.join(c['options'])}{'-alibi' if c.get('alibi') else ''}"
+         for w, c in CASES])  # fmt: skip
 def test_ring_matches_the_whole_sequence(world, case):
     mp.spawn(_worker, args=(world, _free_port(), case), nprocs=world, join=True)
 
@@ -117,13 +144,15 @@ def test_blocks_cut_the_band_exactly(c):
                 assert torch.equal(got, want), (d, left, right, view)
 
 
-def test_refuses_what_it_cannot_yet_split():
-    """Options that need global positions in the kernels are refused before any
-    communication, naming the argument."""
+def test_refuses_what_it_cannot_split():
+    """Dropout on chunks off a multiple of 8 tokens or under a left-bounded window (a
+    block's first key must sit at a multiple of 8), and unknown layouts, are refused
+    before any communication, naming the argument."""
     q = torch.zeros(1, 4, 2, 8)
-    for kwargs, name in ((dict(dropout_p=0.1), "dropout_p"),
-                         (dict(alibi_slopes=torch.ones(2)), "alibi_slopes")):  # fmt: skip
-        with pytest.raises(ValueError, match=f"^{name} is not supported"):
-            cp.context_parallel_attention(q, q, q, **kwargs)
+    with pytest.raises(ValueError, match="^dropout_p needs chunks of a multiple of 8"):
+        cp.context_parallel_attention(q, q, q, dropout_p=0.1)
+    q16 = torch.zeros(1, 16, 2, 8)
+    with pytest.raises(ValueError, match="^dropout_p with a window bounded on the left"):
+        cp.context_parallel_attention(q16, q16, q16, dropout_p=0.1, window=(4, 0))
     with pytest.raises(ValueError, match="^layout must be one of"):
         cp.context_parallel_attention(q, q, q, layout="striped")

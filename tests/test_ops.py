@@ -384,3 +384,77 @@ def test_the_suite_poisons_outputs():
 
     assert common.POISON_OUTPUTS
     assert torch.isnan(common.new_output((3,), torch.float32, "cpu")).all()
+
+
+def _merge(parts):
+    """Outputs of key blocks merged through their lse: the whole call's (out, lse)."""
+    lse = torch.logsumexp(torch.stack([lse for _, lse in parts]), dim=0)
+    out = sum(o * torch.exp(l - lse).transpose(1, 2).unsqueeze(-1) for o, l in parts)
+    return out, lse
+
+
+@cpu_only
+@pytest.mark.parametrize("feature", ["alibi", "dropout", "alibi dropout GQA"])
+def test_positions_make_blocks_of_the_whole_call(feature):
+    """A call on a block of a sequence at its global positions (ops.forward/backward's
+    positions) has the whole call's ALiBi distances and dropout mask: a block of query
+    rows gives those rows of the whole output and of dQ, key blocks merged through their
+    lse give the whole output, and their backwards with the whole call's out and lse
+    give the whole dK and dV and, summed, dQ."""
+    torch.manual_seed(0)
+    heads, kv_heads = (4, 2) if "GQA" in feature else (2, 2)
+    q = torch.randn(2, 40, heads, 16)
+    k, v = (torch.randn(2, 40, kv_heads, 16) for _ in range(2))
+    kw = {}
+    if "alibi" in feature:
+        kw["alibi_slopes"] = torch.rand(heads)
+    if "dropout" in feature:
+        kw.update(dropout_p=0.3, rng_state=memattn.dropout.new_rng_state("cpu"))
+    close = dict(rtol=1e-4, atol=1e-5)
+    out, lse, _ = memattn.ops.forward(q, k, v, **kw)
+    grad = torch.zeros_like(out)
+    grad[:, 13:29] = torch.randn(2, 16, heads, 16)
+    dq, dk, dv, _ = memattn.ops.backward(grad, q, k, v, out, lse, **kw)
+
+    rows = slice(13, 29)
+    part, part_lse, _ = memattn.ops.forward(q[:, rows], k, v, positions=(13, 0), **kw)
+    torch.testing.assert_close(part, out[:, rows], **close)
+    torch.testing.assert_close(part_lse, lse[:, :, rows], **close)
+    dq_r, dk_r, dv_r, _ = memattn.ops.backward(grad[:, rows], q[:, rows], k, v, part, part_lse,
+                                               positions=(13, 0), **kw)  # fmt: skip
+    for got, want in ((dq_r, dq[:, rows]), (dk_r, dk), (dv_r, dv)):
+        torch.testing.assert_close(got, want, **close)
+
+    blocks = [slice(0, 16), slice(16, 40)]
+    parts = [memattn.ops.forward(q, k[:, b], v[:, b], positions=(0, b.start), **kw)[:2]
+             for b in blocks]  # fmt: skip
+    merged, merged_lse = _merge(parts)
+    torch.testing.assert_close(merged, out, **close)
+    torch.testing.assert_close(merged_lse, lse, **close)
+    dq_sum = torch.zeros_like(dq)
+    for b in blocks:
+        dq_b, dk_b, dv_b, _ = memattn.ops.backward(grad, q, k[:, b], v[:, b], out, lse,
+                                                   positions=(0, b.start), **kw)  # fmt: skip
+        torch.testing.assert_close(dk_b, dk[:, b], **close)
+        torch.testing.assert_close(dv_b, dv[:, b], **close)
+        dq_sum += dq_b
+    torch.testing.assert_close(dq_sum, dq, **close)
+
+
+@pytest.mark.parametrize(
+    "positions, options, error, match",
+    [((1, True), {}, TypeError, "pair of ints"), ((3,), {}, TypeError, "pair of ints"),
+     ((1.0, 0), {}, TypeError, "pair of ints"), ((-1, 0), {}, ValueError, ">= 0"),
+     ((0, 12), dict(dropout_p=0.1), ValueError, "multiple of 8")],
+)  # fmt: skip
+def test_positions_are_checked(positions, options, error, match):
+    q = torch.randn(1, 8, 2, 16, device=DEVICE)
+    with pytest.raises(error, match=match):
+        memattn.ops.forward(q, q, q, positions=positions, **options)
+
+
+def test_positions_are_for_dense_calls():
+    q = torch.randn(8, 2, 16, device=DEVICE)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="dense calls"):
+        memattn.ops.forward(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, positions=(4, 0))

@@ -15,7 +15,9 @@ during it.
 Layouts: "contiguous" (rank r holds tokens [r·S/W, (r+1)·S/W)) and "zigzag" (the
 sequence in 2W chunks, rank r holding chunks r and 2W-1-r, so that under a causal mask
 every rank does the same work). A pair of chunks is attended whole, under the causal
-diagonal, or skipped (a chunk a query chunk cannot see is never computed).
+diagonal, or skipped (a chunk a query chunk cannot see is never computed). Each block
+runs at its global positions (ops.forward's ``positions``), so ALiBi's distances and
+dropout's mask are the whole sequence's.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import dropout as _dropout
 from .. import ops
 from ..spec import check_call
 
@@ -90,6 +93,7 @@ def context_parallel_attention(
     deterministic: bool = False,
     alibi_slopes: Tensor | None = None,
     dropout_p: float = 0.0,
+    rng_state: Tensor | None = None,
 ):
     """Attention over a sequence split across the ranks of ``group`` (default: the
     world). q (B, S/W, H, Dqk), k (B, S/W, Hkv, Dqk), v (B, S/W, Hkv, Dv): this rank's
@@ -97,19 +101,17 @@ def context_parallel_attention(
     ``memattn.attention`` on the whole sequence, out (B, S/W, H, Dv) (and lse
     (B, H, S/W) with ``return_lse``), differentiable with respect to q, k and v.
     causal masks and sliding windows (Sq = Sk: both alignments agree), softcap, scale,
-    GQA and deterministic gradients hold as in ``memattn.attention``.
+    GQA, ALiBi, dropout and deterministic gradients hold as in ``memattn.attention``:
+    each block runs at its global positions, so ALiBi's distances and dropout's mask are
+    the whole call's. ``rng_state``: dropout's int64 [seed, offset] for the whole call
+    (``memattn.ops.forward`` with it gives the same mask); drawn on the group's first
+    rank and broadcast when None. Dropout needs chunks (S/W contiguous, S/2W zigzag) of a
+    multiple of 8 tokens and no window bounded on the left (a block's first key must sit
+    at a multiple of 8: dropout draws eight keys at a time).
 
-    Not yet across shards (ValueError): ALiBi and dropout, which need the kernels to
-    take global positions (ALiBi's distance crosses shard boundaries; dropout's Philox
-    counters key on positions), a bias and packed (varlen) batches.
+    Not supported (ValueError): a bias and packed (varlen) batches (memattn.attention's
+    arguments of that name do not exist here).
     """
-    for name, given in (("alibi_slopes", alibi_slopes is not None),
-                        ("dropout_p", dropout_p != 0.0)):  # fmt: skip
-        if given:
-            raise ValueError(
-                f"{name} is not supported by context_parallel_attention yet: the kernels "
-                "take positions inside the shard, not global ones"
-            )
     _check_layout(layout)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 4:
@@ -120,16 +122,41 @@ def context_parallel_attention(
     # Every other argument checked as memattn.attention checks it; causal folds into the
     # window's right side.
     spec = check_call(q, k, v, causal=causal, window=window, align=align, softcap=softcap,
-                      scale=scale, deterministic=deterministic)  # fmt: skip
-    world, rank = _world(group)
+                      scale=scale, deterministic=deterministic, alibi_slopes=alibi_slopes,
+                      dropout_p=dropout_p)  # fmt: skip
     per_rank = 2 if layout == "zigzag" else 1
     if q.shape[1] % per_rank:
         raise ValueError(f"a zigzag shard holds two chunks: its length must be even, got "
                          f"{q.shape[1]}")  # fmt: skip
-    options = dict(softcap=softcap, scale=scale, deterministic=deterministic)
+    if spec.dropout_p > 0:
+        chunk = q.shape[1] // per_rank
+        if chunk % 8:
+            raise ValueError(f"dropout_p needs chunks of a multiple of 8 tokens (dropout "
+                             f"draws eight keys at a time), got {chunk}")  # fmt: skip
+        if spec.window_left >= 0:
+            raise ValueError("dropout_p with a window bounded on the left is not supported "
+                             "across shards: a block's first key could sit off a multiple "
+                             "of 8")  # fmt: skip
+    world, rank = _world(group)
+    if spec.dropout_p > 0:
+        rng_state = _shared_rng_state(rng_state, q.device, group)
+    options = dict(softcap=softcap, scale=scale, deterministic=deterministic,
+                   alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                   rng_state=rng_state if spec.dropout_p > 0 else None)  # fmt: skip
     band = (spec.window_left, spec.window_right)
     out, lse = _Ring.apply(q, k, v, (group, world, rank, layout, band, options))
     return (out, lse) if return_lse else out
+
+
+def _shared_rng_state(rng_state: Tensor | None, device, group) -> Tensor:
+    """Dropout's [seed, offset], the same on every rank: the given one, or one drawn on
+    the group's first rank and broadcast."""
+    if rng_state is not None:
+        return rng_state
+    rng_state = _dropout.new_rng_state(device)
+    first = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast(rng_state, src=first, group=group)
+    return rng_state
 
 
 # ------------------------------------------------------------------ the ring
@@ -165,14 +192,15 @@ def _block(d: int, c: int, left: int, right: int):
 
 def _blocks(rank: int, source: int, world: int, layout: str, c: int, band):
     """The blocks of this rank's query chunks against ``source``'s key chunks:
-    [(q slot, k slot, (q_lo, q_hi, k_lo, k_hi, window))], slots indexing the shards'
-    chunks; blocks the band leaves empty are not listed."""
+    [(q slot, k slot, positions, (q_lo, q_hi, k_lo, k_hi, window))], slots indexing the
+    shards' chunks, positions the global (first query, first key) of the block; blocks
+    the band leaves empty are not listed."""
     blocks = []
     for qs, qc in enumerate(_chunks_of(rank, world, layout)):
         for ks, kc in enumerate(_chunks_of(source, world, layout)):
             view = _block((qc - kc) * c, c, *band)
             if view is not None:
-                blocks.append((qs, ks, view))
+                blocks.append((qs, ks, (qc * c + view[0], kc * c + view[2]), view))
     return blocks
 
 
@@ -222,12 +250,13 @@ class _Ring(torch.autograd.Function):
             source = (rank - step) % world
             ring = _RingStep(kv, group, world, rank) if step + 1 < world else None
             k_chunks, v_chunks = (t.chunk(per_rank, dim=1) for t in kv)
-            for qs, ks, (q_lo, q_hi, k_lo, k_hi, window) in _blocks(
+            for qs, ks, positions, (q_lo, q_hi, k_lo, k_hi, window) in _blocks(
                 rank, source, world, layout, c, band
             ):
                 part_out, part_lse, _ = ops.forward(
                     q_chunks[qs][:, q_lo:q_hi], k_chunks[ks][:, k_lo:k_hi],
-                    v_chunks[ks][:, k_lo:k_hi], window=window, **options)  # fmt: skip
+                    v_chunks[ks][:, k_lo:k_hi], window=window, positions=positions,
+                    **options)  # fmt: skip
                 _merge_into(out_c[qs][:, q_lo:q_hi], lse_c[qs][:, :, q_lo:q_hi], part_out,
                             part_lse)  # fmt: skip
             if ring is not None:
@@ -262,7 +291,7 @@ class _Ring(torch.autograd.Function):
             dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
             dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
             dk_c, dv_c = split(dk), split(dv)
-            for qs, ks, (q_lo, q_hi, k_lo, k_hi, window) in _blocks(
+            for qs, ks, positions, (q_lo, q_hi, k_lo, k_hi, window) in _blocks(
                 rank, source, world, layout, c, band
             ):
                 rows, keys = slice(q_lo, q_hi), slice(k_lo, k_hi)
@@ -271,7 +300,7 @@ class _Ring(torch.autograd.Function):
                     go_c[qs][:, rows], q_c[qs][:, rows], k_c[ks][:, keys], v_c[ks][:, keys],
                     o_c[qs][:, rows], lse_c[qs][:, :, rows].contiguous(), window=window,
                     grad_lse=None if g_lse is None else g_lse[:, :, rows].contiguous(),
-                    **options)  # fmt: skip
+                    positions=positions, **options)  # fmt: skip
                 dq_c[qs][:, rows].add_(dq_p)
                 dk_c[ks][:, keys].add_(dk_p)
                 dv_c[ks][:, keys].add_(dv_p)

@@ -126,7 +126,7 @@ def delta_launch(spec: AttentionSpec, out, grad_out, lse, cu_seqlens_q, delta, l
 @triton.jit
 def _grad_scores(
     qk, dp, lse2, delta, rows, cols, bias, keep,
-    seqlen_k, off, scale, softcap, slope, window_left, window_right, dropout_p,
+    seqlen_k, off, alibi_off, scale, softcap, slope, window_left, window_right, dropout_p,
     MASKED: tl.constexpr, BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
@@ -139,10 +139,11 @@ def _grad_scores(
     qk (raw q.k) and dp (dO.v) are fp32 tiles; rows, cols, lse2 and delta broadcast
     against them: (M, 1) and (1, N) for a (queries, keys) tile, (1, M) and (N, 1) for
     the transposed one. lse2 = lse * log2(e) with +inf for rows that see no key, so
-    that their P is 0 rather than NaN.
+    that their P is 0 rather than NaN. alibi_off: ALiBi's diagonal offset, off shifted
+    by the global positions (AttentionSpec.position_q - position_k).
     """
     s_cap = capped_score_log2(qk, scale, softcap, HAS_SOFTCAP)
-    s = add_bias_alibi_log2(s_cap, rows, cols, off, slope, bias, HAS_BIAS, HAS_ALIBI)
+    s = add_bias_alibi_log2(s_cap, rows, cols, alibi_off, slope, bias, HAS_BIAS, HAS_ALIBI)
     if MASKED:
         mask = visible(rows, cols, seqlen_k, off, window_left, window_right,
                        BOUNDED_LEFT, BOUNDED_RIGHT)
@@ -170,7 +171,7 @@ def _dkdv_tiles(
     stride_bm, stride_bn, stride_dbm, stride_dbn, stride_dqm, stride_dqd,
     start_n, offs_n, offs_dqk, offs_dv, lo, hi,
     seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
-    seed, rng_offset, bh, dropout_p,
+    seed, rng_offset, bh, dropout_p, pos_q, pos_k,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -217,12 +218,12 @@ def _dkdv_tiles(
             bias_t = bias_t.to(tl.float32)
         keep_t = qk_t  # placeholder, unused without dropout
         if HAS_DROPOUT:  # drawn keys-last, as the forward draws it
-            keep_t = tl.trans(dropout_keep(seed, rng_offset, bh, offs_m, start_n, dropout_p,
-                                           BLOCK_N))
+            keep_t = tl.trans(dropout_keep(seed, rng_offset, bh, offs_m + pos_q,
+                                           start_n + pos_k, dropout_p, BLOCK_N))
         pz_t, ds_t, dqk_t = _grad_scores(
             qk_t, dp_t, lse2[None, :], delta[None, :], offs_m[None, :], offs_n[:, None],
-            bias_t, keep_t, seqlen_k, off, scale, softcap, slope, window_left, window_right,
-            dropout_p,
+            bias_t, keep_t, seqlen_k, off, off + pos_q - pos_k, scale, softcap, slope,
+            window_left, window_right, dropout_p,
             MASKED, BOUNDED_LEFT, BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP,
             HAS_DROPOUT)
         dv += tl.dot(pz_t.to(do.dtype), do, input_precision=DOT_PRECISION)
@@ -266,7 +267,7 @@ def _dkdv_kernel(
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
     stride_dqb, stride_dqm, stride_dqh, stride_dqd,
     H, HKV, GROUP, seqlen_q, seqlen_k, num_n_blocks,
-    scale, softcap, window_left, window_right, dropout_p,
+    scale, softcap, window_left, window_right, dropout_p, pos_q, pos_k,
     DQK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -350,7 +351,7 @@ def _dkdv_kernel(
                 stride_bm, stride_bn, stride_dbm, stride_dbn, stride_dqm, stride_dqd,
                 start_n, offs_n, offs_dqk, offs_dv, span_lo, span_hi,
                 seqlen_q, seqlen_k, off, scale, softcap, slope,
-                window_left, window_right, seed, rng_offset, bh, dropout_p,
+                window_left, window_right, seed, rng_offset, bh, dropout_p, pos_q, pos_k,
                 DQK, DV, BLOCK_M, BLOCK_N, span != 1, BOUNDED_LEFT, BOUNDED_RIGHT,
                 HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, HAS_DBIAS, DBIAS_ROWS,
                 DBIAS_COLS, DBIAS_ATOMIC, DQ_ATOMIC, DOT_PRECISION)
@@ -380,7 +381,7 @@ def _dq_tiles(
     stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
     offs_m, offs_dqk, offs_dv, lo, hi,
     seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
-    seed, rng_offset, bh, dropout_p,
+    seed, rng_offset, bh, dropout_p, pos_q, pos_k,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -413,10 +414,12 @@ def _dq_tiles(
             bias = bias.to(tl.float32)
         keep = qk  # placeholder, unused without dropout
         if HAS_DROPOUT:
-            keep = dropout_keep(seed, rng_offset, bh, offs_m, start_n, dropout_p, BLOCK_N)
+            keep = dropout_keep(seed, rng_offset, bh, offs_m + pos_q, start_n + pos_k,
+                                dropout_p, BLOCK_N)
         _, _, dqk = _grad_scores(
             qk, dp, lse2[:, None], delta[:, None], offs_m[:, None], offs_n[None, :], bias,
-            keep, seqlen_k, off, scale, softcap, slope, window_left, window_right, dropout_p,
+            keep, seqlen_k, off, off + pos_q - pos_k, scale, softcap, slope, window_left,
+            window_right, dropout_p,
             MASKED, BOUNDED_LEFT, BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP,
             HAS_DROPOUT)
         dq += tl.dot(dqk.to(k.dtype), k, input_precision=DOT_PRECISION)
@@ -435,7 +438,7 @@ def _dq_kernel(
     stride_ab, stride_ah,
     stride_dqb, stride_dqm, stride_dqh, stride_dqd,
     H, GROUP, seqlen_q, seqlen_k, num_m_blocks,
-    scale, softcap, window_left, window_right, dropout_p,
+    scale, softcap, window_left, window_right, dropout_p, pos_q, pos_k,
     DQK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -504,7 +507,8 @@ def _dq_kernel(
             stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
             offs_m, offs_dqk, offs_dv, span_lo, span_hi,
             seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
-            seed, rng_offset, bh, dropout_p, DQK, DV, BLOCK_M, BLOCK_N, span != 1,
+            seed, rng_offset, bh, dropout_p, pos_q, pos_k, DQK, DV, BLOCK_M, BLOCK_N,
+            span != 1,
             BOUNDED_LEFT, BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
             DOT_PRECISION)
     tl.store(DQ + b64 * stride_dqb + h64 * stride_dqh + row0 * stride_dqm
@@ -592,7 +596,8 @@ def backward(
     dbias = None
 
     common = feature_switches(spec)
-    options = (spec.scale, spec.softcap, spec.window_left, spec.window_right, spec.dropout_p)
+    options = (spec.scale, spec.softcap, spec.window_left, spec.window_right, spec.dropout_p,
+               spec.position_q, spec.position_k)
     qkv_strides = (*dense_strides(q, spec.varlen), *dense_strides(k, spec.varlen),
                    *dense_strides(v, spec.varlen), *dense_strides(grad_out, spec.varlen))
     configs = tuning.backward_configs(spec)

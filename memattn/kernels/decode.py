@@ -37,8 +37,8 @@ MAX_SPLITS = 128  # the merge holds every split's partial row in registers
 
 def takes(spec: AttentionSpec) -> bool:
     """Whether this kernel runs the forward of a call: few queries per sequence and
-    many keys (the padded lengths in varlen mode)."""
-    return spec.seqlen_q <= MAX_QUERIES and spec.seqlen_k >= MIN_KEYS
+    many keys (the padded lengths in varlen mode), at no global positions."""
+    return spec.seqlen_q <= MAX_QUERIES and spec.seqlen_k >= MIN_KEYS and not spec.positioned
 
 
 @triton.jit
@@ -120,13 +120,14 @@ def _split_kv_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    # Every tile masked: a memory-bound loop, where the mask's arithmetic is free.
+    # Every tile masked: a memory-bound loop, where the mask's arithmetic is free. No
+    # global positions (takes() leaves calls that have them to the tile kernels).
     acc, m_i, l_i = _fwd_tiles(
         acc, m_i, l_i, q, k_base, v_base, bias_rows,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_bn,
         offs_m, offs_dqk, offs_dv, lo, hi,
         seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
-        seed, rng_offset, bh, dropout_p,
+        seed, rng_offset, bh, dropout_p, 0, 0,
         DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, BOUNDED_LEFT,
         BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
 

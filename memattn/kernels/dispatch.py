@@ -10,10 +10,12 @@ backward alike.
   TMA tiles (not together with dropout). The backward computes a bias gradient of a
   key row (summed in registers) or of a bias with an element per (b, h, i, j), and at
   D=256 nothing of bias, ALiBi, dropout or packed batches; deterministic mode only
-  where dQ is not added up in fp32 across programs.
+  where dQ is not added up in fp32 across programs. Neither takes global positions
+  for ALiBi or dropout (AttentionSpec.positioned).
 - The split-KV forward (decode.py), before either: few queries a sequence (Sq <= 64)
-  against many keys (Sk >= 4096), every option; the query heads of a GQA group share
-  each K/V tile read and the keys spread over the SMs. Its backward is the others'.
+  against many keys (Sk >= 4096), every option but global positions; the query heads
+  of a GQA group share each K/V tile read and the keys spread over the SMs. Its
+  backward is the others'.
 - The Triton tile kernels (forward.py, backward.py): every call, on any GPU Triton
   compiles for and on the CPU through Triton's interpreter (``require_runnable`` in
   this package's __init__ checks it is on).
@@ -52,6 +54,8 @@ def _gluon_takes(spec: AttentionSpec, q, k, v, bias, head_dims) -> bool:
     if spec.dtype not in (torch.bfloat16, torch.float16) or spec.seqlen_k == 0:
         return False
     if spec.softcap > 0:  # not built: tanh and its derivative in the softmax warpgroups
+        return False
+    if spec.positioned:  # not built: ALiBi and dropout at global positions
         return False
     if bias is not None and not hopper.bias_row(spec, bias):  # else by TMA tiles
         if not hopper.bias_readable(spec, bias):

@@ -34,7 +34,7 @@ def _fwd_tiles(
     k_base, v_base, bias_rows, stride_kn, stride_kd, stride_vn, stride_vd, stride_bn,
     offs_m, offs_dqk, offs_dv, lo, hi,
     seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
-    seed, rng_offset, bh, dropout_p,
+    seed, rng_offset, bh, dropout_p, pos_q, pos_k,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASKED: tl.constexpr, BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
@@ -44,7 +44,9 @@ def _fwd_tiles(
     """Accumulates key tiles [lo, hi) into (acc, m_i, l_i). MASKED tiles apply the
     visibility mask; the others are known to be fully visible and skip it. offs_m: each
     row's query position; bias_rows: a pointer to each row's bias row (key 0); slope and
-    bh: ALiBi's slope and dropout's head, a scalar or one per row, (BLOCK_M, 1)."""
+    bh: ALiBi's slope and dropout's head, a scalar or one per row, (BLOCK_M, 1); pos_q
+    and pos_k: the global positions of query and key 0, for ALiBi and dropout alone
+    (AttentionSpec.position_q/k)."""
     arange_n = tl.arange(0, BLOCK_N)
     row_ok = offs_m < seqlen_q
     for start_n in tl.range(lo, hi, BLOCK_N):
@@ -67,8 +69,8 @@ def _fwd_tiles(
             bias = tl.load(b_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
             bias = bias.to(tl.float32)
         s = capped_score_log2(qk, scale, softcap, HAS_SOFTCAP)
-        s = add_bias_alibi_log2(s, offs_m[:, None], offs_n[None, :], off, slope, bias,
-                                HAS_BIAS, HAS_ALIBI)
+        s = add_bias_alibi_log2(s, offs_m[:, None], offs_n[None, :], off + pos_q - pos_k,
+                                slope, bias, HAS_BIAS, HAS_ALIBI)
         if MASKED:
             mask = visible(offs_m[:, None], offs_n[None, :], seqlen_k, off, window_left,
                            window_right, BOUNDED_LEFT, BOUNDED_RIGHT)
@@ -82,7 +84,8 @@ def _fwd_tiles(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
-            keep = dropout_keep(seed, rng_offset, bh, offs_m, start_n, dropout_p, BLOCK_N)
+            keep = dropout_keep(seed, rng_offset, bh, offs_m + pos_q, start_n + pos_k,
+                                dropout_p, BLOCK_N)
             p = tl.where(keep, p, 0.0)
 
         v_ptrs = (v_base + start_n64 * stride_vn
@@ -108,7 +111,7 @@ def _fwd_kernel(
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_ab, stride_ah,
     H, GROUP, seqlen_q, seqlen_k, num_m_blocks,
-    scale, softcap, window_left, window_right, dropout_p,
+    scale, softcap, window_left, window_right, dropout_p, pos_q, pos_k,
     DQK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -182,7 +185,7 @@ def _fwd_kernel(
             stride_kn, stride_kd, stride_vn, stride_vd, stride_bn,
             offs_m, offs_dqk, offs_dv, span_lo, span_hi,
             seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
-            seed, rng_offset, bh, dropout_p,
+            seed, rng_offset, bh, dropout_p, pos_q, pos_k,
             DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, span != 1, BOUNDED_LEFT,
             BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
 
@@ -259,7 +262,7 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
             *alibi_strides(alibi_slopes),
             spec.heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_m_blocks,
             spec.scale, spec.softcap, spec.window_left, spec.window_right, spec.dropout_p,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            spec.position_q, spec.position_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **feature_switches(spec),
         )  # fmt: skip
