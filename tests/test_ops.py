@@ -8,7 +8,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import memattn
-from memattn.check import FEATURE_CASES, Case, make_inputs, relative_error
+from memattn.check import FEATURE_CASES, FLOOR, Case, make_inputs, relative_error
 from memattn.ops import _op_options
 from memattn.spec import check_call
 
@@ -418,6 +418,15 @@ def test_positions_make_blocks_of_the_whole_call(feature):
 
     rows = slice(13, 29)
     part, part_lse, _ = memattn.ops.forward(q[:, rows], k, v, positions=(13, 0), **kw)
+    # the block against the float64 reference of the whole call, at its rows
+    keep = None
+    if "dropout_p" in kw:
+        keep = memattn.dropout_mask(kw["rng_state"], kw["dropout_p"], 2, heads, 40, 40)
+    ref_kw = {n: x for n, x in kw.items() if n != "rng_state"}
+    exact = memattn.reference.attention(q.double(), k.double(), v.double(), **ref_kw,
+                                        dropout_keep=keep)[:, rows]  # fmt: skip
+    plain = memattn.reference.attention(q, k, v, **ref_kw, dropout_keep=keep)[:, rows]
+    assert relative_error(part, exact) <= 2 * relative_error(plain, exact) + FLOOR[q.dtype]
     torch.testing.assert_close(part, out[:, rows], **close)
     torch.testing.assert_close(part_lse, lse[:, :, rows], **close)
     dq_r, dk_r, dv_r, _ = memattn.ops.backward(grad[:, rows], q[:, rows], k, v, part, part_lse,
