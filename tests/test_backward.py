@@ -5,6 +5,7 @@ CPU (CI): Triton's interpreter at small odd sizes, float32 and float16. GPU
 """
 
 import dataclasses
+import math
 import zlib
 
 import pytest
@@ -64,6 +65,44 @@ def test_varlen_bias_gradient_and_empty_sequences_cpu():
     case = Case("varlen bias grad", lengths_q=(5, 0, 21, 3), lengths_k=(9, 4, 0, 17),
                 bias="BHQK", options=dict(causal=True, align="bottom_right"))
     assert_results(check_backward(case, torch.float32, "cpu", seed=8))
+
+
+@cpu_only
+def test_packed_row_stats_for_hopper_cpu():
+    """The preprocess lays packed sequences' row statistics out for the Gluon backward's
+    TMA (backward_sm90.row_stats_buffer): sequence b's rows from common.packed_stats_start
+    on, a multiple of 4 tokens past the previous sequence's last row, lse * log2(e)
+    (+inf where lse is -inf) and delta - grad_lse there, zeros everywhere else."""
+    from memattn.kernels import backward_sm90
+
+    gen = torch.Generator().manual_seed(3)
+    lengths = (130, 0, 77, 301, 6, 1)
+    tokens, heads, dv = sum(lengths), 3, 24
+    q = torch.randn(tokens, heads, 32, generator=gen)
+    out, grad_out = (torch.randn(tokens, heads, dv, generator=gen) for _ in range(2))
+    lse, grad_lse = (torch.randn(heads, tokens, generator=gen) for _ in range(2))
+    lse[1, 140] = float("-inf")
+    cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    spec = memattn.spec.check_call(q, q, out, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                   max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
+    stats = backward_sm90.row_stats_buffer(spec, lse)
+    lse2, delta = stats[:, 0]
+    grid, args, constexprs = backward_kernels.delta_launch(spec, out, grad_out, lse, grad_lse,
+                                                           cu, delta, lse2)  # fmt: skip
+    backward_kernels._delta_kernel[grid](*args, **constexprs)
+
+    want = torch.zeros_like(stats[:, 0])
+    row_delta = (out * grad_out).sum(-1).T - grad_lse
+    row_lse2 = torch.where(lse == float("-inf"), float("inf"), lse * math.log2(math.e))
+    end = 0
+    for b, (first, length) in enumerate(zip(cu.tolist(), lengths)):
+        start = (first + 3 * b + 3) // 4 * 4
+        assert start % 4 == 0 and start >= end, "aligned, after the previous sequence"
+        end = start + length
+        want[0, :, start:end] = row_lse2[:, first : first + length]
+        want[1, :, start:end] = row_delta[:, first : first + length]
+    assert end <= stats.shape[-1]
+    torch.testing.assert_close(stats[:, 0], want, rtol=1e-6, atol=1e-6)
 
 
 @cpu_only
@@ -304,15 +343,24 @@ def _bias_row(case) -> bool:
     return case.bias is not None and _bias_letters(case)[2:] == "1K"
 
 
+LSE_GRADIENT_CASES = [
+    Case("lse D64", batch=2, heads=4, kv_heads=2, seqlen_q=301, seqlen_k=301, dqk=64,
+         dv=64, options=dict(causal=True)),
+    Case("lse D256", batch=2, heads=4, kv_heads=2, seqlen_q=301, seqlen_k=301, dqk=256,
+         dv=256, options=dict(causal=True)),
+    # sequences starting at tokens 130, 207 and 508: their stats are moved to multiples of 4
+    Case("lse packed D128", heads=4, kv_heads=2, dqk=128, dv=128, lengths_q=(130, 0, 77, 301, 6),
+         lengths_k=(130, 0, 77, 301, 6), options=dict(causal=True)),
+]  # fmt: skip
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 256])
-def test_hopper_backward_gradient_through_lse_gpu(head_dim, hopper_backward_launches):
+@pytest.mark.parametrize("case", LSE_GRADIENT_CASES, ids=lambda c: c.name)
+def test_hopper_backward_gradient_through_lse_gpu(case, hopper_backward_launches):
     """A gradient flowing into lse enters the Gluon backward as delta - grad_lse, in the
-    preprocess's row statistics (padded for TMA: 301 queries pad to 304): dq, dk, dv
-    against float64 autograd through the reference, within twice the reference's own
-    error in bf16."""
-    case = Case("lse", batch=2, heads=4, kv_heads=2, seqlen_q=301, seqlen_k=301,
-                dqk=head_dim, dv=head_dim, options=dict(causal=True))
+    preprocess's row statistics (padded for TMA: 301 queries pad to 304; packed
+    sequences' at common.packed_stats_start): dq, dk, dv against float64 autograd
+    through the reference, within twice the reference's own error in bf16."""
     x = make_inputs(case, torch.bfloat16, "cuda", seed=11)
     leaves = [t.requires_grad_(True) for t in (x.q, x.k, x.v)]
     out, lse = memattn.attention(*leaves, **x.kwargs, return_lse=True)

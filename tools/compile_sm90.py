@@ -149,7 +149,7 @@ def compile_hopper_backward() -> int:
             return  # backward.py's call: D=256 with a bias, ALiBi, dropout or varlen
         lse = (torch.empty(spec.heads, q.shape[0]) if spec.varlen
                else torch.empty(*spec.bias_shape[:3]))  # fmt: skip
-        stats = backward_sm90.row_stats_buffer(lse)
+        stats = backward_sm90.row_stats_buffer(spec, lse)
         dbias = None if bias is None else torch.empty_like(bias)
         if bias is not None and backward_sm90.hopper.bias_row(spec, bias):
             dbias = torch.empty(*spec.bias_shape[:2], spec.seqlen_k)

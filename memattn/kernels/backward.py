@@ -37,6 +37,7 @@ from .common import (
     dropout_keep,
     key_range,
     new_output,
+    packed_stats_start,
     query_range,
     sequence_bounds,
     tile_span,
@@ -52,20 +53,23 @@ from .forward import (
 
 @triton.jit
 def _delta_kernel(
-    Out, DOut, Delta, Lse, Lse2, DQAcc,
+    Out, DOut, Delta, Lse, Lse2, DQAcc, GradLse,
     stride_ob, stride_om, stride_oh, stride_od,
     stride_gb, stride_gm, stride_gh, stride_gd,
     stride_lb, stride_lh, stride_lm,
     stride_db, stride_dh, stride_dm,
     stride_ab, stride_am, stride_ah,
+    stride_eb, stride_eh, stride_em,
     CuSeqQ, H, seqlen_q, num_m_blocks,
     DV: tl.constexpr, DQK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_VARLEN: tl.constexpr, FOR_SM90: tl.constexpr, ZERO_DQ: tl.constexpr,
+    HAS_GRAD_LSE: tl.constexpr,
 ):  # fmt: skip
-    """delta = rowsum(dO * O). FOR_SM90 (the Gluon backward's inputs): also
+    """delta = rowsum(dO * O), minus grad_lse where a gradient flows into lse (it adds
+    P * grad_lse to dS). FOR_SM90 (the Gluon backward's inputs): also
     lse2 = lse * log2(e) (+inf for rows that see no key, so their P is 0, not NaN),
-    stored beside delta (strides stride_d*), and with ZERO_DQ zeros for the fp32 dQ
-    accumulator."""
+    stored beside delta (strides stride_d*), packed sequences' at packed_stats_start;
+    with ZERO_DQ, zeros for the fp32 dQ accumulator."""
     pid = tl.program_id(0)
     bh = pid // num_m_blocks
     start_m = (pid % num_m_blocks) * BLOCK_M
@@ -84,7 +88,13 @@ def _delta_kernel(
     do = tl.load(DOut + b64 * stride_gb + h64 * stride_gh + row0 * stride_gm
                  + rows[:, None] * stride_gm + cols[None, :] * stride_gd, mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    d_off = b64 * stride_db + h64 * stride_dh + (row0 + rows) * stride_dm
+    if HAS_GRAD_LSE:
+        delta -= tl.load(GradLse + b64 * stride_eb + h64 * stride_eh + (row0 + rows) * stride_em,
+                         mask=row_ok, other=0.0)
+    stats_row0 = row0
+    if FOR_SM90 and IS_VARLEN:
+        stats_row0 = tl.cast(packed_stats_start(q_start, b) + start_m, tl.int64)
+    d_off = b64 * stride_db + h64 * stride_dh + (stats_row0 + rows) * stride_dm
     tl.store(Delta + d_off, delta, mask=row_ok)
     if FOR_SM90:
         lse = tl.load(Lse + b64 * stride_lb + h64 * stride_lh + (row0 + rows) * stride_lm,
@@ -100,25 +110,28 @@ def _delta_kernel(
 _DELTA_BLOCK_M = 64
 
 
-def delta_launch(spec: AttentionSpec, out, grad_out, lse, cu_seqlens_q, delta, lse2=None,
-                 dq_acc=None) -> tuple[tuple, tuple, dict]:  # fmt: skip
-    """_delta_kernel's (grid, arguments, constexprs): delta (laid out as lse) and, for
-    the Gluon backward (lse2 given), lse2 and zeros in dq_acc where given. The tile
-    backward launches it here, backward_sm90 through its launcher."""
+def delta_launch(spec: AttentionSpec, out, grad_out, lse, grad_lse, cu_seqlens_q, delta,
+                 lse2=None, dq_acc=None) -> tuple[tuple, tuple, dict]:  # fmt: skip
+    """_delta_kernel's (grid, arguments, constexprs): delta (laid out as lse; for the
+    Gluon backward, lse2 given, as backward_sm90.row_stats_buffer) minus grad_lse where
+    given, lse2, and zeros in dq_acc where given. The tile backward launches it here,
+    backward_sm90 through its launcher."""
     zero_dq = dq_acc is not None
     num_m = cdiv(spec.seqlen_q, _DELTA_BLOCK_M)
     grid = (num_m * spec.batch * spec.heads,)
     args = (
         out, grad_out, delta, lse, lse2, dq_acc if zero_dq else lse2,
+        lse if grad_lse is None else grad_lse,
         *dense_strides(out, spec.varlen), *dense_strides(grad_out, spec.varlen),
         *lse_strides(lse, spec.varlen), *lse_strides(delta, spec.varlen),
         *(dense_strides(dq_acc, spec.varlen)[:3] if zero_dq else (0, 0, 0)),
+        *(lse_strides(grad_lse, spec.varlen) if grad_lse is not None else (0, 0, 0)),
         cu_seqlens_q, spec.heads, spec.seqlen_q, num_m,
     )  # fmt: skip
     constexprs = dict(
         DV=spec.head_dim_v, DQK=spec.head_dim_qk, BLOCK_M=_DELTA_BLOCK_M,
         BLOCK_DV=tuning.padded_head_dim(spec.head_dim_v), IS_VARLEN=spec.varlen,
-        FOR_SM90=lse2 is not None, ZERO_DQ=zero_dq,
+        FOR_SM90=lse2 is not None, ZERO_DQ=zero_dq, HAS_GRAD_LSE=grad_lse is not None,
     )  # fmt: skip
     return grid, args, constexprs
 
@@ -602,10 +615,9 @@ def backward(
                    *dense_strides(v, spec.varlen), *dense_strides(grad_out, spec.varlen))
     configs = tuning.backward_configs(spec)
     delta = torch.empty_like(lse)
-    grid, args, constexprs = delta_launch(spec, out, grad_out, lse, cu_seqlens_q, delta)
+    grid, args, constexprs = delta_launch(spec, out, grad_out, lse, grad_lse, cu_seqlens_q,
+                                          delta)  # fmt: skip
     _delta_kernel[grid](*args, **constexprs)
-    if grad_lse is not None:
-        delta.sub_(grad_lse)
 
     # dQ takes one of three paths: from the dS the bias gradient already wrote (a
     # matmul), accumulated with fp32 atomics inside the dK/dV kernel (5 matmuls per

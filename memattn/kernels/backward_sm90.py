@@ -23,7 +23,8 @@ the bias broadcasts over: no atomics, no expanded buffer, the same bits every ru
 Dropout's keep bits come from hopper.dropout_keep in the transposed layout. Packed
 sequences (varlen): one batch of all tokens to TMA, tiles from each sequence's first
 token, query rows past a sequence's end masked, dK and dV stored from its first key;
-lse and delta by pointer there (a TMA box along the tokens must start 16-byte aligned).
+their lse and delta from common.packed_stats_start on, a multiple of 4 tokens (a TMA
+box along the tokens must start 16-byte aligned, and a sequence may start anywhere).
 At D 64 and 128 backward.py zeroes the fp32 dQ buffer (in its preprocess) and converts
 it to the output dtype.
 
@@ -64,6 +65,7 @@ from .common import (
     cdiv,
     diagonal_offset,
     new_output,
+    packed_stats_start,
     query_range,
     sequence_bounds,
     visible,
@@ -105,41 +107,35 @@ def _store_dk_dv(
 def _bwd_load_partition(
     q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem, v_smem,
     lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, b_tma,
-    hk, q_start, k_start, GROUP, bias_b, bias_heads, start_n, lo, n_tiles,
+    hk, q_start, k_start, stats_start, GROUP, bias_b, bias_heads, start_n, lo, n_tiles,
     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-    IS_VARLEN: gl.constexpr,
 ):  # fmt: skip
     """One warp: K and V once, then Q (with its rows' lse and the bias tile) and dO
     (with delta) tiles of every query head of the group. b_tma: the batch's index to
     TMA, 0 for packed sequences (one batch of all tokens), whose tiles start at their
-    sequence's first token (q_start, k_start; 0 dense). There the compute warpgroups
-    load lse and delta themselves: a TMA box along the tokens must start 16-byte
-    aligned, at a multiple of 4 tokens, and a sequence may start anywhere (an illegal
-    instruction otherwise)."""
+    sequence's first token (q_start, k_start; 0 dense) and their row statistics at
+    stats_start (common.packed_stats_start; 0 dense)."""
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b_tma, hk, k_start + start_n, 0], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [b_tma, hk, k_start + start_n, 0], kv_bar, v_smem)
     for i in range(GROUP * n_tiles):
         h, start_m = _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M)
         row = q_start + start_m
-        stats_bytes: gl.constexpr = 0 if IS_VARLEN else stats_desc.block_type.nbytes
-        nbytes: gl.constexpr = q_desc.block_type.nbytes + stats_bytes
+        nbytes: gl.constexpr = q_desc.block_type.nbytes + stats_desc.block_type.nbytes
         q_bytes: gl.constexpr = nbytes + bias_desc.block_type.nbytes if HAS_BIAS else nbytes
         slot = hopper.claim(q_ready, q_empty, i, q_bytes, STAGES)
         tma.async_copy_global_to_shared(q_desc, [b_tma, h, row, 0], q_ready.index(slot),
                                         q_smem.index(slot))
-        if not IS_VARLEN:
-            tma.async_copy_global_to_shared(stats_desc, [0, b_tma, h, row], q_ready.index(slot),
-                                            lse_smem.index(slot))
+        tma.async_copy_global_to_shared(stats_desc, [0, b_tma, h, stats_start + start_m],
+                                        q_ready.index(slot), lse_smem.index(slot))
         if HAS_BIAS:  # indexed by positions inside the sequence
             tma.async_copy_global_to_shared(bias_desc, [bias_b, h % bias_heads, start_m, start_n],
                                             q_ready.index(slot), bias_smem.index(slot))
         slot = hopper.claim(do_ready, do_empty, i, nbytes, STAGES)
         tma.async_copy_global_to_shared(do_desc, [b_tma, h, row, 0], do_ready.index(slot),
                                         do_smem.index(slot))
-        if not IS_VARLEN:
-            tma.async_copy_global_to_shared(stats_desc, [1, b_tma, h, row],
-                                            do_ready.index(slot), delta_smem.index(slot))
+        tma.async_copy_global_to_shared(stats_desc, [1, b_tma, h, stats_start + start_m],
+                                        do_ready.index(slot), delta_smem.index(slot))
 
 
 @gluon.jit
@@ -147,8 +143,8 @@ def _bwd_compute_partition(
     shared, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
     HAS_DBIAS: gl.constexpr, BIAS_ROW: gl.constexpr, DBIAS_ROW: gl.constexpr,
-    HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr,
-    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
+    BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: keys [start_n + HALF * 64, + 64) against every query tile.
     ``shared``: the runtime arguments both take (_bwd_sm90_kernel builds the tuple)."""
@@ -158,7 +154,7 @@ def _bwd_compute_partition(
      k_start, GROUP, start_n, lo, full_lo, full_hi, n_tiles, seqlen_q, seqlen_k, off, scale,
      window_left, window_right, seed, rng_offset, heads, dropout_p, Alibi, stride_ab,
      stride_ah, BiasRow, stride_rb, stride_rh, stride_rn, bias_batches, bias_heads, DBiasRow,
-     stride_pb, stride_ph, Stats, stride_sp, stride_sh) = shared
+     stride_pb, stride_ph) = shared
     dtype: gl.constexpr = k_smem.dtype
     HALF_N: gl.constexpr = BLOCK_N // 2
     HALF_D: gl.constexpr = HEAD_DIM // 2
@@ -199,9 +195,6 @@ def _bwd_compute_partition(
         if HAS_DROPOUT:  # Philox's integer work runs while the tensor cores do S and dP
             keep = hopper.dropout_keep(seed, rng_offset, b * heads + h, start_m, row0,
                                        dropout_p, BLOCK_M, HALF_N, True, s_layout)
-        if IS_VARLEN:  # this tile's lse2 (_bwd_load_partition says why not by TMA)
-            stats_row = Stats + h.to(gl.int64) * stride_sh + q_start  # a scalar: no
-            lse2 = gl.load(stats_row + offs_m, mask=offs_m < seqlen_q, other=0.0)  # pointers held
         if BIAS_ROW:  # this half's keys of a bias constant along queries, this head's
             row_ptrs = (BiasRow + bias_b * stride_rb + (h % bias_heads).to(gl.int64) * stride_rh
                         + offs_n.to(gl.int64) * stride_rn)
@@ -223,10 +216,7 @@ def _bwd_compute_partition(
             s = add_bias_alibi_log2(s * scale_log2, offs_m[None, :], offs_n[:, None], off, slope,
                                     bias, HAS_BIAS or BIAS_ROW, HAS_ALIBI)
             p_scale = 1.0
-        if IS_VARLEN:  # and delta, loaded while dP runs on
-            delta = gl.load(stats_row + stride_sp + offs_m, mask=offs_m < seqlen_q, other=0.0)
-        else:
-            lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
+        lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
         if (start_m < full_lo) | (start_m >= full_hi):
             # Rows past Sq: zeros by TMA in a dense batch, the next sequence's in a
             # packed one; either way no query.
@@ -235,8 +225,7 @@ def _bwd_compute_partition(
             s = gl.where(mask & (offs_m < seqlen_q)[None, :], s, float("-inf"))
         p = gl.exp2(s * p_scale - lse2[None, :])
         dp = warpgroup_mma_wait(0, deps=(dp,))
-        if not IS_VARLEN:
-            delta = delta_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
+        delta = delta_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
         p_kept = p
         if HAS_DROPOUT:  # dP Z / (1 - p); dV takes its 1 / (1 - p) at the end
             dp = gl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
@@ -356,7 +345,7 @@ def _operand_buffers(q_desc, do_desc, k_desc, v_desc, stats_desc, STAGES: gl.con
 @gluon.jit
 def _bwd_sm90_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, bias_desc, dbias_desc, DK, DV, Rng,
-    Alibi, CuSeqQ, CuSeqK, BiasRow, DBiasRow, Stats, stride_sp, stride_sh, stride_kb,
+    Alibi, CuSeqQ, CuSeqK, BiasRow, DBiasRow, stride_kb,
     stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ab, stride_ah, stride_rb,
     stride_rh, stride_rn, stride_pb, stride_ph, HKV, GROUP, bias_batches, bias_heads, seqlen_q,
     seqlen_k, num_n_blocks, scale, window_left, window_right, dropout_p,
@@ -371,7 +360,9 @@ def _bwd_sm90_kernel(
         HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right,
         BLOCK_M, BLOCK_N, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
     b_tma = 0 if IS_VARLEN else b  # packed sequences: one batch of all tokens to TMA
+    stats_start = 0
     if IS_VARLEN:  # dK and dV rows from the sequence's first key on
+        stats_start = packed_stats_start(q_start, b)
         DK += k_start.to(gl.int64) * stride_kn
         DV += k_start.to(gl.int64) * stride_vn
 
@@ -407,20 +398,19 @@ def _bwd_sm90_kernel(
               b, b_tma, hk, q_start, k_start, GROUP, start_n, lo, full_lo, full_hi, n_tiles,
               seqlen_q, seqlen_k, off, scale, window_left, window_right, seed, rng_offset,
               heads, dropout_p, Alibi, stride_ab, stride_ah, BiasRow, stride_rb, stride_rh,
-              stride_rn, bias_batches, bias_heads, DBiasRow, stride_pb, stride_ph, Stats,
-              stride_sp, stride_sh)
+              stride_rn, bias_batches, bias_heads, DBiasRow, stride_pb, stride_ph)
     gl.warp_specialize(
         [(_bwd_compute_partition, (shared, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS,
                                    HAS_DBIAS, BIAS_ROW, DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT,
-                                   IS_VARLEN, BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                   BOUNDED_LEFT, BOUNDED_RIGHT)),
          (_bwd_compute_partition, (shared, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS,
                                    HAS_DBIAS, BIAS_ROW, DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT,
-                                   IS_VARLEN, BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                   BOUNDED_LEFT, BOUNDED_RIGHT)),
          (_bwd_load_partition, (
             q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem,
             v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready, q_empty,
-            do_empty, b_tma, hk, q_start, k_start, GROUP, bias_b, bias_heads, start_n, lo,
-            n_tiles, BLOCK_M, STAGES, HAS_BIAS, IS_VARLEN))],
+            do_empty, b_tma, hk, q_start, k_start, stats_start, GROUP, bias_b, bias_heads,
+            start_n, lo, n_tiles, BLOCK_M, STAGES, HAS_BIAS))],
         worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
 
 
@@ -554,8 +544,8 @@ def _bwd_d256_kernel(
          (_bwd_load_partition, (
             q_desc, do_desc, k_desc, v_desc, stats_desc, q_desc, q_smem, do_smem, k_smem,
             v_smem, lse_smem, delta_smem, q_smem, kv_bar, q_ready, do_ready, q_empty,
-            do_empty, b, hk, 0, 0, GROUP, 0, 1, start_n, lo, n_tiles, BLOCK_M, STAGES,
-            False, False))],
+            do_empty, b, hk, 0, 0, 0, GROUP, 0, 1, start_n, lo, n_tiles, BLOCK_M, STAGES,
+            False))],
         worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
 
 
@@ -747,14 +737,18 @@ MIN_KEYS_PER_QUERY = {64: 512, 128: 512, 256: 0}
 HEAD_DIMS = (64, 128, 256)
 
 
-def row_stats_buffer(lse: torch.Tensor) -> torch.Tensor:
+def row_stats_buffer(spec: AttentionSpec, lse: torch.Tensor) -> torch.Tensor:
     """One (2, B, H, Sq') float32 tensor for the row statistics the preprocess fills,
     [0] lse * log2(e) and [1] delta, rows padded to 16 bytes as TMA needs (the padding
     is never written or read: the descriptor's rows end at Sq). TMA reads past Sq give
     zeros, harmless: those rows have Q = dO = 0, so P·dO and dS vanish. Packed
-    sequences' lse (H, Tq) is one batch: (2, 1, H, Tq')."""
-    if lse.dim() == 2:
-        lse = lse.unsqueeze(0)
+    sequences (lse (H, Tq)) are one batch, (2, 1, H, Tq'), each sequence's rows from
+    common.packed_stats_start on; zeros in the gaps between them (TMA reads them for
+    rows past a sequence's end, masked: their P must be 0, not NaN)."""
+    if spec.varlen:
+        heads, tokens = lse.shape
+        padded = cdiv(tokens + 3 * spec.batch, 4) * 4  # packed_stats_start's slack
+        return torch.zeros(2, 1, heads, padded, dtype=torch.float32, device=lse.device)
     batch, heads, seqlen = lse.shape
     padded = cdiv(seqlen, 4) * 4
     return torch.empty(2, batch, heads, padded, dtype=torch.float32, device=lse.device)
@@ -762,7 +756,7 @@ def row_stats_buffer(lse: torch.Tensor) -> torch.Tensor:
 
 def _row_stats_descriptor(stats: torch.Tensor, rows: int) -> TensorDescriptor:
     """One descriptor over row_stats_buffer's tensor: [0, b, h, rows] is lse2,
-    [1, b, h, rows] delta. rows: Sq, or the packed query tokens."""
+    [1, b, h, rows] delta. rows: Sq, or the packed buffer's whole length."""
     block = (1, 1, 1, BLOCK_M)
     return hopper.make_descriptor(stats, [*stats.shape[:3], rows], list(stats.stride()),
                                   block, hopper.shared_layout(block, torch.float32))
@@ -831,10 +825,10 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
         q_desc, hopper.descriptor(k, BLOCK_N, swizzle=k_swizzle),
         hopper.descriptor(v, BLOCK_N), hopper.descriptor(grad_out, BLOCK_M),
         hopper.descriptor(dq, BLOCK_M, cols=half_d),
-        _row_stats_descriptor(stats, q.shape[1]), bias_desc, dbias_desc, dk, dv, rng_state,
-        alibi_slopes, cu_seqlens_q, cu_seqlens_k, bias if bias_row else dk,
-        dbias if bias_row and dbias is not None else dk, stats, stats.stride(0),
-        stats.stride(2), *k_strides, *v_strides,
+        _row_stats_descriptor(stats, stats.shape[-1] if spec.varlen else spec.seqlen_q),
+        bias_desc, dbias_desc, dk, dv, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+        bias if bias_row else dk, dbias if bias_row and dbias is not None else dk,
+        *k_strides, *v_strides,
         alibi_batch_stride, alibi_head_stride, *row_strides, *partial_strides,
         spec.kv_heads, spec.group, bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k,
         *how.counts, spec.scale, spec.window_left, spec.window_right, spec.dropout_p,
@@ -935,20 +929,19 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
     is computed, and the preprocess launches first, before the outputs are allocated:
     every line here is host time on each call, and what comes before the first launch
     is what a call waits for."""
-    stats = row_stats_buffer(lse)
-    # (B, H, Sq padded) planes, packed sequences' (H, Tq padded): lse * log2(e), delta
+    stats = row_stats_buffer(spec, lse)
+    # (B, H, Sq padded) planes, packed sequences' (H, padded): lse * log2(e), delta
     lse2, delta = stats[:, 0] if spec.varlen else stats.unbind(0)
     dq_acc = None
     if dq_in_fp32(spec):
         dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    grid, args, constexprs = tiles.delta_launch(spec, out, grad_out, lse, cu_seqlens_q, delta,
-                                                lse2, dq_acc)  # fmt: skip
+    grid, args, constexprs = tiles.delta_launch(spec, out, grad_out, lse, grad_lse,
+                                                cu_seqlens_q, delta, lse2, dq_acc)  # fmt: skip
     # the stats and dq_acc fresh: what the spec does not fix is here
     variant = (spec, *out.stride(), *grad_out.stride(), *lse.stride(),
-               *map(hopper.aligned, (out, grad_out, lse, cu_seqlens_q)))  # fmt: skip
+               *map(hopper.aligned, (out, grad_out, lse, cu_seqlens_q)),
+               None if grad_lse is None else (*grad_lse.stride(), hopper.aligned(grad_lse)))
     _launch_delta(grid, *args, variant=variant, **constexprs)
-    if grad_lse is not None:
-        delta[..., : lse.shape[-1]].sub_(grad_lse)
     dq = new_output(q.shape, q.dtype, q.device)
     dk = new_output(k.shape, k.dtype, k.device)
     dv = new_output(v.shape, v.dtype, v.device)

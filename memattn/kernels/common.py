@@ -60,6 +60,15 @@ def sequence_bounds(CuSeqQ, CuSeqK, b, seqlen_q, seqlen_k, IS_VARLEN: tl.constex
 
 
 @triton.jit
+def packed_stats_start(q_start, b):
+    """Where packed sequence b's row statistics start in the Gluon backward's stats
+    buffer (backward_sm90.row_stats_buffer): its first token rounded up to a multiple
+    of 4 (16 bytes of fp32, where a TMA box must start) after 3 tokens of slack for each
+    earlier sequence, so that no two sequences overlap."""
+    return (q_start + 3 * b + 3) // 4 * 4
+
+
+@triton.jit
 def diagonal_offset(seqlen_q, seqlen_k, BOTTOM_RIGHT: tl.constexpr):
     """off: query i sits at key position i + off (0 top-left, Sk - Sq bottom-right)."""
     if BOTTOM_RIGHT:
