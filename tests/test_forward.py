@@ -246,9 +246,10 @@ HOPPER_CASES = [
     Case("alibi BH bias D64 window", seqlen_q=600, seqlen_k=1000, dqk=64, dv=64, alibi="BH",
          bias="BHQK", options=dict(window=(300, 40))),
     Case("D256 alibi", seqlen_q=300, seqlen_k=400, dqk=256, dv=256, alibi="H"),
-    # a bias constant along queries (key padding): read by pointer, a row of keys per
-    # key tile; its gradient summed over queries in registers, then over the batch or
-    # the heads it broadcasts over; with dropout (no shared memory taken)
+    # a bias constant along queries (key padding): a row of keys per key tile (by TMA
+    # beside K in the forward, rows padded to 16 bytes; by pointer in the backward); its
+    # gradient summed over queries in registers, then over the batch or the heads it
+    # broadcasts over; with dropout
     Case("bias B11K causal GQA", heads=4, kv_heads=2, seqlen_q=777, seqlen_k=1030, dqk=128,
          dv=128, bias="B11K", options=dict(causal=True)),
     Case("bias 1H1K D64 window dropout", seqlen_q=600, seqlen_k=900, dqk=64, dv=64,
@@ -271,6 +272,8 @@ HOPPER_CASES = [
     Case("varlen D256", lengths_q=(130, 600, 1), lengths_k=(200, 600, 77), dqk=256, dv=256),
     Case("varlen bias alibi", lengths_q=(700, 0, 1300, 64), lengths_k=(700, 5, 1304, 64),
          dqk=128, dv=128, bias="BHQK", alibi="BH", options=dict(causal=True)),
+    Case("varlen key bias BH1K causal", lengths_q=(700, 0, 1300, 64),
+         lengths_k=(700, 5, 1302, 64), dqk=128, dv=128, bias="BH1K", options=dict(causal=True)),
     Case("varlen dropout key bias GQA", heads=4, kv_heads=2, lengths_q=(300, 1000, 17),
          lengths_k=(500, 900, 40), dqk=64, dv=64, bias="B11K",
          options=dict(window=(200, 10), dropout_p=0.2)),
@@ -350,15 +353,18 @@ def test_hopper_kernel_persistent_gpu(name, fold, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "head_dim, parts, bias, dropout, stages",
-    [(64, 2, False, False, 2), (64, 3, True, False, 1), (64, 2, True, False, 2),
-     (128, 2, False, False, 2), (128, 2, True, False, 1), (128, 2, False, True, 1),
-     (256, 2, False, False, 1)],
+    "head_dim, parts, bias, row, dropout, stages",
+    [(64, 2, False, False, False, 2), (64, 3, True, False, False, 1),
+     (64, 2, True, False, False, 2), (64, 2, False, True, True, 2),
+     (128, 2, False, False, False, 2), (128, 2, True, False, False, 1),
+     (128, 2, False, True, False, 2), (128, 2, False, False, True, 1),
+     (256, 2, False, False, False, 1)],
 )  # fmt: skip
-def test_q_stages_fit_shared_memory(head_dim, parts, bias, dropout, stages):
-    """Two Q buffers where the K/V rings, O's and the bias's buffers leave room (227
-    KiB, less dropout's scratch); at D=256 O leaves through Q's buffer: one."""
-    assert forward_sm90.q_stages(head_dim, parts, bias, dropout) == stages
+def test_q_stages_fit_shared_memory(head_dim, parts, bias, row, dropout, stages):
+    """Two Q buffers where the K/V rings, O's and the bias's buffers (tiles or rows)
+    leave room (227 KiB, less dropout's scratch); at D=256 O leaves through Q's
+    buffer: one."""
+    assert forward_sm90.q_stages(head_dim, parts, bias, row, dropout) == stages
 
 
 @pytest.mark.gpu

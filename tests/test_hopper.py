@@ -470,6 +470,8 @@ def test_bias_row_log2_is_what_the_kernels_add(shape, monkeypatch):
     flat[::7] = float("-inf")
     flat[3::11] = torch.finfo(torch.bfloat16).min
     row = hopper.bias_row_log2(bias)
+    assert row.stride(-1) == 1 and all(s * 4 % 16 == 0 for s in row.stride()[:-1]), (
+        "rows start 16-byte aligned: the forward loads them by TMA")
     b = bias.float().reshape(row.shape)
     expected = torch.where(b == float("-inf"), b, b.clamp(min=-2.0e38) * 1.4426950408889634)
     torch.testing.assert_close(row, expected, rtol=1e-6, atol=0)

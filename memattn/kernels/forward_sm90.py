@@ -24,9 +24,12 @@ not the sequence's).
 A bias comes by TMA: the load warp puts each key tile's BLOCK_M x BLOCK_N bias tile in
 a ring beside K's, each warpgroup reads its rows. A bias constant along queries (key
 padding) instead comes as one row per key tile, fp32 in log2 units from
-hopper.bias_row_log2, loaded by each warpgroup while its matmuls run and added with one
-FMA a score. Dropout's keep bits come from hopper.dropout_keep, drawn while the
-warpgroup's matmuls run; P·V takes the kept probabilities and the output the 1 / (1 - p).
+hopper.bias_row_log2, by TMA beside its K tile (on K's barrier), read by each warpgroup
+while its matmuls run and added with one FMA a score. (Loaded by pointer, its latency
+showed wherever the row changed from one query block to the next: a row per head ran
+at 310 TFLOP/s against 465 for one per batch.) Dropout's keep bits come from
+hopper.dropout_keep, drawn while the warpgroup's matmuls run; P·V takes the kept
+probabilities and the output the 1 / (1 - p).
 
 Covers bf16/fp16, head dims 64, 128 and 256 (q·k and v alike), GQA, causal masks either
 way, sliding windows, ALiBi, a bias (TMA tiles, not with dropout; or a key row), dropout,
@@ -36,6 +39,7 @@ softcap, Dqk != Dv, fp32.
 
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -95,13 +99,13 @@ SHARED_MEMORY = 227 * 1024  # an H100 block's opt-in maximum
 def _load_partition(
     loads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     Q_STAGES: gl.constexpr, FOLD: gl.constexpr, HAS_BIAS: gl.constexpr,
-    BIAS_STAGES: gl.constexpr, IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
-    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    BIAS_STAGES: gl.constexpr, BIAS_ROW: gl.constexpr, IS_VARLEN: gl.constexpr,
+    BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
-    """One warp: each query block's Q into its ring, then its K (and bias) and V tiles
-    into theirs as slots come free. The rings' index runs on across the program's query
-    blocks, so the next block's first tiles load while this one's last are still in
-    use. ``loads``: its runtime arguments (_fwd_sm90_kernel builds the tuple)."""
+    """One warp: each query block's Q into its ring, then its K (with a bias row), bias
+    and V tiles into theirs as slots come free. The rings' index runs on across the
+    program's query blocks, so the next block's first tiles load while this one's last
+    are still in use. ``loads``: its runtime arguments (_fwd_sm90_kernel builds the tuple)."""
     (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, q_ready, q_empty,
      k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, pid, programs, H, GROUP,
      bias_batches, bias_heads, num_m_blocks, heads_total, n_items, CuSeqQ, CuSeqK, seqlen_q,
@@ -127,11 +131,18 @@ def _load_partition(
                     q_smem.index(slot * PARTS + i))
             bias_b = b % bias_batches  # 0 where the bias broadcasts over batches
             bias_h = h % bias_heads
+            # a bias row's keys come with K's, on its barrier
+            k_bytes: gl.constexpr = (k_desc.block_type.nbytes + bias_desc.block_type.nbytes
+                                     if BIAS_ROW else k_desc.block_type.nbytes)
             for t in range(n_tiles):
-                slot = hopper.claim(k_ready, k_empty, kv + t, k_desc.block_type.nbytes, STAGES)
+                slot = hopper.claim(k_ready, k_empty, kv + t, k_bytes, STAGES)
                 tma.async_copy_global_to_shared(
                     k_desc, [b_tma, hk, k_start + lo + t * BLOCK_N, 0], k_ready.index(slot),
                     k_smem.index(slot))
+                if BIAS_ROW:  # indexed by positions inside the sequence
+                    tma.async_copy_global_to_shared(
+                        bias_desc, [bias_b, bias_h, lo + t * BLOCK_N], k_ready.index(slot),
+                        bias_smem.index(slot))
                 if HAS_BIAS:  # one ROWS x BLOCK_N tile per warpgroup
                     slot = hopper.claim(bias_ready, bias_empty, kv + t,
                                         PARTS * bias_desc.block_type.nbytes, BIAS_STAGES)
@@ -199,16 +210,16 @@ def _bias(
 
 
 @gluon.jit
-def _bias_row(row_base, start_n, seqlen_k, BLOCK_N: gl.constexpr,
-              layout: gl.constexpr, BIAS_ROW: gl.constexpr):
-    """Keys start_n + [0, BLOCK_N) of a bias constant along queries, as
-    hopper.bias_row_log2 made it (fp32, log2 units, unit key stride), a (1, BLOCK_N)
-    row in the scores' layout (0 past Sk). Loaded while the matmuls run; 0.0 without
-    such a bias."""
+def _bias_row(bias_smem, k_slot, BLOCK_N: gl.constexpr, layout: gl.constexpr,
+              BIAS_ROW: gl.constexpr):
+    """The keys of K's slot k_slot of a bias constant along queries, as
+    hopper.bias_row_log2 made it (fp32, log2 units), a (1, BLOCK_N) row in the scores'
+    layout (TMA's zeros past Sk). Read while the matmuls run, before K's slot is
+    released; 0.0 without such a bias."""
     row = 0.0
     if BIAS_ROW:
-        offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-        row = gl.load(row_base + offs_n, mask=offs_n < seqlen_k, other=0.0)[None, :]
+        row = bias_smem.index(k_slot).reshape([BLOCK_N]).load(gl.SliceLayout(0, layout))
+        row = row[None, :]
     return row
 
 
@@ -248,8 +259,7 @@ def _softmax_partition(
      stride_ab, stride_ah, q_smem, k_smem, v_smem, o_smem, bias_smem, q_ready, q_empty,
      k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, pid, programs, H, GROUP,
      num_m_blocks, heads_total, n_items, CuSeqQ, CuSeqK, max_seqlen_q, max_seqlen_k, scale_log2,
-     window_left, window_right, seed, rng_offset, dropout_p, BiasRow, stride_rb, stride_rh,
-     bias_batches, bias_heads) = shared
+     window_left, window_right, seed, rng_offset, dropout_p) = shared
     PARTS: gl.constexpr = BLOCK_M // ROWS
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -271,8 +281,6 @@ def _softmax_partition(
             IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
         if not IS_VARLEN or start_m < seqlen_q:  # a packed block past its end: none
             bh = b * H + h  # dropout's stream
-            row_base = BiasRow + ((b % bias_batches).to(gl.int64) * stride_rb
-                                  + (h % bias_heads).to(gl.int64) * stride_rh)
             slope = 0.0
             if HAS_ALIBI:
                 slope = gl.load(Alibi + b.to(gl.int64) * stride_ab + h.to(gl.int64) * stride_ah)
@@ -291,7 +299,7 @@ def _softmax_partition(
                 s = warpgroup_mma(q_tile, k, s_init, use_acc=False, is_async=True)
                 keep = _keep(seed, rng_offset, bh, row0, lo, dropout_p, BLOCK_N, s_layout,
                              HAS_DROPOUT)
-                bias = _bias_row(row_base, lo, seqlen_k, BLOCK_N, s_layout, BIAS_ROW)
+                bias = _bias_row(bias_smem, slot, BLOCK_N, s_layout, BIAS_ROW)
                 s = warpgroup_mma_wait(0, deps=(s,))
                 mbarrier.arrive(k_empty.index(slot))
                 bias = _bias(bias, bias_smem, bias_ready, bias_empty, kv, s_layout, PART, PARTS,
@@ -313,7 +321,7 @@ def _softmax_partition(
                     # Philox's integer work runs while the tensor cores do S(t) and P·V.
                     keep = _keep(seed, rng_offset, bh, row0, start_n, dropout_p, BLOCK_N,
                                  s_layout, HAS_DROPOUT)
-                    bias = _bias_row(row_base, start_n, seqlen_k, BLOCK_N, s_layout, BIAS_ROW)
+                    bias = _bias_row(bias_smem, k_slot, BLOCK_N, s_layout, BIAS_ROW)
                     s = warpgroup_mma_wait(1, deps=(s_tok,))  # S(t) done; P(t-1)·V(t-1) runs on
                     mbarrier.arrive(k_empty.index(k_slot))
                     bias = _bias(bias, bias_smem, bias_ready, bias_empty, kv + t, s_layout, PART,
@@ -378,8 +386,8 @@ def _softmax_partition(
 @gluon.jit
 def _fwd_sm90_kernel(
     q_desc, k_desc, v_desc, o_desc, bias_desc, Out, Lse, Rng, Alibi, CuSeqQ, CuSeqK,
-    stride_om, stride_oh, stride_lb, stride_lh, stride_lm, stride_ab, stride_ah, BiasRow,
-    stride_rb, stride_rh, H, GROUP, bias_batches, bias_heads, seqlen_q, seqlen_k,
+    stride_om, stride_oh, stride_lb, stride_lh, stride_lm, stride_ab, stride_ah, H, GROUP,
+    bias_batches, bias_heads, seqlen_q, seqlen_k,
     num_m_blocks, num_items, scale_log2, window_left, window_right, dropout_p,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, Q_STAGES: gl.constexpr, FOLD: gl.constexpr, O_IN_Q: gl.constexpr,
@@ -418,6 +426,10 @@ def _fwd_sm90_kernel(
         bias_smem = gl.allocate_shared_memory(
             dtype, [BIAS_STAGES * PARTS] + bias_desc.block_type.shape, bias_desc.layout)
         bias_ready, bias_empty = hopper.ring(BIAS_STAGES, PARTS)
+    elif BIAS_ROW:  # a row of keys beside each K slot, on K's barriers
+        bias_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + bias_desc.block_type.shape,
+                                              bias_desc.layout)
+        bias_ready, bias_empty = k_ready, k_empty
     else:  # stand-ins, never touched
         bias_smem, bias_ready, bias_empty = k_smem, k_ready, k_empty
 
@@ -427,8 +439,7 @@ def _fwd_sm90_kernel(
               stride_ab, stride_ah, q_smem, k_smem, v_smem, o_smem, bias_smem, q_ready,
               q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, pid,
               programs, H, GROUP, num_m_blocks, heads_total, n_items, CuSeqQ, CuSeqK, seqlen_q,
-              seqlen_k, scale_log2, window_left, window_right, seed, rng_offset, dropout_p, BiasRow,
-              stride_rb, stride_rh, bias_batches, bias_heads)
+              seqlen_k, scale_log2, window_left, window_right, seed, rng_offset, dropout_p)
     loads = (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, q_ready,
              q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, pid,
              programs, H, GROUP, bias_batches, bias_heads, num_m_blocks, heads_total, n_items,
@@ -444,7 +455,7 @@ def _fwd_sm90_kernel(
                                   HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
                                   BOUNDED_RIGHT)),
             (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, HAS_BIAS,
-                               BIAS_STAGES, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
+                               BIAS_STAGES, BIAS_ROW, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
                                BOUNDED_RIGHT)),
         ], worker_num_warps=[4, 1], worker_num_regs=[232, 24])  # fmt: skip
     else:
@@ -462,7 +473,7 @@ def _fwd_sm90_kernel(
                                   HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
                                   BOUNDED_RIGHT)),
             (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, HAS_BIAS,
-                               BIAS_STAGES, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
+                               BIAS_STAGES, BIAS_ROW, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
                                BOUNDED_RIGHT)),
         ], worker_num_warps=[4, 4, 1], worker_num_regs=[REGS_3, REGS_3, 24])  # fmt: skip
 
@@ -477,9 +488,10 @@ HEAD_DIMS = (64, 128, 256)
 _launch_forward = hopper.Launcher(_fwd_sm90_kernel)
 
 
-def q_stages(head_dim: int, parts: int, has_bias: bool, dropout: bool) -> int:
+def q_stages(head_dim: int, parts: int, has_bias: bool, bias_row: bool, dropout: bool) -> int:
     """Q buffers a program gets: two where shared memory holds them beside the K and V
-    rings, O's buffer and the bias's, one otherwise (and always with O in Q's buffer).
+    rings, O's buffer and the bias's (tiles or rows), one otherwise (and always with O
+    in Q's buffer).
     Dropout's exchange of keep bits takes scratch of its own: 32 KiB kept clear."""
     if O_IN_Q[head_dim]:
         return 1
@@ -488,7 +500,10 @@ def q_stages(head_dim: int, parts: int, has_bias: bool, dropout: bool) -> int:
     fixed = 2 * STAGES * block_n * head_dim * 2 + parts * tile
     if has_bias:
         fixed += BIAS_STAGES[head_dim] * parts * ROWS.value * block_n * 2
-    budget = SHARED_MEMORY - 3 * 1024 - (32 * 1024 if dropout else 0)
+    if bias_row:  # fp32, a row beside each K slot
+        fixed += STAGES * block_n * 4
+    # 2 KiB for the barriers and the compiler's own (~400 bytes at D=128, sm_90 build)
+    budget = SHARED_MEMORY - 2 * 1024 - (32 * 1024 if dropout else 0)
     fits = [s for s in range(2, MAX_Q_STAGES + 1) if fixed + s * parts * tile <= budget]
     return max(fits, default=1)
 
@@ -497,7 +512,7 @@ def q_stages(head_dim: int, parts: int, has_bias: bool, dropout: bool) -> int:
 def plan(spec: AttentionSpec, bias_row: bool, device_index: int) -> hopper.Plan:
     """The forward's launch for this spec (hopper.Plan), from this module's knobs (who sets
     them calls hopper.forget_plans); bias_row: the bias is one row of keys
-    (hopper.bias_row), read by pointer. Counts: query blocks per head, work items."""
+    (hopper.bias_row), loaded beside K. Counts: query blocks per head, work items."""
     masked = spec.window_left >= 0 or spec.window_right >= 0
     tile_bias = spec.has_bias and not bias_row
     # Three warpgroups have 160 registers a thread: no room for dropout, ALiBi or the
@@ -515,7 +530,7 @@ def plan(spec: AttentionSpec, bias_row: bool, device_index: int) -> hopper.Plan:
     num_items = num_m_blocks * spec.batch * spec.heads
     constexprs = dict(
         HEAD_DIM=spec.head_dim_qk, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES,
-        Q_STAGES=q_stages(spec.head_dim_qk, block_m // ROWS.value, tile_bias,
+        Q_STAGES=q_stages(spec.head_dim_qk, block_m // ROWS.value, tile_bias, bias_row,
                           spec.dropout_p > 0),
         FOLD=fold, O_IN_Q=O_IN_Q[spec.head_dim_qk], HAS_BIAS=tile_bias,
         BIAS_STAGES=BIAS_STAGES[spec.head_dim_qk], BIAS_ROW=bias_row,
@@ -535,7 +550,7 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
     None without dropout."""
     bias_row = bias is not None and hopper.bias_row(spec, bias)
     how = plan(spec, bias_row, q.device.index)
-    if bias_row:  # (B', H', Sk) fp32 in log2 units: what the kernel adds
+    if bias_row:  # (B', H', Sk) fp32 in log2 units: what the kernel adds, by TMA
         bias = hopper.bias_row_log2(bias)
     # What the launch's arguments are made of beside the plan (the spec fixes every
     # shape but the bias's and ALiBi's): once launched, a call of the same key skips
@@ -556,10 +571,11 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
     q_desc = hopper.descriptor(q, ROWS.value)
     o_desc = q_desc if spec.varlen else hopper.descriptor(out, ROWS.value)
     bias_desc, bias_batches, bias_heads = q_desc, 1, 1  # a stand-in, never read
-    row_strides = (0, 0)
     if bias_row:
         bias_batches, bias_heads = bias.shape[:2]
-        row_strides = bias.stride()[:2]
+        block = (1, 1, block_n)
+        bias_desc = hopper.make_descriptor(bias, list(bias.shape), list(bias.stride()), block,
+                                           hopper.shared_layout(block, torch.float32))
     elif bias is not None:
         bias_desc = hopper.bias_descriptor(bias, ROWS.value, block_n)
         bias_batches, bias_heads = bias_desc.shape[:2]
@@ -567,17 +583,15 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
     # What fixes the arguments' specialisation and the constexprs (hopper.Launcher): the
     # plan, the ints it does not fix (packed lse's stride is the token count), the
     # pointers' alignment. out and lse are fresh, so aligned.
-    variant = (how, *lse_strides, bias_batches, bias_heads, *row_strides, alibi_batch_stride,
+    variant = (how, *lse_strides, bias_batches, bias_heads, alibi_batch_stride,
                alibi_head_stride, hopper.aligned(rng_state), hopper.aligned(alibi_slopes),
-               hopper.aligned(bias) if bias_row else None,
                hopper.aligned(cu_seqlens_q), hopper.aligned(cu_seqlens_k))  # fmt: skip
     _launch_forward(
         (how.programs,),
         q_desc, hopper.descriptor(k, block_n), hopper.descriptor(v, block_n), o_desc,
         bias_desc, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
         stride_om, stride_oh, *lse_strides, alibi_batch_stride, alibi_head_stride,
-        bias if bias_row else out, *row_strides, spec.heads, spec.group, bias_batches,
-        bias_heads, spec.seqlen_q, spec.seqlen_k, *how.counts, spec.scale * LOG2E.value,
-        spec.window_left, spec.window_right, spec.dropout_p, variant=variant, prepare=call,
-        **how.constexprs,
+        spec.heads, spec.group, bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k,
+        *how.counts, spec.scale * LOG2E.value, spec.window_left, spec.window_right,
+        spec.dropout_p, variant=variant, prepare=call, **how.constexprs,
     )  # fmt: skip

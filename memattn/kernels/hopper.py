@@ -598,8 +598,8 @@ def _tensor_map_args(desc: TensorDescriptor, meta) -> list:
 
 
 @triton.jit
-def _bias_row_log2_kernel(Bias, Out, stride_b, stride_h, stride_n, heads, seqlen_k, blocks,
-                          BLOCK: tl.constexpr):  # fmt: skip
+def _bias_row_log2_kernel(Bias, Out, stride_b, stride_h, stride_n, heads, seqlen_k,
+                          out_row, blocks, BLOCK: tl.constexpr):  # fmt: skip
     bh = tl.program_id(0) // blocks  # a 1-D grid, as Launcher launches
     offs = (tl.program_id(0) % blocks) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < seqlen_k
@@ -608,7 +608,7 @@ def _bias_row_log2_kernel(Bias, Out, stride_b, stride_h, stride_n, heads, seqlen
     # exactly what the kernels add to a score: common.add_bias_alibi_log2's rule
     row = add_bias_alibi_log2(tl.zeros([BLOCK], tl.float32), 0, 0, 0, 0.0, x.to(tl.float32),
                               True, False)  # fmt: skip
-    tl.store(Out + bh.to(tl.int64) * seqlen_k + offs, row, mask=ok)
+    tl.store(Out + bh.to(tl.int64) * out_row + offs, row, mask=ok)
 
 
 _launch_bias_row_log2 = Launcher(_bias_row_log2_kernel)
@@ -619,12 +619,15 @@ def bias_row_log2(bias: torch.Tensor) -> torch.Tensor:
     (B', H', Sk), times log2(e), finite values clamped as common.add_bias_alibi_log2
     does. Worked out once per call here, the forward's softmax adds it with one FMA a
     score: converting and clamping in the kernel, 32 values a thread for each key
-    tile, weighed as much as the rest of the softmax."""
+    tile, weighed as much as the rest of the softmax. Rows padded to 16 bytes: the
+    forward loads them by TMA."""
     shape, _ = _bias_4d(bias)
     batches, heads, _, seqlen_k = shape
-    out = torch.empty(batches, heads, seqlen_k, dtype=torch.float32, device=bias.device)
+    padded = cdiv(seqlen_k, 4) * 4
+    out = torch.empty(batches, heads, padded, dtype=torch.float32, device=bias.device)
+    out = out[..., :seqlen_k]
     block = 1024
     blocks = cdiv(seqlen_k, block)
     _launch_bias_row_log2((blocks * batches * heads,), bias, out, *bias_row_strides(bias),
-                          heads, seqlen_k, blocks, BLOCK=block)  # fmt: skip
+                          heads, seqlen_k, padded, blocks, BLOCK=block)  # fmt: skip
     return out
