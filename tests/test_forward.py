@@ -234,6 +234,18 @@ HOPPER_CASES = [
     Case("D256 Sq=333 Sk=1000 window", seqlen_q=333, seqlen_k=1000, dqk=256, dv=256,
          options=dict(window=(200, 30))),
     Case("D256 Sq=1100 Sk=130", seqlen_q=1100, seqlen_k=130, dqk=256, dv=256),
+    # V narrower than q·k: O's tile and registers by Dv, Q's and K's by Dqk; at 192/128
+    # (MLA) and 256/128 O leaves through Q's buffer, reinterpreted
+    Case("Dqk192 Dv128 causal GQA", heads=4, kv_heads=2, seqlen_q=700, seqlen_k=901,
+         dqk=192, dv=128, options=dict(causal=True)),
+    Case("Dqk192 Dv128 varlen key bias", lengths_q=(300, 0, 777), lengths_k=(400, 9, 777),
+         dqk=192, dv=128, bias="B11K", alibi="H", options=dict(causal=True)),
+    Case("Dqk128 Dv64 window", seqlen_q=600, seqlen_k=1000, dqk=128, dv=64,
+         options=dict(window=(300, 40))),
+    Case("Dqk128 Dv64 bias dropout", seqlen_q=333, seqlen_k=500, dqk=128, dv=64,
+         bias="1H1K", options=dict(dropout_p=0.2)),
+    Case("Dqk256 Dv128 bottom-right", seqlen_q=300, seqlen_k=650, dqk=256, dv=128,
+         options=dict(causal=True, align="bottom_right")),
     # bias and dropout at D=256: the Gluon forward, backward.py's backward
     Case("D256 bias BHQK causal", seqlen_q=500, seqlen_k=504, dqk=256, dv=256, bias="BHQK",
          options=dict(causal=True)),
@@ -312,12 +324,12 @@ def test_hopper_kernel_gpu(case, dtype, monkeypatch):
 # Persistent programs: with five of them, each walks query blocks of every batch and
 # head through its Q ring, folded (pairs of blocks, some across two heads) or not. Two
 # Q buffers at D 64/128 without a bias, one with a bias, ALiBi per (batch, head),
-# dropout, and O in Q's buffer at D=256.
+# dropout, and O in Q's buffer at D=256 and 192/128.
 PERSISTENT_CASES = ["D64 Sq=777 Sk=1030", "D64 Sq=2000 Sk=333", "D128 causal",
                     "bias BHQK window GQA", "dropout causal GQA", "alibi BH bias D64 window",
                     "D256 Sq=1100 Sk=130", "D256 causal GQA", "varlen D128 causal",
                     "varlen D256", "bias B11K causal GQA",
-                    "varlen dropout key bias GQA"]  # fmt: skip
+                    "varlen dropout key bias GQA", "Dqk192 Dv128 causal GQA"]  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -353,18 +365,23 @@ def test_hopper_kernel_persistent_gpu(name, fold, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "head_dim, parts, bias, row, dropout, stages",
-    [(64, 2, False, False, False, 2), (64, 3, True, False, False, 1),
-     (64, 2, True, False, False, 2), (64, 2, False, True, True, 2),
-     (128, 2, False, False, False, 2), (128, 2, True, False, False, 1),
-     (128, 2, False, True, False, 2), (128, 2, False, False, True, 1),
-     (256, 2, False, False, False, 1)],
+    "dqk, dv, parts, bias, row, dropout, stages",
+    [(64, 64, 2, False, False, False, 2), (64, 64, 3, True, False, False, 1),
+     (64, 64, 2, True, False, False, 2), (64, 64, 2, False, True, True, 2),
+     (128, 128, 2, False, False, False, 2), (128, 128, 2, True, False, False, 1),
+     (128, 128, 2, False, True, False, 2), (128, 128, 2, False, False, True, 1),
+     (256, 256, 2, False, False, False, 1), (256, 256, 2, False, False, True, 1),
+     (128, 64, 2, False, False, False, 2), (128, 64, 2, True, False, False, 2),
+     (192, 128, 2, False, False, False, 1), (192, 128, 2, False, True, False, 1),
+     (192, 128, 2, True, False, False, 0), (192, 128, 2, False, False, True, 0),
+     (192, 128, 2, False, True, True, 0)],
 )  # fmt: skip
-def test_q_stages_fit_shared_memory(head_dim, parts, bias, row, dropout, stages):
+def test_q_stages_fit_shared_memory(dqk, dv, parts, bias, row, dropout, stages):
     """Two Q buffers where the K/V rings, O's and the bias's buffers (tiles or rows)
-    leave room (227 KiB, less dropout's scratch); at D=256 O leaves through Q's
-    buffer: one."""
-    assert forward_sm90.q_stages(head_dim, parts, bias, row, dropout) == stages
+    leave room (227 KiB, less dropout's scratch); at D=256 and 192/128 O leaves through
+    Q's buffer: one; none where even one does not fit (192/128 with bias tiles or
+    dropout: forward.py runs those)."""
+    assert forward_sm90.q_stages(dqk, dv, parts, bias, row, dropout) == stages
 
 
 @pytest.mark.gpu

@@ -130,12 +130,15 @@ def compile_hopper_forward() -> int:
     on CPU tensors: every head dim and mask variant it takes."""
     from memattn.kernels import forward_sm90
 
-    def launch(spec, q, k, bias, alibi, cu_seqlens=(None, None)):
+    def launch(spec, q, k, v, bias, alibi, cu_seqlens=(None, None)):
+        if not forward_sm90.takes_head_dims(spec, bias is not None
+                                            and forward_sm90.hopper.bias_row(spec, bias)):
+            return  # forward.py's call: shared memory does not hold the buffers
         lse = torch.empty(*spec.bias_shape[1:3]) if spec.varlen else torch.empty(
             *spec.bias_shape[:3])
         rng = torch.zeros(2, dtype=torch.int64) if spec.dropout_p > 0 else None
-        forward_sm90.forward(spec, q, k, k, bias, alibi, rng, *cu_seqlens,
-                             torch.empty_like(q), lse)
+        out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+        forward_sm90.forward(spec, q, k, v, bias, alibi, rng, *cu_seqlens, out, lse)
 
     return _compile_hopper("forward_sm90", launch)
 
@@ -144,9 +147,10 @@ def compile_hopper_backward() -> int:
     """The Gluon backward (kernels/backward_sm90.py): every head dim and mask variant."""
     from memattn.kernels import backward_sm90, dispatch
 
-    def launch(spec, q, k, bias, alibi, cu_seqlens=(None, None)):
-        if not dispatch.gluon_backward_computes(spec, bias, alibi, bias is not None):
-            return  # backward.py's call: D=256 with a bias, ALiBi, dropout or varlen
+    def launch(spec, q, k, v, bias, alibi, cu_seqlens=(None, None)):
+        if spec.head_dim_qk != spec.head_dim_v or not dispatch.gluon_backward_computes(
+                spec, bias, alibi, bias is not None):
+            return  # backward.py's call: Dqk != Dv; D=256 with a bias, ALiBi, dropout, varlen
         lse = (torch.empty(spec.heads, q.shape[0]) if spec.varlen
                else torch.empty(*spec.bias_shape[:3]))  # fmt: skip
         stats = backward_sm90.row_stats_buffer(spec, lse)
@@ -163,7 +167,8 @@ def compile_hopper_backward() -> int:
 
 
 def _compile_hopper(name, launch) -> int:
-    """Calls launch(spec, q, k, bias, alibi_slopes, cu_seqlens) for D 64, 128 and 256,
+    """Calls launch(spec, q, k, v, bias, alibi_slopes, cu_seqlens) for D 64, 128 and 256
+    (and Dqk/Dv pairs: MEMATTN_HOPPER_DIMS=192/128,128/64),
     every mask of HOPPER_MASKS, no bias, a full one, a key-padding row (B, 1, 1, Sk),
     dropout, ALiBi, packed sequences (varlen: 2100 and 704 tokens, cu_seqlens given;
     varlen_bias with a full bias, varlen_all with a key row, dropout and ALiBi), GQA
@@ -177,13 +182,15 @@ def _compile_hopper(name, launch) -> int:
     hopper.sm_count = lambda device_index: 132  # an H100's; no GPU here to ask
     features = os.environ.get("MEMATTN_HOPPER_FEATURES",
                               "none,bias,rowbias,dropout,alibi,varlen,varlen_bias,varlen_all").split(",")
-    dims = [int(d) for d in os.environ.get("MEMATTN_HOPPER_DIMS", "64,128,256").split(",")]
+    dims = [(int(d.split("/")[0]), int(d.split("/")[-1]))
+            for d in os.environ.get("MEMATTN_HOPPER_DIMS", "64,128,256").split(",")]
     failures = 0
-    for d in dims:
+    for d, dv in dims:
         for options in HOPPER_MASKS:
             for feature in features:
                 q = torch.randn(2, 2100, 4, d, dtype=torch.bfloat16)
                 k = torch.randn(2, 704, 2, d, dtype=torch.bfloat16)
+                v = torch.randn(2, 704, 2, dv, dtype=torch.bfloat16)
                 bias = None
                 if feature == "bias":
                     bias = torch.randn(2, 4, 2100, 704, dtype=torch.bfloat16)
@@ -197,19 +204,19 @@ def _compile_hopper(name, launch) -> int:
                 alibi = torch.rand(4) if feature in ("alibi", "varlen_all") else None
                 varlen = {}
                 if feature.startswith("varlen"):  # the same tokens as two packed sequences
-                    q, k = q[:1].flatten(0, 1), k[:1].flatten(0, 1)
+                    q, k, v = q[:1].flatten(0, 1), k[:1].flatten(0, 1), v[:1].flatten(0, 1)
                     cu_q = torch.tensor([0, 1500, 2100], dtype=torch.int32)
                     cu_k = torch.tensor([0, 500, 704], dtype=torch.int32)
                     varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=1500,
                                   max_seqlen_k=500)
                 try:
-                    spec = check_call(q, k, k, bias=bias, dropout_p=dropout_p,
+                    spec = check_call(q, k, v, bias=bias, dropout_p=dropout_p,
                                       alibi_slopes=alibi, **options, **varlen)
-                    launch(spec, q, k, bias, alibi, (varlen.get("cu_seqlens_q"),
-                                                     varlen.get("cu_seqlens_k")))
+                    launch(spec, q, k, v, bias, alibi, (varlen.get("cu_seqlens_q"),
+                                                        varlen.get("cu_seqlens_k")))
                 except Exception as e:  # noqa: BLE001
                     failures += 1
-                    print(f"FAIL {name} D={d} {options} {feature}: "
+                    print(f"FAIL {name} D={d}/{dv} {options} {feature}: "
                           f"{type(e).__name__}: {str(e)[:3000]}")
     return failures
 

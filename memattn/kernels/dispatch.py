@@ -2,12 +2,14 @@
 backward alike.
 
 - The Gluon kernels (forward_sm90.py, backward_sm90.py): Hopper GPUs (sm_90) with
-  Triton 3.6's Gluon, bf16/fp16, one head dim for q·k and v among the kernel's
-  (64, 128, 256), no softcap, tensors TMA can read, and enough keys per query to beat
-  the tile kernels (their MIN_KEYS_PER_QUERY). Options: causal masks either way,
-  windows, GQA, ALiBi, dropout, packed (varlen) batches, and a bias: one constant
-  along queries ((B or 1, H or 1, 1, Sk): key padding) read by pointer, any other by
-  TMA tiles (not together with dropout). The backward computes a bias gradient of a
+  Triton 3.6's Gluon, bf16/fp16, head dims the kernel is built for (the backward: one
+  for q·k and v, 64, 128 or 256; the forward also V's narrower than q·k's, such as
+  192/128, where shared memory holds the buffers: forward_sm90.takes_head_dims), no
+  softcap, tensors TMA can read, and enough keys per query to beat the tile kernels
+  (their MIN_KEYS_PER_QUERY). Options: causal masks either way, windows, GQA, ALiBi,
+  dropout, packed (varlen) batches, and a bias: one constant along queries ((B or 1,
+  H or 1, 1, Sk): key padding) as a row of keys, any other by TMA tiles (not together
+  with dropout). The backward computes a bias gradient of a
   key row (summed in registers) or of a bias with an element per (b, h, i, j), and at
   D=256 nothing of bias, ALiBi, dropout or packed batches; deterministic mode only
   where dQ is not added up in fp32 across programs. Neither takes global positions
@@ -47,8 +49,8 @@ def _major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
-def _gluon_takes(spec: AttentionSpec, q, k, v, bias, head_dims) -> bool:
-    """The calls both Gluon kernels take (see the module's docstring)."""
+def _gluon_takes(spec: AttentionSpec, q, k, v, bias) -> bool:
+    """The calls both Gluon kernels take, head dims aside (see the module's docstring)."""
     if hopper is None or not (hopper.enabled and q.is_cuda and _major(q.device.index) == 9):
         return False  # no Gluon, or not a Hopper GPU
     if spec.dtype not in (torch.bfloat16, torch.float16) or spec.seqlen_k == 0:
@@ -62,14 +64,13 @@ def _gluon_takes(spec: AttentionSpec, q, k, v, bias, head_dims) -> bool:
             return False
         if spec.dropout_p > 0:  # shared memory holds the bias tiles or dropout's scratch
             return False
-    if spec.head_dim_qk != spec.head_dim_v or spec.head_dim_qk not in head_dims:
-        return False
     return all(hopper.tma_readable(t) for t in (q, k, v))
 
 
 def gluon_forward(spec: AttentionSpec, q, k, v, bias) -> bool:
     """Whether the Gluon forward runs this call (else forward.py's tile kernel)."""
-    return (_gluon_takes(spec, q, k, v, bias, forward_sm90.HEAD_DIMS)
+    bias_row = bias is not None and hopper.bias_row(spec, bias)
+    return (_gluon_takes(spec, q, k, v, bias) and forward_sm90.takes_head_dims(spec, bias_row)
             and hopper.keys_per_query(spec) >= forward_sm90.MIN_KEYS_PER_QUERY[spec.head_dim_qk])
 
 
@@ -90,7 +91,9 @@ def gluon_backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, n
     computes dQ, dK and dV together, so a call that needs dQ and dK or dV."""
     need_dq, need_dk, need_dv, need_dbias = needs
     return (need_dq and (need_dk or need_dv)
-            and _gluon_takes(spec, q, k, v, bias, backward_sm90.HEAD_DIMS)
+            and _gluon_takes(spec, q, k, v, bias)
+            and spec.head_dim_qk == spec.head_dim_v
+            and spec.head_dim_qk in backward_sm90.HEAD_DIMS
             and gluon_backward_computes(spec, bias, alibi_slopes, need_dbias)
             and not (spec.deterministic and backward_sm90.dq_in_fp32(spec))
             and hopper.keys_per_query(spec) >= backward_sm90.MIN_KEYS_PER_QUERY[spec.head_dim_qk]

@@ -31,10 +31,12 @@ at 310 TFLOP/s against 465 for one per batch.) Dropout's keep bits come from
 hopper.dropout_keep, drawn while the warpgroup's matmuls run; P·V takes the kept
 probabilities and the output the 1 / (1 - p).
 
-Covers bf16/fp16, head dims 64, 128 and 256 (q·k and v alike), GQA, causal masks either
-way, sliding windows, ALiBi, a bias (TMA tiles, not with dropout; or a key row), dropout,
-dense and packed batches (dispatch.py says which); every other call runs forward.py:
-softcap, Dqk != Dv, fp32.
+Covers bf16/fp16, q·k head dims 64, 128, 192 and 256 with V's 64, 128 or 256 up to
+q·k's (192/128 as in MLA: O leaves through Q's buffer, as at 256), GQA, causal masks
+either way, sliding windows, ALiBi, a bias (TMA tiles, not with dropout; or a key row),
+dropout, dense and packed batches, where shared memory holds their buffers (q_stages;
+dispatch.py says which); every other call runs forward.py: softcap, V wider than q·k,
+fp32.
 """
 
 from __future__ import annotations
@@ -66,16 +68,20 @@ BLOCK_M = 128
 BLOCK_M_D64 = 192
 MIN_SEQLEN_Q_D64 = 2048
 REGS_3 = gl.constexpr(160)  # per thread, for three softmax warpgroups beside the load warp
-# Keys per tile, by head dim. At D=256 a warpgroup's O takes 128 registers a thread, so
-# S takes 64 keys (32 more), and K and V tiles are 32 KiB each, as at D=128.
-BLOCK_N = {64: 128, 128: 128, 256: 64}
+# The tables below go by the q·k head dim; V's may be smaller (Dqk != Dv: 192/128 as
+# in MLA, 128/64, 256/128), never larger (O's registers and buffer are sized by it).
+# Keys per tile. At D=256 a warpgroup's O takes 128 registers a thread, so S takes 64
+# keys (32 more), and K and V tiles are 32 KiB each, as at D=128.
+BLOCK_N = {64: 128, 128: 128, 192: 128, 256: 64}
 STAGES = 2  # K and V each: 2 x 32 KiB at D=128 and 256, plus Q's and O's 32 KiB each
-# At D=256 Q's and O's buffers would be 64 KiB each: O goes out through Q's (each
-# warpgroup's own rows), whose next fill then waits for the store to have read them.
-O_IN_Q = {64: False, 128: False, 256: True}
+# At D=256 Q's and O's buffers would be 64 KiB each, and at 192/128 K's ring is 96 KiB:
+# O goes out through Q's buffer (each warpgroup's own rows), whose next fill then waits
+# for the store to have read them.
+O_IN_Q = {64: False, 128: False, 192: True, 256: True}
 # A bias's tiles (ROWS x BLOCK_N per warpgroup) take what shared memory is left: one
-# slot at D=128 (224 KiB in all) and 256 (208 KiB), two at D=64.
-BIAS_STAGES = {64: 2, 128: 1, 256: 1}
+# slot at D=128 (224 KiB in all) and 256 (208 KiB), two at D=64; none at 192 (q_stages
+# finds no room: those calls run forward.py).
+BIAS_STAGES = {64: 2, 128: 1, 192: 1, 256: 1}
 # Programs run persistent (PERSISTENT): one per SM at most, each walking query blocks
 # in strides (hopper.work_item), under a mask (FOLD) in pairs of blocks whose work adds
 # up to the same, as static strides need. Masked calls at D 64/128 gained from it over
@@ -87,8 +93,8 @@ BIAS_STAGES = {64: 2, 128: 1, 256: 1}
 # to A/B, then call hopper.forget_plans().
 FOLD = "masked"
 PERSISTENT = True
-MASKED_PERSISTENT = {64: True, 128: True, 256: False}
-MIN_BLOCKS_TO_FOLD = {64: 0, 128: 0, 256: 5}
+MASKED_PERSISTENT = {64: True, 128: True, 192: False, 256: False}  # 192 as 256: O in Q
+MIN_BLOCKS_TO_FOLD = {64: 0, 128: 0, 192: 5, 256: 5}
 # Q's buffers: two where shared memory holds them, so that a program's next query
 # block loads while this one runs. Tools set MAX_Q_STAGES to A/B.
 MAX_Q_STAGES = 2
@@ -98,18 +104,24 @@ SHARED_MEMORY = 227 * 1024  # an H100 block's opt-in maximum
 @gluon.jit
 def _load_partition(
     loads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    Q_STAGES: gl.constexpr, FOLD: gl.constexpr, HAS_BIAS: gl.constexpr,
-    BIAS_STAGES: gl.constexpr, BIAS_ROW: gl.constexpr, IS_VARLEN: gl.constexpr,
-    BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    Q_STAGES: gl.constexpr, FOLD: gl.constexpr, QK_SPLIT: gl.constexpr,
+    HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr, BIAS_ROW: gl.constexpr,
+    IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
+    BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     """One warp: each query block's Q into its ring, then its K (with a bias row), bias
     and V tiles into theirs as slots come free. The rings' index runs on across the
     program's query blocks, so the next block's first tiles load while this one's last
-    are still in use. ``loads``: its runtime arguments (_fwd_sm90_kernel builds the tuple)."""
-    (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, q_ready, q_empty,
-     k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, pid, programs, H, GROUP,
-     bias_batches, bias_heads, num_m_blocks, heads_total, n_items, CuSeqQ, CuSeqK, seqlen_q,
-     seqlen_k, window_left, window_right) = loads
+    are still in use. With QK_SPLIT, Q's and K's last QK_SPLIT columns go to buffers of
+    their own (q2, k2) on the same barriers. ``loads``: its runtime arguments
+    (_fwd_sm90_kernel builds the tuple)."""
+    (q_desc, k_desc, v_desc, bias_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, bias_smem,
+     q2_smem, k2_smem, q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty,
+     bias_empty, pid, programs, H, GROUP, bias_batches, bias_heads, num_m_blocks, heads_total,
+     n_items, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, window_left, window_right) = loads
+    split_col: gl.constexpr = q_desc.block_type.shape[3]  # where Q's and K's split starts
+    q_bytes: gl.constexpr = (q_desc.block_type.nbytes + q2_desc.block_type.nbytes
+                             if QK_SPLIT > 0 else q_desc.block_type.nbytes)
     PARTS: gl.constexpr = BLOCK_M // ROWS
     kv = 0  # key tiles loaded so far
     qi = 0  # query blocks loaded so far: the Q ring's index
@@ -123,22 +135,29 @@ def _load_partition(
             b_tma = 0 if IS_VARLEN else b  # packed sequences: one batch of all tokens
             # A Q slot is free once every warpgroup has its block's last S (or, with O in
             # Q's buffer, has stored O from it).
-            slot = hopper.claim(q_ready, q_empty, qi, PARTS * q_desc.block_type.nbytes,
-                                Q_STAGES)
+            slot = hopper.claim(q_ready, q_empty, qi, PARTS * q_bytes, Q_STAGES)
             for i in gl.static_range(PARTS):
-                tma.async_copy_global_to_shared(
-                    q_desc, [b_tma, h, q_start + start_m + i * ROWS, 0], q_ready.index(slot),
-                    q_smem.index(slot * PARTS + i))
+                row = q_start + start_m + i * ROWS
+                tma.async_copy_global_to_shared(q_desc, [b_tma, h, row, 0], q_ready.index(slot),
+                                                q_smem.index(slot * PARTS + i))
+                if QK_SPLIT > 0:
+                    tma.async_copy_global_to_shared(q2_desc, [b_tma, h, row, split_col],
+                                                    q_ready.index(slot),
+                                                    q2_smem.index(slot * PARTS + i))
             bias_b = b % bias_batches  # 0 where the bias broadcasts over batches
             bias_h = h % bias_heads
-            # a bias row's keys come with K's, on its barrier
-            k_bytes: gl.constexpr = (k_desc.block_type.nbytes + bias_desc.block_type.nbytes
-                                     if BIAS_ROW else k_desc.block_type.nbytes)
+            # a bias row's keys come with K's, on its barrier, as K's split columns do
+            k_bytes: gl.constexpr = k_desc.block_type.nbytes + (
+                bias_desc.block_type.nbytes if BIAS_ROW else 0) + (
+                k2_desc.block_type.nbytes if QK_SPLIT > 0 else 0)
             for t in range(n_tiles):
                 slot = hopper.claim(k_ready, k_empty, kv + t, k_bytes, STAGES)
-                tma.async_copy_global_to_shared(
-                    k_desc, [b_tma, hk, k_start + lo + t * BLOCK_N, 0], k_ready.index(slot),
-                    k_smem.index(slot))
+                key = k_start + lo + t * BLOCK_N
+                tma.async_copy_global_to_shared(k_desc, [b_tma, hk, key, 0], k_ready.index(slot),
+                                                k_smem.index(slot))
+                if QK_SPLIT > 0:
+                    tma.async_copy_global_to_shared(k2_desc, [b_tma, hk, key, split_col],
+                                                    k_ready.index(slot), k2_smem.index(slot))
                 if BIAS_ROW:  # indexed by positions inside the sequence
                     tma.async_copy_global_to_shared(
                         bias_desc, [bias_b, bias_h, lo + t * BLOCK_N], k_ready.index(slot),
@@ -224,6 +243,19 @@ def _bias_row(bias_smem, k_slot, BLOCK_N: gl.constexpr, layout: gl.constexpr,
 
 
 @gluon.jit
+def _scores(q_tile, q2_tile, k_smem, k2_smem, slot, s_init, BLOCK_N: gl.constexpr,
+            QK_MAIN: gl.constexpr, QK_SPLIT: gl.constexpr):
+    """S = Q K(slot)^T as asynchronous wgmmas: one, or with QK_SPLIT a second one
+    adding Q's and K's last QK_SPLIT columns (shapes are powers of 2: 192 = 128 + 64)."""
+    k = k_smem.index(slot).reshape([BLOCK_N, QK_MAIN]).permute((1, 0))
+    s = warpgroup_mma(q_tile, k, s_init, use_acc=False, is_async=True)
+    if QK_SPLIT > 0:
+        k2 = k2_smem.index(slot).reshape([BLOCK_N, QK_SPLIT]).permute((1, 0))
+        s = warpgroup_mma(q2_tile, k2, s, is_async=True)
+    return s
+
+
+@gluon.jit
 def _keep(seed, rng_offset, bh, row0, start_n, dropout_p, BLOCK_N: gl.constexpr,
           layout: gl.constexpr, HAS_DROPOUT: gl.constexpr):
     """The dropout keep mask of this warpgroup's rows and key tile; 0 without dropout."""
@@ -244,7 +276,8 @@ def _dropped(p, keep, HAS_DROPOUT: gl.constexpr):
 
 @gluon.jit
 def _softmax_partition(
-    shared, PART: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+    shared, PART: gl.constexpr, HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+    QK_SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr,
     FOLD: gl.constexpr, O_IN_Q: gl.constexpr, HAS_BIAS: gl.constexpr,
     BIAS_STAGES: gl.constexpr, BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr,
@@ -256,20 +289,23 @@ def _softmax_partition(
     together; the softmax of S(t) runs while P(t-1)·V(t-1) does. ``shared``: the
     runtime arguments every softmax warpgroup takes (_fwd_sm90_kernel builds it)."""
     (o_desc, Out, stride_om, stride_oh, Lse, Alibi, stride_lb, stride_lh, stride_lm,
-     stride_ab, stride_ah, q_smem, k_smem, v_smem, o_smem, bias_smem, q_ready, q_empty,
-     k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, pid, programs, H, GROUP,
-     num_m_blocks, heads_total, n_items, CuSeqQ, CuSeqK, max_seqlen_q, max_seqlen_k, scale_log2,
-     window_left, window_right, seed, rng_offset, dropout_p) = shared
+     stride_ab, stride_ah, q_smem, k_smem, v_smem, o_smem, bias_smem, q2_smem, k2_smem,
+     q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, pid,
+     programs, H, GROUP, num_m_blocks, heads_total, n_items, CuSeqQ, CuSeqK, max_seqlen_q,
+     max_seqlen_k, scale_log2, window_left, window_right, seed, rng_offset, dropout_p) = shared
+    QK_MAIN: gl.constexpr = HEAD_DIM_QK - QK_SPLIT  # Q's and K's columns in q_smem, k_smem
     PARTS: gl.constexpr = BLOCK_M // ROWS
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM_V, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     s_init = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     o_buf = o_smem.index(PART)  # with O_IN_Q this warpgroup's Q (one Q slot then)
+    if O_IN_Q and HEAD_DIM_V != QK_MAIN:  # O's narrower tile in Q's bytes
+        o_buf = o_buf._reinterpret(dtype, o_desc.block_type.shape, o_desc.layout)
 
     kv = 0  # key tiles consumed so far: the ring's running index
     qi = 0  # query blocks taken so far: the Q ring's index
@@ -288,15 +324,18 @@ def _softmax_partition(
             offs_m = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
             m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
             l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
-            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+            acc = gl.zeros([ROWS, HEAD_DIM_V], gl.float32, layout=o_layout)
             q_slot = hopper.arrived(q_ready, qi, Q_STAGES)
-            q_tile = q_smem.index(q_slot * PARTS + PART).reshape([ROWS, HEAD_DIM])
+            q_tile = q_smem.index(q_slot * PARTS + PART).reshape([ROWS, QK_MAIN])
+            q2_tile = q_tile  # a stand-in without a split
+            if QK_SPLIT > 0:
+                q2_tile = q2_smem.index(q_slot * PARTS + PART).reshape([ROWS, QK_SPLIT])
 
             if n_tiles > 0:
                 # Tile 0 alone: its softmax has no P·V to overlap with.
                 slot = hopper.arrived(k_ready, kv, STAGES)
-                k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-                s = warpgroup_mma(q_tile, k, s_init, use_acc=False, is_async=True)
+                s = _scores(q_tile, q2_tile, k_smem, k2_smem, slot, s_init, BLOCK_N, QK_MAIN,
+                            QK_SPLIT)
                 keep = _keep(seed, rng_offset, bh, row0, lo, dropout_p, BLOCK_N, s_layout,
                              HAS_DROPOUT)
                 bias = _bias_row(bias_smem, slot, BLOCK_N, s_layout, BIAS_ROW)
@@ -313,10 +352,10 @@ def _softmax_partition(
                 for t in range(1, n_tiles):
                     start_n = lo + t * BLOCK_N
                     k_slot = hopper.arrived(k_ready, kv + t, STAGES)
-                    k = k_smem.index(k_slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-                    s_tok = warpgroup_mma(q_tile, k, s_init, use_acc=False, is_async=True)
+                    s_tok = _scores(q_tile, q2_tile, k_smem, k2_smem, k_slot, s_init, BLOCK_N,
+                                    QK_MAIN, QK_SPLIT)
                     v_slot = hopper.arrived(v_ready, kv + t - 1, STAGES)
-                    v = v_smem.index(v_slot).reshape([BLOCK_N, HEAD_DIM])
+                    v = v_smem.index(v_slot).reshape([BLOCK_N, HEAD_DIM_V])
                     acc_tok = warpgroup_mma(p_op, v, acc, is_async=True)
                     # Philox's integer work runs while the tensor cores do S(t) and P·V.
                     keep = _keep(seed, rng_offset, bh, row0, start_n, dropout_p, BLOCK_N,
@@ -338,7 +377,7 @@ def _softmax_partition(
                 if not O_IN_Q:  # every S of this block is done: Q may be refilled
                     mbarrier.arrive(q_empty.index(q_slot))
                 v_slot = hopper.arrived(v_ready, kv + n_tiles - 1, STAGES)
-                v = v_smem.index(v_slot).reshape([BLOCK_N, HEAD_DIM])
+                v = v_smem.index(v_slot).reshape([BLOCK_N, HEAD_DIM_V])
                 acc = warpgroup_mma(p_op, v, acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(v_empty.index(v_slot))
@@ -357,7 +396,7 @@ def _softmax_partition(
                 # A TMA store clips at the packed tensor's end, not at the sequence's: rows
                 # past it belong to the next sequence. Plain masked stores instead.
                 rows = gl.arange(0, ROWS, layout=o_rows)
-                cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+                cols = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
                 tokens = (q_start + row0 + rows).to(gl.int64)
                 o_ptrs = (Out + tokens[:, None] * stride_om + h.to(gl.int64) * stride_oh
                           + cols[None, :])
@@ -368,7 +407,7 @@ def _softmax_partition(
                 tma.store_wait(0)  # the previous block's store has read o_buf (one thread
                 # issued it)
                 gl.thread_barrier()
-                o_buf.reshape([ROWS, HEAD_DIM]).store(out.to(dtype))
+                o_buf.reshape([ROWS, HEAD_DIM_V]).store(out.to(dtype))
                 fence_async_shared()
                 # The TMA store clips rows past Sq; it runs on while the next block starts.
                 tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], o_buf)
@@ -385,12 +424,13 @@ def _softmax_partition(
 
 @gluon.jit
 def _fwd_sm90_kernel(
-    q_desc, k_desc, v_desc, o_desc, bias_desc, Out, Lse, Rng, Alibi, CuSeqQ, CuSeqK,
-    stride_om, stride_oh, stride_lb, stride_lh, stride_lm, stride_ab, stride_ah, H, GROUP,
-    bias_batches, bias_heads, seqlen_q, seqlen_k,
-    num_m_blocks, num_items, scale_log2, window_left, window_right, dropout_p,
-    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, Q_STAGES: gl.constexpr, FOLD: gl.constexpr, O_IN_Q: gl.constexpr,
+    q_desc, k_desc, v_desc, o_desc, bias_desc, q2_desc, k2_desc, Out, Lse, Rng, Alibi,
+    CuSeqQ, CuSeqK, stride_om, stride_oh, stride_lb, stride_lh, stride_lm, stride_ab,
+    stride_ah, H, GROUP, bias_batches, bias_heads, seqlen_q, seqlen_k, num_m_blocks,
+    num_items, scale_log2, window_left, window_right, dropout_p,
+    HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    Q_STAGES: gl.constexpr, FOLD: gl.constexpr, O_IN_Q: gl.constexpr,
     HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr, BIAS_ROW: gl.constexpr,
     HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
@@ -432,80 +472,108 @@ def _fwd_sm90_kernel(
         bias_ready, bias_empty = k_ready, k_empty
     else:  # stand-ins, never touched
         bias_smem, bias_ready, bias_empty = k_smem, k_ready, k_empty
+    if QK_SPLIT > 0:  # Q's and K's last columns
+        q2_smem = gl.allocate_shared_memory(
+            dtype, [Q_STAGES * PARTS] + q2_desc.block_type.shape, q2_desc.layout)
+        k2_smem = gl.allocate_shared_memory(dtype, [STAGES] + k2_desc.block_type.shape,
+                                            k2_desc.layout)
+    else:  # stand-ins, never touched
+        q2_smem, k2_smem = q_smem, k_smem
 
     # Runtime values only: a constexpr stored in a variable would turn into a tensor, so
     # the constexprs go into each partition's arguments inline.
     shared = (o_desc, Out, stride_om, stride_oh, Lse, Alibi, stride_lb, stride_lh, stride_lm,
-              stride_ab, stride_ah, q_smem, k_smem, v_smem, o_smem, bias_smem, q_ready,
-              q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, pid,
-              programs, H, GROUP, num_m_blocks, heads_total, n_items, CuSeqQ, CuSeqK, seqlen_q,
-              seqlen_k, scale_log2, window_left, window_right, seed, rng_offset, dropout_p)
-    loads = (q_desc, k_desc, v_desc, bias_desc, q_smem, k_smem, v_smem, bias_smem, q_ready,
-             q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, pid,
-             programs, H, GROUP, bias_batches, bias_heads, num_m_blocks, heads_total, n_items,
-             CuSeqQ, CuSeqK, seqlen_q, seqlen_k, window_left, window_right)
+              stride_ab, stride_ah, q_smem, k_smem, v_smem, o_smem, bias_smem, q2_smem,
+              k2_smem, q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty,
+              bias_empty, pid, programs, H, GROUP, num_m_blocks, heads_total, n_items, CuSeqQ,
+              CuSeqK, seqlen_q, seqlen_k, scale_log2, window_left, window_right, seed,
+              rng_offset, dropout_p)
+    loads = (q_desc, k_desc, v_desc, bias_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem,
+             bias_smem, q2_smem, k2_smem, q_ready, q_empty, k_ready, v_ready, bias_ready,
+             k_empty, v_empty, bias_empty, pid, programs, H, GROUP, bias_batches, bias_heads,
+             num_m_blocks, heads_total, n_items, CuSeqQ, CuSeqK, seqlen_q, seqlen_k,
+             window_left, window_right)
     if PARTS == 2:
         gl.warp_specialize([
-            (_softmax_partition, (shared, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_STAGES,
-                                  FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES, BIAS_ROW, HAS_ALIBI,
-                                  HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
-                                  BOUNDED_RIGHT)),
-            (_softmax_partition, (shared, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_STAGES,
-                                  FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES, BIAS_ROW, HAS_ALIBI,
-                                  HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
-                                  BOUNDED_RIGHT)),
-            (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, HAS_BIAS,
-                               BIAS_STAGES, BIAS_ROW, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
-                               BOUNDED_RIGHT)),
+            (_softmax_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
+                                  STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
+                                  BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
+                                  BOUNDED_LEFT, BOUNDED_RIGHT)),
+            (_softmax_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
+                                  STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
+                                  BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
+                                  BOUNDED_LEFT, BOUNDED_RIGHT)),
+            (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, QK_SPLIT,
+                               HAS_BIAS, BIAS_STAGES, BIAS_ROW, IS_VARLEN, BOTTOM_RIGHT,
+                               BOUNDED_LEFT, BOUNDED_RIGHT)),
         ], worker_num_warps=[4, 1], worker_num_regs=[232, 24])  # fmt: skip
     else:
         gl.warp_specialize([
-            (_softmax_partition, (shared, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_STAGES,
-                                  FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES, BIAS_ROW, HAS_ALIBI,
-                                  HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
-                                  BOUNDED_RIGHT)),
-            (_softmax_partition, (shared, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_STAGES,
-                                  FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES, BIAS_ROW, HAS_ALIBI,
-                                  HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
-                                  BOUNDED_RIGHT)),
-            (_softmax_partition, (shared, 2, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_STAGES,
-                                  FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES, BIAS_ROW, HAS_ALIBI,
-                                  HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
-                                  BOUNDED_RIGHT)),
-            (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, HAS_BIAS,
-                               BIAS_STAGES, BIAS_ROW, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
-                               BOUNDED_RIGHT)),
+            (_softmax_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
+                                  STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
+                                  BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
+                                  BOUNDED_LEFT, BOUNDED_RIGHT)),
+            (_softmax_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
+                                  STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
+                                  BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
+                                  BOUNDED_LEFT, BOUNDED_RIGHT)),
+            (_softmax_partition, (shared, 2, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
+                                  STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
+                                  BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
+                                  BOUNDED_LEFT, BOUNDED_RIGHT)),
+            (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, QK_SPLIT,
+                               HAS_BIAS, BIAS_STAGES, BIAS_ROW, IS_VARLEN, BOTTOM_RIGHT,
+                               BOUNDED_LEFT, BOUNDED_RIGHT)),
         ], worker_num_warps=[4, 4, 1], worker_num_regs=[REGS_3, REGS_3, 24])  # fmt: skip
 
 
 # Where this kernel beats forward.py, by head dim, in keys per query (an A/B on the
 # H100, GPU time alone): at D=128 at every size (S=512 causal: 276 against 171
 # TFLOP/s); at D=64 from 512 (S=512 causal, 256 keys: 194 against 196).
-MIN_KEYS_PER_QUERY = {64: 512, 128: 0, 256: 0}
-HEAD_DIMS = (64, 128, 256)
+MIN_KEYS_PER_QUERY = {64: 512, 128: 0, 192: 0, 256: 0}
+HEAD_DIMS = (64, 128, 192, 256)  # q·k
+HEAD_DIMS_V = (64, 128, 256)
 
 
 _launch_forward = hopper.Launcher(_fwd_sm90_kernel)
 
 
-def q_stages(head_dim: int, parts: int, has_bias: bool, bias_row: bool, dropout: bool) -> int:
+def q_stages(head_dim_qk: int, head_dim_v: int, parts: int, has_bias: bool, bias_row: bool,
+             dropout: bool) -> int:  # fmt: skip
     """Q buffers a program gets: two where shared memory holds them beside the K and V
-    rings, O's buffer and the bias's (tiles or rows), one otherwise (and always with O
-    in Q's buffer).
-    Dropout's exchange of keep bits takes scratch of its own: 32 KiB kept clear."""
-    if O_IN_Q[head_dim]:
-        return 1
-    tile = ROWS.value * head_dim * 2  # one warpgroup's rows of Q, or of O
-    block_n = BLOCK_N[head_dim]
-    fixed = 2 * STAGES * block_n * head_dim * 2 + parts * tile
+    rings, O's buffer and the bias's (tiles or rows), else one (always one with O in
+    Q's buffer), 0 where not even one fits: dispatch then runs forward.py. Dropout's
+    exchange of keep bits takes scratch of its own: 32 KiB kept clear."""
+    rows, block_n = ROWS.value, BLOCK_N[head_dim_qk]
+    q_tile = rows * head_dim_qk * 2  # one warpgroup's rows of Q
+    fixed = STAGES * block_n * (head_dim_qk + head_dim_v) * 2  # the K and V rings
+    if not O_IN_Q[head_dim_qk]:
+        fixed += parts * rows * head_dim_v * 2
     if has_bias:
-        fixed += BIAS_STAGES[head_dim] * parts * ROWS.value * block_n * 2
+        fixed += BIAS_STAGES[head_dim_qk] * parts * rows * block_n * 2
     if bias_row:  # fp32, a row beside each K slot
         fixed += STAGES * block_n * 4
     # 2 KiB for the barriers and the compiler's own (~400 bytes at D=128, sm_90 build)
     budget = SHARED_MEMORY - 2 * 1024 - (32 * 1024 if dropout else 0)
-    fits = [s for s in range(2, MAX_Q_STAGES + 1) if fixed + s * parts * tile <= budget]
-    return max(fits, default=1)
+    most = 1 if O_IN_Q[head_dim_qk] else MAX_Q_STAGES
+    fits = [s for s in range(1, most + 1) if fixed + s * parts * q_tile <= budget]
+    return max(fits, default=0)
+
+
+def qk_split(head_dim_qk: int) -> int:
+    """Q's and K's columns past the largest power of 2 (Gluon's shapes are powers of
+    2): 192 -> 64, their own buffers; 0 at 64, 128, 256."""
+    return head_dim_qk - (1 << (head_dim_qk.bit_length() - 1))
+
+
+def takes_head_dims(spec: AttentionSpec, bias_row: bool) -> bool:
+    """Whether the kernel is built for these head dims (HEAD_DIMS, HEAD_DIMS_V, Dv <=
+    Dqk) and shared memory holds this call's buffers (q_stages)."""
+    dqk, dv = spec.head_dim_qk, spec.head_dim_v
+    if dqk not in HEAD_DIMS or dv not in HEAD_DIMS_V or dv > dqk:
+        return False
+    return q_stages(dqk, dv, 2, spec.has_bias and not bias_row, bias_row,
+                    spec.dropout_p > 0) > 0  # fmt: skip
 
 
 @hopper.plan_cache
@@ -517,8 +585,8 @@ def plan(spec: AttentionSpec, bias_row: bool, device_index: int) -> hopper.Plan:
     tile_bias = spec.has_bias and not bias_row
     # Three warpgroups have 160 registers a thread: no room for dropout, ALiBi or the
     # bias row's 32 values a thread.
-    three_parts = (spec.head_dim_qk == 64 and not masked and spec.dropout_p == 0
-                   and not spec.has_alibi and not bias_row
+    three_parts = (spec.head_dim_qk == spec.head_dim_v == 64 and not masked
+                   and spec.dropout_p == 0 and not spec.has_alibi and not bias_row
                    and spec.seqlen_q >= MIN_SEQLEN_Q_D64)
     block_m = BLOCK_M_D64 if three_parts else BLOCK_M
     block_n = BLOCK_N[spec.head_dim_qk]
@@ -529,9 +597,10 @@ def plan(spec: AttentionSpec, bias_row: bool, device_index: int) -> hopper.Plan:
     persistent = PERSISTENT and (not masked or MASKED_PERSISTENT[spec.head_dim_qk])
     num_items = num_m_blocks * spec.batch * spec.heads
     constexprs = dict(
-        HEAD_DIM=spec.head_dim_qk, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES,
-        Q_STAGES=q_stages(spec.head_dim_qk, block_m // ROWS.value, tile_bias, bias_row,
-                          spec.dropout_p > 0),
+        HEAD_DIM_QK=spec.head_dim_qk, HEAD_DIM_V=spec.head_dim_v,
+        QK_SPLIT=qk_split(spec.head_dim_qk), BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES,
+        Q_STAGES=q_stages(spec.head_dim_qk, spec.head_dim_v, block_m // ROWS.value, tile_bias,
+                          bias_row, spec.dropout_p > 0),
         FOLD=fold, O_IN_Q=O_IN_Q[spec.head_dim_qk], HAS_BIAS=tile_bias,
         BIAS_STAGES=BIAS_STAGES[spec.head_dim_qk], BIAS_ROW=bias_row,
         HAS_ALIBI=spec.has_alibi,
@@ -568,7 +637,13 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
         stride_om, stride_oh = out.stride(0), out.stride(1)
         lse_strides = (0, *lse.stride())
-    q_desc = hopper.descriptor(q, ROWS.value)
+    split = how.constexprs["QK_SPLIT"]
+    main = spec.head_dim_qk - split  # Q's and K's columns in their first buffers
+    q_desc, k_desc = hopper.descriptor(q, ROWS.value, main), hopper.descriptor(k, block_n, main)
+    q2_desc, k2_desc = q_desc, k_desc  # stand-ins, never read without a split
+    if split:
+        q2_desc = hopper.descriptor(q, ROWS.value, split)
+        k2_desc = hopper.descriptor(k, block_n, split)
     o_desc = q_desc if spec.varlen else hopper.descriptor(out, ROWS.value)
     bias_desc, bias_batches, bias_heads = q_desc, 1, 1  # a stand-in, never read
     if bias_row:
@@ -588,8 +663,8 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
                hopper.aligned(cu_seqlens_q), hopper.aligned(cu_seqlens_k))  # fmt: skip
     _launch_forward(
         (how.programs,),
-        q_desc, hopper.descriptor(k, block_n), hopper.descriptor(v, block_n), o_desc,
-        bias_desc, out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+        q_desc, k_desc, hopper.descriptor(v, block_n), o_desc, bias_desc, q2_desc, k2_desc,
+        out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
         stride_om, stride_oh, *lse_strides, alibi_batch_stride, alibi_head_stride,
         spec.heads, spec.group, bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k,
         *how.counts, spec.scale * LOG2E.value, spec.window_left, spec.window_right,
