@@ -10,6 +10,8 @@ import zlib
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import memattn
 from memattn.check import (
@@ -68,20 +70,22 @@ def test_varlen_bias_gradient_and_empty_sequences_cpu():
 
 
 @cpu_only
-def test_packed_row_stats_for_hopper_cpu():
+@settings(max_examples=6, deadline=None)
+@given(st.lists(st.integers(0, 150), min_size=1, max_size=7).filter(lambda ls: sum(ls) > 0))
+@example([130, 0, 77, 301, 6, 1])
+def test_packed_row_stats_for_hopper_cpu(lengths):
     """The preprocess lays packed sequences' row statistics out for the Gluon backward's
     TMA (backward_sm90.row_stats_buffer): sequence b's rows from common.packed_stats_start
     on, a multiple of 4 tokens past the previous sequence's last row, lse * log2(e)
     (+inf where lse is -inf) and delta - grad_lse there, zeros everywhere else."""
     from memattn.kernels import backward_sm90
 
-    gen = torch.Generator().manual_seed(3)
-    lengths = (130, 0, 77, 301, 6, 1)
+    gen = torch.Generator().manual_seed(len(lengths))
     tokens, heads, dv = sum(lengths), 3, 24
     q = torch.randn(tokens, heads, 32, generator=gen)
     out, grad_out = (torch.randn(tokens, heads, dv, generator=gen) for _ in range(2))
     lse, grad_lse = (torch.randn(heads, tokens, generator=gen) for _ in range(2))
-    lse[1, 140] = float("-inf")
+    lse[1, tokens // 2] = float("-inf")
     cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
     spec = memattn.spec.check_call(q, q, out, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                    max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
