@@ -4,10 +4,13 @@ Per shape and variant: the relative error against the float64 reference (S <= 40
 first batch), TFLOP/s as `memattn bench` times it (do_bench, autograd recording, host
 included), TFLOP/s of the GPU alone (CUDA graph replay) and host µs per call in a loop;
 --kernels adds torch.profiler's table of GPU time per kernel. bf16, 16k tokens a shape
-(B = 16384 / S, H = 2048 / D); the shape "docs" is the bench's packed documents (causal,
-H=16, D=128).
+(B = 16384 / S, H = 2048 / Dqk): "DxS", "c" for causal, "Dqk/DvxS" for a narrower V,
+"+BHQK"-style letters for a bias of that shape (1 where it broadcasts; no gradient
+asked of it); the shape
+"docs" is the bench's packed documents (causal, H=16, D=128).
 
-    python tools/ab.py [--pass fwd|bwd] [--shapes 128x4096c,docs] [--variants tile,default]
+    python tools/ab.py [--pass fwd|bwd] [--shapes 128x4096c,192/128x4096c,128x4096+1H1K,docs]
+                       [--variants tile,default]
 """
 
 import argparse
@@ -44,22 +47,31 @@ def use(knobs) -> None:
     hopper.forget_plans()  # plans are made from the knobs
 
 
-def inputs(shape: str):
-    """(q, k, v, grad_out, options, flops of the forward) for "DxS[c]" or "docs"."""
-    new = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+def inputs(shape: str, device: str = "cuda"):
+    """(q, k, v, grad_out, options, flops of the forward) for "Dqk[/Dv]xS[c][+BIAS]" or
+    "docs" (see the module's docstring)."""
+    new = lambda *s: torch.randn(*s, device=device, dtype=torch.bfloat16)  # noqa: E731
     if shape == "docs":
         lengths = bench.DOC_LENGTHS
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
-                          device="cuda")  # fmt: skip
+                          device=device)  # fmt: skip
         q, k, v, do = (new(sum(lengths), 16, 128) for _ in range(4))
         kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
                   max_seqlen_k=max(lengths))  # fmt: skip
         return q, k, v, do, kw, sum(4 * 16 * 128 * n * (n + 1) / 2 for n in lengths)
+    shape, _, bias = shape.partition("+")
     causal = shape.endswith("c")
-    d, s = map(int, shape.rstrip("c").split("x"))
+    dims, s = shape.rstrip("c").split("x")
+    d, dv = (int(x) for x in (dims.split("/") * 2)[:2])
+    s = int(s)
     b, h = max(1, 16384 // s), 2048 // d
-    q, k, v, do = (new(b, s, h, d) for _ in range(4))
-    return q, k, v, do, dict(causal=causal), 4 * b * h * s * s * d / (2 if causal else 1)
+    q, k = new(b, s, h, d), new(b, s, h, d)
+    v, do = new(b, s, h, dv), new(b, s, h, dv)
+    kw = dict(causal=causal)
+    if bias:
+        sizes = dict(B=b, H=h, Q=s, K=s)
+        kw["bias"] = new(*(sizes[c] if c in sizes else 1 for c in bias))
+    return q, k, v, do, kw, 2 * b * h * s * s * (d + dv) / (2 if causal else 1)
 
 
 def main():
@@ -84,7 +96,10 @@ def main():
         expect = None
         if "cu_seqlens_q" not in kw and q.shape[1] <= 4096:
             first = [t[:1].detach().double().requires_grad_() for t in (q, k, v)]
-            expect = reference.attention(*first, **kw)
+            first_kw = dict(kw)
+            if "bias" in kw:  # the first batch's
+                first_kw["bias"] = kw["bias"][:1].double()
+            expect = reference.attention(*first, **first_kw)
             if is_bwd:
                 expect = torch.autograd.grad(expect, first, do[:1].double())
         for name in names:
