@@ -9,11 +9,11 @@ backward alike.
   (their MIN_KEYS_PER_QUERY). Options: causal masks either way, windows, GQA, ALiBi,
   dropout, packed (varlen) batches, and a bias: one constant along queries ((B or 1,
   H or 1, 1, Sk): key padding) as a row of keys, any other by TMA tiles (not together
-  with dropout). The backward computes a bias gradient of a
-  key row (summed in registers) or of a bias with an element per (b, h, i, j), and at
-  D=256 nothing of bias, ALiBi, dropout or packed batches; deterministic mode only
-  where dQ is not added up in fp32 across programs. Neither takes global positions
-  for ALiBi or dropout (AttentionSpec.positioned).
+  with dropout). The backward computes a bias gradient of a key row (summed in
+  registers) or of a bias with an element per (b, h, i, j), and at D=256 nothing of
+  bias, ALiBi, dropout or packed batches; deterministic mode only where dQ is not
+  added up in fp32 across programs. Neither takes global positions for ALiBi or
+  dropout (AttentionSpec.positioned).
 - The split-KV forward (decode.py), before either: few queries a sequence (Sq <= 64)
   against many keys (Sk >= 4096), every option but global positions; the query heads
   of a GQA group share each K/V tile read and the keys spread over the SMs. Its

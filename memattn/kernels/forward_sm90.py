@@ -538,6 +538,7 @@ HEAD_DIMS_V = (64, 128, 256)
 _launch_forward = hopper.Launcher(_fwd_sm90_kernel)
 
 
+@hopper.plan_cache  # dispatch asks on every call (takes_head_dims); made from the knobs
 def q_stages(head_dim_qk: int, head_dim_v: int, parts: int, has_bias: bool, bias_row: bool,
              dropout: bool) -> int:  # fmt: skip
     """Q buffers a program gets: two where shared memory holds them beside the K and V
