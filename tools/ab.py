@@ -25,25 +25,30 @@ from memattn import bench, reference
 from memattn.check import relative_error
 from memattn.kernels import backward_sm90, forward_sm90, hopper
 
-# name -> forward_sm90 knobs (the Gluon backward has none); "tile" runs the tile kernels
+# name -> Gluon knobs, "fwd.NAME" of forward_sm90, "bwd.NAME" of backward_sm90 (over the
+# shipped values); "tile" runs the tile kernels
 VARIANTS = {
     "tile": None,
     "default": {},
-    "rows128": dict(BLOCK_M_D64=128),  # two softmax warpgroups at D=64 too
-    "fold_all": dict(FOLD=True),  # two query blocks per program, masked or not
-    "fold_none": dict(FOLD=False),  # masked calls unfolded
-    "one_q": dict(MAX_Q_STAGES=1),  # one Q buffer
-    "grid": dict(PERSISTENT=False),  # a program per query block (per pair under a mask)
+    "rows128": {"fwd.BLOCK_M_D64": 128},  # two softmax warpgroups at D=64 too
+    "fold_all": {"fwd.FOLD": True},  # two query blocks per program, masked or not
+    "fold_none": {"fwd.FOLD": False},  # masked calls unfolded
+    "one_q": {"fwd.MAX_Q_STAGES": 1},  # one Q buffer
+    "grid": {"fwd.PERSISTENT": False},  # a program per query block (per pair under a mask)
+    "bwd_rows64": {"bwd.BLOCK_M_D64": 64},  # 64 query rows a backward step at D=64
 }
-DEFAULTS = {name: getattr(forward_sm90, name)
-            for name in ("FOLD", "BLOCK_M_D64", "PERSISTENT", "MAX_Q_STAGES")}  # fmt: skip
+MODULES = {"fwd": forward_sm90, "bwd": backward_sm90}
+DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
+    ("fwd", ("FOLD", "BLOCK_M_D64", "PERSISTENT", "MAX_Q_STAGES")),
+    ("bwd", ("BLOCK_M_D64",))) for name in names}  # fmt: skip
 
 
 def use(knobs) -> None:
     """Gluon with these knobs over the shipped ones, or the tile kernels (None)."""
     hopper.enabled = knobs is not None
-    for name, value in {**DEFAULTS, **(knobs or {})}.items():
-        setattr(forward_sm90, name, value)
+    for key, value in {**DEFAULTS, **(knobs or {})}.items():
+        module, name = key.split(".")
+        setattr(MODULES[module], name, value)
     hopper.forget_plans()  # plans are made from the knobs
 
 
@@ -116,11 +121,9 @@ def main():
                 want = expect if is_bwd else (expect,)
                 error = " ".join(f"{relative_error(x[:1], r):.1e}" for x, r in zip(got, want))
             bench_ms = do_bench(call)
-            try:
-                with torch.set_grad_enabled(is_bwd):
-                    gpu = f"{flops / do_bench_cudagraph(call) / 1e9:6.0f}"
-            except RuntimeError:  # a call that cannot be captured in a CUDA graph
-                gpu = f"{'-':>6s}"
+            gpu = f"{'-':>6s}"  # the backward's autograd graph is not captured: it
+            if not is_bwd:  # leaves torch's generator unusable for the next inputs
+                gpu = f"{flops / do_bench_cudagraph(call) / 1e9:6.0f}"
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(30):

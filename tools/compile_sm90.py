@@ -42,6 +42,7 @@ class _Sm90Driver:
 
 H100_SHARED_BYTES = 232448  # the most dynamic shared memory one block may take (227 KiB)
 compiled = {}
+case = ""  # the call being compiled, printed beside each new variant
 _run = JITFunction.run
 
 
@@ -50,7 +51,7 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
     key = (self.fn.__name__, kernel.hash if kernel is not None else None)
     if key not in compiled and kernel is not None:
         compiled[key] = kernel
-        print(report_line(self.fn.__name__, kernel), flush=True)  # as we go: runs are long
+        print(report_line(self.fn.__name__, kernel) + f"  {case}", flush=True)  # runs are long
     return kernel
 
 
@@ -209,6 +210,8 @@ def _compile_hopper(name, launch) -> int:
                     cu_k = torch.tensor([0, 500, 704], dtype=torch.int32)
                     varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=1500,
                                   max_seqlen_k=500)
+                global case
+                case = f"D={d}/{dv} {options} {feature}"
                 try:
                     spec = check_call(q, k, v, bias=bias, dropout_p=dropout_p,
                                       alibi_slopes=alibi, **options, **varlen)

@@ -75,6 +75,9 @@ from .forward import dense_strides
 ROWS = gl.constexpr(64)  # query rows per warpgroup in the D=256 dQ kernel
 BLOCK_N = 128  # keys per program: two warpgroups x 64
 BLOCK_M = 64  # query rows per step (registers: dK and dV take 2 * D / 2 per thread)
+# Query rows a step at D=64 (a knob tools/ab.py sets): dK and dV take 64 registers a
+# thread there, S and dP 64 each at 128 rows (FA4's D=64 step).
+BLOCK_M_D64 = 128
 STAGES = 2  # Q and dO rings
 
 
@@ -243,7 +246,6 @@ def _bwd_compute_partition(
         dv = warpgroup_mma(p_op, do, dv, is_async=True)
         ds_lo = ds.to(dtype)
         ds_op = gl.convert_layout(ds_lo, op_layout)
-        dk = warpgroup_mma(ds_op, q, dk, is_async=True)
 
         # dS to shared memory as (queries, keys), each warpgroup its half of the keys;
         # once both halves are there, dQ's columns of this half: dS K summed over halves.
@@ -260,8 +262,9 @@ def _bwd_compute_partition(
             dq = warpgroup_mma(ds_smem.index(ds_pair + j).reshape([BLOCK_M, HALF_N]),
                                k_cols.slice(j * HALF_N, HALF_N, dim=0), dq, use_acc=j > 0,
                                is_async=True)
-        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq, p_op, ds_op))
-        mbarrier.arrive(q_empty.index(slot))
+        # dK's wgmma last: it runs while dQ goes to shared memory and out (FA4's order)
+        dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+        dv, dq, p_op = warpgroup_mma_wait(1, deps=(dv, dq, p_op))
         mbarrier.arrive(do_empty.index(slot))
 
         # The last dQ reduce has read dq_smem (one thread issued it; this step's dS
@@ -272,6 +275,8 @@ def _bwd_compute_partition(
         dq_buf.reshape([BLOCK_M, HALF_D]).store(dq * scale)
         fence_async_shared()
         hopper.tma_reduce_add(dq_desc, [b_tma, h, q_start + start_m, HALF * HALF_D], dq_buf)
+        dk, ds_op = warpgroup_mma_wait(0, deps=(dk, ds_op))
+        mbarrier.arrive(q_empty.index(slot))
     tma.store_wait(0)
 
     if HAS_DROPOUT:
@@ -754,10 +759,12 @@ def row_stats_buffer(spec: AttentionSpec, lse: torch.Tensor) -> torch.Tensor:
     return torch.empty(2, batch, heads, padded, dtype=torch.float32, device=lse.device)
 
 
-def _row_stats_descriptor(stats: torch.Tensor, rows: int) -> TensorDescriptor:
+def _row_stats_descriptor(stats: torch.Tensor, rows: int,
+                          block_m: int = BLOCK_M) -> TensorDescriptor:  # fmt: skip
     """One descriptor over row_stats_buffer's tensor: [0, b, h, rows] is lse2,
-    [1, b, h, rows] delta. rows: Sq, or the packed buffer's whole length."""
-    block = (1, 1, 1, BLOCK_M)
+    [1, b, h, rows] delta, block_m rows a box. rows: Sq, or the packed buffer's whole
+    length."""
+    block = (1, 1, 1, block_m)
     return hopper.make_descriptor(stats, [*stats.shape[:3], rows], list(stats.stride()),
                                   block, hopper.shared_layout(block, torch.float32))
 
@@ -800,16 +807,17 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
     k_strides, v_strides = dense_strides(dk, spec.varlen)[:3], dense_strides(dv, spec.varlen)[:3]
     if spec.varlen:  # one batch of all tokens to TMA
         q, k, v, grad_out, dq = (t.unsqueeze(0) for t in (q, k, v, grad_out, dq))
-    q_desc = hopper.descriptor(q, BLOCK_M)
+    block_m = how.constexprs["BLOCK_M"]
+    q_desc = hopper.descriptor(q, block_m)
     bias_desc = dbias_desc = q_desc  # stand-ins, never read without a bias (gradient)
     bias_batches = bias_heads = 1
     if bias_row:
         bias_batches, bias_heads = hopper.bias_dims(bias)
     elif bias is not None:
-        bias_desc = hopper.bias_descriptor(bias, BLOCK_M, BLOCK_N)
+        bias_desc = hopper.bias_descriptor(bias, block_m, BLOCK_N)
         bias_batches, bias_heads = bias_desc.shape[:2]
     if dbias is not None and not bias_row:
-        dbias_desc = hopper.bias_descriptor(dbias, BLOCK_M, BLOCK_N // 2)
+        dbias_desc = hopper.bias_descriptor(dbias, block_m, BLOCK_N // 2)
     row_strides = hopper.bias_row_strides(bias if bias_row else None)
     partial_strides = dbias.stride()[:2] if bias_row and dbias is not None else (0, 0)
     alibi_batch_stride, alibi_head_stride = alibi_strides(alibi_slopes)
@@ -823,9 +831,10 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
     _launch_backward(
         (how.programs,),
         q_desc, hopper.descriptor(k, BLOCK_N, swizzle=k_swizzle),
-        hopper.descriptor(v, BLOCK_N), hopper.descriptor(grad_out, BLOCK_M),
-        hopper.descriptor(dq, BLOCK_M, cols=half_d),
-        _row_stats_descriptor(stats, stats.shape[-1] if spec.varlen else spec.seqlen_q),
+        hopper.descriptor(v, BLOCK_N), hopper.descriptor(grad_out, block_m),
+        hopper.descriptor(dq, block_m, cols=half_d),
+        _row_stats_descriptor(stats, stats.shape[-1] if spec.varlen else spec.seqlen_q,
+                              block_m),
         bias_desc, dbias_desc, dk, dv, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
         bias if bias_row else dk, dbias if bias_row and dbias is not None else dk,
         *k_strides, *v_strides,
@@ -844,9 +853,15 @@ def _plan(spec: AttentionSpec, bias_row: bool, has_dbias: bool,
     keys (hopper.bias_row), read by pointer, its gradient summed in registers. Counts:
     key blocks per head."""
     num_n = cdiv(spec.seqlen_k, BLOCK_N)
+    bias_tiles = spec.has_bias and not bias_row
+    # 128 query rows at D=64 where they fit: not beside bias tiles (shared memory), nor
+    # with dropout or ALiBi (their registers: 750-3400 bytes of spills, sm_90 compile)
+    wide = (spec.head_dim_qk == 64 and not bias_tiles and spec.dropout_p == 0
+            and not spec.has_alibi)
     constexprs = dict(
-        HEAD_DIM=spec.head_dim_qk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
-        HAS_BIAS=spec.has_bias and not bias_row, HAS_DBIAS=has_dbias and not bias_row,
+        HEAD_DIM=spec.head_dim_qk, BLOCK_M=BLOCK_M_D64 if wide else BLOCK_M, BLOCK_N=BLOCK_N,
+        STAGES=STAGES,
+        HAS_BIAS=bias_tiles, HAS_DBIAS=has_dbias and not bias_row,
         BIAS_ROW=bias_row, DBIAS_ROW=has_dbias and bias_row, HAS_ALIBI=spec.has_alibi,
         HAS_DROPOUT=spec.dropout_p > 0, IS_VARLEN=spec.varlen,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
