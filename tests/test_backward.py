@@ -421,3 +421,31 @@ def test_gradients_float32_follow_allow_tf32_gpu(case):
             assert_results(check_backward(case, torch.float32, "cuda", seed=2))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.mark.parametrize(
+    "head_dim, options, rows",
+    [(64, {}, 128), (64, dict(causal=True), 128), (64, dict(bias="row"), 128),
+     (64, dict(window=(300, 7)), 128), (64, dict(bias="tile"), 64),
+     (64, dict(dropout_p=0.1), 64), (64, dict(alibi=True), 64), (128, {}, 64),
+     (128, dict(bias="row"), 64)],
+)  # fmt: skip
+def test_hopper_backward_query_rows_a_step(head_dim, options, rows):
+    """The Gluon backward walks 128 query rows a step at D=64 (FA4's step), 64 where the
+    buffers or registers do not allow it: beside bias tiles (shared memory), with dropout
+    or ALiBi (spills), and at D=128 (dK and dV take 128 registers a thread)."""
+    from memattn.kernels import backward_sm90
+    from memattn.spec import check_call
+
+    options = dict(options)
+    q = torch.empty(2, 1024, 4, head_dim, dtype=torch.bfloat16)
+    k = torch.empty(2, 1024, 2, head_dim, dtype=torch.bfloat16)
+    bias = options.pop("bias", None)
+    if bias is not None:  # a key row (key padding) or (B, H, Sq, Sk) tiles
+        bias = torch.empty((2, 1, 1, 1024) if bias == "row" else (2, 4, 1024, 1024))
+    if options.pop("alibi", False):
+        options["alibi_slopes"] = torch.ones(4)
+    spec = check_call(q, k, k, bias=bias, **options)
+    bias_row = bias is not None and backward_sm90.hopper.bias_row(spec, bias)
+    plan = backward_sm90._plan(spec, bias_row, bias is not None, 0)
+    assert plan.constexprs["BLOCK_M"] == rows
