@@ -7,13 +7,14 @@ every query tile of its GQA group once, and adds each tile's dQ into an fp32 buf
 TMA reduce-add (an L2-side atomic of a whole tile). Three partitions:
 - a load warp: K and V once, then Q and dO tiles by TMA into two-stage rings, each slot
   refilled as soon as both consumers release it (mbarriers);
-- two compute warpgroups, 64 keys each. Per query tile each computes, in the
-  transposed (keys, queries) orientation, S^T = K Q^T and dP^T = V dO^T (asynchronous
-  wgmmas), P^T and dS^T from them, dV += P^T dO and dK += dS^T Q with the
+- two compute warpgroups, 64 keys each. Per query tile (64 rows, 128 at D=64) each
+  computes, in the transposed (keys, queries) orientation, S^T = K Q^T and
+  dP^T = V dO^T (asynchronous wgmmas), P^T and dS^T from them, dV += P^T dO with the
   probabilities straight from registers, and writes dS^T to shared memory. Once both
   halves are there (an mbarrier between the two), each computes half of dQ's columns,
-  dQ[:, half] = dS K[:, half], and sends it to the fp32 buffer.
-dS stays unscaled in shared memory, as (queries, keys) tiles of 64 x 64: it is the
+  dQ[:, half] = dS K[:, half], then dK += dS^T Q, and sends dQ to the fp32 buffer
+  while dK's wgmma runs.
+dS stays unscaled in shared memory, as (queries, keys) tiles of rows x 64: it is the
 gradient of a bias, and for a full bias each warpgroup's tile leaves by TMA store as
 it is; dK and dQ take the softmax scale in fp32. A bias tile loads beside each Q
 tile; a bias constant along queries (key padding) is read by pointer, 64 keys a
