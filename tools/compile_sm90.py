@@ -7,6 +7,7 @@ rules, layouts, register spills) before any device time is spent.
                                             # (--all: every head dim and dtype, slow)
 """
 
+import hashlib
 import os
 import re
 import subprocess
@@ -57,8 +58,18 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
 
 def report_line(name, kernel) -> str:
     over = kernel.metadata.shared > H100_SHARED_BYTES
-    return (f"{name:28s} {ptxas_report(kernel)} shared={kernel.metadata.shared}"
-            + ("  OVER the H100's shared memory" if over else ""))
+    return (f"{name:28s} {ptxas_report(kernel)} shared={kernel.metadata.shared} "
+            f"code={code_digest(kernel)}" + ("  OVER the H100's shared memory" if over else ""))
+
+
+def code_digest(kernel) -> str:
+    """A digest of the kernel's PTX without source locations and debug sections: equal
+    before and after a change, the change left the machine code as it was (a refactor's
+    proof, where no GPU is at hand)."""
+    ptx = kernel.asm["ptx"].split("\t.section\t.debug")[0]
+    code = "\n".join(line for line in ptx.splitlines()
+                     if not line.lstrip().startswith((".loc", ".file", "$L__")))
+    return hashlib.sha1(code.encode()).hexdigest()[:10]
 
 
 def ptxas_report(kernel) -> str:
