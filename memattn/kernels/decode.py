@@ -26,8 +26,15 @@ from triton.runtime.errors import OutOfResources
 
 from ..spec import AttentionSpec
 from . import tuning
-from .common import LN2, alibi_strides, cdiv, diagonal_offset, sequence_bounds
-from .forward import _fwd_tiles, bias_strides, dense_strides, feature_switches, lse_strides
+from .common import alibi_strides, cdiv, diagonal_offset, sequence_bounds
+from .forward import (
+    _fwd_tiles,
+    bias_strides,
+    dense_strides,
+    feature_switches,
+    lse_strides,
+    normalised,
+)
 
 MAX_QUERIES = 64  # per sequence: more run the tile or Gluon forward
 MIN_KEYS = 4096  # fewer, and a program per query block fills the GPU well enough
@@ -131,12 +138,7 @@ def _split_kv_kernel(
         DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, BOUNDED_LEFT,
         BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
 
-    empty = l_i == 0.0
-    inv_l = 1.0 / tl.where(empty, 1.0, l_i)
-    if HAS_DROPOUT:
-        inv_l = inv_l / (1.0 - dropout_p)
-    out = acc * inv_l[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    out, lse = normalised(acc, m_i, l_i, dropout_p, HAS_DROPOUT)
     out_mask = row_ok[:, None] & (offs_dv[None, :] < DV)
     if SPLIT:  # (split, B, H, SQ, DV) and (split, B, H, SQ), contiguous, fp32
         flat = ((split * BATCH + b).to(tl.int64) * H + h64) * SQ + offs_m.to(tl.int64)

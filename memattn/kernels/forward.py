@@ -101,6 +101,19 @@ def _fwd_tiles(
 
 
 @triton.jit
+def normalised(acc, m_i, l_i, dropout_p, HAS_DROPOUT: tl.constexpr):
+    """(out, lse) of _fwd_tiles' (acc, m_i, l_i): out = acc / l (and dropout's
+    1 / (1 - p)), lse in natural log. Rows with no visible key (l = 0): out 0, lse -inf."""
+    empty = l_i == 0.0
+    inv_l = 1.0 / tl.where(empty, 1.0, l_i)
+    if HAS_DROPOUT:
+        inv_l = inv_l / (1.0 - dropout_p)
+    out = acc * inv_l[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    return out, lse
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, V, Out, Lse, Bias, Alibi, Rng, CuSeqQ, CuSeqK,
     stride_qb, stride_qm, stride_qh, stride_qd,
@@ -189,13 +202,7 @@ def _fwd_kernel(
             DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, span != 1, BOUNDED_LEFT,
             BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
 
-    # Rows with no visible key: l = 0, out = 0, lse = -inf.
-    empty = l_i == 0.0
-    inv_l = 1.0 / tl.where(empty, 1.0, l_i)
-    if HAS_DROPOUT:
-        inv_l = inv_l / (1.0 - dropout_p)
-    out = acc * inv_l[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    out, lse = normalised(acc, m_i, l_i, dropout_p, HAS_DROPOUT)
     tl.store(o_base + arange_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
              out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
     tl.store(l_base + arange_m * stride_lm, lse, mask=row_ok)
