@@ -58,29 +58,33 @@ def test_gluon_backward_computes(d, bias_shape, options, need_dbias, computes):
 
 @gluon
 @pytest.mark.parametrize(
-    "dqk, dv, bias_shape, options, takes",
+    "dqk, dv, bias_shape, options, forward, backward",
     [
-        (128, 128, None, {}, True),
-        (192, 128, None, dict(causal=True), True),  # MLA: O leaves through Q's buffer
-        (192, 128, (2, 1, 1, 16), {}, True),  # a key row: 1 KiB more
-        (192, 128, (2, 2, 16, 16), {}, False),  # bias tiles: no room
-        (192, 128, None, dict(dropout_p=0.1), False),  # nor dropout's scratch
-        (128, 64, (2, 2, 16, 16), {}, True),
-        (256, 128, None, {}, True),
-        (64, 128, None, {}, False),  # V wider than q·k
-        (192, 192, None, {}, False),  # V's head dims: 64, 128, 256
-        (96, 96, None, {}, False),
+        (128, 128, None, {}, True, True),
+        (64, 64, None, {}, True, True),
+        (256, 256, None, {}, True, True),
+        (192, 128, None, dict(causal=True), True, False),  # MLA: O leaves through Q's buffer
+        (192, 128, (2, 1, 1, 16), {}, True, False),  # a key row: 1 KiB more
+        (192, 128, (2, 2, 16, 16), {}, False, False),  # bias tiles: no room
+        (192, 128, None, dict(dropout_p=0.1), False, False),  # nor dropout's scratch
+        (128, 64, (2, 2, 16, 16), {}, True, True),  # the backward sizes dK and dV apart
+        (256, 128, None, {}, True, False),
+        (64, 128, None, {}, False, False),  # V wider than q·k
+        (192, 192, None, {}, False, False),  # V's head dims: 64, 128, 256
+        (96, 96, None, {}, False, False),
     ],
 )  # fmt: skip
-def test_gluon_forward_head_dims(dqk, dv, bias_shape, options, takes):
+def test_gluon_head_dims(dqk, dv, bias_shape, options, forward, backward):
     """The Gluon forward's head dims: q·k's 64, 128, 192 or 256, V's 64, 128 or 256 up
-    to q·k's, where shared memory holds the buffers; the backward takes equal ones."""
+    to q·k's, where shared memory holds the buffers; the backward's: equal ones of 64,
+    128 or 256, and 128/64."""
     q = torch.randn(2, 16, 2, dqk, dtype=torch.float16)
     v = torch.randn(2, 16, 2, dv, dtype=torch.float16)
     bias = None if bias_shape is None else torch.randn(bias_shape, dtype=torch.float16)
     spec = check_call(q, q, v, bias=bias, **options)
     bias_row = bias is not None and dispatch.hopper.bias_row(spec, bias)
-    assert dispatch.forward_sm90.takes_head_dims(spec, bias_row) is takes
+    assert dispatch.forward_sm90.takes_head_dims(spec, bias_row) is forward
+    assert dispatch.backward_sm90.takes_head_dims(spec) is backward
     assert dispatch.forward_sm90.qk_split(dqk) == (64 if dqk == 192 else 32 if dqk == 96 else 0)
 
 

@@ -244,6 +244,8 @@ HOPPER_CASES = [
          options=dict(window=(300, 40))),
     Case("Dqk128 Dv64 bias dropout", seqlen_q=333, seqlen_k=500, dqk=128, dv=64,
          bias="1H1K", options=dict(dropout_p=0.2)),
+    Case("Dqk128 Dv64 varlen causal GQA alibi", heads=4, kv_heads=2, lengths_q=(300, 0, 517),
+         lengths_k=(300, 0, 517), dqk=128, dv=64, alibi="H", options=dict(causal=True)),
     Case("Dqk256 Dv128 bottom-right", seqlen_q=300, seqlen_k=650, dqk=256, dv=128,
          options=dict(causal=True, align="bottom_right")),
     # bias and dropout at D=256: the Gluon forward, backward.py's backward

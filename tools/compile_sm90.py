@@ -160,9 +160,9 @@ def compile_hopper_backward() -> int:
     from memattn.kernels import backward_sm90, dispatch
 
     def launch(spec, q, k, v, bias, alibi, cu_seqlens=(None, None)):
-        if spec.head_dim_qk != spec.head_dim_v or not dispatch.gluon_backward_computes(
+        if not backward_sm90.takes_head_dims(spec) or not dispatch.gluon_backward_computes(
                 spec, bias, alibi, bias is not None):
-            return  # backward.py's call: Dqk != Dv; D=256 with a bias, ALiBi, dropout, varlen
+            return  # backward.py's call: other Dqk/Dv; D=256 with a bias, ALiBi, dropout...
         lse = (torch.empty(spec.heads, q.shape[0]) if spec.varlen
                else torch.empty(*spec.bias_shape[:3]))  # fmt: skip
         stats = backward_sm90.row_stats_buffer(spec, lse)
@@ -172,8 +172,9 @@ def compile_hopper_backward() -> int:
         rng = torch.zeros(2, dtype=torch.int64) if spec.dropout_p > 0 else None
         dq = torch.empty(q.shape, dtype=torch.float32 if backward_sm90.dq_in_fp32(spec)
                          else q.dtype)  # fmt: skip
-        backward_sm90.backward(spec, q, k, k, q, bias, alibi, rng, *cu_seqlens, stats, dq,
-                               torch.empty_like(k), torch.empty_like(k), dbias)  # fmt: skip
+        grad_out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+        backward_sm90.backward(spec, q, k, v, grad_out, bias, alibi, rng, *cu_seqlens, stats,
+                               dq, torch.empty_like(k), torch.empty_like(v), dbias)  # fmt: skip
 
     return _compile_hopper("backward_sm90", launch)
 

@@ -91,20 +91,15 @@ def _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _store_dk_dv(
-    dk, dv, DK, DV, b, hk, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    seqlen_k, rows, cols, HEAD_DIM: gl.constexpr,
-):  # fmt: skip
-    """dK and dV (in the output dtype) of keys ``rows`` and columns ``cols`` of (b, kv
+def _store_key_rows(x, X, b, hk, stride_b, stride_n, stride_h, seqlen_k, rows, cols,
+                    COLS: gl.constexpr):  # fmt: skip
+    """x (dK or dV, in the output dtype) of keys ``rows`` and columns ``cols`` of (b, kv
     head hk), by plain stores, once per program; keys past Sk are not written."""
-    ok = (rows < seqlen_k)[:, None] & (cols < HEAD_DIM)[None, :]
+    ok = (rows < seqlen_k)[:, None] & (cols < COLS)[None, :]
     rows64 = rows.to(gl.int64)[:, None]
-    dk_ptrs = (DK + b.to(gl.int64) * stride_kb + hk.to(gl.int64) * stride_kh
-               + rows64 * stride_kn + cols[None, :])
-    gl.store(dk_ptrs, dk, mask=ok)
-    dv_ptrs = (DV + b.to(gl.int64) * stride_vb + hk.to(gl.int64) * stride_vh
-               + rows64 * stride_vn + cols[None, :])
-    gl.store(dv_ptrs, dv, mask=ok)
+    ptrs = (X + b.to(gl.int64) * stride_b + hk.to(gl.int64) * stride_h + rows64 * stride_n
+            + cols[None, :])
+    gl.store(ptrs, x, mask=ok)
 
 
 @gluon.jit
@@ -144,8 +139,8 @@ def _bwd_load_partition(
 
 @gluon.jit
 def _bwd_compute_partition(
-    shared, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
+    shared, HALF: gl.constexpr, HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
     HAS_DBIAS: gl.constexpr, BIAS_ROW: gl.constexpr, DBIAS_ROW: gl.constexpr,
     HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
     BOUNDED_RIGHT: gl.constexpr,
@@ -161,24 +156,29 @@ def _bwd_compute_partition(
      stride_pb, stride_ph) = shared
     dtype: gl.constexpr = k_smem.dtype
     HALF_N: gl.constexpr = BLOCK_N // 2
-    HALF_D: gl.constexpr = HEAD_DIM // 2
+    HALF_D: gl.constexpr = HEAD_DIM_QK // 2  # dQ's columns a warpgroup makes
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
-    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+    dk_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM_QK, 16])
+    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM_V, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_D, 16])
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    ds_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout,
+                                                     k_width=2)
+    p_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout,
+                                                    k_width=2)
     cols_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
     row0 = start_n + HALF * HALF_N
     offs_n = row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
-    k_all = k_smem.reshape([BLOCK_N, HEAD_DIM])
+    k_all = k_smem.reshape([BLOCK_N, HEAD_DIM_QK])
     k_half = k_all.slice(HALF * HALF_N, HALF_N, dim=0)
-    v_half = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(HALF * HALF_N, HALF_N, dim=0)
+    v_half = v_smem.reshape([BLOCK_N, HEAD_DIM_V]).slice(HALF * HALF_N, HALF_N, dim=0)
     k_cols = k_all.slice(HALF * HALF_D, HALF_D, dim=1)  # dQ's columns this warpgroup makes
-    dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=kv_layout)
-    dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=kv_layout)
+    dk = gl.zeros([HALF_N, HEAD_DIM_QK], gl.float32, layout=dk_layout)
+    dv = gl.zeros([HALF_N, HEAD_DIM_V], gl.float32, layout=dv_layout)
     if DBIAS_ROW:  # this query head's dS summed over its query tiles so far
         db_row = gl.zeros([HALF_N], gl.float32, layout=gl.SliceLayout(1, s_layout))
     bias_b = (b % bias_batches).to(gl.int64)  # 0 where the bias broadcasts over batches
@@ -189,12 +189,12 @@ def _bwd_compute_partition(
         h, start_m = _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M)
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=cols_layout)
         slot = hopper.arrived(q_ready, i, STAGES)
-        q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_QK])
         # Zero accumulators made here, not held across the loop: registers are short.
         s_init = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
         s = warpgroup_mma(k_half, q.permute((1, 0)), s_init, use_acc=False, is_async=True)
         hopper.arrived(do_ready, i, STAGES)
-        do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_V])
         dp = warpgroup_mma(v_half, do.permute((1, 0)), s_init, use_acc=False, is_async=True)
         if HAS_DROPOUT:  # Philox's integer work runs while the tensor cores do S and dP
             keep = hopper.dropout_keep(seed, rng_offset, b * heads + h, start_m, row0,
@@ -243,10 +243,10 @@ def _bwd_compute_partition(
                          + offs_n, db_row, mask=offs_n < seqlen_k)
             db_row = gl.where(head_done, 0.0, db_row)
 
-        p_op = gl.convert_layout(p_kept.to(dtype), op_layout)
+        p_op = gl.convert_layout(p_kept.to(dtype), p_op_layout)
         dv = warpgroup_mma(p_op, do, dv, is_async=True)
         ds_lo = ds.to(dtype)
-        ds_op = gl.convert_layout(ds_lo, op_layout)
+        ds_op = gl.convert_layout(ds_lo, ds_op_layout)
 
         # dS to shared memory as (queries, keys), each warpgroup its half of the keys;
         # once both halves are there, dQ's columns of this half: dS K summed over halves.
@@ -282,11 +282,14 @@ def _bwd_compute_partition(
 
     if HAS_DROPOUT:
         dv = dv * (1.0 / (1.0 - dropout_p))
-    _store_dk_dv(
-        (dk * scale).to(dtype), dv.to(dtype), DK, DV, b, hk, stride_kb, stride_kn, stride_kh,
-        stride_vb, stride_vn, stride_vh, seqlen_k,
-        row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv_layout)),
-        gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout)), HEAD_DIM)  # fmt: skip
+    _store_key_rows((dk * scale).to(dtype), DK, b, hk, stride_kb, stride_kn, stride_kh,
+                    seqlen_k, row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dk_layout)),
+                    gl.arange(0, HEAD_DIM_QK, layout=gl.SliceLayout(0, dk_layout)),
+                    HEAD_DIM_QK)  # fmt: skip
+    _store_key_rows(dv.to(dtype), DV, b, hk, stride_vb, stride_vn, stride_vh, seqlen_k,
+                    row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dv_layout)),
+                    gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, dv_layout)),
+                    HEAD_DIM_V)  # fmt: skip
 
 
 @gluon.jit
@@ -355,7 +358,8 @@ def _bwd_sm90_kernel(
     stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ab, stride_ah, stride_rb,
     stride_rh, stride_rn, stride_pb, stride_ph, HKV, GROUP, bias_batches, bias_heads, seqlen_q,
     seqlen_k, num_n_blocks, scale, window_left, window_right, dropout_p,
-    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_DBIAS: gl.constexpr,
     BIAS_ROW: gl.constexpr, DBIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr,
     HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
@@ -406,12 +410,12 @@ def _bwd_sm90_kernel(
               heads, dropout_p, Alibi, stride_ab, stride_ah, BiasRow, stride_rb, stride_rh,
               stride_rn, bias_batches, bias_heads, DBiasRow, stride_pb, stride_ph)
     gl.warp_specialize(
-        [(_bwd_compute_partition, (shared, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS,
-                                   HAS_DBIAS, BIAS_ROW, DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT,
-                                   BOUNDED_LEFT, BOUNDED_RIGHT)),
-         (_bwd_compute_partition, (shared, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS,
-                                   HAS_DBIAS, BIAS_ROW, DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT,
-                                   BOUNDED_LEFT, BOUNDED_RIGHT)),
+        [(_bwd_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
+                                   STAGES, HAS_BIAS, HAS_DBIAS, BIAS_ROW, DBIAS_ROW,
+                                   HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT, BOUNDED_RIGHT)),
+         (_bwd_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
+                                   STAGES, HAS_BIAS, HAS_DBIAS, BIAS_ROW, DBIAS_ROW,
+                                   HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT, BOUNDED_RIGHT)),
          (_bwd_load_partition, (
             q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem,
             v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready, q_empty,
@@ -507,11 +511,13 @@ def _bwd_d256_compute_partition(
         mbarrier.arrive(pds_free)
         mbarrier.wait(pds_free, i & 1)
 
-    _store_dk_dv(
-        (dk * scale).to(dtype), dv.to(dtype), DK, DV, b, hk, stride_kb, stride_kn, stride_kh,
-        stride_vb, stride_vn, stride_vh, seqlen_k,
-        start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout)),
-        col0 + gl.arange(0, HALF_D, layout=gl.SliceLayout(0, kv_layout)), HEAD_DIM)  # fmt: skip
+    dk, dv = (dk * scale).to(dtype), dv.to(dtype)
+    rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
+    cols = col0 + gl.arange(0, HALF_D, layout=gl.SliceLayout(0, kv_layout))
+    _store_key_rows(dk, DK, b, hk, stride_kb, stride_kn, stride_kh, seqlen_k, rows, cols,
+                    HEAD_DIM)
+    _store_key_rows(dv, DV, b, hk, stride_vb, stride_vn, stride_vh, seqlen_k, rows, cols,
+                    HEAD_DIM)
 
 
 @gluon.jit
@@ -740,7 +746,15 @@ def _bwd_dq_d256_kernel(
 # 220 vs 210 TFLOP/s at D=128, 231 vs 214 at D=64); S=512 causal was not measured. At
 # D=256 it wins everywhere: S=512 causal (256 keys) 144 vs 104.
 MIN_KEYS_PER_QUERY = {64: 512, 128: 512, 256: 0}
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 128, 256)  # q·k
+# (q·k, v) head dims: equal, or V half as wide at 128 (the D 64/128 kernel sizes dK and
+# dV apart; at Dqk=192 dK would take 96 registers a thread beside dV's 64)
+HEAD_DIM_PAIRS = ((64, 64), (128, 128), (256, 256), (128, 64))
+
+
+def takes_head_dims(spec: AttentionSpec) -> bool:
+    """Whether these kernels take the call's head dims (HEAD_DIM_PAIRS)."""
+    return (spec.head_dim_qk, spec.head_dim_v) in HEAD_DIM_PAIRS
 
 
 def row_stats_buffer(spec: AttentionSpec, lse: torch.Tensor) -> torch.Tensor:
@@ -860,7 +874,8 @@ def _plan(spec: AttentionSpec, bias_row: bool, has_dbias: bool,
     wide = (spec.head_dim_qk == 64 and not bias_tiles and spec.dropout_p == 0
             and not spec.has_alibi)
     constexprs = dict(
-        HEAD_DIM=spec.head_dim_qk, BLOCK_M=BLOCK_M_D64 if wide else BLOCK_M, BLOCK_N=BLOCK_N,
+        HEAD_DIM_QK=spec.head_dim_qk, HEAD_DIM_V=spec.head_dim_v,
+        BLOCK_M=BLOCK_M_D64 if wide else BLOCK_M, BLOCK_N=BLOCK_N,
         STAGES=STAGES,
         HAS_BIAS=bias_tiles, HAS_DBIAS=has_dbias and not bias_row,
         BIAS_ROW=bias_row, DBIAS_ROW=has_dbias and bias_row, HAS_ALIBI=spec.has_alibi,

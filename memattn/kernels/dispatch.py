@@ -3,8 +3,9 @@ backward alike.
 
 - The Gluon kernels (forward_sm90.py, backward_sm90.py): Hopper GPUs (sm_90) with
   Triton 3.6's Gluon, bf16/fp16, head dims the kernel is built for (the backward: one
-  for q·k and v, 64, 128 or 256; the forward also V's narrower than q·k's, such as
-  192/128, where shared memory holds the buffers: forward_sm90.takes_head_dims), no
+  for q·k and v, 64, 128 or 256, and 128/64: backward_sm90.takes_head_dims; the
+  forward also other V's narrower than q·k's, such as 192/128, where shared memory
+  holds the buffers: forward_sm90.takes_head_dims), no
   softcap, tensors TMA can read, and enough keys per query to beat the tile kernels
   (their MIN_KEYS_PER_QUERY). Options: causal masks either way, windows, GQA, ALiBi,
   dropout, packed (varlen) batches, and a bias: one constant along queries ((B or 1,
@@ -92,8 +93,7 @@ def gluon_backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, n
     need_dq, need_dk, need_dv, need_dbias = needs
     return (need_dq and (need_dk or need_dv)
             and _gluon_takes(spec, q, k, v, bias)
-            and spec.head_dim_qk == spec.head_dim_v
-            and spec.head_dim_qk in backward_sm90.HEAD_DIMS
+            and backward_sm90.takes_head_dims(spec)
             and gluon_backward_computes(spec, bias, alibi_slopes, need_dbias)
             and not (spec.deterministic and backward_sm90.dq_in_fp32(spec))
             and hopper.keys_per_query(spec) >= backward_sm90.MIN_KEYS_PER_QUERY[spec.head_dim_qk]
