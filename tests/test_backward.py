@@ -322,11 +322,10 @@ def test_hopper_backward_gpu(case, dtype, hopper_backward_launches):
     assert_results(check_backward(case, dtype, "cuda", seed=7))
     # A bias gradient summed over broadcast dimensions other than the queries runs
     # backward.py by design, and so do a bias, ALiBi, dropout and packed sequences at
-    # D=256, and Dqk != Dv but 128/64.
+    # D=256, and Dqk != Dv.
     d256_plain = case.dqk != 256 or (case.bias is None and case.alibi is None
                                      and "dropout_p" not in case.options and not case.varlen)
-    dims = case.dqk == case.dv or (case.dqk, case.dv) == (128, 64)
-    gluon = (_bias_full(case) or _bias_row(case)) and d256_plain and dims
+    gluon = (_bias_full(case) or _bias_row(case)) and d256_plain and case.dqk == case.dv
     assert bool(hopper_backward_launches) == gluon, (
         "a full bias's gradient, a key row's (or none) runs the Gluon backward; others not")
 

@@ -68,7 +68,7 @@ def code_digest(kernel) -> str:
     proof, where no GPU is at hand)."""
     ptx = kernel.asm["ptx"].split("\t.section\t.debug")[0]
     code = "\n".join(line for line in ptx.splitlines()
-                     if not line.lstrip().startswith((".loc", ".file", "$L__")))
+                     if not line.lstrip().startswith((".loc", ".file", "$L__tmp", "$L__func")))
     return hashlib.sha1(code.encode()).hexdigest()[:10]
 
 
