@@ -38,6 +38,7 @@ from .common import (
     key_range,
     new_output,
     packed_stats_start,
+    philox_key,
     query_range,
     sequence_bounds,
     tile_span,
@@ -317,11 +318,7 @@ def _dkdv_kernel(
     v = tl.load(V + b64 * stride_vb + hk64 * stride_vh + col0 * stride_vn
                 + arange_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                 mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-    seed = 0
-    rng_offset = 0
-    if HAS_DROPOUT:
-        seed = tl.load(Rng)
-        rng_offset = tl.load(Rng + 1)
+    seed, rng_offset = philox_key(Rng, HAS_DROPOUT)
 
     lo, full_lo, full_hi, hi = query_range(
         start_n, seqlen_q, seqlen_k, off, window_left, window_right,
@@ -483,11 +480,7 @@ def _dq_kernel(
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(Alibi + b64 * stride_ab + h64 * stride_ah)
-    seed = 0
-    rng_offset = 0
-    if HAS_DROPOUT:
-        seed = tl.load(Rng)
-        rng_offset = tl.load(Rng + 1)
+    seed, rng_offset = philox_key(Rng, HAS_DROPOUT)
 
     arange_m = tl.arange(0, BLOCK_M)
     offs_m = start_m + arange_m

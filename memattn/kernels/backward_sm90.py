@@ -67,6 +67,7 @@ from .common import (
     diagonal_offset,
     new_output,
     packed_stats_start,
+    philox_key,
     query_range,
     sequence_bounds,
     visible,
@@ -393,11 +394,7 @@ def _bwd_sm90_kernel(
         bias_smem = q_smem
 
     bias_b = b % bias_batches  # 0 where the bias broadcasts over batches
-    seed = 0
-    rng_offset = 0
-    if HAS_DROPOUT:
-        seed = gl.load(Rng)
-        rng_offset = gl.load(Rng + 1)
+    seed, rng_offset = philox_key(Rng, HAS_DROPOUT)
     heads = HKV * GROUP
 
     # Runtime values only: a constexpr stored in a variable would turn into a tensor, so

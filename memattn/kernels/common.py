@@ -60,6 +60,18 @@ def sequence_bounds(CuSeqQ, CuSeqK, b, seqlen_q, seqlen_k, IS_VARLEN: tl.constex
 
 
 @triton.jit
+def philox_key(Rng, HAS_DROPOUT: tl.constexpr):
+    """Dropout's Philox (seed, offset), Rng's two int64s; (0, 0), never read, without
+    dropout."""
+    seed = 0
+    rng_offset = 0
+    if HAS_DROPOUT:
+        seed = tl.load(Rng)
+        rng_offset = tl.load(Rng + 1)
+    return seed, rng_offset
+
+
+@triton.jit
 def packed_stats_start(q_start, b):
     """Where packed sequence b's row statistics start in the Gluon backward's stats
     buffer (backward_sm90.row_stats_buffer): its first token rounded up to a multiple

@@ -26,7 +26,7 @@ from triton.runtime.errors import OutOfResources
 
 from ..spec import AttentionSpec
 from . import tuning
-from .common import alibi_strides, cdiv, diagonal_offset, sequence_bounds
+from .common import alibi_strides, cdiv, diagonal_offset, philox_key, sequence_bounds
 from .forward import (
     _fwd_tiles,
     bias_strides,
@@ -102,11 +102,7 @@ def _split_kv_kernel(
     if HAS_ALIBI:
         slope = tl.load(Alibi + b64 * stride_ab + h64 * stride_ah, mask=row_ok, other=0.0)
         slope = slope[:, None]
-    seed = 0
-    rng_offset = 0
-    if HAS_DROPOUT:
-        seed = tl.load(Rng)
-        rng_offset = tl.load(Rng + 1)
+    seed, rng_offset = philox_key(Rng, HAS_DROPOUT)
     bh = (b * H + h)[:, None]  # dropout's counter: the row's own head
 
     offs_dqk = tl.arange(0, BLOCK_DQK)

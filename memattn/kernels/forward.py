@@ -22,6 +22,7 @@ from .common import (
     diagonal_offset,
     dropout_keep,
     key_range,
+    philox_key,
     sequence_bounds,
     tile_span,
     visible,
@@ -163,11 +164,7 @@ def _fwd_kernel(
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(Alibi + b64 * stride_ab + h64 * stride_ah)
-    seed = 0
-    rng_offset = 0
-    if HAS_DROPOUT:
-        seed = tl.load(Rng)
-        rng_offset = tl.load(Rng + 1)
+    seed, rng_offset = philox_key(Rng, HAS_DROPOUT)
 
     arange_m = tl.arange(0, BLOCK_M)
     offs_m = start_m + arange_m

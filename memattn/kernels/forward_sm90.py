@@ -54,7 +54,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..spec import AttentionSpec
 from . import hopper
-from .common import LN2, LOG2E, add_bias_alibi_log2, alibi_strides, cdiv, visible
+from .common import (
+    LN2,
+    LOG2E,
+    add_bias_alibi_log2,
+    alibi_strides,
+    cdiv,
+    philox_key,
+    visible,
+)
 
 ROWS = gl.constexpr(64)  # query rows per softmax warpgroup
 # Query rows per program: two softmax warpgroups (128), or three (192) for unmasked
@@ -442,11 +450,7 @@ def _fwd_sm90_kernel(
     programs = gl.num_programs(0)
     n_items = hopper.work_items(pid, programs, num_items, FOLD)
     heads_total = num_items // num_m_blocks  # (batch, head) pairs
-    seed = 0
-    rng_offset = 0
-    if HAS_DROPOUT:
-        seed = gl.load(Rng)
-        rng_offset = gl.load(Rng + 1)
+    seed, rng_offset = philox_key(Rng, HAS_DROPOUT)
 
     PARTS: gl.constexpr = BLOCK_M // ROWS  # softmax warpgroups
     dtype: gl.constexpr = q_desc.dtype
