@@ -874,8 +874,7 @@ def _plan(spec: AttentionSpec, bias_row: bool, has_dbias: bool,
             and not spec.has_alibi)
     constexprs = dict(
         HEAD_DIM_QK=spec.head_dim_qk, HEAD_DIM_V=spec.head_dim_v,
-        BLOCK_M=BLOCK_M_D64 if wide else BLOCK_M, BLOCK_N=BLOCK_N,
-        STAGES=STAGES,
+        BLOCK_M=BLOCK_M_D64 if wide else BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
         HAS_BIAS=bias_tiles, HAS_DBIAS=has_dbias and not bias_row,
         BIAS_ROW=bias_row, DBIAS_ROW=has_dbias and bias_row, HAS_ALIBI=spec.has_alibi,
         HAS_DROPOUT=spec.dropout_p > 0, IS_VARLEN=spec.varlen,

@@ -58,9 +58,10 @@ def bias_readable(spec: AttentionSpec, bias: torch.Tensor) -> bool:
 
 def bias_row(spec: AttentionSpec, bias: torch.Tensor) -> bool:
     """A bias constant along queries, (B or 1, H or 1, 1, Sk): key padding, per-key
-    offsets. The Gluon kernels read it by pointer, one row of keys per key tile (no TMA
-    tiles, no shared memory: any floating dtype and strides), and reduce its gradient,
-    dS summed over queries, in registers."""
+    offsets. The Gluon kernels read it as one row of keys per key tile, no bias tiles
+    (the forward by TMA from bias_row_log2's fp32 copy, the backward by pointer: any
+    floating dtype and strides), and reduce its gradient, dS summed over queries, in
+    registers."""
     shape, _ = _bias_4d(bias)
     return shape[2] == 1 and shape[3] == spec.seqlen_k
 
