@@ -32,7 +32,8 @@ memory-bound: GB/s count K and V once, B*Sk*Hkv*(Dqk + Dv)*2 bytes, over the tim
 A peer that cannot run a row (no kernel for it, a feature it lacks, out of memory) is
 recorded with the reason; nothing stops the run. Output: a table (memattn's ratio to the
 best peer on each row, forward and backward apart), a JSON file (rewritten after every
-row, so an interrupted run keeps what it measured) and a PNG plot.
+row, so an interrupted run keeps what it measured, and ``--resume`` goes on from it: a
+full run with every peer takes longer than one call on a lent device) and a PNG plot.
 
 Layout of this file: the rows (a dataclass and a table), the flop count, the inputs, the
 implementations (a registry of functions ``(row, inputs) -> out``), the one timing
@@ -757,10 +758,13 @@ def environment(device) -> dict:
                 cuda=torch.version.cuda, memattn=__version__)  # fmt: skip
 
 
-def report_json(results: list[Result], env: dict, quick: bool) -> dict:
+def report_json(results: list[Result], env: dict, quick: bool, started: str | None = None) -> dict:
+    """The run's JSON. started: when a resumed run (``--resume``) began; date is when
+    its last row was saved."""
     ratios = best_peers(results)
+    now = time.strftime("%Y-%m-%d %H:%M:%S")
     return dict(
-        **env, quick=quick, date=time.strftime("%Y-%m-%d %H:%M:%S"),
+        **env, quick=quick, started=started or now, date=now,
         flops="fwd 4*B*H*Sq*Sk*D (2*B*H*Sq*Sk*(Dqk+Dv)), causal /2, window and varlen exact "
               "visible pairs; bwd 2.5x fwd",
         timing="triton.testing.do_bench medians, bf16; fwd with autograd recording (decode "
@@ -903,9 +907,40 @@ def default_json(args) -> str:
     return PARTIAL_RUN_JSON if (args.quick or args.rows or args.impls) else FULL_RUN_JSON
 
 
+class ResumeError(ValueError):
+    """--resume's JSON is from another device, versions or --quick setting."""
+
+
+def resumed(path: Path, rows: list[Row], impls: list[str], env: dict,
+            quick: bool) -> tuple[list[Result], str | None]:  # fmt: skip
+    """For ``--resume``: the results of ``rows`` that the JSON at ``path`` (an earlier,
+    cut run) has for every one of ``impls``, and when that run started. None of them
+    without the file; a file from another device, versions or --quick setting is an
+    error (its figures would not compare with this process's)."""
+    if not path.exists():
+        return [], None
+    doc = json.loads(path.read_text())
+    for key, value in (*env.items(), ("quick", quick)):
+        if doc.get(key) != value:
+            raise ResumeError(f"--resume: {path} has {key}={doc.get(key)!r}, this run "
+                             f"{value!r}; give another --json")  # fmt: skip
+    by_name = {r.name: r for r in rows}
+    entries: dict[str, dict[str, Result]] = {}
+    for e in doc["rows"]:
+        if e["row"] in by_name and e["impl"] in impls:
+            timing = Timing(e["fwd_ms"], e["bwd_ms"], e["fwd_error"], e["bwd_error"],
+                            e.get("first_call_s"))  # fmt: skip
+            entries.setdefault(e["row"], {})[e["impl"]] = Result(by_name[e["row"]], e["impl"],
+                                                                 timing)  # fmt: skip
+    done = [entries[r.name][i] for r in rows if len(entries.get(r.name, ())) == len(impls)
+            for i in impls]  # fmt: skip
+    return done, doc.get("started", doc.get("date"))
+
+
 def run(args, rows: list[Row], impls: list[str], device="cuda", console=None) -> list[Result]:
     """Times ``rows`` x ``impls`` with a progress bar, then writes the JSON (also after
-    every row), prints the table and the reasons behind its gaps, and saves the plot."""
+    every row), prints the table and the reasons behind its gaps, and saves the plot.
+    With ``args.resume``, rows the JSON already has are kept and not run again."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -924,8 +959,18 @@ def run(args, rows: list[Row], impls: list[str], device="cuda", console=None) ->
     title = (f"TFLOP/s on {env['device']}, bf16, fwd / bwd (torch {env['torch']}, "
              f"triton {env['triton']})")  # fmt: skip
 
+    done, started = [], None
+    if args.resume:
+        done, started = resumed(json_path, rows, impls, env, args.quick)
+    kept = {r.row.name for r in done}
+    order = {row.name: i for i, row in enumerate(rows)}
+
+    def with_kept(results):  # the kept rows and these, in the rows' order
+        return sorted(done + results, key=lambda r: order[r.row.name])
+
     def save(results):
-        json_path.write_text(json.dumps(report_json(results, env, args.quick), indent=1))
+        doc = report_json(with_kept(results), env, args.quick, started)
+        json_path.write_text(json.dumps(doc, indent=1))
 
     def row_done(results):  # a log line per row (above the bar), and the JSON so far
         last = [r for r in results if r.row == results[-1].row]
@@ -934,7 +979,9 @@ def run(args, rows: list[Row], impls: list[str], device="cuda", console=None) ->
         save(results)
 
     console.print(f"memattn bench: {len(rows)} rows x {len(impls)} implementations"
-                  f"{' (--quick)' if args.quick else ''} on {env['device']}")  # fmt: skip
+                  f"{' (--quick)' if args.quick else ''} on {env['device']}"
+                  + (f", {len(kept)} rows kept from {json_path}" if kept else ""))  # fmt: skip
+    rows = [r for r in rows if r.name not in kept]
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TimeRemainingColumn())  # fmt: skip
     with Progress(*columns, console=console) as progress:
@@ -944,6 +991,7 @@ def run(args, rows: list[Row], impls: list[str], device="cuda", console=None) ->
             _compile_in_process()
         results = collect(rows, impls, args.quick, device, progress, on_row=row_done)
     save(results)
+    results = with_kept(results)
     console.print(make_table(results, impls, title))
     for line in error_lines(results):
         console.print(Text(line, style="dim"), soft_wrap=True)
@@ -957,13 +1005,15 @@ def run(args, rows: list[Row], impls: list[str], device="cuda", console=None) ->
 
 def main(args) -> int:
     """``memattn bench [--quick] [--json PATH] [--plot PATH] [--rows GLOBS] [--impls NAMES]
-    [--compile-workers N] [--list]``: 0 when the run completed (gaps in the table are
-    results, not failures)."""
+    [--compile-workers N] [--resume] [--list]``: 0 when the run completed (gaps in the
+    table are results, not failures)."""
     try:
         rows = select_rows(args.quick, args.rows)
         impls = select_impls(args.impls)
         if args.compile_workers < 0:
             raise ValueError(f"--compile-workers must be >= 0, got {args.compile_workers}")
+        if args.resume and not args.json:
+            raise ValueError("--resume needs --json: the file of the run to go on with")
     except ValueError as e:
         print(f"memattn bench: {e}", file=sys.stderr)
         return 2
@@ -975,5 +1025,9 @@ def main(args) -> int:
               f"(torch {torch.__version__}). `memattn check` runs on the CPU.",
               file=sys.stderr)  # fmt: skip
         return 1
-    run(args, rows, impls)
+    try:
+        run(args, rows, impls)
+    except ResumeError as e:
+        print(f"memattn bench: {e}", file=sys.stderr)
+        return 2
     return 0

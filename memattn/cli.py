@@ -174,6 +174,10 @@ def main(argv=None) -> int:
     p.add_argument("--impls", metavar="NAMES",
                    help="only these implementations, comma-separated: memattn, "
                         "sdpa_flash, sdpa_efficient, sdpa_cudnn, flex, fa4 (where it imports)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run whose JSON is at --json: rows it has for every "
+                        "implementation asked are kept, not run again (a full run spread "
+                        "over several calls on one machine)")
     p.add_argument("--list", action="store_true", help="list the rows and exit")
     p.add_argument("--compile-workers", type=int, default=0, metavar="N",
                    help="first compile every row's kernels (memattn's and flex's) in N "

@@ -362,7 +362,8 @@ def fake_run(tmp_path_factory):
     (the real inputs' shapes, a 2 GiB bias included, and no memory)."""
     tmp = tmp_path_factory.mktemp("bench")
     args = argparse.Namespace(quick=True, json=str(tmp / "b.json"), plot=str(tmp / "b.png"),
-                              rows=None, impls=None, compile_workers=0)  # fmt: skip
+                              rows=None, impls=None, compile_workers=0,
+                              resume=False)  # fmt: skip
     console = Console(file=io.StringIO(), width=250, record=True)
     with pytest.MonkeyPatch.context() as mp:
         for name in bench.IMPLS:
@@ -403,6 +404,63 @@ def test_json_has_every_row_with_times_and_errors(fake_run):
     assert (dec["Sq"], dec["Sk"], dec["bwd_ms"]) == (1, 32768, None)
     assert dec["fwd_gbps"] == pytest.approx(dec["bytes_kv"] / dec["fwd_ms"] / 1e6)
     assert dec["bwd_error"] == bench.FORWARD_ONLY
+
+
+def _fake_bench(tmp_path, rows, impls, resume, measured, env=None):
+    """bench.run on "meta" tensors with fake implementations; ``measured`` collects the
+    (row, impl) pairs it times."""
+    args = argparse.Namespace(quick=False, json=str(tmp_path / "r.json"), plot=None, rows=None,
+                              impls=None, compile_workers=0, resume=resume)  # fmt: skip
+
+    def measure(run, leaves, backward=True):
+        impl, row = run()
+        measured.append((row.name, impl))
+        return _fake_measure(run, leaves, backward)
+
+    console = Console(file=io.StringIO(), width=250)
+    with pytest.MonkeyPatch.context() as mp:
+        for name in bench.IMPLS:
+            mp.setitem(bench.IMPLS, name, lambda row, t, name=name: (name, row))
+        mp.setattr(bench, "measure", measure)
+        mp.setattr(bench, "_free", lambda collect=True: None)
+        mp.setattr(bench, "plot", lambda *a: None)
+        if env is not None:
+            mp.setattr(bench, "environment", lambda device: env)
+        return bench.run(args, rows, impls, "meta", console)
+
+
+def test_resume_keeps_the_rows_the_json_has_and_runs_the_rest(tmp_path):
+    """A run cut short, then --resume: rows already there for every implementation
+    asked are kept as they were, the others run; the JSON then has them all in the rows'
+    order, with the first part's start; a file from another device is refused."""
+    rows = [r for r in bench.select_rows(True) if r.name in ("D128_S1024", "D128_S4096",
+                                                               "bias_grad", "gqa8")]
+    impls = ["memattn", "flex"]
+    first = []
+    _fake_bench(tmp_path, rows[:2], impls, False, first)
+    doc = json.loads((tmp_path / "r.json").read_text())
+    second = []
+    results = _fake_bench(tmp_path, rows, impls, True, second)
+    assert sorted(first) == sorted((r.name, i) for r in rows[:2] for i in impls)
+    assert sorted(second) == sorted((r.name, i) for r in rows[2:] for i in impls)
+    assert [(r.row.name, r.impl) for r in results] == [(r.name, i) for r in rows for i in impls]
+    resumed = json.loads((tmp_path / "r.json").read_text())
+    assert resumed["started"] == doc["started"]
+    assert [(e["row"], e["impl"]) for e in resumed["rows"]] == [
+        (r.name, i) for r in rows for i in impls]  # fmt: skip
+    assert resumed["rows"][:4] == doc["rows"]  # kept as measured, errors and all
+    # a third implementation: no row has it, so every row runs again
+    third = []
+    _fake_bench(tmp_path, rows[:1], [*impls, "sdpa_cudnn"], True, third)
+    assert len(third) == 3
+    with pytest.raises(bench.ResumeError, match="device"):
+        _fake_bench(tmp_path, rows, impls, True, [], env=dict(bench.environment("meta"),
+                                                             device="another"))  # fmt: skip
+
+
+def test_resume_needs_a_json_path(capsys):
+    assert cli.main(["bench", "--resume", "--rows", "D128_S4096"]) == 2
+    assert "--resume needs --json" in capsys.readouterr().err
 
 
 def test_ratio_is_memattn_over_the_best_peer_per_pass(fake_run):
