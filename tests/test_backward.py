@@ -320,14 +320,18 @@ def hopper_backward_launches(monkeypatch):
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: c.name)
 def test_hopper_backward_gpu(case, dtype, hopper_backward_launches):
     assert_results(check_backward(case, dtype, "cuda", seed=7))
-    # A bias gradient summed over broadcast dimensions other than the queries runs
-    # backward.py by design, and so do a bias, ALiBi, dropout and packed sequences at
-    # D=256, and Dqk != Dv.
+    # backward.py runs by design: at D=256 a bias, ALiBi, dropout or packed sequences,
+    # other Dqk/Dv pairs than 128/64, and a bias gradient of rows not whole 16 bytes.
     d256_plain = case.dqk != 256 or (case.bias is None and case.alibi is None
                                      and "dropout_p" not in case.options and not case.varlen)
-    gluon = (_bias_full(case) or _bias_row(case)) and d256_plain and case.dqk == case.dv
+    dims = case.dqk == case.dv or (case.dqk, case.dv) == (128, 64)
+    keys = max(case.lengths_k) if case.varlen else case.seqlen_k
+    dbias = case.bias is None or _bias_row(case) or (
+        keys % 8 == 0 and (_bias_full(case) or not case.varlen))
+    gluon = d256_plain and dims and dbias
     assert bool(hopper_backward_launches) == gluon, (
-        "a full bias's gradient, a key row's (or none) runs the Gluon backward; others not")
+        "the Gluon backward runs the bias gradients (rows of whole 16 bytes; summed ones"
+        " not yet for packed sequences), and 128/64")
 
 
 def _bias_letters(case) -> str:
@@ -335,11 +339,10 @@ def _bias_letters(case) -> str:
 
 
 def _bias_full(case) -> bool:
-    """No bias, or one with an element per (batch, head, query, key)."""
-    if case.bias is None:
-        return True
-    sizes = dict(B=case.batch, H=case.heads, Q=case.seqlen_q, K=case.seqlen_k)
-    return all(c != "1" or sizes[d] == 1 for c, d in zip(_bias_letters(case), "BHQK"))
+    """A bias with an element per (batch or sequence, head, query, key)."""
+    batch = len(case.lengths_q) if case.varlen else case.batch
+    sizes = dict(B=batch, H=case.heads)
+    return all(c != "1" or sizes.get(d, 1) == 1 for c, d in zip(_bias_letters(case), "BHQK"))
 
 
 def _bias_row(case) -> bool:
@@ -447,5 +450,6 @@ def test_hopper_backward_query_rows_a_step(head_dim, options, rows):
         options["alibi_slopes"] = torch.ones(4)
     spec = check_call(q, k, k, bias=bias, **options)
     bias_row = bias is not None and backward_sm90.hopper.bias_row(spec, bias)
-    plan = backward_sm90._plan(spec, bias_row, bias is not None, 0)
+    kind = None if bias is None else backward_sm90.dbias_kind_of(spec, bias)
+    plan = backward_sm90._plan(spec, bias_row, kind, (False, False), 0)
     assert plan.constexprs["BLOCK_M"] == rows

@@ -15,12 +15,20 @@ from .conftest import DEVICE
 gluon = pytest.mark.skipif(dispatch.hopper is None, reason="Triton without Gluon's Hopper API")
 
 
-def spec_and_inputs(b=2, sq=16, sk=16, h=2, d=64, bias_shape=None, **options):
-    q = torch.randn(b, sq, h, d, device=DEVICE, dtype=torch.float16)
-    k = torch.randn(b, sk, h, d, device=DEVICE, dtype=torch.float16)
-    v = torch.randn(b, sk, h, d, device=DEVICE, dtype=torch.float16)
+def spec_and_inputs(b=2, sq=16, sk=16, h=2, d=64, bias_shape=None, varlen=False, **options):
+    """A call's spec and inputs; varlen: the b sequences packed (sq queries, sk keys each)."""
+    lead = (b * sq,) if varlen else (b, sq)
+    lead_k = (b * sk,) if varlen else (b, sk)
+    q = torch.randn(*lead, h, d, device=DEVICE, dtype=torch.float16)
+    k = torch.randn(*lead_k, h, d, device=DEVICE, dtype=torch.float16)
+    v = torch.randn(*lead_k, h, d, device=DEVICE, dtype=torch.float16)
     bias = None if bias_shape is None else torch.randn(bias_shape, device=DEVICE,
                                                         dtype=torch.float16)  # fmt: skip
+    if varlen:
+        options.update(
+            cu_seqlens_q=torch.arange(0, b * sq + 1, sq, device=DEVICE, dtype=torch.int32),
+            cu_seqlens_k=torch.arange(0, b * sk + 1, sk, device=DEVICE, dtype=torch.int32),
+            max_seqlen_q=sq, max_seqlen_k=sk)  # fmt: skip
     return check_call(q, k, v, bias=bias, **options), q, k, v, bias
 
 
@@ -40,7 +48,12 @@ def test_cpu_calls_run_the_tile_kernels():
         (256, (2, 2, 16, 16), {}, False, False),  # D=256: no bias,
         (256, None, dict(dropout_p=0.1), False, False),  # no dropout
         (128, (2, 2, 16, 16), {}, True, True),  # a full bias's gradient is dS
-        (128, (1, 2, 16, 16), {}, True, False),  # one summed over the batch is not
+        (128, (1, 2, 16, 16), {}, True, True),  # one over the batch: TMA reduce-adds
+        (64, (2, 1, 16, 16), {}, True, True),  # over the heads
+        (128, (16, 16), {}, True, True),  # over both
+        (128, (1, 2, 16, 12), {}, True, False),  # (rows of whole 16 bytes for them)
+        (128, (1, 2, 16, 16), dict(varlen=True), True, False),  # not yet packed sequences
+        (128, (2, 2, 16, 16), dict(varlen=True), True, True),  # (a full bias: stored)
         (128, (2, 2, 1, 16), {}, True, True),  # one over the queries: summed in registers
         (128, (1, 2, 1, 16), {}, True, True),  # also over the batch (partial sums)
         (128, (2, 1, 1, 12), {}, True, True),  # any key count: stored by pointer
@@ -58,6 +71,26 @@ def test_gluon_backward_computes(d, bias_shape, options, need_dbias, computes):
 
 @gluon
 @pytest.mark.parametrize(
+    "bias_shape, inner",
+    [((2, 2, 16, 16), (False, False)),  # a full bias: nothing summed
+     ((1, 2, 16, 16), (True, False)),  # over the batch
+     ((2, 1, 16, 16), (False, True)),  # over the heads
+     ((16, 16), (True, True)),
+     ((1, 1, 1, 16), (False, False))],  # a key row: summed in registers
+)  # fmt: skip
+def test_summed_bias_gradient_puts_its_broadcast_dims_inner(bias_shape, inner, monkeypatch):
+    """SUMMED_BIAS_INNER orders the backward's programs with the dimensions a summed
+    bias gradient broadcasts over innermost; off, the shipped order for every bias."""
+    spec, _, _, _, bias = spec_and_inputs(bias_shape=bias_shape)
+    kind = dispatch.backward_sm90.dbias_kind_of(spec, bias)
+    assert dispatch.backward_sm90.inner_dims(spec, bias, kind) == (False, False)
+    monkeypatch.setattr(dispatch.backward_sm90, "SUMMED_BIAS_INNER", True)
+    assert dispatch.backward_sm90.inner_dims(spec, bias, kind) == inner
+    assert dispatch.backward_sm90.inner_dims(spec, bias, None) == (False, False)
+
+
+@gluon
+@pytest.mark.parametrize(
     "dqk, dv, bias_shape, options, forward, backward",
     [
         (128, 128, None, {}, True, True),
@@ -67,7 +100,8 @@ def test_gluon_backward_computes(d, bias_shape, options, need_dbias, computes):
         (192, 128, (2, 1, 1, 16), {}, True, False),  # a key row: 1 KiB more
         (192, 128, (2, 2, 16, 16), {}, False, False),  # bias tiles: no room
         (192, 128, None, dict(dropout_p=0.1), False, False),  # nor dropout's scratch
-        (128, 64, (2, 2, 16, 16), {}, True, False),
+        (128, 64, (2, 2, 16, 16), {}, True, True),
+        (128, 64, None, dict(causal=True, dropout_p=0.1), True, True),
         (256, 128, None, {}, True, False),
         (64, 128, None, {}, False, False),  # V wider than q·k
         (192, 192, None, {}, False, False),  # V's head dims: 64, 128, 256
@@ -77,7 +111,7 @@ def test_gluon_backward_computes(d, bias_shape, options, need_dbias, computes):
 def test_gluon_head_dims(dqk, dv, bias_shape, options, forward, backward):
     """The Gluon forward's head dims: q·k's 64, 128, 192 or 256, V's 64, 128 or 256 up
     to q·k's, where shared memory holds the buffers; the backward's: equal ones of 64,
-    128 or 256."""
+    128 or 256, and 128/64."""
     q = torch.randn(2, 16, 2, dqk, dtype=torch.float16)
     v = torch.randn(2, 16, 2, dv, dtype=torch.float16)
     bias = None if bias_shape is None else torch.randn(bias_shape, dtype=torch.float16)

@@ -214,7 +214,7 @@ HOPPER_CASES = [
     Case("one key", seqlen_q=300, seqlen_k=1, dqk=64, dv=64),
     Case("one tile", seqlen_q=100, seqlen_k=128, dqk=128, dv=128),
     # a bias by TMA: a full one (its gradient is dS, stored by the backward), one
-    # broadcast over heads (the backward's sum runs backward.py), 192-row blocks
+    # broadcast over heads or the batch (dS added up by TMA reduce-adds), 192-row blocks
     Case("bias BHQK window GQA", heads=4, kv_heads=2, seqlen_q=777, seqlen_k=1032, dqk=128,
          dv=128, bias="BHQK", options=dict(window=(300, 50))),
     Case("bias B1QK causal", seqlen_q=1000, seqlen_k=1000, dqk=128, dv=128, bias="B1QK",
@@ -286,6 +286,10 @@ HOPPER_CASES = [
     Case("varlen D256", lengths_q=(130, 600, 1), lengths_k=(200, 600, 77), dqk=256, dv=256),
     Case("varlen bias alibi", lengths_q=(700, 0, 1300, 64), lengths_k=(700, 5, 1304, 64),
          dqk=128, dv=128, bias="BHQK", alibi="BH", options=dict(causal=True)),
+    Case("varlen bias 1HQK shared causal", lengths_q=(700, 0, 1300, 64),
+         lengths_k=(700, 5, 1304, 64), dqk=128, dv=128, bias="1HQK", options=dict(causal=True)),
+    Case("varlen bias 11QK D64 window", lengths_q=(300, 1000, 17), lengths_k=(500, 904, 40),
+         dqk=64, dv=64, bias="11QK", options=dict(window=(200, 10))),
     Case("varlen key bias BH1K causal", lengths_q=(700, 0, 1300, 64),
          lengths_k=(700, 5, 1302, 64), dqk=128, dv=128, bias="BH1K", options=dict(causal=True)),
     Case("varlen dropout key bias GQA", heads=4, kv_heads=2, lengths_q=(300, 1000, 17),

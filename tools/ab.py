@@ -6,8 +6,8 @@ included), TFLOP/s of the GPU alone (CUDA graph replay) and host µs per call in
 --kernels adds torch.profiler's table of GPU time per kernel. bf16, 16k tokens a shape
 (B = 16384 / S, H = 2048 / Dqk): "DxS", "c" for causal, "Dqk/DvxS" for a narrower V,
 "+BHQK"-style letters for a bias of that shape (1 where it broadcasts; no gradient
-asked of it); the shape
-"docs" is the bench's packed documents (causal, H=16, D=128).
+asked of it, but with ".grad": "+1HQK.grad"; the error column then covers dQ, dK and dV
+only); the shape "docs" is the bench's packed documents (causal, H=16, D=128).
 
     python tools/ab.py [--pass fwd|bwd] [--shapes 128x4096c,192/128x4096c,128x4096+1H1K,docs]
                        [--variants tile,default]
@@ -36,11 +36,12 @@ VARIANTS = {
     "one_q": {"fwd.MAX_Q_STAGES": 1},  # one Q buffer
     "grid": {"fwd.PERSISTENT": False},  # a program per query block (per pair under a mask)
     "bwd_rows64": {"bwd.BLOCK_M_D64": 64},  # 64 query rows a backward step at D=64
+    "summed_inner": {"bwd.SUMMED_BIAS_INNER": True},  # a summed bias's broadcast dims inner
 }
 MODULES = {"fwd": forward_sm90, "bwd": backward_sm90}
 DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
     ("fwd", ("FOLD", "BLOCK_M_D64", "PERSISTENT", "MAX_Q_STAGES")),
-    ("bwd", ("BLOCK_M_D64",))) for name in names}  # fmt: skip
+    ("bwd", ("BLOCK_M_D64", "SUMMED_BIAS_INNER"))) for name in names}  # fmt: skip
 
 
 def use(knobs) -> None:
@@ -74,8 +75,10 @@ def inputs(shape: str, device: str = "cuda"):
     v, do = new(b, s, h, dv), new(b, s, h, dv)
     kw = dict(causal=causal)
     if bias:
+        letters, _, grad = bias.partition(".")
         sizes = dict(B=b, H=h, Q=s, K=s)
-        kw["bias"] = new(*(sizes[c] if c in sizes else 1 for c in bias))
+        kw["bias"] = new(*(sizes[c] if c in sizes else 1 for c in letters))
+        kw["bias"].requires_grad_(grad == "grad")
     return q, k, v, do, kw, 2 * b * h * s * s * (d + dv) / (2 if causal else 1)
 
 
@@ -98,22 +101,24 @@ def main():
         q, k, v, do, kw, flops = inputs(shape)
         flops *= 2.5 if is_bwd else 1
         leaves = [t.requires_grad_() for t in (q, k, v)]
+        if "bias" in kw and kw["bias"].requires_grad:
+            leaves.append(kw["bias"])
         expect = None
         if "cu_seqlens_q" not in kw and q.shape[1] <= 4096:
             first = [t[:1].detach().double().requires_grad_() for t in (q, k, v)]
             first_kw = dict(kw)
             if "bias" in kw:  # the first batch's
-                first_kw["bias"] = kw["bias"][:1].double()
+                first_kw["bias"] = kw["bias"][:1].detach().double()
             expect = reference.attention(*first, **first_kw)
             if is_bwd:
                 expect = torch.autograd.grad(expect, first, do[:1].double())
         for name in names:
             use(VARIANTS[name])
             if is_bwd:  # the backward alone, through one recorded graph
-                out = memattn.attention(*leaves, **kw)
+                out = memattn.attention(*leaves[:3], **kw)
                 call = lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)  # noqa: E731
             else:
-                call = lambda: memattn.attention(*leaves, **kw)  # noqa: E731
+                call = lambda: memattn.attention(*leaves[:3], **kw)  # noqa: E731
             result = call()
             error = "-"
             if expect is not None:

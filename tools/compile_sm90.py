@@ -166,9 +166,12 @@ def compile_hopper_backward() -> int:
         lse = (torch.empty(spec.heads, q.shape[0]) if spec.varlen
                else torch.empty(*spec.bias_shape[:3]))  # fmt: skip
         stats = backward_sm90.row_stats_buffer(spec, lse)
-        dbias = None if bias is None else torch.empty_like(bias)
-        if bias is not None and backward_sm90.hopper.bias_row(spec, bias):
+        kind = None if bias is None else backward_sm90.dbias_kind_of(spec, bias)
+        dbias = None  # as backward_sm90.run makes it
+        if kind == "row":
             dbias = torch.empty(*spec.bias_shape[:2], spec.seqlen_k)
+        elif kind is not None:
+            dbias = torch.empty(bias.shape, dtype=bias.dtype if kind == "full" else torch.float32)
         rng = torch.zeros(2, dtype=torch.int64) if spec.dropout_p > 0 else None
         dq = torch.empty(q.shape, dtype=torch.float32 if backward_sm90.dq_in_fp32(spec)
                          else q.dtype)  # fmt: skip
@@ -182,19 +185,20 @@ def compile_hopper_backward() -> int:
 def _compile_hopper(name, launch) -> int:
     """Calls launch(spec, q, k, v, bias, alibi_slopes, cu_seqlens) for D 64, 128 and 256
     (and Dqk/Dv pairs: MEMATTN_HOPPER_DIMS=192/128,128/64),
-    every mask of HOPPER_MASKS, no bias, a full one, a key-padding row (B, 1, 1, Sk),
-    dropout, ALiBi, packed sequences (varlen: 2100 and 704 tokens, cu_seqlens given;
-    varlen_bias with a full bias, varlen_all with a key row, dropout and ALiBi), GQA
-    4:2, Sq=2100 (D=64's three warpgroups), Sk=704; returns the number of failures.
-    MEMATTN_HOPPER_FEATURES=dropout (comma-separated from none, bias, rowbias, dropout,
-    alibi, varlen, varlen_bias, varlen_all) and MEMATTN_HOPPER_DIMS=256 compile a
-    subset."""
+    every mask of HOPPER_MASKS, no bias, a full one, one broadcast over the batch
+    (sumbias: its gradient summed), a key-padding row (B, 1, 1, Sk), dropout, ALiBi,
+    packed sequences (varlen: 2100 and 704 tokens, cu_seqlens given; varlen_bias with a
+    full bias, varlen_sumbias with one shared by the sequences, varlen_all with a key
+    row, dropout and ALiBi), GQA 4:2, Sq=2100 (D=64's three warpgroups), Sk=704; returns
+    the number of failures. MEMATTN_HOPPER_FEATURES=dropout (comma-separated from those
+    names) and MEMATTN_HOPPER_DIMS=256 compile a subset."""
     from memattn.kernels import hopper
     from memattn.spec import check_call
 
     hopper.sm_count = lambda device_index: 132  # an H100's; no GPU here to ask
     features = os.environ.get("MEMATTN_HOPPER_FEATURES",
-                              "none,bias,rowbias,dropout,alibi,varlen,varlen_bias,varlen_all").split(",")
+                              "none,bias,sumbias,rowbias,dropout,alibi,varlen,varlen_bias,"
+                              "varlen_sumbias,varlen_all").split(",")
     dims = [(int(d.split("/")[0]), int(d.split("/")[-1]))
             for d in os.environ.get("MEMATTN_HOPPER_DIMS", "64,128,256").split(",")]
     failures = 0
@@ -207,21 +211,24 @@ def _compile_hopper(name, launch) -> int:
                 bias = None
                 if feature == "bias":
                     bias = torch.randn(2, 4, 2100, 704, dtype=torch.bfloat16)
+                elif feature == "sumbias":
+                    bias = torch.randn(1, 4, 2100, 704, dtype=torch.bfloat16)
                 elif feature == "rowbias":
                     bias = torch.randn(2, 1, 1, 704, dtype=torch.bfloat16)
-                elif feature == "varlen_bias":
-                    bias = torch.randn(2, 4, 1500, 500, dtype=torch.bfloat16)
+                elif feature in ("varlen_bias", "varlen_sumbias"):
+                    bias = torch.randn(2 if feature == "varlen_bias" else 1, 4, 1500, 504,
+                                       dtype=torch.bfloat16)  # fmt: skip
                 elif feature == "varlen_all":
-                    bias = torch.randn(2, 1, 1, 500, dtype=torch.bfloat16)
+                    bias = torch.randn(2, 1, 1, 504, dtype=torch.bfloat16)
                 dropout_p = 0.1 if feature in ("dropout", "varlen_all") else 0.0
                 alibi = torch.rand(4) if feature in ("alibi", "varlen_all") else None
                 varlen = {}
                 if feature.startswith("varlen"):  # the same tokens as two packed sequences
                     q, k, v = q[:1].flatten(0, 1), k[:1].flatten(0, 1), v[:1].flatten(0, 1)
                     cu_q = torch.tensor([0, 1500, 2100], dtype=torch.int32)
-                    cu_k = torch.tensor([0, 500, 704], dtype=torch.int32)
+                    cu_k = torch.tensor([0, 504, 704], dtype=torch.int32)
                     varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=1500,
-                                  max_seqlen_k=500)
+                                  max_seqlen_k=504)
                 global case
                 case = f"D={d}/{dv} {options} {feature}"
                 try:

@@ -16,11 +16,13 @@ TMA reduce-add (an L2-side atomic of a whole tile). Three partitions:
   while dK's wgmma runs.
 dS stays unscaled in shared memory, as (queries, keys) tiles of rows x 64: it is the
 gradient of a bias, and for a full bias each warpgroup's tile leaves by TMA store as
-it is; dK and dQ take the softmax scale in fp32. A bias tile loads beside each Q
-tile; a bias constant along queries (key padding) is read by pointer, 64 keys a
-warpgroup, and its gradient is dS summed over each query head's tiles in registers,
-stored once per (b, h, keys) into an fp32 buffer that run() sums over the dimensions
-the bias broadcasts over: no atomics, no expanded buffer, the same bits every run.
+it is; for one broadcast over batch or heads each tile is added, in fp32, into the
+gradient by TMA reduce-add as dQ is. dK and dQ take the softmax scale in fp32. A bias
+tile loads beside each Q tile; a bias constant along queries (key padding) is read by
+pointer, 64 keys a warpgroup, and its gradient is dS summed over each query head's
+tiles in registers, stored once per (b, h, keys) into an fp32 buffer that run() sums
+over the dimensions the bias broadcasts over: no atomics, no expanded buffer, the same
+bits every run.
 Dropout's keep bits come from hopper.dropout_keep in the transposed layout. Packed
 sequences (varlen): one batch of all tokens to TMA, tiles from each sequence's first
 token, query rows past a sequence's end masked, dK and dV stored from its first key;
@@ -37,9 +39,8 @@ writing it in the output dtype: no fp32 buffer, and no atomics.
 Covers what forward_sm90 covers (bf16/fp16, head dims 64, 128 and 256, GQA, causal
 masks either way, sliding windows, a bias, ALiBi, dropout, dense and packed batches)
 minus deterministic mode at D 64 and 128 (TMA reduce-adds land in any order), minus a
-bias gradient summed over batch, heads or keys (a key row's, summed over queries, it
-computes), and at D=256 minus a bias, ALiBi, dropout and packed batches. Every other
-call runs backward.py.
+bias gradient summed over keys, and at D=256 minus a bias, ALiBi, dropout and packed
+batches. Every other call runs backward.py.
 """
 
 from __future__ import annotations
@@ -142,17 +143,17 @@ def _bwd_load_partition(
 def _bwd_compute_partition(
     shared, HALF: gl.constexpr, HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-    HAS_DBIAS: gl.constexpr, BIAS_ROW: gl.constexpr, DBIAS_ROW: gl.constexpr,
-    HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
-    BOUNDED_RIGHT: gl.constexpr,
+    HAS_DBIAS: gl.constexpr, DBIAS_SUM: gl.constexpr, BIAS_ROW: gl.constexpr,
+    DBIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
+    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: keys [start_n + HALF * 64, + 64) against every query tile.
     ``shared``: the runtime arguments both take (_bwd_sm90_kernel builds the tuple)."""
     (dq_desc, dbias_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
      stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bias_smem, ds_smem,
-     dq_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, b, b_tma, hk, q_start,
-     k_start, GROUP, start_n, lo, full_lo, full_hi, n_tiles, seqlen_q, seqlen_k, off, scale,
-     window_left, window_right, seed, rng_offset, heads, dropout_p, Alibi, stride_ab,
+     dq_smem, dsum_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, b, b_tma, hk,
+     q_start, k_start, GROUP, start_n, lo, full_lo, full_hi, n_tiles, seqlen_q, seqlen_k, off,
+     scale, window_left, window_right, seed, rng_offset, heads, dropout_p, Alibi, stride_ab,
      stride_ah, BiasRow, stride_rb, stride_rh, stride_rn, bias_batches, bias_heads, DBiasRow,
      stride_pb, stride_ph) = shared
     dtype: gl.constexpr = k_smem.dtype
@@ -184,6 +185,9 @@ def _bwd_compute_partition(
         db_row = gl.zeros([HALF_N], gl.float32, layout=gl.SliceLayout(1, s_layout))
     bias_b = (b % bias_batches).to(gl.int64)  # 0 where the bias broadcasts over batches
     scale_log2 = scale * LOG2E
+    # Bulk copies (TMA) a step may leave in flight when dQ's tile is written: the full
+    # bias gradient's store, or the summed one's reduce-add from a buffer of its own.
+    OTHER_BULK: gl.constexpr = 1 if HAS_DBIAS or (DBIAS_SUM and HEAD_DIM_QK != BLOCK_N) else 0
     mbarrier.wait(kv_bar, 0)
 
     for i in range(GROUP * n_tiles):
@@ -247,6 +251,15 @@ def _bwd_compute_partition(
         p_op = gl.convert_layout(p_kept.to(dtype), p_op_layout)
         dv = warpgroup_mma(p_op, do, dv, is_async=True)
         ds_lo = ds.to(dtype)
+        if DBIAS_SUM:  # a bias broadcast over batch or heads: dS added into its fp32
+            # gradient by TMA reduce-add, as dQ is (several (b, h) add to each tile)
+            tma.store_wait(0)  # this buffer's last reduce-add has read it
+            gl.thread_barrier()
+            dsum = dsum_smem.index(HALF)
+            dsum.reshape([BLOCK_M, HALF_N]).permute((1, 0)).store(ds)
+            fence_async_shared()
+            hopper.tma_reduce_add(dbias_desc, [b % bias_batches, h % bias_heads, start_m, row0],
+                                  dsum)
         ds_op = gl.convert_layout(ds_lo, ds_op_layout)
 
         # dS to shared memory as (queries, keys), each warpgroup its half of the keys;
@@ -269,9 +282,9 @@ def _bwd_compute_partition(
         dv, dq, p_op = warpgroup_mma_wait(1, deps=(dv, dq, p_op))
         mbarrier.arrive(do_empty.index(slot))
 
-        # The last dQ reduce has read dq_smem (one thread issued it; this step's dS
-        # store, issued after it, may still run: it reads ds_smem, not dq_smem).
-        tma.store_wait(1 if HAS_DBIAS else 0)
+        # The last dQ reduce has read dq_smem (one thread issued it; this step's bias
+        # gradient copy, issued after it, may still run where it reads another buffer).
+        tma.store_wait(OTHER_BULK)
         gl.thread_barrier()
         dq_buf = dq_smem.index(HALF)
         dq_buf.reshape([BLOCK_M, HALF_D]).store(dq * scale)
@@ -298,6 +311,7 @@ def _key_block(
     HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    BATCH_INNER: gl.constexpr = False, HEAD_INNER: gl.constexpr = False,
 ):  # fmt: skip
     """This program's keys: (b, kv head, first key, the sequence's first query and key
     token and lengths, the diagonal's offset, the query range common.query_range gives,
@@ -307,11 +321,29 @@ def _key_block(
     each (sequence, head)'s first block first instead, for packed sequences, halved the
     backward's speed: 427 -> 231 TFLOP/s on 13 documents, H100). Varlen (packed
     sequences, cu_seqlens): blocks count to the longest sequence, and a block past its
-    own sequence's end has no query tile."""
+    own sequence's end has no query tile. BATCH_INNER, HEAD_INNER: the batch (sequence),
+    then the kv head, vary fastest instead (SUMMED_BIAS_INNER)."""
     pid = gl.program_id(0)
-    bhk = pid // num_n_blocks
-    start_n = (pid % num_n_blocks) * BLOCK_N
-    b = bhk // HKV
+    if BATCH_INNER or HEAD_INNER:
+        rest = pid
+        if BATCH_INNER:
+            batches = gl.num_programs(0) // (num_n_blocks * HKV)
+            b = rest % batches
+            rest = rest // batches
+        if HEAD_INNER:
+            hk = rest % HKV
+            rest = rest // HKV
+        start_n = (rest % num_n_blocks) * BLOCK_N
+        rest = rest // num_n_blocks
+        if not HEAD_INNER:
+            hk = rest % HKV
+            rest = rest // HKV
+        if not BATCH_INNER:
+            b = rest
+    else:
+        bhk = pid // num_n_blocks
+        start_n = (pid % num_n_blocks) * BLOCK_N
+        b = bhk // HKV
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(CuSeqQ, CuSeqK, b, seqlen_q,
                                                            seqlen_k, IS_VARLEN)
     off = diagonal_offset(seqlen_q, seqlen_k, BOTTOM_RIGHT)
@@ -322,8 +354,10 @@ def _key_block(
     if IS_VARLEN:
         if start_n >= seqlen_k:
             n_tiles = 0
-    return (b, bhk % HKV, start_n, q_start, k_start, seqlen_q, seqlen_k, off, lo, full_lo,
-            full_hi, n_tiles)
+    if not (BATCH_INNER or HEAD_INNER):
+        hk = bhk % HKV
+    return (b, hk, start_n, q_start, k_start, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
+            n_tiles)
 
 
 @gluon.jit
@@ -362,14 +396,16 @@ def _bwd_sm90_kernel(
     HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_DBIAS: gl.constexpr,
-    BIAS_ROW: gl.constexpr, DBIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr,
-    HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
-    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    DBIAS_SUM: gl.constexpr, BIAS_ROW: gl.constexpr, DBIAS_ROW: gl.constexpr,
+    HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr,
+    BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    BATCH_INNER: gl.constexpr, HEAD_INNER: gl.constexpr,
 ):  # fmt: skip
     (b, hk, start_n, q_start, k_start, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
      n_tiles) = _key_block(
         HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right,
-        BLOCK_M, BLOCK_N, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+        BLOCK_M, BLOCK_N, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT, BATCH_INNER,
+        HEAD_INNER)  # fmt: skip
     b_tma = 0 if IS_VARLEN else b  # packed sequences: one batch of all tokens to TMA
     stats_start = 0
     if IS_VARLEN:  # dK and dV rows from the sequence's first key on
@@ -392,6 +428,13 @@ def _bwd_sm90_kernel(
                                               bias_desc.layout)
     else:  # a stand-in, never touched
         bias_smem = q_smem
+    # dS in fp32 for a summed bias gradient's reduce-adds: where dQ's halves have dS's
+    # tile shape (Dqk = 128) their buffers, which hold nothing else at that point in a step
+    if DBIAS_SUM and HEAD_DIM_QK != BLOCK_N:
+        dsum_smem = gl.allocate_shared_memory(gl.float32, [2] + dbias_desc.block_type.shape,
+                                              dbias_desc.layout)
+    else:
+        dsum_smem = dq_smem
 
     bias_b = b % bias_batches  # 0 where the bias broadcasts over batches
     seed, rng_offset = philox_key(Rng, HAS_DROPOUT)
@@ -401,18 +444,21 @@ def _bwd_sm90_kernel(
     # the constexprs go into each partition's arguments inline.
     shared = (dq_desc, dbias_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb,
               stride_vn, stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-              bias_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar,
-              b, b_tma, hk, q_start, k_start, GROUP, start_n, lo, full_lo, full_hi, n_tiles,
-              seqlen_q, seqlen_k, off, scale, window_left, window_right, seed, rng_offset,
-              heads, dropout_p, Alibi, stride_ab, stride_ah, BiasRow, stride_rb, stride_rh,
-              stride_rn, bias_batches, bias_heads, DBiasRow, stride_pb, stride_ph)
+              bias_smem, ds_smem, dq_smem, dsum_smem, kv_bar, q_ready, do_ready, q_empty,
+              do_empty, ds_bar, b, b_tma, hk, q_start, k_start, GROUP, start_n, lo, full_lo,
+              full_hi, n_tiles, seqlen_q, seqlen_k, off, scale, window_left, window_right,
+              seed, rng_offset, heads, dropout_p, Alibi, stride_ab, stride_ah, BiasRow,
+              stride_rb, stride_rh, stride_rn, bias_batches, bias_heads, DBiasRow, stride_pb,
+              stride_ph)
     gl.warp_specialize(
         [(_bwd_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
-                                   STAGES, HAS_BIAS, HAS_DBIAS, BIAS_ROW, DBIAS_ROW,
-                                   HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                   STAGES, HAS_BIAS, HAS_DBIAS, DBIAS_SUM, BIAS_ROW,
+                                   DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
+                                   BOUNDED_RIGHT)),
          (_bwd_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
-                                   STAGES, HAS_BIAS, HAS_DBIAS, BIAS_ROW, DBIAS_ROW,
-                                   HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                   STAGES, HAS_BIAS, HAS_DBIAS, DBIAS_SUM, BIAS_ROW,
+                                   DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
+                                   BOUNDED_RIGHT)),
          (_bwd_load_partition, (
             q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem,
             v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready, q_empty,
@@ -744,16 +790,44 @@ def _bwd_dq_d256_kernel(
 # D=256 it wins everywhere: S=512 causal (256 keys) 144 vs 104.
 MIN_KEYS_PER_QUERY = {64: 512, 128: 512, 256: 0}
 HEAD_DIMS = (64, 128, 256)  # q·k
-# (q·k, v) head dims these kernels take. The D 64/128 kernel sizes dK and dV apart, and
-# at 128/64 it compiles for sm_90 without spills (but packed + key row + dropout + ALiBi:
-# 192-404 bytes); (128, 64) joins once the GPU suite has run it (its cases are in
-# HOPPER_CASES). At Dqk=192 dK would take 96 registers a thread beside dV's 64.
-HEAD_DIM_PAIRS = ((64, 64), (128, 128), (256, 256))
+# (q·k, v) head dims these kernels take: the D 64/128 kernel sizes dK and dV apart. At
+# Dqk=192 dK would take 96 registers a thread beside dV's 64.
+HEAD_DIM_PAIRS = ((64, 64), (128, 128), (128, 64), (256, 256))
 
 
 def takes_head_dims(spec: AttentionSpec) -> bool:
     """Whether these kernels take the call's head dims (HEAD_DIM_PAIRS)."""
     return (spec.head_dim_qk, spec.head_dim_v) in HEAD_DIM_PAIRS
+
+
+# A summed bias gradient (dbias_kind_of's "summed") from key-block programs ordered with
+# the dimensions the bias broadcasts over innermost (the batch, then the kv head), so
+# that the programs adding into a tile run together and their reduce-adds meet in L2.
+# In the shipped order (key blocks of one head side by side, for the Q and dO tiles they
+# share) each batch's adds read and write the fp32 buffer in memory: 1HQK's backward
+# takes 7.2 ms against the full bias's 3.1 (H100). Off until tools/ab.py has timed it
+# (variant "summed_inner").
+SUMMED_BIAS_INNER = False
+
+
+def inner_dims(spec: AttentionSpec, bias, dbias_kind: str | None) -> tuple[bool, bool]:
+    """Whether the batch and the kv head vary fastest in the programs' order: the
+    dimensions a summed bias gradient broadcasts over, with SUMMED_BIAS_INNER on."""
+    if dbias_kind != "summed" or not SUMMED_BIAS_INNER:
+        return (False, False)
+    batches, heads = hopper.bias_dims(bias)
+    return (batches == 1 and spec.batch > 1, heads == 1 and spec.kv_heads > 1)
+
+
+def dbias_kind_of(spec: AttentionSpec, bias: torch.Tensor) -> str:
+    """How the D 64/128 kernel makes a bias's gradient: "row" for one constant along
+    queries (hopper.bias_row: dS summed over each head's queries in registers), "full"
+    for one with an element per (b, h, i, j) (dS is the gradient: each tile stored as it
+    is), "summed" for one broadcast over batch or heads (dS added into an fp32 buffer by
+    TMA reduce-adds, as dQ is)."""
+    if hopper.bias_row(spec, bias):
+        return "row"
+    return "full" if hopper.bias_full(spec, bias) else "summed"
 
 
 def row_stats_buffer(spec: AttentionSpec, lse: torch.Tensor) -> torch.Tensor:
@@ -800,11 +874,14 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
     zeroed, that dQ is added into where `dq_in_fp32` says so, the output otherwise;
     stats as row_stats_buffer made it, filled; rng_state: dropout's [seed, offset],
     None without dropout. For a bias constant along queries (hopper.bias_row), dbias is
-    a zeroed (B, H, Sk) fp32 buffer that takes dS summed over each head's queries."""
+    a zeroed (B, H, Sk) fp32 buffer that takes dS summed over each head's queries; for
+    one broadcast over batch or heads, a zeroed fp32 buffer of the bias's shape that
+    takes every (b, h)'s dS added in."""
     if spec.head_dim_qk == 256:
         return _backward_d256(spec, q, k, v, grad_out, stats, dq, dk, dv)
     bias_row = bias is not None and hopper.bias_row(spec, bias)
-    how = _plan(spec, bias_row, dbias is not None, q.device.index)
+    dbias_kind = None if dbias is None else dbias_kind_of(spec, bias)
+    how = _plan(spec, bias_row, dbias_kind, inner_dims(spec, bias, dbias_kind), q.device.index)
     # What the arguments are made of beside the plan (the spec fixes every shape but
     # the bias's and ALiBi's): hopper.Launcher.launch_prepared.
     call = (how, q.data_ptr(), q.stride(), k.data_ptr(), k.stride(), v.data_ptr(),
@@ -830,10 +907,10 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
     elif bias is not None:
         bias_desc = hopper.bias_descriptor(bias, block_m, BLOCK_N)
         bias_batches, bias_heads = bias_desc.shape[:2]
-    if dbias is not None and not bias_row:
+    if dbias_kind in ("full", "summed"):  # a (queries, 64 keys) tile a warpgroup
         dbias_desc = hopper.bias_descriptor(dbias, block_m, BLOCK_N // 2)
     row_strides = hopper.bias_row_strides(bias if bias_row else None)
-    partial_strides = dbias.stride()[:2] if bias_row and dbias is not None else (0, 0)
+    partial_strides = dbias.stride()[:2] if dbias_kind == "row" else (0, 0)
     alibi_batch_stride, alibi_head_stride = alibi_strides(alibi_slopes)
     # What fixes the arguments' specialisation and the constexprs (hopper.Launcher): the
     # plan, the ints it does not fix, the pointers' alignment (dk, dv and a row bias's
@@ -850,7 +927,7 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
         _row_stats_descriptor(stats, stats.shape[-1] if spec.varlen else spec.seqlen_q,
                               block_m),
         bias_desc, dbias_desc, dk, dv, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-        bias if bias_row else dk, dbias if bias_row and dbias is not None else dk,
+        bias if bias_row else dk, dbias if dbias_kind == "row" else dk,
         *k_strides, *v_strides,
         alibi_batch_stride, alibi_head_stride, *row_strides, *partial_strides,
         spec.kv_heads, spec.group, bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k,
@@ -860,12 +937,13 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
 
 
 @hopper.plan_cache
-def _plan(spec: AttentionSpec, bias_row: bool, has_dbias: bool,
-          device_index: int) -> hopper.Plan:  # fmt: skip
+def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
+          inner: tuple[bool, bool], device_index: int) -> hopper.Plan:  # fmt: skip
     """The D 64/128 kernel's launch (hopper.Plan): a program per key block and key
     head (packed sequences: blocks of the longest). bias_row: the bias is one row of
-    keys (hopper.bias_row), read by pointer, its gradient summed in registers. Counts:
-    key blocks per head."""
+    keys (hopper.bias_row), read by pointer. dbias_kind: dbias_kind_of's, None without
+    a bias gradient. inner: batch and kv head innermost in the programs' order
+    (SUMMED_BIAS_INNER). Counts: key blocks per head."""
     num_n = cdiv(spec.seqlen_k, BLOCK_N)
     bias_tiles = spec.has_bias and not bias_row
     # 128 query rows at D=64 where they fit: not beside bias tiles (shared memory), nor
@@ -875,11 +953,12 @@ def _plan(spec: AttentionSpec, bias_row: bool, has_dbias: bool,
     constexprs = dict(
         HEAD_DIM_QK=spec.head_dim_qk, HEAD_DIM_V=spec.head_dim_v,
         BLOCK_M=BLOCK_M_D64 if wide else BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
-        HAS_BIAS=bias_tiles, HAS_DBIAS=has_dbias and not bias_row,
-        BIAS_ROW=bias_row, DBIAS_ROW=has_dbias and bias_row, HAS_ALIBI=spec.has_alibi,
+        HAS_BIAS=bias_tiles, HAS_DBIAS=dbias_kind == "full", DBIAS_SUM=dbias_kind == "summed",
+        BIAS_ROW=bias_row, DBIAS_ROW=dbias_kind == "row", HAS_ALIBI=spec.has_alibi,
         HAS_DROPOUT=spec.dropout_p > 0, IS_VARLEN=spec.varlen,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
-        BOUNDED_RIGHT=spec.window_right >= 0, num_warps=4,
+        BOUNDED_RIGHT=spec.window_right >= 0, BATCH_INNER=inner[0], HEAD_INNER=inner[1],
+        num_warps=4,
     )  # fmt: skip
     return hopper.Plan(num_n * spec.batch * spec.kv_heads, (num_n,), constexprs)
 
@@ -976,11 +1055,13 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
     dv = new_output(v.shape, v.dtype, v.device)
     _, need_dk, need_dv, need_dbias = needs
     dbias = None
-    bias_row = need_dbias and hopper.bias_row(spec, bias)
-    if bias_row:  # dS summed over queries per (b, h, key), then over broadcast dims
+    dbias_kind = dbias_kind_of(spec, bias) if need_dbias else None
+    if dbias_kind == "row":  # dS summed over queries per (b, h, key), then over broadcast dims
         dbias = torch.zeros(spec.batch, spec.heads, spec.seqlen_k, dtype=torch.float32,
                             device=bias.device)
-    elif need_dbias:  # tiles no query sees are never written: zeros under a mask
+    elif dbias_kind == "summed":  # every (b, h)'s dS added in, converted at the end
+        dbias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+    elif dbias_kind == "full":  # tiles no query sees are never written: zeros under a mask
         masked = spec.window_left >= 0 or spec.window_right >= 0 or spec.varlen
         dbias = (torch.zeros if masked else new_output)(bias.shape, dtype=bias.dtype,
                                                         device=bias.device)
@@ -988,6 +1069,8 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
              cu_seqlens_k, stats, dq if dq_acc is None else dq_acc, dk, dv, dbias)
     if dq_acc is not None:
         dq.copy_(dq_acc)
-    if bias_row:
+    if dbias_kind == "row":
         dbias = hopper.sum_to_bias(dbias, bias)
+    elif dbias_kind == "summed":
+        dbias = dbias.to(bias.dtype)
     return dq, dk if need_dk else None, dv if need_dv else None, dbias

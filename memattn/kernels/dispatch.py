@@ -2,16 +2,16 @@
 backward alike.
 
 - The Gluon kernels (forward_sm90.py, backward_sm90.py): Hopper GPUs (sm_90) with
-  Triton 3.6's Gluon, bf16/fp16, head dims the kernel is built for (the backward: one
-  for q·k and v, 64, 128 or 256: backward_sm90.takes_head_dims; the forward also V's
-  narrower than q·k's, such as 192/128, where shared memory holds the buffers:
-  forward_sm90.takes_head_dims), no
-  softcap, tensors TMA can read, and enough keys per query to beat the tile kernels
-  (their MIN_KEYS_PER_QUERY). Options: causal masks either way, windows, GQA, ALiBi,
-  dropout, packed (varlen) batches, and a bias: one constant along queries ((B or 1,
-  H or 1, 1, Sk): key padding) as a row of keys, any other by TMA tiles (not together
-  with dropout). The backward computes a bias gradient of a key row (summed in
-  registers) or of a bias with an element per (b, h, i, j), and at D=256 nothing of
+  Triton 3.6's Gluon, bf16/fp16, head dims the kernel is built for (the backward: 64,
+  128 or 256 for q·k and v, and 128/64: backward_sm90.takes_head_dims; the forward
+  also other V's narrower than q·k's, such as 192/128, where shared memory holds the
+  buffers: forward_sm90.takes_head_dims), no softcap, tensors TMA can read, and enough
+  keys per query to beat the tile kernels (their MIN_KEYS_PER_QUERY). Options: causal
+  masks either way, windows, GQA, ALiBi, dropout, packed (varlen) batches, and a bias:
+  one constant along queries ((B or 1, H or 1, 1, Sk): key padding) as a row of keys,
+  any other by TMA tiles (not together with dropout). The backward computes a bias
+  gradient of a key row (summed in registers) or of a bias read by tiles (dS stored,
+  or added up across the batch or heads it broadcasts over), and at D=256 nothing of
   bias, ALiBi, dropout or packed batches; deterministic mode only where dQ is not
   added up in fp32 across programs. Neither takes global positions for ALiBi or
   dropout (AttentionSpec.positioned).
@@ -77,14 +77,20 @@ def gluon_forward(spec: AttentionSpec, q, k, v, bias) -> bool:
 
 def gluon_backward_computes(spec: AttentionSpec, bias, alibi_slopes, need_dbias: bool) -> bool:
     """Whether the Gluon backward for this head dim computes these features, whatever the
-    device: a bias gradient of a bias constant along queries (summed in registers) or
-    of a full bias (no sum over broadcast dimensions) with rows of whole 16 bytes for
-    its TMA stores; at D=256 no bias, ALiBi, dropout or packed sequences."""
+    device: a bias gradient of a bias constant along queries (summed in registers), or
+    of one read by tiles (every query and key; dS stored, or added up by TMA where the
+    bias broadcasts over batch or heads) with rows of whole 16 bytes for those copies;
+    at D=256 no bias, ALiBi, dropout or packed sequences."""
     if spec.head_dim_qk == 256 and (bias is not None or alibi_slopes is not None
                                     or spec.dropout_p > 0 or spec.varlen):  # fmt: skip
         return False
-    return (not need_dbias or hopper.bias_row(spec, bias)
-            or (hopper.bias_full(spec, bias) and spec.seqlen_k % 8 == 0))
+    if not need_dbias or hopper.bias_row(spec, bias):
+        return True
+    if not (hopper.bias_readable(spec, bias) and spec.seqlen_k % 8 == 0):
+        return False
+    # Added up by TMA reduce-adds: built for packed sequences too, where it waits for the
+    # GPU suite to run its cases (HOPPER_CASES' "varlen bias 1HQK shared", "... 11QK ...")
+    return hopper.bias_full(spec, bias) or not spec.varlen
 
 
 def gluon_backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, needs) -> bool:
