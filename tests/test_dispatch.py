@@ -90,6 +90,24 @@ def test_summed_bias_gradient_puts_its_broadcast_dims_inner(bias_shape, inner, m
 
 
 @gluon
+@pytest.mark.parametrize("varlen", [False, True])
+def test_only_packed_programs_past_their_end_may_return_first(varlen, monkeypatch):
+    """SKIP_EMPTY_KEY_BLOCKS lets the backward's programs past a packed sequence's end
+    return first; a dense call's (no query under a mask) must still store zeros."""
+    spec = spec_and_inputs(d=128, varlen=varlen)[0]
+    backward_sm90 = dispatch.backward_sm90
+    assert not backward_sm90._plan(spec, False, None, (False, False), 0).constexprs[
+        "SKIP_PAST_END"]  # fmt: skip
+    monkeypatch.setattr(backward_sm90, "SKIP_EMPTY_KEY_BLOCKS", True)
+    backward_sm90.hopper.forget_plans()  # plans are made from the knobs
+    try:
+        plan = backward_sm90._plan(spec, False, None, (False, False), 0)
+    finally:
+        backward_sm90.hopper.forget_plans()
+    assert plan.constexprs["SKIP_PAST_END"] is varlen
+
+
+@gluon
 @pytest.mark.parametrize(
     "dqk, dv, bias_shape, options, forward, backward",
     [

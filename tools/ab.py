@@ -37,11 +37,13 @@ VARIANTS = {
     "grid": {"fwd.PERSISTENT": False},  # a program per query block (per pair under a mask)
     "bwd_rows64": {"bwd.BLOCK_M_D64": 64},  # 64 query rows a backward step at D=64
     "summed_inner": {"bwd.SUMMED_BIAS_INNER": True},  # a summed bias's broadcast dims inner
+    "skip_empty": {"bwd.SKIP_EMPTY_KEY_BLOCKS": True},  # packed: blocks past the end return
 }
 MODULES = {"fwd": forward_sm90, "bwd": backward_sm90}
 DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
     ("fwd", ("FOLD", "BLOCK_M_D64", "PERSISTENT", "MAX_Q_STAGES")),
-    ("bwd", ("BLOCK_M_D64", "SUMMED_BIAS_INNER"))) for name in names}  # fmt: skip
+    ("bwd", ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "SKIP_EMPTY_KEY_BLOCKS")))
+    for name in names}  # fmt: skip
 
 
 def use(knobs) -> None:

@@ -399,13 +399,16 @@ def _bwd_sm90_kernel(
     DBIAS_SUM: gl.constexpr, BIAS_ROW: gl.constexpr, DBIAS_ROW: gl.constexpr,
     HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
-    BATCH_INNER: gl.constexpr, HEAD_INNER: gl.constexpr,
+    BATCH_INNER: gl.constexpr, HEAD_INNER: gl.constexpr, SKIP_PAST_END: gl.constexpr,
 ):  # fmt: skip
     (b, hk, start_n, q_start, k_start, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
      n_tiles) = _key_block(
         HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right,
         BLOCK_M, BLOCK_N, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT, BATCH_INNER,
         HEAD_INNER)  # fmt: skip
+    if SKIP_PAST_END:  # a key block past its packed sequence's end: nothing to do
+        if start_n >= seqlen_k:
+            return
     b_tma = 0 if IS_VARLEN else b  # packed sequences: one batch of all tokens to TMA
     stats_start = 0
     if IS_VARLEN:  # dK and dV rows from the sequence's first key on
@@ -808,6 +811,13 @@ def takes_head_dims(spec: AttentionSpec) -> bool:
 # takes 7.2 ms against the full bias's 3.1 (H100). Off until tools/ab.py has timed it
 # (variant "summed_inner").
 SUMMED_BIAS_INNER = False
+# Packed sequences: a program per key block of the longest sequence, so a shorter one's
+# blocks past its end have no query. Today such a program still loads its K and V
+# tiles (the next sequence's tokens) and sets up its partitions: 13 documents in 16k
+# tokens, H16, launch 6656 programs, 4480 of them empty. With this on they return
+# first. Off until tools/ab.py has timed it (variant "skip_empty", shape "docs") and
+# the GPU suite's packed cases have run with it.
+SKIP_EMPTY_KEY_BLOCKS = False
 
 
 def inner_dims(spec: AttentionSpec, bias, dbias_kind: str | None) -> tuple[bool, bool]:
@@ -958,7 +968,7 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
         HAS_DROPOUT=spec.dropout_p > 0, IS_VARLEN=spec.varlen,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
         BOUNDED_RIGHT=spec.window_right >= 0, BATCH_INNER=inner[0], HEAD_INNER=inner[1],
-        num_warps=4,
+        SKIP_PAST_END=spec.varlen and SKIP_EMPTY_KEY_BLOCKS, num_warps=4,
     )  # fmt: skip
     return hopper.Plan(num_n * spec.batch * spec.kv_heads, (num_n,), constexprs)
 
