@@ -340,9 +340,12 @@ def _bias_letters(case) -> str:
 
 def _bias_full(case) -> bool:
     """A bias with an element per (batch or sequence, head, query, key)."""
-    batch = len(case.lengths_q) if case.varlen else case.batch
-    sizes = dict(B=batch, H=case.heads)
-    return all(c != "1" or sizes.get(d, 1) == 1 for c, d in zip(_bias_letters(case), "BHQK"))
+    if case.varlen:
+        sizes = dict(B=len(case.lengths_q), Q=max(case.lengths_q), K=max(case.lengths_k))
+    else:
+        sizes = dict(B=case.batch, Q=case.seqlen_q, K=case.seqlen_k)
+    sizes["H"] = case.heads
+    return all(c != "1" or sizes[d] == 1 for c, d in zip(_bias_letters(case), "BHQK"))
 
 
 def _bias_row(case) -> bool:
