@@ -662,16 +662,19 @@ def _compile_in_process() -> None:
 
 
 def compile_in_workers(rows: list[Row], impls: list[str], quick: bool, workers: int,
-                       device="cuda", progress=None) -> None:  # fmt: skip
+                       device="cuda", progress=None, log=None) -> None:  # fmt: skip
     """Runs ``warm_caches`` on every row in ``workers`` spawned processes: flex's
-    compiles (10-30 s a row) and memattn's then overlap instead of adding up."""
+    compiles (10-30 s a row) and memattn's then overlap instead of adding up. ``log``
+    gets a line per row compiled, with the time so far (a progress bar shows nothing
+    in a log file)."""
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     task = progress.add_task("compiling", total=len(rows)) if progress else None
     ctx = torch.multiprocessing.get_context("spawn")
+    start = time.perf_counter()
     with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
         jobs = [pool.submit(warm_caches, (r, impls, quick, device)) for r in rows]
-        for done in as_completed(jobs):
+        for k, done in enumerate(as_completed(jobs), 1):
             try:
                 name = done.result()
             except Exception as e:  # noqa: BLE001 - a crashed worker: the timing compiles
@@ -679,6 +682,9 @@ def compile_in_workers(rows: list[Row], impls: list[str], quick: bool, workers: 
             if progress is not None:
                 progress.update(task, description=f"compiled {name:<14}")
                 progress.advance(task)
+            if log is not None:
+                log(f"compiled {name:<22} {k}/{len(rows)} rows, "
+                    f"{time.perf_counter() - start:.0f} s")
 
 
 # ------------------------------------------------------------------ the report
@@ -987,7 +993,7 @@ def run(args, rows: list[Row], impls: list[str], device="cuda", console=None) ->
     with Progress(*columns, console=console) as progress:
         if args.compile_workers > 0:
             compile_in_workers(rows, impls, args.quick, args.compile_workers, device,
-                               progress)  # fmt: skip
+                               progress, lambda line: console.print(Text(line, style="dim")))
             _compile_in_process()
         results = collect(rows, impls, args.quick, device, progress, on_row=row_done)
     save(results)

@@ -562,6 +562,26 @@ def test_warm_caches_runs_each_impl_that_can_run_the_row_once(monkeypatch):
     assert calls == ["memattn", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn"]
 
 
+def test_compile_in_workers_logs_each_row_with_the_time_so_far(monkeypatch):
+    """A log file gets a line per row the workers compiled (a progress bar shows nothing
+    there): a cut run says how far compiling got."""
+    import concurrent.futures
+
+    class InThreads(concurrent.futures.ThreadPoolExecutor):  # no processes, no torch
+        def __init__(self, workers, mp_context=None):
+            super().__init__(workers)
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", InThreads)
+    monkeypatch.setattr(bench, "warm_caches", lambda job: job[0].name)
+    rows = bench.select_rows(True)[:3]
+    lines = []
+    bench.compile_in_workers(rows, ["memattn"], True, 2, "cpu", log=lines.append)
+    assert len(lines) == 3
+    assert sorted(line.split()[1] for line in lines) == sorted(r.name for r in rows)
+    assert [line.split()[2] for line in lines] == ["1/3", "2/3", "3/3"]
+    assert all(line.endswith(" s") for line in lines)
+
+
 @pytest.mark.parametrize(
     "options, path",
     [(dict(), "docs/bench/latest.json"), (dict(quick=True), "bench-out/bench.json"),
