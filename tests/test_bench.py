@@ -365,13 +365,19 @@ def fake_run(tmp_path_factory):
                               rows=None, impls=None, compile_workers=0,
                               resume=False)  # fmt: skip
     console = Console(file=io.StringIO(), width=250, record=True)
+    results = _run_faked(args, bench.select_rows(True), list(bench.IMPLS), console)
+    return results, json.loads((tmp / "b.json").read_text()), console.export_text(), tmp
+
+
+def _run_faked(args, rows, impls, console, measure=_fake_measure):
+    """bench.run on "meta" tensors (the real inputs' shapes, no memory) with fake
+    implementations that return who they are, timed by ``measure``."""
     with pytest.MonkeyPatch.context() as mp:
         for name in bench.IMPLS:
             mp.setitem(bench.IMPLS, name, lambda row, t, name=name: (name, row))
-        mp.setattr(bench, "measure", _fake_measure)
+        mp.setattr(bench, "measure", measure)
         mp.setattr(bench, "_free", lambda collect=True: None)  # gc.collect: slow, and moot
-        results = bench.run(args, bench.select_rows(True), list(bench.IMPLS), "meta", console)
-    return results, json.loads((tmp / "b.json").read_text()), console.export_text(), tmp
+        return bench.run(args, rows, impls, "meta", console)
 
 
 def test_json_has_every_row_with_times_and_errors(fake_run):
@@ -407,8 +413,8 @@ def test_json_has_every_row_with_times_and_errors(fake_run):
 
 
 def _fake_bench(tmp_path, rows, impls, resume, measured, env=None):
-    """bench.run on "meta" tensors with fake implementations; ``measured`` collects the
-    (row, impl) pairs it times."""
+    """_run_faked without a plot; ``measured`` collects the (row, impl) pairs it times,
+    ``env`` stands for the device's environment."""
     args = argparse.Namespace(quick=False, json=str(tmp_path / "r.json"), plot=None, rows=None,
                               impls=None, compile_workers=0, resume=resume)  # fmt: skip
 
@@ -417,16 +423,11 @@ def _fake_bench(tmp_path, rows, impls, resume, measured, env=None):
         measured.append((row.name, impl))
         return _fake_measure(run, leaves, backward)
 
-    console = Console(file=io.StringIO(), width=250)
     with pytest.MonkeyPatch.context() as mp:
-        for name in bench.IMPLS:
-            mp.setitem(bench.IMPLS, name, lambda row, t, name=name: (name, row))
-        mp.setattr(bench, "measure", measure)
-        mp.setattr(bench, "_free", lambda collect=True: None)
         mp.setattr(bench, "plot", lambda *a: None)
         if env is not None:
             mp.setattr(bench, "environment", lambda device: env)
-        return bench.run(args, rows, impls, "meta", console)
+        return _run_faked(args, rows, impls, Console(file=io.StringIO(), width=250), measure)
 
 
 def test_resume_keeps_the_rows_the_json_has_and_runs_the_rest(tmp_path):
