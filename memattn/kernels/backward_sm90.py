@@ -122,8 +122,10 @@ def _bwd_load_partition(
     for i in range(GROUP * n_tiles):
         h, start_m = _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M)
         row = q_start + start_m
-        nbytes: gl.constexpr = q_desc.block_type.nbytes + stats_desc.block_type.nbytes
-        q_bytes: gl.constexpr = nbytes + bias_desc.block_type.nbytes if HAS_BIAS else nbytes
+        # Q's and dO's tiles differ where Dqk != Dv: each barrier expects its own bytes.
+        q_bytes: gl.constexpr = q_desc.block_type.nbytes + stats_desc.block_type.nbytes + (
+            bias_desc.block_type.nbytes if HAS_BIAS else 0)
+        do_bytes: gl.constexpr = do_desc.block_type.nbytes + stats_desc.block_type.nbytes
         slot = hopper.claim(q_ready, q_empty, i, q_bytes, STAGES)
         tma.async_copy_global_to_shared(q_desc, [b_tma, h, row, 0], q_ready.index(slot),
                                         q_smem.index(slot))
@@ -132,7 +134,7 @@ def _bwd_load_partition(
         if HAS_BIAS:  # indexed by positions inside the sequence
             tma.async_copy_global_to_shared(bias_desc, [bias_b, h % bias_heads, start_m, start_n],
                                             q_ready.index(slot), bias_smem.index(slot))
-        slot = hopper.claim(do_ready, do_empty, i, nbytes, STAGES)
+        slot = hopper.claim(do_ready, do_empty, i, do_bytes, STAGES)
         tma.async_copy_global_to_shared(do_desc, [b_tma, h, row, 0], do_ready.index(slot),
                                         do_smem.index(slot))
         tma.async_copy_global_to_shared(stats_desc, [1, b_tma, h, stats_start + start_m],
