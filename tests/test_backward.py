@@ -335,26 +335,14 @@ def test_hopper_backward_gpu(case, dtype, hopper_backward_launches):
                                      and "dropout_p" not in case.options and not case.varlen)
     dims = case.dqk == case.dv or (case.dqk, case.dv) == (128, 64)
     keys = max(case.lengths_k) if case.varlen else case.seqlen_k
-    dbias = case.bias is None or _bias_row(case) or (
-        keys % 8 == 0 and (_bias_full(case) or not case.varlen))
+    dbias = case.bias is None or _bias_row(case) or keys % 8 == 0
     gluon = d256_plain and dims and dbias
     assert bool(hopper_backward_launches) == gluon, (
-        "the Gluon backward runs the bias gradients (rows of whole 16 bytes; summed ones"
-        " not yet for packed sequences), and 128/64")
+        "the Gluon backward runs the bias gradients (rows of whole 16 bytes), and 128/64")
 
 
 def _bias_letters(case) -> str:
     return "1" * (4 - len(case.bias)) + case.bias
-
-
-def _bias_full(case) -> bool:
-    """A bias with an element per (batch or sequence, head, query, key)."""
-    if case.varlen:
-        sizes = dict(B=len(case.lengths_q), Q=max(case.lengths_q), K=max(case.lengths_k))
-    else:
-        sizes = dict(B=case.batch, Q=case.seqlen_q, K=case.seqlen_k)
-    sizes["H"] = case.heads
-    return all(c != "1" or sizes[d] == 1 for c, d in zip(_bias_letters(case), "BHQK"))
 
 
 def _bias_row(case) -> bool:

@@ -52,7 +52,7 @@ def test_cpu_calls_run_the_tile_kernels():
         (64, (2, 1, 16, 16), {}, True, True),  # over the heads
         (128, (16, 16), {}, True, True),  # over both
         (128, (1, 2, 16, 12), {}, True, False),  # (rows of whole 16 bytes for them)
-        (128, (1, 2, 16, 16), dict(varlen=True), True, False),  # not yet packed sequences
+        (128, (1, 2, 16, 16), dict(varlen=True), True, True),  # packed sequences too
         (128, (2, 2, 16, 16), dict(varlen=True), True, True),  # (a full bias: stored)
         (128, (2, 2, 1, 16), {}, True, True),  # one over the queries: summed in registers
         (128, (1, 2, 1, 16), {}, True, True),  # also over the batch (partial sums)

@@ -86,11 +86,7 @@ def gluon_backward_computes(spec: AttentionSpec, bias, alibi_slopes, need_dbias:
         return False
     if not need_dbias or hopper.bias_row(spec, bias):
         return True
-    if not (hopper.bias_readable(spec, bias) and spec.seqlen_k % 8 == 0):
-        return False
-    # Added up by TMA reduce-adds: built for packed sequences too, where it waits for the
-    # GPU suite to run its cases (HOPPER_CASES' "varlen bias 1HQK shared", "... 11QK ...")
-    return hopper.bias_full(spec, bias) or not spec.varlen
+    return hopper.bias_readable(spec, bias) and spec.seqlen_k % 8 == 0
 
 
 def gluon_backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, needs) -> bool:
