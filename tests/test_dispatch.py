@@ -75,18 +75,18 @@ def test_gluon_backward_computes(d, bias_shape, options, need_dbias, computes):
     [((2, 2, 16, 16), (False, False)),  # a full bias: nothing summed
      ((1, 2, 16, 16), (True, False)),  # over the batch
      ((2, 1, 16, 16), (False, True)),  # over the heads
-     ((16, 16), (True, True)),
+     ((16, 16), (False, False)),  # over both: every program at once, the shipped order
      ((1, 1, 1, 16), (False, False))],  # a key row: summed in registers
 )  # fmt: skip
-def test_summed_bias_gradient_puts_its_broadcast_dims_inner(bias_shape, inner, monkeypatch):
-    """SUMMED_BIAS_INNER orders the backward's programs with the dimensions a summed
+def test_summed_bias_gradient_puts_its_broadcast_dim_inner(bias_shape, inner, monkeypatch):
+    """SUMMED_BIAS_INNER orders the backward's programs with the one dimension a summed
     bias gradient broadcasts over innermost; off, the shipped order for every bias."""
     spec, _, _, _, bias = spec_and_inputs(bias_shape=bias_shape)
     kind = dispatch.backward_sm90.dbias_kind_of(spec, bias)
-    assert dispatch.backward_sm90.inner_dims(spec, bias, kind) == (False, False)
-    monkeypatch.setattr(dispatch.backward_sm90, "SUMMED_BIAS_INNER", True)
     assert dispatch.backward_sm90.inner_dims(spec, bias, kind) == inner
     assert dispatch.backward_sm90.inner_dims(spec, bias, None) == (False, False)
+    monkeypatch.setattr(dispatch.backward_sm90, "SUMMED_BIAS_INNER", False)
+    assert dispatch.backward_sm90.inner_dims(spec, bias, kind) == (False, False)
 
 
 @gluon
@@ -96,15 +96,15 @@ def test_only_packed_programs_past_their_end_may_return_first(varlen, monkeypatc
     return first; a dense call's (no query under a mask) must still store zeros."""
     spec = spec_and_inputs(d=128, varlen=varlen)[0]
     backward_sm90 = dispatch.backward_sm90
-    assert not backward_sm90._plan(spec, False, None, (False, False), 0).constexprs[
-        "SKIP_PAST_END"]  # fmt: skip
-    monkeypatch.setattr(backward_sm90, "SKIP_EMPTY_KEY_BLOCKS", True)
+    plan = backward_sm90._plan(spec, False, None, (False, False), 0)
+    assert plan.constexprs["SKIP_PAST_END"] is varlen
+    monkeypatch.setattr(backward_sm90, "SKIP_EMPTY_KEY_BLOCKS", False)
     backward_sm90.hopper.forget_plans()  # plans are made from the knobs
     try:
         plan = backward_sm90._plan(spec, False, None, (False, False), 0)
     finally:
         backward_sm90.hopper.forget_plans()
-    assert plan.constexprs["SKIP_PAST_END"] is varlen
+    assert not plan.constexprs["SKIP_PAST_END"]
 
 
 @gluon

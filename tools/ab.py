@@ -36,8 +36,8 @@ VARIANTS = {
     "one_q": {"fwd.MAX_Q_STAGES": 1},  # one Q buffer
     "grid": {"fwd.PERSISTENT": False},  # a program per query block (per pair under a mask)
     "bwd_rows64": {"bwd.BLOCK_M_D64": 64},  # 64 query rows a backward step at D=64
-    "summed_inner": {"bwd.SUMMED_BIAS_INNER": True},  # a summed bias's broadcast dims inner
-    "skip_empty": {"bwd.SKIP_EMPTY_KEY_BLOCKS": True},  # packed: blocks past the end return
+    "summed_outer": {"bwd.SUMMED_BIAS_INNER": False},  # summed biases in the shipped order
+    "no_skip_empty": {"bwd.SKIP_EMPTY_KEY_BLOCKS": False},  # packed: blocks past the end run
 }
 MODULES = {"fwd": forward_sm90, "bwd": backward_sm90}
 DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (

@@ -806,29 +806,29 @@ def takes_head_dims(spec: AttentionSpec) -> bool:
 
 
 # A summed bias gradient (dbias_kind_of's "summed") from key-block programs ordered with
-# the dimensions the bias broadcasts over innermost (the batch, then the kv head), so
-# that the programs adding into a tile run together and their reduce-adds meet in L2.
-# In the shipped order (key blocks of one head side by side, for the Q and dO tiles they
-# share) each batch's adds read and write the fp32 buffer in memory: 1HQK's backward
-# takes 7.2 ms against the full bias's 3.1 (H100). Off until tools/ab.py has timed it
-# (variant "summed_inner").
-SUMMED_BIAS_INNER = False
+# the dimension the bias broadcasts over innermost (the batch, or the kv head), so that
+# the programs adding into a tile run together and their reduce-adds meet in L2 instead
+# of reading and writing the fp32 buffer in memory. H100, B4 S4096 H16 D128, backward
+# TFLOP/s, shipped order -> inner: 1HQK 190 -> 286, B1QK 289 -> 341, but 11QK 307 -> 208:
+# there all B*H programs of a key block add into one tile at once, so a bias summed
+# over both keeps the shipped order (key blocks of one head side by side).
+SUMMED_BIAS_INNER = True
 # Packed sequences: a program per key block of the longest sequence, so a shorter one's
-# blocks past its end have no query. Today such a program still loads its K and V
-# tiles (the next sequence's tokens) and sets up its partitions: 13 documents in 16k
-# tokens, H16, launch 6656 programs, 4480 of them empty. With this on they return
-# first. Off until tools/ab.py has timed it (variant "skip_empty", shape "docs") and
-# the GPU suite's packed cases have run with it.
-SKIP_EMPTY_KEY_BLOCKS = False
+# blocks past its end have no query; they return before loading K and V (13 documents
+# in 16k tokens, H16: 4480 of 6656 programs). H100, the bench's docs row, backward
+# 358 -> 381 TFLOP/s.
+SKIP_EMPTY_KEY_BLOCKS = True
 
 
 def inner_dims(spec: AttentionSpec, bias, dbias_kind: str | None) -> tuple[bool, bool]:
-    """Whether the batch and the kv head vary fastest in the programs' order: the
-    dimensions a summed bias gradient broadcasts over, with SUMMED_BIAS_INNER on."""
+    """Whether the batch or the kv head varies fastest in the programs' order: the one
+    dimension a summed bias gradient broadcasts over (SUMMED_BIAS_INNER), neither when
+    it broadcasts over both."""
     if dbias_kind != "summed" or not SUMMED_BIAS_INNER:
         return (False, False)
     batches, heads = hopper.bias_dims(bias)
-    return (batches == 1 and spec.batch > 1, heads == 1 and spec.kv_heads > 1)
+    inner = (batches == 1 and spec.batch > 1, heads == 1 and spec.kv_heads > 1)
+    return (False, False) if all(inner) else inner
 
 
 def dbias_kind_of(spec: AttentionSpec, bias: torch.Tensor) -> str:
