@@ -302,14 +302,17 @@ def test_cuda_graph_replay_dropout_gpu():
         graph.replay()
         outs.append((first, static_out.clone()))
     assert not torch.equal(outs[0][0], outs[0][1]), "two replays drew the same mask"
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-    assert not torch.equal(outs[0][0], outs[2][0])
+    for i in range(2):
+        err = relative_error(outs[1][i], outs[0][i])
+        assert err == 0.0, f"replay {i + 1} after the same seed differs by {err:.3g}"
+    assert not torch.equal(outs[0][0], outs[2][0]), "another seed drew the same mask"
     # a replay equals the eager call after the same seed
     torch.manual_seed(7)
     graph.replay()
     torch.manual_seed(7)
     eager = memattn.attention(q, k, v, dropout_p=0.3)
-    assert relative_error(static_out, eager) == 0.0
+    err = relative_error(static_out, eager)
+    assert err == 0.0, f"a replay differs from the eager call after the same seed by {err:.3g}"
 
 
 @pytest.mark.gpu
