@@ -328,17 +328,52 @@ def hopper_backward_launches(monkeypatch):
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: c.name)
 def test_hopper_backward_gpu(case, dtype, hopper_backward_launches):
+    from memattn.kernels import backward_sm90
+
     assert_results(check_backward(case, dtype, "cuda", seed=7))
     # backward.py runs by design: at D=256 a bias, ALiBi, dropout or packed sequences,
     # other Dqk/Dv pairs than 128/64, and a bias gradient of rows not whole 16 bytes.
-    d256_plain = case.dqk != 256 or (case.bias is None and case.alibi is None
+    wide_plain = case.dqk <= 128 or (case.bias is None and case.alibi is None
                                      and "dropout_p" not in case.options and not case.varlen)
-    dims = case.dqk == case.dv or (case.dqk, case.dv) == (128, 64)
+    dims = case.dqk == case.dv or (case.dqk, case.dv) == (128, 64) or (
+        (case.dqk, case.dv) in backward_sm90.SPLIT_HEAD_DIM_PAIRS)
     keys = max(case.lengths_k) if case.varlen else case.seqlen_k
     dbias = case.bias is None or _bias_row(case) or keys % 8 == 0
-    gluon = d256_plain and dims and dbias
+    gluon = wide_plain and dims and dbias
     assert bool(hopper_backward_launches) == gluon, (
         "the Gluon backward runs the bias gradients (rows of whole 16 bytes), and 128/64")
+
+
+# Dqk=192 / Dv=128 on the D=256 kernels, Q and K split into 128 + 64 columns
+# (backward_sm90.SPLIT_HEAD_DIM_PAIRS, empty in the dispatch until this passes on the
+# device): dense calls without bias, ALiBi or dropout, as at D=256.
+SPLIT_CASES = [
+    Case("Dqk192 Dv128", batch=2, heads=2, kv_heads=2, seqlen_q=333, seqlen_k=1000, dqk=192,
+         dv=128),
+    Case("Dqk192 Dv128 causal GQA", heads=4, kv_heads=2, seqlen_q=700, seqlen_k=901, dqk=192,
+         dv=128, options=dict(causal=True)),
+    Case("Dqk192 Dv128 window bottom-right", batch=1, seqlen_q=1100, seqlen_k=650, dqk=192,
+         dv=128, options=dict(window=(200, 30), align="bottom_right")),
+]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c.name)
+def test_split_head_dims_backward_gpu(case, dtype, hopper_backward_launches, monkeypatch):
+    """The gradients against the reference; and, since dQ comes from a kernel of its own
+    adding in a fixed order, deterministic calls run there too, two runs bit for bit."""
+    from memattn.kernels import backward_sm90
+
+    monkeypatch.setattr(backward_sm90, "SPLIT_HEAD_DIM_PAIRS", ((192, 128),))
+    assert_results(check_backward(case, dtype, "cuda", seed=11))
+    assert hopper_backward_launches, "the call fell back to backward.py"
+    hopper_backward_launches.clear()
+    det = dataclasses.replace(case, options=dict(case.options, deterministic=True))
+    runs = [_gradients(det, dtype, "cuda") for _ in range(2)]
+    assert len(hopper_backward_launches) == 2, "deterministic calls fell back to backward.py"
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
 
 
 def _bias_letters(case) -> str:

@@ -137,7 +137,27 @@ def test_gluon_head_dims(dqk, dv, bias_shape, options, forward, backward):
     bias_row = bias is not None and dispatch.hopper.bias_row(spec, bias)
     assert dispatch.forward_sm90.takes_head_dims(spec, bias_row) is forward
     assert dispatch.backward_sm90.takes_head_dims(spec) is backward
-    assert dispatch.forward_sm90.qk_split(dqk) == (64 if dqk == 192 else 32 if dqk == 96 else 0)
+    assert dispatch.hopper.qk_split(dqk) == (64 if dqk == 192 else 32 if dqk == 96 else 0)
+
+
+def test_split_head_dims_take_the_wide_backward_when_listed(monkeypatch):
+    """Dqk=192 / Dv=128 runs the D=256 backward kernels with Q and K split once listed in
+    SPLIT_HEAD_DIM_PAIRS (off until its GPU test passes), with their limits: no bias,
+    ALiBi, dropout or packed sequences; dQ written in the output dtype, so deterministic
+    calls take it too."""
+    backward_sm90 = dispatch.backward_sm90
+    q = torch.randn(2, 16, 2, 192, dtype=torch.float16)
+    v = torch.randn(2, 16, 2, 128, dtype=torch.float16)
+    spec = check_call(q, q, v, causal=True)
+    assert not backward_sm90.takes_head_dims(spec)
+    monkeypatch.setattr(backward_sm90, "SPLIT_HEAD_DIM_PAIRS", ((192, 128),))
+    assert backward_sm90.takes_head_dims(spec)
+    assert not backward_sm90.dq_in_fp32(spec)
+    assert dispatch.gluon_backward_computes(spec, None, None, False)
+    dropout = check_call(q, q, v, dropout_p=0.1)
+    assert not dispatch.gluon_backward_computes(dropout, None, None, False)
+    assert backward_sm90.hopper.qk_split(192) == 64
+
 
 
 @pytest.mark.parametrize("which", ["no queries", "no keys", "no batch"])

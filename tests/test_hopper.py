@@ -274,7 +274,7 @@ def test_repeat_calls_launch_directly_and_match_gpu(monkeypatch, head_dim):
     if not hopper_kernel_runs_here():
         pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
     launchers = [forward_sm90._launch_forward, backward_sm90._launch_backward,
-                 backward_sm90._launch_backward_d256, backward_sm90._launch_dq_d256]  # fmt: skip
+                 backward_sm90._launch_backward_wide, backward_sm90._launch_dq_wide]  # fmt: skip
     for launcher in launchers:
         monkeypatch.setattr(launcher, "fn", _CountingJit(launcher.fn))
         monkeypatch.setattr(launcher, "kernels", {})

@@ -38,11 +38,13 @@ VARIANTS = {
     "bwd_rows64": {"bwd.BLOCK_M_D64": 64},  # 64 query rows a backward step at D=64
     "summed_outer": {"bwd.SUMMED_BIAS_INNER": False},  # summed biases in the shipped order
     "no_skip_empty": {"bwd.SKIP_EMPTY_KEY_BLOCKS": False},  # packed: blocks past the end run
+    "split192": {"bwd.SPLIT_HEAD_DIM_PAIRS": ((192, 128),)},  # 192/128 on the D=256 kernels
 }
 MODULES = {"fwd": forward_sm90, "bwd": backward_sm90}
 DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
     ("fwd", ("FOLD", "BLOCK_M_D64", "PERSISTENT", "MAX_Q_STAGES")),
-    ("bwd", ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "SKIP_EMPTY_KEY_BLOCKS")))
+    ("bwd", ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "SKIP_EMPTY_KEY_BLOCKS",
+             "SPLIT_HEAD_DIM_PAIRS")))
     for name in names}  # fmt: skip
 
 

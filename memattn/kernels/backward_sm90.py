@@ -31,9 +31,10 @@ box along the tokens must start 16-byte aligned, and a sequence may start anywhe
 At D 64 and 128 backward.py zeroes the fp32 dQ buffer (in its preprocess) and converts
 it to the output dtype.
 
-At D=256 two other kernels run: _bwd_d256_kernel splits dK and dV's work the other way
-round (64 keys a program, each warpgroup half of the head dim, see BLOCK_N_D256), and
-_bwd_dq_d256_kernel computes dQ apart, a program per block of queries (see DQ_BLOCK_N),
+At wide head dims (D=256; Dqk=192 / Dv=128 once listed in SPLIT_HEAD_DIM_PAIRS) two
+other kernels run: _bwd_wide_kernel splits dK and dV's work the other way round (64
+keys a program, each warpgroup part of the head dims, see BLOCK_N_WIDE), and
+_bwd_dq_wide_kernel computes dQ apart, a program per block of queries (see DQ_BLOCK_N),
 writing it in the output dtype: no fp32 buffer, and no atomics.
 
 Covers what forward_sm90 covers (bf16/fp16, head dims 64, 128 and 256, GQA, causal
@@ -75,7 +76,7 @@ from .common import (
 )
 from .forward import dense_strides
 
-ROWS = gl.constexpr(64)  # query rows per warpgroup in the D=256 dQ kernel
+ROWS = gl.constexpr(64)  # query rows per warpgroup in the wide dQ kernel
 BLOCK_N = 128  # keys per program: two warpgroups x 64
 BLOCK_M = 64  # query rows per step (registers: dK and dV take 2 * D / 2 per thread)
 # Query rows a step at D=64 (a knob tools/ab.py sets): dK and dV take 64 registers a
@@ -109,26 +110,38 @@ def _bwd_load_partition(
     q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem, v_smem,
     lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, b_tma,
     hk, q_start, k_start, stats_start, GROUP, bias_b, bias_heads, start_n, lo, n_tiles,
-    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
+    q2_desc, k2_desc, q2_smem, k2_smem, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+    HAS_BIAS: gl.constexpr, QK_SPLIT: gl.constexpr,
 ):  # fmt: skip
     """One warp: K and V once, then Q (with its rows' lse and the bias tile) and dO
     (with delta) tiles of every query head of the group. b_tma: the batch's index to
     TMA, 0 for packed sequences (one batch of all tokens), whose tiles start at their
     sequence's first token (q_start, k_start; 0 dense) and their row statistics at
-    stats_start (common.packed_stats_start; 0 dense)."""
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    stats_start (common.packed_stats_start; 0 dense). With QK_SPLIT, Q's and K's last
+    QK_SPLIT columns go to buffers of their own (q2, k2) on the same barriers."""
+    split_col: gl.constexpr = q_desc.block_type.shape[3]  # where Q's and K's split starts
+    kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes + (
+        k2_desc.block_type.nbytes if QK_SPLIT > 0 else 0)
+    mbarrier.expect(kv_bar, kv_bytes)
     tma.async_copy_global_to_shared(k_desc, [b_tma, hk, k_start + start_n, 0], kv_bar, k_smem)
+    if QK_SPLIT > 0:
+        tma.async_copy_global_to_shared(k2_desc, [b_tma, hk, k_start + start_n, split_col],
+                                        kv_bar, k2_smem)
     tma.async_copy_global_to_shared(v_desc, [b_tma, hk, k_start + start_n, 0], kv_bar, v_smem)
     for i in range(GROUP * n_tiles):
         h, start_m = _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M)
         row = q_start + start_m
         # Q's and dO's tiles differ where Dqk != Dv: each barrier expects its own bytes.
         q_bytes: gl.constexpr = q_desc.block_type.nbytes + stats_desc.block_type.nbytes + (
-            bias_desc.block_type.nbytes if HAS_BIAS else 0)
+            bias_desc.block_type.nbytes if HAS_BIAS else 0) + (
+            q2_desc.block_type.nbytes if QK_SPLIT > 0 else 0)
         do_bytes: gl.constexpr = do_desc.block_type.nbytes + stats_desc.block_type.nbytes
         slot = hopper.claim(q_ready, q_empty, i, q_bytes, STAGES)
         tma.async_copy_global_to_shared(q_desc, [b_tma, h, row, 0], q_ready.index(slot),
                                         q_smem.index(slot))
+        if QK_SPLIT > 0:
+            tma.async_copy_global_to_shared(q2_desc, [b_tma, h, row, split_col],
+                                            q_ready.index(slot), q2_smem.index(slot))
         tma.async_copy_global_to_shared(stats_desc, [0, b_tma, h, stats_start + start_m],
                                         q_ready.index(slot), lse_smem.index(slot))
         if HAS_BIAS:  # indexed by positions inside the sequence
@@ -468,55 +481,73 @@ def _bwd_sm90_kernel(
             q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem,
             v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready, q_empty,
             do_empty, b_tma, hk, q_start, k_start, stats_start, GROUP, bias_b, bias_heads,
-            start_n, lo, n_tiles, BLOCK_M, STAGES, HAS_BIAS))],
+            start_n, lo, n_tiles, q_desc, k_desc, q_smem, k_smem, BLOCK_M, STAGES, HAS_BIAS,
+            0))],
         worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
 
 
 # Head dim 256: a warpgroup's dK and dV over 64 keys would take 256 registers a thread.
-# So a program owns 64 keys and each warpgroup half of the head dim (FlashAttention-3's
+# So a program owns 64 keys and each warpgroup half of the head dims (FlashAttention-3's
 # split): dK[:, half] and dV[:, half] in 128 registers. S and dP are split by keys (each
 # warpgroup 64 queries x 32 keys), and P and dS go to shared memory as (keys, queries)
 # tiles that both read. Shared memory: K, V 32 KiB each, Q and dO rings 2 x 32 KiB
 # each, P and dS 8 KiB each (one buffer: a barrier keeps the next step's stores behind
-# both warpgroups' reads): 208 KiB. dQ has a kernel of its own (_bwd_dq_d256_kernel):
+# both warpgroups' reads): 208 KiB. dQ has a kernel of its own (_bwd_dq_wide_kernel):
 # here its fp32 reduce-adds, 64 KiB per 64 x 64 step, bounded the kernel, and
 # the zeroed buffer and conversion they need cost 164 us at 16k tokens (H100).
-BLOCK_N_D256 = 64
+# The same two kernels ("wide": head dims past 128) take Dqk=192 / Dv=128 (MLA's;
+# SPLIT_HEAD_DIM_PAIRS): Q, K and dQ in two buffers, 128 + 64 columns (Gluon's shapes
+# are powers of 2, as in the forward), the first warpgroup making dK's first 128
+# columns, the second dK's last 64, and each half of dV: 192 against 128 columns of dK
+# and dV a warpgroup (FA3/FA4 split 96 keys instead, a shape Gluon has no tile for).
+# Shared memory at 192/128: 141 KiB (dK/dV), 145 KiB (dQ).
+BLOCK_N_WIDE = 64
 
 
 @gluon.jit
-def _bwd_d256_compute_partition(
-    shared, HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _bwd_wide_compute_partition(
+    shared, HALF: gl.constexpr, HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+    QK_SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
-    """One warpgroup at D=256: S and dP of keys [start_n + HALF * 32, + 32), then dK
-    and dV of head-dim columns [HALF * 128, + 128) over all 64 keys."""
+    """One warpgroup at D=256 (or 192/128): S and dP of keys [start_n + HALF * 32, + 32),
+    then dK and dV of this warpgroup's head-dim columns over all 64 keys: half of each at
+    D=256; with QK_SPLIT, dK's first (HALF 0) or split columns and half of dV's."""
     (DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, q_smem,
-     do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, dst_smem, kv_bar, q_ready,
-     do_ready, q_empty, do_empty, ds_bar, pds_free, b, hk, GROUP, start_n, lo, full_lo,
-     full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right) = shared
+     do_smem, k_smem, v_smem, q2_smem, k2_smem, lse_smem, delta_smem, pt_smem, dst_smem,
+     kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, pds_free, b, hk, GROUP, start_n,
+     lo, full_lo, full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right) = shared
     dtype: gl.constexpr = k_smem.dtype
-    HEAD_DIM: gl.constexpr = 256
     HALF_N: gl.constexpr = BLOCK_N // 2
-    HALF_D: gl.constexpr = HEAD_DIM // 2
+    QK_MAIN: gl.constexpr = HEAD_DIM_QK - QK_SPLIT  # Q's and K's columns in q_smem, k_smem
+    DV_COLS: gl.constexpr = HEAD_DIM_V // 2  # dV's columns this warpgroup makes
+    # dK's: half at D=256; with a split, all of Q's first buffer or all of its second
+    DK_COLS: gl.constexpr = (HEAD_DIM_QK // 2 if QK_SPLIT == 0
+                             else (QK_MAIN if HALF == 0 else QK_SPLIT))
+    DK_COL0: gl.constexpr = HALF * DK_COLS if QK_SPLIT == 0 else HALF * QK_MAIN
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_N, 16])
-    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_D, 16])
+    dk_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DK_COLS, 16])
+    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV_COLS, 16])
     rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    col0: gl.constexpr = HALF * HALF_D
     offs_n = start_n + HALF * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(0, s_layout))
-    k_keys = k_smem.reshape([BLOCK_N, HEAD_DIM]).slice(HALF * HALF_N, HALF_N,
-                                                        dim=0).permute((1, 0))  # as Kᵀ
-    v_keys = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(HALF * HALF_N, HALF_N,
-                                                        dim=0).permute((1, 0))
+    k_keys = k_smem.reshape([BLOCK_N, QK_MAIN]).slice(HALF * HALF_N, HALF_N,
+                                                       dim=0).permute((1, 0))  # as Kᵀ
+    k2_keys = k_keys  # a stand-in without a split
+    if QK_SPLIT > 0:
+        k2_keys = k2_smem.reshape([BLOCK_N, QK_SPLIT]).slice(HALF * HALF_N, HALF_N,
+                                                              dim=0).permute((1, 0))
+    v_keys = v_smem.reshape([BLOCK_N, HEAD_DIM_V]).slice(HALF * HALF_N, HALF_N,
+                                                          dim=0).permute((1, 0))
     pt_all = pt_smem.reshape([BLOCK_N, BLOCK_M])
     dst_all = dst_smem.reshape([BLOCK_N, BLOCK_M])
     pt_own = pt_all.slice(HALF * HALF_N, HALF_N, dim=0).permute((1, 0))  # (queries, keys)
     dst_own = dst_all.slice(HALF * HALF_N, HALF_N, dim=0).permute((1, 0))
-    dk = gl.zeros([BLOCK_N, HALF_D], gl.float32, layout=kv_layout)
-    dv = gl.zeros([BLOCK_N, HALF_D], gl.float32, layout=kv_layout)
+    dk = gl.zeros([BLOCK_N, DK_COLS], gl.float32, layout=dk_layout)
+    dv = gl.zeros([BLOCK_N, DV_COLS], gl.float32, layout=dv_layout)
     s_init = gl.zeros([BLOCK_M, HALF_N], gl.float32, layout=s_layout)
     scale_log2 = scale * LOG2E
     mbarrier.wait(kv_bar, 0)
@@ -525,10 +556,14 @@ def _bwd_d256_compute_partition(
         h, start_m = _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M)
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=rows_layout)
         slot = hopper.arrived(q_ready, i, STAGES)
-        q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        q = q_smem.index(slot).reshape([BLOCK_M, QK_MAIN])
         s = warpgroup_mma(q, k_keys, s_init, use_acc=False, is_async=True)
+        q2 = q  # a stand-in without a split
+        if QK_SPLIT > 0:
+            q2 = q2_smem.index(slot).reshape([BLOCK_M, QK_SPLIT])
+            s = warpgroup_mma(q2, k2_keys, s, is_async=True)
         hopper.arrived(do_ready, i, STAGES)
-        do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_V])
         dp = warpgroup_mma(do, v_keys, s_init, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))
         lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(rows_layout)
@@ -550,8 +585,14 @@ def _bwd_d256_compute_partition(
         mbarrier.arrive(ds_bar)
         mbarrier.wait(ds_bar, i & 1)
 
-        dv = warpgroup_mma(pt_all, do.slice(col0, HALF_D, dim=1), dv, is_async=True)
-        dk = warpgroup_mma(dst_all, q.slice(col0, HALF_D, dim=1), dk, is_async=True)
+        dv = warpgroup_mma(pt_all, do.slice(HALF * DV_COLS, DV_COLS, dim=1), dv,
+                           is_async=True)
+        if QK_SPLIT == 0:
+            dk = warpgroup_mma(dst_all, q.slice(DK_COL0, DK_COLS, dim=1), dk, is_async=True)
+        elif HALF == 0:
+            dk = warpgroup_mma(dst_all, q, dk, is_async=True)
+        else:
+            dk = warpgroup_mma(dst_all, q2, dk, is_async=True)
         dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
         # This step's Q and dO are read; once both warpgroups are here, so are P and dS.
         mbarrier.arrive(q_empty.index(slot))
@@ -560,19 +601,22 @@ def _bwd_d256_compute_partition(
         mbarrier.wait(pds_free, i & 1)
 
     dk, dv = (dk * scale).to(dtype), dv.to(dtype)
-    rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
-    cols = col0 + gl.arange(0, HALF_D, layout=gl.SliceLayout(0, kv_layout))
-    _store_key_rows(dk, DK, b, hk, stride_kb, stride_kn, stride_kh, seqlen_k, rows, cols,
-                    HEAD_DIM)
-    _store_key_rows(dv, DV, b, hk, stride_vb, stride_vn, stride_vh, seqlen_k, rows, cols,
-                    HEAD_DIM)
+    _store_key_rows(dk, DK, b, hk, stride_kb, stride_kn, stride_kh, seqlen_k,
+                    start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout)),
+                    DK_COL0 + gl.arange(0, DK_COLS, layout=gl.SliceLayout(0, dk_layout)),
+                    HEAD_DIM_QK)  # fmt: skip
+    _store_key_rows(dv, DV, b, hk, stride_vb, stride_vn, stride_vh, seqlen_k,
+                    start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dv_layout)),
+                    HALF * DV_COLS + gl.arange(0, DV_COLS, layout=gl.SliceLayout(0, dv_layout)),
+                    HEAD_DIM_V)  # fmt: skip
 
 
 @gluon.jit
-def _bwd_d256_kernel(
-    q_desc, k_desc, v_desc, do_desc, stats_desc, DK, DV,
+def _bwd_wide_kernel(
+    q_desc, k_desc, v_desc, do_desc, stats_desc, q2_desc, k2_desc, DK, DV,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     HKV, GROUP, seqlen_q, seqlen_k, num_n_blocks, scale, window_left, window_right,
+    HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
@@ -584,6 +628,13 @@ def _bwd_d256_kernel(
     dtype: gl.constexpr = q_desc.dtype
     (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, ds_bar, q_ready, q_empty,
      do_ready, do_empty) = _operand_buffers(q_desc, do_desc, k_desc, v_desc, stats_desc, STAGES)
+    if QK_SPLIT > 0:  # Q's and K's last columns
+        q2_smem = gl.allocate_shared_memory(dtype, [STAGES] + q2_desc.block_type.shape,
+                                            q2_desc.layout)
+        k2_smem = gl.allocate_shared_memory(dtype, k2_desc.block_type.shape, k2_desc.layout)
+    else:  # stand-ins, never touched
+        q2_smem = q_smem
+        k2_smem = k_smem
     pds_block: gl.constexpr = [BLOCK_N, BLOCK_M]
     pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(pds_block, dtype)
     pt_smem = gl.allocate_shared_memory(dtype, pds_block, pds_layout)
@@ -592,20 +643,22 @@ def _bwd_d256_kernel(
     mbarrier.init(pds_free, count=2)  # both warpgroups' matmuls on P and dS done
 
     shared = (DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
-              stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem,
-              dst_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar,
-              pds_free, b, hk, GROUP, start_n, lo, full_lo, full_hi, n_tiles, seqlen_k, off,
-              scale, window_left, window_right)
+              stride_vh, q_smem, do_smem, k_smem, v_smem, q2_smem, k2_smem, lse_smem,
+              delta_smem, pt_smem, dst_smem, kv_bar, q_ready, do_ready, q_empty, do_empty,
+              ds_bar, pds_free, b, hk, GROUP, start_n, lo, full_lo, full_hi, n_tiles,
+              seqlen_k, off, scale, window_left, window_right)
     gl.warp_specialize(
-        [(_bwd_d256_compute_partition, (shared, 0, BLOCK_M, BLOCK_N, STAGES,
-                                        BOUNDED_LEFT, BOUNDED_RIGHT)),
-         (_bwd_d256_compute_partition, (shared, 1, BLOCK_M, BLOCK_N, STAGES,
-                                        BOUNDED_LEFT, BOUNDED_RIGHT)),
+        [(_bwd_wide_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
+                                        BLOCK_M, BLOCK_N, STAGES, BOUNDED_LEFT,
+                                        BOUNDED_RIGHT)),
+         (_bwd_wide_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
+                                        BLOCK_M, BLOCK_N, STAGES, BOUNDED_LEFT,
+                                        BOUNDED_RIGHT)),
          (_bwd_load_partition, (
             q_desc, do_desc, k_desc, v_desc, stats_desc, q_desc, q_smem, do_smem, k_smem,
             v_smem, lse_smem, delta_smem, q_smem, kv_bar, q_ready, do_ready, q_empty,
-            do_empty, b, hk, 0, 0, 0, GROUP, 0, 1, start_n, lo, n_tiles, BLOCK_M, STAGES,
-            False))],
+            do_empty, b, hk, 0, 0, 0, GROUP, 0, 1, start_n, lo, n_tiles, q2_desc, k2_desc,
+            q2_smem, k2_smem, BLOCK_M, STAGES, False, QK_SPLIT))],
         worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
 
 
@@ -629,15 +682,22 @@ DQ_MIN_BLOCKS_TO_FOLD = 5
 def _dq_load_partition(
     loads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    QK_SPLIT: gl.constexpr,
 ):  # fmt: skip
     """One warp: each query block's Q and dO (with their rows' lse and delta), then its
-    K and V tiles as their rings' slots come free."""
-    (q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
-     delta_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, pid, programs, H,
-     GROUP, num_m_blocks, n_items, seqlen_q, seqlen_k, window_left, window_right) = loads
+    K and V tiles as their rings' slots come free; with QK_SPLIT, Q's and K's last
+    columns into buffers of their own (q2, k2) on the same barriers."""
+    (q_desc, do_desc, k_desc, v_desc, stats_desc, q2_desc, k2_desc, q_smem, do_smem, k_smem,
+     v_smem, q2_smem, k2_smem, lse_smem, delta_smem, q_ready, q_empty, k_ready, k_empty,
+     v_ready, v_empty, pid, programs, H, GROUP, num_m_blocks, n_items, seqlen_q, seqlen_k,
+     window_left, window_right) = loads
     PARTS: gl.constexpr = BLOCK_M // ROWS
-    block_bytes: gl.constexpr = PARTS * (2 * q_desc.block_type.nbytes
-                                         + 2 * stats_desc.block_type.nbytes)
+    split_col: gl.constexpr = q_desc.block_type.shape[3]  # where Q's and K's split starts
+    block_bytes: gl.constexpr = PARTS * (
+        q_desc.block_type.nbytes + do_desc.block_type.nbytes + 2 * stats_desc.block_type.nbytes
+        + (q2_desc.block_type.nbytes if QK_SPLIT > 0 else 0))
+    k_bytes: gl.constexpr = k_desc.block_type.nbytes + (
+        k2_desc.block_type.nbytes if QK_SPLIT > 0 else 0)
     kv = 0
     for j in range(n_items):
         # Dense batches only: no cu_seqlens (the 0s), IS_VARLEN off.
@@ -650,6 +710,9 @@ def _dq_load_partition(
             row = start_m + i * ROWS
             tma.async_copy_global_to_shared(q_desc, [b, h, row, 0], q_ready.index(0),
                                             q_smem.index(i))
+            if QK_SPLIT > 0:
+                tma.async_copy_global_to_shared(q2_desc, [b, h, row, split_col],
+                                                q_ready.index(0), q2_smem.index(i))
             tma.async_copy_global_to_shared(do_desc, [b, h, row, 0], q_ready.index(0),
                                             do_smem.index(i))
             tma.async_copy_global_to_shared(stats_desc, [0, b, h, row], q_ready.index(0),
@@ -658,10 +721,12 @@ def _dq_load_partition(
                                             delta_smem.index(i))
         for t in range(n_tiles):
             start_n = lo + t * BLOCK_N
-            slot = hopper.claim(k_ready, k_empty, kv + t, k_desc.block_type.nbytes,
-                                DQ_STAGES)
+            slot = hopper.claim(k_ready, k_empty, kv + t, k_bytes, DQ_STAGES)
             tma.async_copy_global_to_shared(k_desc, [b, hk, start_n, 0], k_ready.index(slot),
                                             k_smem.index(slot))
+            if QK_SPLIT > 0:
+                tma.async_copy_global_to_shared(k2_desc, [b, hk, start_n, split_col],
+                                                k_ready.index(slot), k2_smem.index(slot))
             slot = hopper.claim(v_ready, v_empty, kv + t, v_desc.block_type.nbytes,
                                 DQ_STAGES)
             tma.async_copy_global_to_shared(v_desc, [b, hk, start_n, 0], v_ready.index(slot),
@@ -671,27 +736,36 @@ def _dq_load_partition(
 
 @gluon.jit
 def _dq_compute_partition(
-    shared, PART: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    shared, PART: gl.constexpr, HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+    QK_SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     FOLD: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
     BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: dQ of query rows [start_m + PART * 64, + 64) of each of the
     program's query blocks, over every key tile: S = Q Kᵀ and dP = dO Vᵀ together,
-    P and dS from them, dQ += dS K with dS straight from registers."""
-    (dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, q_empty,
-     k_ready, k_empty, v_ready, v_empty, pid, programs, H, GROUP, num_m_blocks, n_items,
-     seqlen_q, seqlen_k, scale, window_left, window_right) = shared
+    P and dS from them, dQ += dS K with dS straight from registers (with QK_SPLIT, dQ's
+    last columns in an accumulator of their own, from K's)."""
+    (dq_desc, dq2_desc, q_smem, do_smem, k_smem, v_smem, q2_smem, k2_smem, lse_smem,
+     delta_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, pid, programs, H,
+     GROUP, num_m_blocks, n_items, seqlen_q, seqlen_k, scale, window_left,
+     window_right) = shared
     dtype: gl.constexpr = q_smem.dtype
-    HEAD_DIM: gl.constexpr = 256
+    QK_MAIN: gl.constexpr = HEAD_DIM_QK - QK_SPLIT  # Q's and K's columns in q_smem, k_smem
+    # With a split both dQ accumulators take the split's wgmma width, so that dS is one
+    # operand for both.
+    DQ_N: gl.constexpr = QK_MAIN if QK_SPLIT == 0 else QK_SPLIT
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_N, 16])
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
     rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     scale_log2 = scale * LOG2E
-    q_tile = q_smem.index(PART).reshape([ROWS, HEAD_DIM])
-    do_tile = do_smem.index(PART).reshape([ROWS, HEAD_DIM])
+    q_tile = q_smem.index(PART).reshape([ROWS, QK_MAIN])
+    q2_tile = q_tile  # a stand-in without a split
+    if QK_SPLIT > 0:
+        q2_tile = q2_smem.index(PART).reshape([ROWS, QK_SPLIT])
+    do_tile = do_smem.index(PART).reshape([ROWS, HEAD_DIM_V])
 
     kv = 0
     for j in range(n_items):
@@ -704,16 +778,21 @@ def _dq_compute_partition(
         hopper.arrived(q_ready, j, 1)
         lse2 = lse_smem.index(PART).reshape([ROWS]).load(rows_layout)
         delta = delta_smem.index(PART).reshape([ROWS]).load(rows_layout)
-        dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=dq_layout)
+        dq = gl.zeros([ROWS, QK_MAIN], gl.float32, layout=dq_layout)
+        if QK_SPLIT > 0:
+            dq2 = gl.zeros([ROWS, QK_SPLIT], gl.float32, layout=dq_layout)
         for t in range(n_tiles):
             start_n = lo + t * BLOCK_N
             k_slot = hopper.arrived(k_ready, kv + t, DQ_STAGES)
-            k = k_smem.index(k_slot).reshape([BLOCK_N, HEAD_DIM])
+            k = k_smem.index(k_slot).reshape([BLOCK_N, QK_MAIN])
             # Zero accumulators made here, not held across the loop: registers are short.
             s_init = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
             s = warpgroup_mma(q_tile, k.permute((1, 0)), s_init, use_acc=False, is_async=True)
+            if QK_SPLIT > 0:
+                k2 = k2_smem.index(k_slot).reshape([BLOCK_N, QK_SPLIT])
+                s = warpgroup_mma(q2_tile, k2.permute((1, 0)), s, is_async=True)
             v_slot = hopper.arrived(v_ready, kv + t, DQ_STAGES)
-            v = v_smem.index(v_slot).reshape([BLOCK_N, HEAD_DIM])
+            v = v_smem.index(v_slot).reshape([BLOCK_N, HEAD_DIM_V])
             dp = warpgroup_mma(do_tile, v.permute((1, 0)), s_init, use_acc=False,
                                is_async=True)
             s = warpgroup_mma_wait(1, deps=(s,))
@@ -727,7 +806,11 @@ def _dq_compute_partition(
             mbarrier.arrive(v_empty.index(v_slot))
             ds = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), ds_layout)
             dq = warpgroup_mma(ds, k, dq, is_async=True)
-            dq, ds = warpgroup_mma_wait(0, deps=(dq, ds))
+            if QK_SPLIT > 0:
+                dq2 = warpgroup_mma(ds, k2, dq2, is_async=True)
+                dq, dq2, ds = warpgroup_mma_wait(0, deps=(dq, dq2, ds))
+            else:
+                dq, ds = warpgroup_mma_wait(0, deps=(dq, ds))
             mbarrier.arrive(k_empty.index(k_slot))
         kv += n_tiles
 
@@ -735,17 +818,22 @@ def _dq_compute_partition(
         # for the next block once the store has read it. Rows with no visible key
         # get zeros; the store clips rows past Sq.
         q_tile.store((dq * scale).to(dtype))
+        if QK_SPLIT > 0:
+            q2_tile.store((dq2 * scale).to(dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(dq_desc, [b, h, row0, 0], q_smem.index(PART))
+        if QK_SPLIT > 0:
+            tma.async_copy_shared_to_global(dq2_desc, [b, h, row0, QK_MAIN], q2_smem.index(PART))
         tma.store_wait(0)
         gl.thread_barrier()
         mbarrier.arrive(q_empty.index(0))
 
 
 @gluon.jit
-def _bwd_dq_d256_kernel(
-    q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, H, GROUP, seqlen_q, seqlen_k,
-    num_m_blocks, num_items, scale, window_left, window_right,
+def _bwd_dq_wide_kernel(
+    q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, q2_desc, k2_desc, dq2_desc, H,
+    GROUP, seqlen_q, seqlen_k, num_m_blocks, num_items, scale, window_left, window_right,
+    HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
@@ -765,24 +853,33 @@ def _bwd_dq_d256_kernel(
                                        k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [DQ_STAGES] + v_desc.block_type.shape,
                                        v_desc.layout)
+    if QK_SPLIT > 0:  # Q's and K's last columns
+        q2_smem = gl.allocate_shared_memory(dtype, [PARTS] + q2_desc.block_type.shape,
+                                            q2_desc.layout)
+        k2_smem = gl.allocate_shared_memory(dtype, [DQ_STAGES] + k2_desc.block_type.shape,
+                                            k2_desc.layout)
+    else:  # stand-ins, never touched
+        q2_smem = q_smem
+        k2_smem = k_smem
     q_ready, q_empty = hopper.ring(1, PARTS)
     k_ready, k_empty = hopper.ring(DQ_STAGES, PARTS)
     v_ready, v_empty = hopper.ring(DQ_STAGES, PARTS)
 
-    shared = (dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready,
-              q_empty, k_ready, k_empty, v_ready, v_empty, pid, programs, H, GROUP,
-              num_m_blocks, n_items, seqlen_q, seqlen_k, scale, window_left, window_right)
-    loads = (q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem,
-             lse_smem, delta_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, pid,
-             programs, H, GROUP, num_m_blocks, n_items, seqlen_q, seqlen_k, window_left,
-             window_right)
+    shared = (dq_desc, dq2_desc, q_smem, do_smem, k_smem, v_smem, q2_smem, k2_smem, lse_smem,
+              delta_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, pid, programs,
+              H, GROUP, num_m_blocks, n_items, seqlen_q, seqlen_k, scale, window_left,
+              window_right)
+    loads = (q_desc, do_desc, k_desc, v_desc, stats_desc, q2_desc, k2_desc, q_smem, do_smem,
+             k_smem, v_smem, q2_smem, k2_smem, lse_smem, delta_smem, q_ready, q_empty, k_ready,
+             k_empty, v_ready, v_empty, pid, programs, H, GROUP, num_m_blocks, n_items,
+             seqlen_q, seqlen_k, window_left, window_right)
     gl.warp_specialize(
-        [(_dq_compute_partition, (shared, 0, BLOCK_M, BLOCK_N, FOLD, BOTTOM_RIGHT,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT)),
-         (_dq_compute_partition, (shared, 1, BLOCK_M, BLOCK_N, FOLD, BOTTOM_RIGHT,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT)),
+        [(_dq_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M,
+                                  BLOCK_N, FOLD, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)),
+         (_dq_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M,
+                                  BLOCK_N, FOLD, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)),
          (_dq_load_partition, (loads, BLOCK_M, BLOCK_N, FOLD, BOTTOM_RIGHT, BOUNDED_LEFT,
-                               BOUNDED_RIGHT))],
+                               BOUNDED_RIGHT, QK_SPLIT))],
         # dQ alone takes 128 registers a thread: the second warpgroup gets the most
         # there is, and Triton gives the first (the default partition) 224 of the rest.
         worker_num_warps=[4, 1], worker_num_regs=[256, 24])  # fmt: skip
@@ -793,16 +890,23 @@ def _bwd_dq_d256_kernel(
 # stores over. tools/ab.py had the Gluon kernel ahead down to causal S=1024 (512 keys:
 # 220 vs 210 TFLOP/s at D=128, 231 vs 214 at D=64); S=512 causal was not measured. At
 # D=256 it wins everywhere: S=512 causal (256 keys) 144 vs 104.
-MIN_KEYS_PER_QUERY = {64: 512, 128: 512, 256: 0}
-HEAD_DIMS = (64, 128, 256)  # q·k
+MIN_KEYS_PER_QUERY = {64: 512, 128: 512, 192: 0, 256: 0}
+HEAD_DIMS = (64, 128, 192, 256)  # q·k
 # (q·k, v) head dims these kernels take: the D 64/128 kernel sizes dK and dV apart. At
-# Dqk=192 dK would take 96 registers a thread beside dV's 64.
+# Dqk=192 dK would take 96 registers a thread beside dV's 64, so 192/128 goes to the
+# wide kernels with Q and K split (BLOCK_N_WIDE): SPLIT_HEAD_DIM_PAIRS, built and
+# compiled for sm_90 (tools/compile_sm90.py, MEMATTN_HOPPER_DIMS=192/128), empty until
+# the GPU suite's test_split_head_dims_backward_gpu has passed on the device and
+# tools/ab.py has timed it (variant "split192"; the tile kernels: 154 TFLOP/s causal).
 HEAD_DIM_PAIRS = ((64, 64), (128, 128), (128, 64), (256, 256))
+SPLIT_HEAD_DIM_PAIRS: tuple[tuple[int, int], ...] = ()
 
 
 def takes_head_dims(spec: AttentionSpec) -> bool:
-    """Whether these kernels take the call's head dims (HEAD_DIM_PAIRS)."""
-    return (spec.head_dim_qk, spec.head_dim_v) in HEAD_DIM_PAIRS
+    """Whether these kernels take the call's head dims (HEAD_DIM_PAIRS and
+    SPLIT_HEAD_DIM_PAIRS)."""
+    dims = (spec.head_dim_qk, spec.head_dim_v)
+    return dims in HEAD_DIM_PAIRS or dims in SPLIT_HEAD_DIM_PAIRS
 
 
 # A summed bias gradient (dbias_kind_of's "summed") from key-block programs ordered with
@@ -870,13 +974,13 @@ def _row_stats_descriptor(stats: torch.Tensor, rows: int,
 
 
 _launch_backward = hopper.Launcher(_bwd_sm90_kernel)
-_launch_backward_d256 = hopper.Launcher(_bwd_d256_kernel)
-_launch_dq_d256 = hopper.Launcher(_bwd_dq_d256_kernel)
+_launch_backward_wide = hopper.Launcher(_bwd_wide_kernel)
+_launch_dq_wide = hopper.Launcher(_bwd_dq_wide_kernel)
 
 def dq_in_fp32(spec: AttentionSpec) -> bool:
     """Whether `backward` adds dQ into an fp32 buffer (zeroed beforehand, converted
-    after: D 64 and 128) rather than writing the output itself (D=256)."""
-    return spec.head_dim_qk != 256
+    after: D 64 and 128) rather than writing the output itself (D=256, Dqk=192)."""
+    return spec.head_dim_qk <= 128
 
 
 def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_state,
@@ -889,8 +993,8 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
     a zeroed (B, H, Sk) fp32 buffer that takes dS summed over each head's queries; for
     one broadcast over batch or heads, a zeroed fp32 buffer of the bias's shape that
     takes every (b, h)'s dS added in."""
-    if spec.head_dim_qk == 256:
-        return _backward_d256(spec, q, k, v, grad_out, stats, dq, dk, dv)
+    if spec.head_dim_qk > 128:
+        return _backward_wide(spec, q, k, v, grad_out, stats, dq, dk, dv)
     bias_row = bias is not None and hopper.bias_row(spec, bias)
     dbias_kind = None if dbias is None else dbias_kind_of(spec, bias)
     how = _plan(spec, bias_row, dbias_kind, inner_dims(spec, bias, dbias_kind), q.device.index)
@@ -975,53 +1079,66 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
     return hopper.Plan(num_n * spec.batch * spec.kv_heads, (num_n,), constexprs)
 
 
-def _backward_d256(spec: AttentionSpec, q, k, v, grad_out, stats, dq, dk, dv) -> None:
-    """`backward` at D=256 (no bias, ALiBi or dropout: dispatch keeps them off it):
-    dK and dV from _bwd_d256_kernel, dQ from _bwd_dq_d256_kernel."""
-    dkdv, dq_plan = _plans_d256(spec, q.device.index)
+def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, stats, dq, dk, dv) -> None:
+    """`backward` at D=256 and Dqk=192 (no bias, ALiBi or dropout: dispatch keeps them
+    off it): dK and dV from _bwd_wide_kernel, dQ from _bwd_dq_wide_kernel."""
+    dkdv, dq_plan = _plans_wide(spec, q.device.index)
     # What each launch's arguments are made of beside its plan (the spec fixes every
     # shape): hopper.Launcher.launch_prepared.
     inputs = (q.data_ptr(), q.stride(), k.data_ptr(), k.stride(), v.data_ptr(), v.stride(),
               grad_out.data_ptr(), grad_out.stride(), stats.data_ptr())  # fmt: skip
     dkdv_call = (dkdv, *inputs, dk.data_ptr(), dk.stride(), dv.data_ptr(), dv.stride())
     dq_call = (dq_plan, *inputs, dq.data_ptr(), dq.stride())
-    dkdv_launched = _launch_backward_d256.launch_prepared(dkdv.programs, dkdv_call)
-    dq_launched = _launch_dq_d256.launch_prepared(dq_plan.programs, dq_call)
+    dkdv_launched = _launch_backward_wide.launch_prepared(dkdv.programs, dkdv_call)
+    dq_launched = _launch_dq_wide.launch_prepared(dq_plan.programs, dq_call)
     if dkdv_launched and dq_launched:
         return
-    q_desc = hopper.descriptor(q, BLOCK_M)
+    # With a split (Dqk=192), Q's, K's and dQ's first 128 columns and their last 64
+    # have descriptors of their own; without, the second ones are stand-ins, never read.
+    split = hopper.qk_split(spec.head_dim_qk)
+    main = spec.head_dim_qk - split
+
+    def parts(t, rows):
+        first = hopper.descriptor(t, rows, main)
+        return first, hopper.descriptor(t, rows, split) if split else first
+
+    q_desc, q2_desc = parts(q, BLOCK_M)
     do_desc = hopper.descriptor(grad_out, BLOCK_M)
     stats_desc = _row_stats_descriptor(stats, spec.seqlen_q)
     if not dkdv_launched:
-        _launch_backward_d256(
+        k_desc, k2_desc = parts(k, BLOCK_N_WIDE)
+        _launch_backward_wide(
             (dkdv.programs,),
-            q_desc, hopper.descriptor(k, BLOCK_N_D256), hopper.descriptor(v, BLOCK_N_D256),
-            do_desc, stats_desc, dk, dv,
+            q_desc, k_desc, hopper.descriptor(v, BLOCK_N_WIDE), do_desc, stats_desc, q2_desc,
+            k2_desc, dk, dv,
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1),
             dv.stride(2), spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k,
             *dkdv.counts, spec.scale, spec.window_left, spec.window_right,
             variant=dkdv, prepare=dkdv_call, **dkdv.constexprs,
         )  # fmt: skip
     if not dq_launched:
-        _launch_dq_d256(
+        k_desc, k2_desc = parts(k, DQ_BLOCK_N)
+        dq_desc, dq2_desc = parts(dq, ROWS.value)
+        _launch_dq_wide(
             (dq_plan.programs,),
-            q_desc, hopper.descriptor(k, DQ_BLOCK_N), hopper.descriptor(v, DQ_BLOCK_N),
-            do_desc, hopper.descriptor(dq, ROWS.value), stats_desc, spec.heads, spec.group,
+            q_desc, k_desc, hopper.descriptor(v, DQ_BLOCK_N), do_desc, dq_desc, stats_desc,
+            q2_desc, k2_desc, dq2_desc, spec.heads, spec.group,
             spec.seqlen_q, spec.seqlen_k, *dq_plan.counts, spec.scale, spec.window_left,
             spec.window_right, variant=dq_plan, prepare=dq_call, **dq_plan.constexprs,
         )  # fmt: skip
 
 
 @hopper.plan_cache
-def _plans_d256(spec: AttentionSpec, device_index: int) -> tuple[hopper.Plan, hopper.Plan]:
-    """The D=256 launches (hopper.Plan): dK/dV, a program per key block and key head
-    (counts: key blocks per head); dQ, a program per query block and head, or per pair
-    of them folded under a mask (counts: query blocks per head, work items)."""
+def _plans_wide(spec: AttentionSpec, device_index: int) -> tuple[hopper.Plan, hopper.Plan]:
+    """The D=256 (and 192/128) launches (hopper.Plan): dK/dV, a program per key block
+    and key head (counts: key blocks per head); dQ, a program per query block and head,
+    or per pair of them folded under a mask (counts: query blocks per head, work items)."""
     bounds = dict(BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
-                  BOUNDED_RIGHT=spec.window_right >= 0)
-    num_n = cdiv(spec.seqlen_k, BLOCK_N_D256)
+                  BOUNDED_RIGHT=spec.window_right >= 0, HEAD_DIM_QK=spec.head_dim_qk,
+                  HEAD_DIM_V=spec.head_dim_v, QK_SPLIT=hopper.qk_split(spec.head_dim_qk))
+    num_n = cdiv(spec.seqlen_k, BLOCK_N_WIDE)
     dkdv = hopper.Plan(num_n * spec.batch * spec.kv_heads, (num_n,),
-                       dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N_D256, STAGES=STAGES, **bounds,
+                       dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N_WIDE, STAGES=STAGES, **bounds,
                             num_warps=4))  # fmt: skip
     block_m = 2 * ROWS.value
     num_m = cdiv(spec.seqlen_q, block_m)

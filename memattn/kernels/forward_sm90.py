@@ -565,12 +565,6 @@ def q_stages(head_dim_qk: int, head_dim_v: int, parts: int, has_bias: bool, bias
     return max(fits, default=0)
 
 
-def qk_split(head_dim_qk: int) -> int:
-    """Q's and K's columns past the largest power of 2 (Gluon's shapes are powers of
-    2): 192 -> 64, their own buffers; 0 at 64, 128, 256."""
-    return head_dim_qk - (1 << (head_dim_qk.bit_length() - 1))
-
-
 def takes_head_dims(spec: AttentionSpec, bias_row: bool) -> bool:
     """Whether the kernel is built for these head dims (HEAD_DIMS, HEAD_DIMS_V, Dv <=
     Dqk) and shared memory holds this call's buffers (q_stages)."""
@@ -603,7 +597,7 @@ def plan(spec: AttentionSpec, bias_row: bool, device_index: int) -> hopper.Plan:
     num_items = num_m_blocks * spec.batch * spec.heads
     constexprs = dict(
         HEAD_DIM_QK=spec.head_dim_qk, HEAD_DIM_V=spec.head_dim_v,
-        QK_SPLIT=qk_split(spec.head_dim_qk), BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES,
+        QK_SPLIT=hopper.qk_split(spec.head_dim_qk), BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES,
         Q_STAGES=q_stages(spec.head_dim_qk, spec.head_dim_v, block_m // ROWS.value, tile_bias,
                           bias_row, spec.dropout_p > 0),
         FOLD=fold, O_IN_Q=O_IN_Q[spec.head_dim_qk], HAS_BIAS=tile_bias,

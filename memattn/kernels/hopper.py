@@ -145,6 +145,12 @@ def descriptor(t: torch.Tensor, rows: int, cols: int | None = None,
                            shared_layout(block, t.dtype, swizzle))  # fmt: skip
 
 
+def qk_split(head_dim_qk: int) -> int:
+    """Q's and K's columns past the largest power of 2 (Gluon's shapes are powers of
+    2): 192 -> 64, in buffers of their own; 0 at 64, 128, 256."""
+    return head_dim_qk - (1 << (head_dim_qk.bit_length() - 1))
+
+
 def make_descriptor(t, shape, strides, block, layout) -> TensorDescriptor:
     """A TensorDescriptor without its constructor's checks: on the device's host CPU
     they cost ~10 µs per descriptor and call, a tenth of a small backward's host time,
