@@ -376,6 +376,26 @@ def test_split_head_dims_backward_gpu(case, dtype, hopper_backward_launches, mon
         assert torch.equal(a, b)
 
 
+# backward_sm90.STATS_IN_ACCUMULATORS (off until this and tools/ab.py have run on the
+# device): lse and delta start S's and dP's accumulators. Rows with no visible key (lse
+# -inf), masks, a bias and ALiBi on S, dropout (which keeps delta out of dP), packed
+# rows, D=64's 128-row steps.
+STATS_IN_ACC_CASES = ["D64 Sq=777 Sk=1030", "causal bottom-right Sq>Sk", "window (0, 0)",
+                      "bias 1HQK D64 Sq=2100", "dropout causal GQA", "alibi BH bias D64 window",
+                      "varlen D64 GQA bottom-right", "Dqk128 Dv64 window"]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", STATS_IN_ACC_CASES)
+def test_stats_in_accumulators_backward_gpu(name, hopper_backward_launches, monkeypatch):
+    from memattn.kernels import backward_sm90
+
+    monkeypatch.setattr(backward_sm90, "STATS_IN_ACCUMULATORS", True)
+    case = next(c for c in HOPPER_CASES if c.name == name)
+    assert_results(check_backward(case, torch.bfloat16, "cuda", seed=13))
+    assert hopper_backward_launches, "the call fell back to backward.py"
+
+
 def _bias_letters(case) -> str:
     return "1" * (4 - len(case.bias)) + case.bias
 

@@ -90,6 +90,22 @@ def test_summed_bias_gradient_puts_its_broadcast_dim_inner(bias_shape, inner, mo
 
 
 @gluon
+def test_row_statistics_go_into_the_accumulators_only_when_asked(monkeypatch):
+    """STATS_IN_ACCUMULATORS (off until its GPU test has run) reaches the kernel's plan."""
+    spec = spec_and_inputs(d=64)[0]
+    backward_sm90 = dispatch.backward_sm90
+    assert not backward_sm90._plan(spec, False, None, (False, False), 0).constexprs[
+        "STATS_IN_ACC"]  # fmt: skip
+    monkeypatch.setattr(backward_sm90, "STATS_IN_ACCUMULATORS", True)
+    backward_sm90.hopper.forget_plans()  # plans are made from the knobs
+    try:
+        plan = backward_sm90._plan(spec, False, None, (False, False), 0)
+    finally:
+        backward_sm90.hopper.forget_plans()
+    assert plan.constexprs["STATS_IN_ACC"]
+
+
+@gluon
 @pytest.mark.parametrize("varlen", [False, True])
 def test_only_packed_programs_past_their_end_may_return_first(varlen, monkeypatch):
     """SKIP_EMPTY_KEY_BLOCKS lets the backward's programs past a packed sequence's end
