@@ -376,21 +376,30 @@ def test_split_head_dims_backward_gpu(case, dtype, hopper_backward_launches, mon
         assert torch.equal(a, b)
 
 
-# backward_sm90.STATS_IN_ACCUMULATORS (off until this and tools/ab.py have run on the
-# device): lse and delta start S's and dP's accumulators. Rows with no visible key (lse
-# -inf), masks, a bias and ALiBi on S, dropout (which keeps delta out of dP), packed
-# rows, D=64's 128-row steps.
-STATS_IN_ACC_CASES = ["D64 Sq=777 Sk=1030", "causal bottom-right Sq>Sk", "window (0, 0)",
-                      "bias 1HQK D64 Sq=2100", "dropout causal GQA", "alibi BH bias D64 window",
-                      "varlen D64 GQA bottom-right", "Dqk128 Dv64 window"]  # fmt: skip
+# Gluon backward options built but off until these and tools/ab.py have run on the
+# device (backward_sm90's knobs): STATS_IN_ACCUMULATORS, lse and delta starting S's and
+# dP's accumulators (rows with no visible key, masks, a bias and ALiBi on S, dropout
+# keeping delta out of dP, packed rows, D=64's 128-row steps); DQ_WRITER, dQ sent by a
+# warp of its own (two buffers a warpgroup, or one beside dropout; GQA, packed rows).
+OFF_BY_DEFAULT = {
+    "STATS_IN_ACCUMULATORS": ["D64 Sq=777 Sk=1030", "causal bottom-right Sq>Sk",
+                              "window (0, 0)", "bias 1HQK D64 Sq=2100", "dropout causal GQA",
+                              "alibi BH bias D64 window", "varlen D64 GQA bottom-right",
+                              "Dqk128 Dv64 window"],
+    "DQ_WRITER": ["D64 Sq=777 Sk=1030", "D128 causal", "GQA 8:2 transposed causal",
+                  "dropout causal GQA", "bias K Sq=2100 Sk=333", "varlen D128 causal",
+                  "Dqk128 Dv64 window"],
+}  # fmt: skip
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", STATS_IN_ACC_CASES)
-def test_stats_in_accumulators_backward_gpu(name, hopper_backward_launches, monkeypatch):
+@pytest.mark.parametrize("knob, name", [(k, n) for k, names in OFF_BY_DEFAULT.items()
+                                        for n in names])  # fmt: skip
+def test_backward_options_off_by_default_gpu(knob, name, hopper_backward_launches,
+                                             monkeypatch):  # fmt: skip
     from memattn.kernels import backward_sm90
 
-    monkeypatch.setattr(backward_sm90, "STATS_IN_ACCUMULATORS", True)
+    monkeypatch.setattr(backward_sm90, knob, True)
     case = next(c for c in HOPPER_CASES if c.name == name)
     assert_results(check_backward(case, torch.bfloat16, "cuda", seed=13))
     assert hopper_backward_launches, "the call fell back to backward.py"

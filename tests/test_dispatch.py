@@ -90,19 +90,29 @@ def test_summed_bias_gradient_puts_its_broadcast_dim_inner(bias_shape, inner, mo
 
 
 @gluon
-def test_row_statistics_go_into_the_accumulators_only_when_asked(monkeypatch):
-    """STATS_IN_ACCUMULATORS (off until its GPU test has run) reaches the kernel's plan."""
-    spec = spec_and_inputs(d=64)[0]
+@pytest.mark.parametrize(
+    "knob, options, dbias_kind, constexpr, value",
+    [("STATS_IN_ACCUMULATORS", {}, None, "STATS_IN_ACC", True),
+     ("DQ_WRITER", {}, None, "DQ_BUFS", 2),
+     ("DQ_WRITER", dict(dropout_p=0.1), None, "DQ_BUFS", 1),  # dropout's scratch: one
+     ("DQ_WRITER", {}, "full", "DQ_BUFS", 0),  # dS leaves by TMA from the warpgroups
+     ("DQ_WRITER", {}, "summed", "DQ_BUFS", 0),
+     ("DQ_WRITER", {}, "row", "DQ_BUFS", 2)],
+)  # fmt: skip
+def test_backward_options_reach_the_plan_only_when_on(knob, options, dbias_kind, constexpr,
+                                                      value, monkeypatch):  # fmt: skip
+    """Backward options off until their GPU tests have run reach the kernel's plan."""
+    spec = spec_and_inputs(d=64, **options)[0]
     backward_sm90 = dispatch.backward_sm90
-    assert not backward_sm90._plan(spec, False, None, (False, False), 0).constexprs[
-        "STATS_IN_ACC"]  # fmt: skip
-    monkeypatch.setattr(backward_sm90, "STATS_IN_ACCUMULATORS", True)
+    plan = backward_sm90._plan(spec, False, dbias_kind, (False, False), 0)
+    assert not plan.constexprs[constexpr]
+    monkeypatch.setattr(backward_sm90, knob, True)
     backward_sm90.hopper.forget_plans()  # plans are made from the knobs
     try:
-        plan = backward_sm90._plan(spec, False, None, (False, False), 0)
+        plan = backward_sm90._plan(spec, False, dbias_kind, (False, False), 0)
     finally:
         backward_sm90.hopper.forget_plans()
-    assert plan.constexprs["STATS_IN_ACC"]
+    assert plan.constexprs[constexpr] == value
 
 
 @gluon

@@ -39,6 +39,7 @@ VARIANTS = {
     "summed_outer": {"bwd.SUMMED_BIAS_INNER": False},  # summed biases in the shipped order
     "no_skip_empty": {"bwd.SKIP_EMPTY_KEY_BLOCKS": False},  # packed: blocks past the end run
     "stats_in_acc": {"bwd.STATS_IN_ACCUMULATORS": True},  # lse, delta start S's, dP's wgmma
+    "dq_writer": {"bwd.DQ_WRITER": True},  # dQ's reduce-adds from a warp of their own
     "split192": {"bwd.SPLIT_HEAD_DIM_PAIRS": ((192, 128),)},  # 192/128 on the D=256 kernels
     # ... with 64-key K/V tiles in its dQ kernel (206 KiB there; D=256 has no room)
     "split192_dq64": {"bwd.SPLIT_HEAD_DIM_PAIRS": ((192, 128),), "bwd.DQ_BLOCK_N": 64},
@@ -47,7 +48,7 @@ MODULES = {"fwd": forward_sm90, "bwd": backward_sm90}
 DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
     ("fwd", ("FOLD", "BLOCK_M_D64", "PERSISTENT", "MAX_Q_STAGES")),
     ("bwd", ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "SKIP_EMPTY_KEY_BLOCKS",
-             "SPLIT_HEAD_DIM_PAIRS", "DQ_BLOCK_N", "STATS_IN_ACCUMULATORS")))
+             "SPLIT_HEAD_DIM_PAIRS", "DQ_BLOCK_N", "STATS_IN_ACCUMULATORS", "DQ_WRITER")))
     for name in names}  # fmt: skip
 
 

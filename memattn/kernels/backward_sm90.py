@@ -161,13 +161,16 @@ def _bwd_compute_partition(
     HAS_DBIAS: gl.constexpr, DBIAS_SUM: gl.constexpr, BIAS_ROW: gl.constexpr,
     DBIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
     BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, STATS_IN_ACC: gl.constexpr,
+    DQ_BUFS: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: keys [start_n + HALF * 64, + 64) against every query tile.
     ``shared``: the runtime arguments both take (_bwd_sm90_kernel builds the tuple).
-    STATS_IN_ACC: STATS_IN_ACCUMULATORS."""
+    STATS_IN_ACC: STATS_IN_ACCUMULATORS. DQ_BUFS: 0, this warpgroup sends its dQ tiles
+    itself; else it leaves them in that many buffers for the dQ writer warp."""
     (dq_desc, dbias_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
      stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bias_smem, ds_smem,
-     dq_smem, dsum_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, b, b_tma, hk,
+     dq_smem, dsum_smem, dq_full, dq_empty, kv_bar, q_ready, do_ready, q_empty, do_empty,
+     ds_bar, b, b_tma, hk,
      q_start, k_start, GROUP, start_n, lo, full_lo, full_hi, n_tiles, seqlen_q, seqlen_k, off,
      scale, window_left, window_right, seed, rng_offset, heads, dropout_p, Alibi, stride_ab,
      stride_ah, BiasRow, stride_rb, stride_rh, stride_rn, bias_batches, bias_heads, DBiasRow,
@@ -318,14 +321,22 @@ def _bwd_compute_partition(
         dv, dq, p_op = warpgroup_mma_wait(1, deps=(dv, dq, p_op))
         mbarrier.arrive(do_empty.index(slot))
 
-        # The last dQ reduce has read dq_smem (one thread issued it; this step's bias
-        # gradient copy, issued after it, may still run where it reads another buffer).
-        tma.store_wait(OTHER_BULK)
-        gl.thread_barrier()
-        dq_buf = dq_smem.index(HALF)
-        dq_buf.reshape([BLOCK_M, HALF_D]).store(dq * scale)
-        fence_async_shared()
-        hopper.tma_reduce_add(dq_desc, [b_tma, h, q_start + start_m, HALF * HALF_D], dq_buf)
+        if DQ_BUFS > 0:  # into a buffer the writer warp has read, for it to send
+            dq_slot = HALF * DQ_BUFS + i % DQ_BUFS
+            mbarrier.wait(dq_empty.index(dq_slot), ((i // DQ_BUFS) & 1) ^ 1, pred=i >= DQ_BUFS)
+            dq_smem.index(dq_slot).reshape([BLOCK_M, HALF_D]).store(dq * scale)
+            fence_async_shared()
+            mbarrier.arrive(dq_full.index(dq_slot))
+        else:
+            # The last dQ reduce has read dq_smem (one thread issued it; this step's bias
+            # gradient copy, issued after it, may still run where it reads another buffer).
+            tma.store_wait(OTHER_BULK)
+            gl.thread_barrier()
+            dq_buf = dq_smem.index(HALF)
+            dq_buf.reshape([BLOCK_M, HALF_D]).store(dq * scale)
+            fence_async_shared()
+            hopper.tma_reduce_add(dq_desc, [b_tma, h, q_start + start_m, HALF * HALF_D],
+                                  dq_buf)
         dk, ds_op = warpgroup_mma_wait(0, deps=(dk, ds_op))
         mbarrier.arrive(q_empty.index(slot))
     tma.store_wait(0)
@@ -340,6 +351,28 @@ def _bwd_compute_partition(
                     row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dv_layout)),
                     gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, dv_layout)),
                     HEAD_DIM_V)  # fmt: skip
+
+
+@gluon.jit
+def _bwd_dq_writer_partition(
+    dq_desc, dq_smem, dq_full, dq_empty, b_tma, hk, q_start, GROUP, lo, n_tiles,
+    BLOCK_M: gl.constexpr, DQ_BUFS: gl.constexpr,
+):  # fmt: skip
+    """One warp (DQ_WRITER): each step's two dQ halves, left in dq_smem by the compute
+    warpgroups, added into the fp32 buffer by TMA reduce-add; their buffers released
+    once read. The compute warpgroups then neither issue nor wait for these copies
+    (FA4's dQ warp)."""
+    HALF_D: gl.constexpr = dq_desc.block_type.shape[3]
+    for i in range(GROUP * n_tiles):
+        h, start_m = _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M)
+        for half in gl.static_range(2):
+            slot = half * DQ_BUFS + i % DQ_BUFS
+            mbarrier.wait(dq_full.index(slot), (i // DQ_BUFS) & 1)
+            hopper.tma_reduce_add(dq_desc, [b_tma, h, q_start + start_m, half * HALF_D],
+                                  dq_smem.index(slot))
+        tma.store_wait(0)
+        for half in gl.static_range(2):
+            mbarrier.arrive(dq_empty.index(half * DQ_BUFS + i % DQ_BUFS))
 
 
 @gluon.jit
@@ -436,7 +469,7 @@ def _bwd_sm90_kernel(
     HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
     BATCH_INNER: gl.constexpr, HEAD_INNER: gl.constexpr, SKIP_PAST_END: gl.constexpr,
-    STATS_IN_ACC: gl.constexpr,
+    STATS_IN_ACC: gl.constexpr, DQ_BUFS: gl.constexpr,
 ):  # fmt: skip
     (b, hk, start_n, q_start, k_start, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
      n_tiles) = _key_block(
@@ -461,8 +494,15 @@ def _bwd_sm90_kernel(
     ds_block: gl.constexpr = [1, 1, BLOCK_M, BLOCK_N // 2]
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(ds_block, dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [4] + ds_block, ds_layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape,
+    # dQ's halves: one buffer each, or DQ_BUFS each for the writer warp ([half, buffer])
+    DQ_SLOTS: gl.constexpr = 2 * DQ_BUFS if DQ_BUFS > 0 else 2
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_SLOTS] + dq_desc.block_type.shape,
                                         dq_desc.layout)
+    if DQ_BUFS > 0:
+        dq_full, dq_empty = hopper.ring(2 * DQ_BUFS, 1)
+    else:  # stand-ins, never touched
+        dq_full = ds_bar
+        dq_empty = ds_bar
     if HAS_BIAS:  # a (queries, keys) tile beside each Q tile
         bias_smem = gl.allocate_shared_memory(dtype, [STAGES] + bias_desc.block_type.shape,
                                               bias_desc.layout)
@@ -484,28 +524,49 @@ def _bwd_sm90_kernel(
     # the constexprs go into each partition's arguments inline.
     shared = (dq_desc, dbias_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb,
               stride_vn, stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-              bias_smem, ds_smem, dq_smem, dsum_smem, kv_bar, q_ready, do_ready, q_empty,
-              do_empty, ds_bar, b, b_tma, hk, q_start, k_start, GROUP, start_n, lo, full_lo,
+              bias_smem, ds_smem, dq_smem, dsum_smem, dq_full, dq_empty, kv_bar, q_ready,
+              do_ready, q_empty, do_empty, ds_bar, b, b_tma, hk, q_start, k_start, GROUP,
+              start_n, lo, full_lo,
               full_hi, n_tiles, seqlen_q, seqlen_k, off, scale, window_left, window_right,
               seed, rng_offset, heads, dropout_p, Alibi, stride_ab, stride_ah, BiasRow,
               stride_rb, stride_rh, stride_rn, bias_batches, bias_heads, DBiasRow, stride_pb,
               stride_ph)
-    gl.warp_specialize(
-        [(_bwd_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
-                                   STAGES, HAS_BIAS, HAS_DBIAS, DBIAS_SUM, BIAS_ROW,
-                                   DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
-                                   BOUNDED_RIGHT, STATS_IN_ACC)),
-         (_bwd_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
-                                   STAGES, HAS_BIAS, HAS_DBIAS, DBIAS_SUM, BIAS_ROW,
-                                   DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
-                                   BOUNDED_RIGHT, STATS_IN_ACC)),
-         (_bwd_load_partition, (
-            q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem,
-            v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready, q_empty,
-            do_empty, b_tma, hk, q_start, k_start, stats_start, GROUP, bias_b, bias_heads,
-            start_n, lo, n_tiles, q_desc, k_desc, q_smem, k_smem, BLOCK_M, STAGES, HAS_BIAS,
-            0))],
-        worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
+    if DQ_BUFS > 0:  # a fourth partition, the dQ writer warp
+        gl.warp_specialize(
+            [(_bwd_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
+                                       STAGES, HAS_BIAS, HAS_DBIAS, DBIAS_SUM, BIAS_ROW,
+                                       DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
+                                       BOUNDED_RIGHT, STATS_IN_ACC, DQ_BUFS)),
+             (_bwd_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
+                                       STAGES, HAS_BIAS, HAS_DBIAS, DBIAS_SUM, BIAS_ROW,
+                                       DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
+                                       BOUNDED_RIGHT, STATS_IN_ACC, DQ_BUFS)),
+             (_bwd_load_partition, (
+                q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem,
+                k_smem, v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready,
+                q_empty, do_empty, b_tma, hk, q_start, k_start, stats_start, GROUP, bias_b,
+                bias_heads, start_n, lo, n_tiles, q_desc, k_desc, q_smem, k_smem, BLOCK_M,
+                STAGES, HAS_BIAS, 0)),
+             (_bwd_dq_writer_partition, (dq_desc, dq_smem, dq_full, dq_empty, b_tma, hk,
+                                         q_start, GROUP, lo, n_tiles, BLOCK_M, DQ_BUFS))],
+            worker_num_warps=[4, 1, 1], worker_num_regs=[240, 24, 24])  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [(_bwd_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
+                                       STAGES, HAS_BIAS, HAS_DBIAS, DBIAS_SUM, BIAS_ROW,
+                                       DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
+                                       BOUNDED_RIGHT, STATS_IN_ACC, DQ_BUFS)),
+             (_bwd_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
+                                       STAGES, HAS_BIAS, HAS_DBIAS, DBIAS_SUM, BIAS_ROW,
+                                       DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
+                                       BOUNDED_RIGHT, STATS_IN_ACC, DQ_BUFS)),
+             (_bwd_load_partition, (
+                q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem,
+                k_smem, v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready,
+                q_empty, do_empty, b_tma, hk, q_start, k_start, stats_start, GROUP, bias_b,
+                bias_heads, start_n, lo, n_tiles, q_desc, k_desc, q_smem, k_smem, BLOCK_M,
+                STAGES, HAS_BIAS, 0))],
+            worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
 
 
 # Head dim 256: a warpgroup's dK and dV over 64 keys would take 256 registers a thread.
@@ -939,6 +1000,14 @@ def takes_head_dims(spec: AttentionSpec) -> bool:
 # there all B*H programs of a key block add into one tile at once, so a bias summed
 # over both keeps the shipped order (key blocks of one head side by side).
 SUMMED_BIAS_INNER = True
+# dQ through a warp of its own (FA4's dQ warp): the compute warpgroups leave each step's
+# dQ halves in shared memory (two buffers each where they fit) and go on; a fifth warp
+# issues the TMA reduce-adds and releases the buffers once read. Today each warpgroup
+# waits for its previous reduce to have read its buffer, with a warpgroup barrier,
+# and issues the next itself. Off until the GPU suite has run with it and tools/ab.py
+# has timed it (variant "dq_writer"); predicted +1-3 % at D=128, and the place where a
+# deterministic order of the adds (a semaphore per dQ tile) would go.
+DQ_WRITER = False
 # The row statistics in the accumulators: S's wgmma starts from -lse / (scale log2 e)
 # and dP's from -delta (not with dropout, which scales dP alone), so that P = exp2(S
 # scale log2 e) and dS = P dP need lse and delta in no registers beside S and dP. At
@@ -951,6 +1020,16 @@ STATS_IN_ACCUMULATORS = False
 # in 16k tokens, H16: 4480 of 6656 programs). H100, the bench's docs row, backward
 # 358 -> 381 TFLOP/s.
 SKIP_EMPTY_KEY_BLOCKS = True
+
+
+def dq_buffers(spec: AttentionSpec, bias_tiles: bool, dbias_kind: str | None) -> int:
+    """The kernel's DQ_BUFS: 0 (each compute warpgroup sends its dQ tiles), or with
+    DQ_WRITER the dQ writer warp's buffers a warpgroup: two where shared memory holds
+    them (no bias tiles, no dropout), else one. Not beside a bias gradient that leaves
+    by TMA from the compute warpgroups (full, or summed through dQ's buffers)."""
+    if not DQ_WRITER or dbias_kind in ("full", "summed"):
+        return 0
+    return 1 if bias_tiles or spec.dropout_p > 0 else 2
 
 
 def inner_dims(spec: AttentionSpec, bias, dbias_kind: str | None) -> tuple[bool, bool]:
@@ -1104,7 +1183,8 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
         BOUNDED_RIGHT=spec.window_right >= 0, BATCH_INNER=inner[0], HEAD_INNER=inner[1],
         SKIP_PAST_END=spec.varlen and SKIP_EMPTY_KEY_BLOCKS,
-        STATS_IN_ACC=STATS_IN_ACCUMULATORS, num_warps=4,
+        STATS_IN_ACC=STATS_IN_ACCUMULATORS, DQ_BUFS=dq_buffers(spec, bias_tiles, dbias_kind),
+        num_warps=4,
     )  # fmt: skip
     return hopper.Plan(num_n * spec.batch * spec.kv_heads, (num_n,), constexprs)
 
