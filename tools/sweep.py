@@ -5,6 +5,10 @@ The checks run in worker processes, which also compile every kernel variant the 
 needs into Triton's on-disk cache; the timing then runs alone in this process.
 
     python tools/sweep.py [--dims 64,128,256] [--only fwd|bwd] [--rows plain,causal,bias,dropout]
+                          [--dtype bfloat16|float32]
+
+On Hopper, bf16/fp16 calls the Gluon kernels take never reach these tiles; float32
+always does (checked with allow_tf32 off and on, timed off: torch's default).
 """
 
 import argparse
@@ -41,6 +45,21 @@ BWD = {
           B(32, 64, 8, 3, 64, 32, 8, 3), B(64, 64, 8, 2, 64, 32, 8, 3),
           B(64, 64, 8, 2, 128, 32, 8, 2)],
 }
+# float32: twice the bytes a tile, and with allow_tf32 off (torch's default) the dots
+# are FMA loops. The sm_90 compile of the table's configs (first of each list) reports
+# 32 registers and 39-118 KB of spill stores a kernel; these candidates 0-6 KB (fwd
+# D=128: 32x64/8 warps none; D=256: 32x32/4 3.8 KB. bwd D=128: 32x64/8 dK/dV none, dQ
+# 0.9 KB; D=256: 32x32/8 none, 8 bytes).
+FWD_FP32 = {
+    128: [F(128, 64, 8, 2), F(32, 64, 8, 1), F(64, 32, 8, 1), F(32, 32, 4, 1)],
+    256: [F(64, 32, 4, 2), F(32, 32, 4, 1), F(32, 32, 8, 1)],
+}
+BWD_FP32 = {
+    128: [B(64, 64, 4, 1, 64, 64, 4, 1), B(32, 64, 8, 1, 64, 32, 8, 1),
+          B(32, 32, 4, 1, 32, 32, 4, 1)],
+    256: [B(32, 32, 4, 1, 32, 32, 4, 1), B(32, 32, 8, 1, 32, 32, 8, 1),
+          B(16, 32, 4, 1, 32, 16, 4, 1), B(16, 16, 4, 1, 16, 16, 4, 1)],
+}
 ROWS = {  # name: (causal, bias that needs a gradient, dropout_p)
     "plain": (False, False, 0.0), "causal": (True, False, 0.0), "bias": (False, True, 0.0),
     "dropout": (False, False, 0.1),
@@ -55,14 +74,14 @@ def _install(cfg):
     tuning.forward_override = cfg if isinstance(cfg, F) else None
 
 
-def _inputs(d, causal, bias, dropout_p, tokens=16384, seqlen=4096):
+def _inputs(d, causal, bias, dropout_p, tokens=16384, seqlen=4096, dtype=torch.bfloat16):
     b, h = tokens // seqlen, 2048 // d
-    q, k, v = (torch.randn(b, seqlen, h, d, device="cuda", dtype=torch.bfloat16,
-                           requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(b, seqlen, h, d, device="cuda", dtype=dtype, requires_grad=True)
+               for _ in range(3))
     kwargs = dict(causal=causal, dropout_p=dropout_p)
     if bias:
-        kwargs["bias"] = torch.randn(b, h, seqlen, seqlen, device="cuda",
-                                     dtype=torch.bfloat16, requires_grad=True)
+        kwargs["bias"] = torch.randn(b, h, seqlen, seqlen, device="cuda", dtype=dtype,
+                                     requires_grad=True)
     flops = 4 * b * h * seqlen * seqlen * d / (2 if causal else 1)
     return q, k, v, kwargs, flops
 
@@ -73,7 +92,8 @@ def check_and_compile(job):
     import memattn
     from memattn.check import Case, check_backward, check_forward
 
-    d, cfg, rows = job
+    d, cfg, rows, dtype = job
+    dtype = getattr(torch, dtype)
     _install(cfg)
     bwd = isinstance(cfg, B)
     try:
@@ -85,13 +105,16 @@ def check_and_compile(job):
         if "dropout" in rows:
             checks.append(Case(f"D{d} dropout", batch=2, heads=4, seqlen_q=555, seqlen_k=800,
                                dqk=d, dv=d, options=dict(dropout_p=0.1)))
-        for case in checks:
-            run = check_backward if bwd else check_forward
-            bad = [r for r in run(case, torch.bfloat16, "cuda") if not r.passed]
-            if bad:
-                return f"WRONG {bad[0]}"[:300]
+        run = check_backward if bwd else check_forward
+        for allow_tf32 in (False, True) if dtype == torch.float32 else (False,):
+            torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+            for case in checks:
+                bad = [r for r in run(case, dtype, "cuda") if not r.passed]
+                if bad:
+                    return f"WRONG (allow_tf32={allow_tf32}) {bad[0]}"[:300]
+        torch.backends.cuda.matmul.allow_tf32 = False
         for row in rows:
-            q, k, v, kwargs, _ = _inputs(d, *ROWS[row], tokens=2048, seqlen=1024)
+            q, k, v, kwargs, _ = _inputs(d, *ROWS[row], tokens=2048, seqlen=1024, dtype=dtype)
             out = memattn.attention(q, k, v, **kwargs)
             if bwd:
                 out.backward(torch.randn_like(out))
@@ -101,13 +124,13 @@ def check_and_compile(job):
         return f"error {type(e).__name__}: {str(e)[:200]}"
 
 
-def time_config(d, cfg, row):
+def time_config(d, cfg, row, dtype):
     from triton.testing import do_bench
 
     import memattn
 
     _install(cfg)
-    q, k, v, kwargs, flops = _inputs(d, *ROWS[row])
+    q, k, v, kwargs, flops = _inputs(d, *ROWS[row], dtype=getattr(torch, dtype))
     if isinstance(cfg, F):
         with torch.no_grad():
             ms = do_bench(lambda: memattn.attention(q, k, v, **kwargs), return_mode="median")
@@ -126,23 +149,25 @@ def main():
     parser.add_argument("--only", choices=["fwd", "bwd"], default=None)
     parser.add_argument("--rows", default="plain,causal,bias")
     parser.add_argument("--workers", type=int, default=12)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = parser.parse_args()
     rows = args.rows.split(",")
+    fwd, bwd = (FWD_FP32, BWD_FP32) if args.dtype == "float32" else (FWD, BWD)
     jobs = []
     for d in map(int, args.dims.split(",")):
         if args.only != "bwd":
-            jobs += [(d, cfg, rows) for cfg in FWD[d]]
+            jobs += [(d, cfg, rows, args.dtype) for cfg in fwd[d]]
         if args.only != "fwd":
-            jobs += [(d, cfg, rows) for cfg in BWD[d]]
+            jobs += [(d, cfg, rows, args.dtype) for cfg in bwd[d]]
     ctx = torch.multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(args.workers, mp_context=ctx) as pool:
         verdicts = list(pool.map(check_and_compile, jobs))
-    for (d, cfg, _), verdict in zip(jobs, verdicts):
+    for (d, cfg, _, dtype), verdict in zip(jobs, verdicts):
         cells = []
         if verdict == "ok":
             for row in rows:
                 try:
-                    cells.append(f"{row} {time_config(d, cfg, row):.0f}")
+                    cells.append(f"{row} {time_config(d, cfg, row, dtype):.0f}")
                 except Exception as e:  # noqa: BLE001
                     cells.append(f"{row} error {type(e).__name__}")
         kind = "bwd" if isinstance(cfg, B) else "fwd"
