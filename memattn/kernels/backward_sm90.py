@@ -170,11 +170,10 @@ def _bwd_compute_partition(
     (dq_desc, dbias_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
      stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bias_smem, ds_smem,
      dq_smem, dsum_smem, dq_full, dq_empty, kv_bar, q_ready, do_ready, q_empty, do_empty,
-     ds_bar, b, b_tma, hk,
-     q_start, k_start, GROUP, start_n, lo, full_lo, full_hi, n_tiles, seqlen_q, seqlen_k, off,
-     scale, window_left, window_right, seed, rng_offset, heads, dropout_p, Alibi, stride_ab,
-     stride_ah, BiasRow, stride_rb, stride_rh, stride_rn, bias_batches, bias_heads, DBiasRow,
-     stride_pb, stride_ph) = shared
+     ds_bar, b, b_tma, hk, q_start, k_start, GROUP, start_n, lo, full_lo, full_hi, n_tiles,
+     seqlen_q, seqlen_k, off, scale, window_left, window_right, seed, rng_offset, heads,
+     dropout_p, Alibi, stride_ab, stride_ah, BiasRow, stride_rb, stride_rh, stride_rn,
+     bias_batches, bias_heads, DBiasRow, stride_pb, stride_ph) = shared
     dtype: gl.constexpr = k_smem.dtype
     HALF_N: gl.constexpr = BLOCK_N // 2
     HALF_D: gl.constexpr = HEAD_DIM_QK // 2  # dQ's columns a warpgroup makes
@@ -526,11 +525,10 @@ def _bwd_sm90_kernel(
               stride_vn, stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
               bias_smem, ds_smem, dq_smem, dsum_smem, dq_full, dq_empty, kv_bar, q_ready,
               do_ready, q_empty, do_empty, ds_bar, b, b_tma, hk, q_start, k_start, GROUP,
-              start_n, lo, full_lo,
-              full_hi, n_tiles, seqlen_q, seqlen_k, off, scale, window_left, window_right,
-              seed, rng_offset, heads, dropout_p, Alibi, stride_ab, stride_ah, BiasRow,
-              stride_rb, stride_rh, stride_rn, bias_batches, bias_heads, DBiasRow, stride_pb,
-              stride_ph)
+              start_n, lo, full_lo, full_hi, n_tiles, seqlen_q, seqlen_k, off, scale,
+              window_left, window_right, seed, rng_offset, heads, dropout_p, Alibi, stride_ab,
+              stride_ah, BiasRow, stride_rb, stride_rh, stride_rn, bias_batches, bias_heads,
+              DBiasRow, stride_pb, stride_ph)
     if DQ_BUFS > 0:  # a fourth partition, the dQ writer warp
         gl.warp_specialize(
             [(_bwd_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,

@@ -597,7 +597,8 @@ def plan(spec: AttentionSpec, bias_row: bool, device_index: int) -> hopper.Plan:
     num_items = num_m_blocks * spec.batch * spec.heads
     constexprs = dict(
         HEAD_DIM_QK=spec.head_dim_qk, HEAD_DIM_V=spec.head_dim_v,
-        QK_SPLIT=hopper.qk_split(spec.head_dim_qk), BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES,
+        QK_SPLIT=hopper.qk_split(spec.head_dim_qk), BLOCK_M=block_m, BLOCK_N=block_n,
+        STAGES=STAGES,
         Q_STAGES=q_stages(spec.head_dim_qk, spec.head_dim_v, block_m // ROWS.value, tile_bias,
                           bias_row, spec.dropout_p > 0),
         FOLD=fold, O_IN_Q=O_IN_Q[spec.head_dim_qk], HAS_BIAS=tile_bias,
