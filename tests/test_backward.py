@@ -345,8 +345,8 @@ def test_hopper_backward_gpu(case, dtype, hopper_backward_launches):
 
 
 # Dqk=192 / Dv=128 on the D=256 kernels, Q and K split into 128 + 64 columns
-# (backward_sm90.SPLIT_HEAD_DIM_PAIRS, empty in the dispatch until this passes on the
-# device): dense calls without bias, ALiBi or dropout, as at D=256.
+# (backward_sm90.SPLIT_HEAD_DIM_PAIRS): dense calls without bias, ALiBi or dropout, as
+# at D=256.
 SPLIT_CASES = [
     Case("Dqk192 Dv128", batch=2, heads=2, kv_heads=2, seqlen_q=333, seqlen_k=1000, dqk=192,
          dv=128),
@@ -360,12 +360,9 @@ SPLIT_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c.name)
-def test_split_head_dims_backward_gpu(case, dtype, hopper_backward_launches, monkeypatch):
+def test_split_head_dims_backward_gpu(case, dtype, hopper_backward_launches):
     """The gradients against the reference; and, since dQ comes from a kernel of its own
     adding in a fixed order, deterministic calls run there too, two runs bit for bit."""
-    from memattn.kernels import backward_sm90
-
-    monkeypatch.setattr(backward_sm90, "SPLIT_HEAD_DIM_PAIRS", ((192, 128),))
     assert_results(check_backward(case, dtype, "cuda", seed=11))
     assert hopper_backward_launches, "the call fell back to backward.py"
     hopper_backward_launches.clear()

@@ -140,10 +140,10 @@ def test_only_packed_programs_past_their_end_may_return_first(varlen, monkeypatc
         (128, 128, None, {}, True, True),
         (64, 64, None, {}, True, True),
         (256, 256, None, {}, True, True),
-        (192, 128, None, dict(causal=True), True, False),  # MLA: O leaves through Q's buffer
-        (192, 128, (2, 1, 1, 16), {}, True, False),  # a key row: 1 KiB more
-        (192, 128, (2, 2, 16, 16), {}, False, False),  # bias tiles: no room
-        (192, 128, None, dict(dropout_p=0.1), False, False),  # nor dropout's scratch
+        (192, 128, None, dict(causal=True), True, True),  # MLA: O leaves through Q's buffer
+        (192, 128, (2, 1, 1, 16), {}, True, True),  # a key row: 1 KiB more
+        (192, 128, (2, 2, 16, 16), {}, False, True),  # bias tiles: no room
+        (192, 128, None, dict(dropout_p=0.1), False, True),  # nor dropout's scratch
         (128, 64, (2, 2, 16, 16), {}, True, True),
         (128, 64, None, dict(causal=True, dropout_p=0.1), True, True),
         (256, 128, None, {}, True, False),
@@ -155,7 +155,8 @@ def test_only_packed_programs_past_their_end_may_return_first(varlen, monkeypatc
 def test_gluon_head_dims(dqk, dv, bias_shape, options, forward, backward):
     """The Gluon forward's head dims: q·k's 64, 128, 192 or 256, V's 64, 128 or 256 up
     to q·k's, where shared memory holds the buffers; the backward's: equal ones of 64,
-    128 or 256, and 128/64."""
+    128 or 256, 128/64 and 192/128 (whose bias, ALiBi and dropout gluon_backward_computes
+    turns away, as at 256)."""
     q = torch.randn(2, 16, 2, dqk, dtype=torch.float16)
     v = torch.randn(2, 16, 2, dv, dtype=torch.float16)
     bias = None if bias_shape is None else torch.randn(bias_shape, dtype=torch.float16)
@@ -166,17 +167,15 @@ def test_gluon_head_dims(dqk, dv, bias_shape, options, forward, backward):
     assert dispatch.hopper.qk_split(dqk) == (64 if dqk == 192 else 32 if dqk == 96 else 0)
 
 
-def test_split_head_dims_take_the_wide_backward_when_listed(monkeypatch):
-    """Dqk=192 / Dv=128 runs the D=256 backward kernels with Q and K split once listed in
-    SPLIT_HEAD_DIM_PAIRS (off until its GPU test passes), with their limits: no bias,
-    ALiBi, dropout or packed sequences; dQ written in the output dtype, so deterministic
-    calls take it too."""
+def test_split_head_dims_take_the_wide_backward():
+    """Dqk=192 / Dv=128 runs the D=256 backward kernels with Q and K split
+    (SPLIT_HEAD_DIM_PAIRS), with their limits: no bias, ALiBi, dropout or packed
+    sequences; dQ written in the output dtype, so deterministic calls take it too."""
     backward_sm90 = dispatch.backward_sm90
     q = torch.randn(2, 16, 2, 192, dtype=torch.float16)
     v = torch.randn(2, 16, 2, 128, dtype=torch.float16)
     spec = check_call(q, q, v, causal=True)
-    assert not backward_sm90.takes_head_dims(spec)
-    monkeypatch.setattr(backward_sm90, "SPLIT_HEAD_DIM_PAIRS", ((192, 128),))
+    assert (192, 128) in backward_sm90.SPLIT_HEAD_DIM_PAIRS
     assert backward_sm90.takes_head_dims(spec)
     assert not backward_sm90.dq_in_fp32(spec)
     assert dispatch.gluon_backward_computes(spec, None, None, False)

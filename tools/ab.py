@@ -40,9 +40,8 @@ VARIANTS = {
     "no_skip_empty": {"bwd.SKIP_EMPTY_KEY_BLOCKS": False},  # packed: blocks past the end run
     "stats_in_acc": {"bwd.STATS_IN_ACCUMULATORS": True},  # lse, delta start S's, dP's wgmma
     "dq_writer": {"bwd.DQ_WRITER": True},  # dQ's reduce-adds from a warp of their own
-    "split192": {"bwd.SPLIT_HEAD_DIM_PAIRS": ((192, 128),)},  # 192/128 on the D=256 kernels
-    # ... with 64-key K/V tiles in its dQ kernel (206 KiB there; D=256 has no room)
-    "split192_dq64": {"bwd.SPLIT_HEAD_DIM_PAIRS": ((192, 128),), "bwd.DQ_BLOCK_N": 64},
+    "no_split": {"bwd.SPLIT_HEAD_DIM_PAIRS": ()},  # 192/128 on the tile kernels
+    "dq32_at192": {"bwd.DQ_BLOCK_N": {256: 32, 192: 32}},  # 32-key tiles in 192's dQ kernel
 }
 MODULES = {"fwd": forward_sm90, "bwd": backward_sm90}
 DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (

@@ -156,11 +156,8 @@ def compile_hopper_forward() -> int:
 
 
 def compile_hopper_backward() -> int:
-    """The Gluon backward (kernels/backward_sm90.py): every head dim and mask variant,
-    those built but not yet listed for the dispatch (SPLIT_HEAD_DIM_PAIRS) too."""
+    """The Gluon backward (kernels/backward_sm90.py): every head dim and mask variant."""
     from memattn.kernels import backward_sm90, dispatch
-
-    backward_sm90.SPLIT_HEAD_DIM_PAIRS = ((192, 128),)
 
     def launch(spec, q, k, v, bias, alibi, cu_seqlens=(None, None)):
         if not backward_sm90.takes_head_dims(spec) or not dispatch.gluon_backward_computes(

@@ -31,7 +31,7 @@ box along the tokens must start 16-byte aligned, and a sequence may start anywhe
 At D 64 and 128 backward.py zeroes the fp32 dQ buffer (in its preprocess) and converts
 it to the output dtype.
 
-At wide head dims (D=256; Dqk=192 / Dv=128 once listed in SPLIT_HEAD_DIM_PAIRS) two
+At wide head dims (D=256; Dqk=192 / Dv=128, SPLIT_HEAD_DIM_PAIRS) two
 other kernels run: _bwd_wide_kernel splits dK and dV's work the other way round (64
 keys a program, each warpgroup part of the head dims, see BLOCK_N_WIDE), and
 _bwd_dq_wide_kernel computes dQ apart, a program per block of queries (see DQ_BLOCK_N),
@@ -751,8 +751,10 @@ def _bwd_wide_kernel(
 # order: deterministic. Shared memory: Q and dO 64 KiB each, K and V rings of three
 # 32-key tiles, 16 KiB each: 224 KiB. 64-key tiles fit only with one V slot, and ran
 # slower (S=512: 301 against 210 us a call, H100); issuing a tile's S
-# and dP ahead of the previous tile's dQ changed nothing.
-DQ_BLOCK_N = 32
+# and dP ahead of the previous tile's dQ changed nothing. At Dqk=192 / Dv=128, K and V
+# tiles of 64 keys fit (206 KiB) and paid: 328 -> 343 TFLOP/s causal S=4096, 366 -> 388
+# S=16384 (tools/ab.py, H100). Keyed by Dqk.
+DQ_BLOCK_N = {256: 32, 192: 64}
 DQ_STAGES = gl.constexpr(3)
 # Under a mask a program takes a pair of query blocks of equal work from this many
 # blocks on, as the forward's D=256 grid does (forward_sm90.MIN_BLOCKS_TO_FOLD).
@@ -975,12 +977,11 @@ MIN_KEYS_PER_QUERY = {64: 512, 128: 512, 192: 0, 256: 0}
 HEAD_DIMS = (64, 128, 192, 256)  # q·k
 # (q·k, v) head dims these kernels take: the D 64/128 kernel sizes dK and dV apart. At
 # Dqk=192 dK would take 96 registers a thread beside dV's 64, so 192/128 goes to the
-# wide kernels with Q and K split (BLOCK_N_WIDE): SPLIT_HEAD_DIM_PAIRS, built and
-# compiled for sm_90 (tools/compile_sm90.py, MEMATTN_HOPPER_DIMS=192/128), empty until
-# the GPU suite's test_split_head_dims_backward_gpu has passed on the device and
-# tools/ab.py has timed it (variant "split192"; the tile kernels: 154 TFLOP/s causal).
+# wide kernels with Q and K split (BLOCK_N_WIDE): SPLIT_HEAD_DIM_PAIRS. tools/ab.py on
+# an H100 (bf16, 16k tokens), against the tile kernels: causal S=4096 151 -> 343 TFLOP/s,
+# S=16384 199 -> 388.
 HEAD_DIM_PAIRS = ((64, 64), (128, 128), (128, 64), (256, 256))
-SPLIT_HEAD_DIM_PAIRS: tuple[tuple[int, int], ...] = ()
+SPLIT_HEAD_DIM_PAIRS: tuple[tuple[int, int], ...] = ((192, 128),)
 
 
 def takes_head_dims(spec: AttentionSpec) -> bool:
@@ -1002,16 +1003,20 @@ SUMMED_BIAS_INNER = True
 # dQ halves in shared memory (two buffers each where they fit) and go on; a fifth warp
 # issues the TMA reduce-adds and releases the buffers once read. Today each warpgroup
 # waits for its previous reduce to have read its buffer, with a warpgroup barrier,
-# and issues the next itself. Off until the GPU suite has run with it and tools/ab.py
-# has timed it (variant "dq_writer"); predicted +1-3 % at D=128, and the place where a
-# deterministic order of the adds (a semaphore per dQ tile) would go.
+# and issues the next itself. Correct (its GPU test), but no faster: tools/ab.py
+# (variant "dq_writer", H100, bf16 16k tokens) 441 -> 450 D=64 S4096, 480 -> 478 causal
+# S16384, 535 -> 537 D=128 S4096, 560 -> 550 causal S16384 (predicted +1-3 %). Kept
+# off as the place where a deterministic order of the adds (a semaphore per dQ tile)
+# would go.
 DQ_WRITER = False
 # The row statistics in the accumulators: S's wgmma starts from -lse / (scale log2 e)
 # and dP's from -delta (not with dropout, which scales dP alone), so that P = exp2(S
 # scale log2 e) and dS = P dP need lse and delta in no registers beside S and dP. At
 # D=64 with 128 query rows they hold 32 each a thread beside S's and dP's 64, the
-# cause of that variant's 76-124 bytes of spills (sm_90 compile). Off until the GPU
-# suite has run with it and tools/ab.py has timed it (variant "stats_in_acc").
+# cause of that variant's 76-124 bytes of spills (sm_90 compile). Correct (its GPU
+# test) but slower everywhere: tools/ab.py (variant "stats_in_acc", H100) 441 -> 426
+# D=64 S4096, 480 -> 469 causal S16384, 535 -> 509 D=128, 560 -> 536 causal: the
+# wgmma that starts from a loaded accumulator waits for it, and the spills were cheap.
 STATS_IN_ACCUMULATORS = False
 # Packed sequences: a program per key block of the longest sequence, so a shorter one's
 # blocks past its end have no query; they return before loading K and V (13 documents
@@ -1225,11 +1230,12 @@ def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, stats, dq, dk, dv) ->
             variant=dkdv, prepare=dkdv_call, **dkdv.constexprs,
         )  # fmt: skip
     if not dq_launched:
-        k_desc, k2_desc = parts(k, DQ_BLOCK_N)
+        dq_block_n = dq_plan.constexprs["BLOCK_N"]
+        k_desc, k2_desc = parts(k, dq_block_n)
         dq_desc, dq2_desc = parts(dq, ROWS.value)
         _launch_dq_wide(
             (dq_plan.programs,),
-            q_desc, k_desc, hopper.descriptor(v, DQ_BLOCK_N), do_desc, dq_desc, stats_desc,
+            q_desc, k_desc, hopper.descriptor(v, dq_block_n), do_desc, dq_desc, stats_desc,
             q2_desc, k2_desc, dq2_desc, spec.heads, spec.group,
             spec.seqlen_q, spec.seqlen_k, *dq_plan.counts, spec.scale, spec.window_left,
             spec.window_right, variant=dq_plan, prepare=dq_call, **dq_plan.constexprs,
@@ -1254,8 +1260,8 @@ def _plans_wide(spec: AttentionSpec, device_index: int) -> tuple[hopper.Plan, ho
     masked = spec.window_left >= 0 or spec.window_right >= 0
     fold = masked and num_m >= DQ_MIN_BLOCKS_TO_FOLD
     dq = hopper.Plan(hopper.programs(num_items, fold, False, device_index), (num_m, num_items),
-                     dict(BLOCK_M=block_m, BLOCK_N=DQ_BLOCK_N, FOLD=fold, **bounds,
-                          num_warps=4))  # fmt: skip
+                     dict(BLOCK_M=block_m, BLOCK_N=DQ_BLOCK_N[spec.head_dim_qk], FOLD=fold,
+                          **bounds, num_warps=4))  # fmt: skip
     return dkdv, dq
 
 

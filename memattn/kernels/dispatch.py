@@ -3,7 +3,7 @@ backward alike.
 
 - The Gluon kernels (forward_sm90.py, backward_sm90.py): Hopper GPUs (sm_90) with
   Triton 3.6's Gluon, bf16/fp16, head dims the kernel is built for (the backward: 64,
-  128 or 256 for q·k and v, and 128/64: backward_sm90.takes_head_dims; the forward
+  128 or 256 for q·k and v, 128/64 and 192/128: backward_sm90.takes_head_dims; the forward
   also other V's narrower than q·k's, such as 192/128, where shared memory holds the
   buffers: forward_sm90.takes_head_dims), no softcap, tensors TMA can read, and enough
   keys per query to beat the tile kernels (their MIN_KEYS_PER_QUERY). Options: causal
