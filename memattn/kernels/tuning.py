@@ -53,15 +53,15 @@ def forward_config(spec: AttentionSpec) -> Config:
             return Config(128, 64, 8, 2)
         return Config(128, 64, 4, 3) if spec.has_bias else Config(128, 64, 8, 3)
     if d <= 128:
-        if wide:
-            return Config(128, 64, 8, 2)
+        if wide:  # 128x64, 8 warps, 2 stages needs 256 KiB at fp32
+            return Config(32, 64, 8, 1)
         if spec.has_bias:
             return Config(128, 64, 8, 4)
         if spec.dropout_p > 0:  # the keep tile's reshape takes shared memory too
             return Config(128, 64, 8, 3)
         return Config(128, 128, 8, 3)
     if wide:
-        return Config(64, 32, 4, 2)
+        return Config(32, 32, 8, 1)
     return Config(128, 32, 8, 3)
 
 
@@ -98,10 +98,15 @@ def backward_config(spec: AttentionSpec) -> BackwardConfig:
     # against 310-386 TFLOP/s at D=128), so the table leaves it off.
     d = max(padded_head_dim(spec.head_dim_qk), padded_head_dim(spec.head_dim_v))
     causal = spec.window_right >= 0
+    # float32 (FMA dots with allow_tf32 off, torch's default; tools/sweep.py --dtype
+    # float32, plain / causal TFLOP/s): tiles sized for 2-byte types spilled 39-118 KB a
+    # kernel. D=128 forward 32x64 8 warps 11 / 11 (128x64's 2 stages did not fit: 256
+    # KiB), backward 7 / 6 against 1 / 1 at 64x64 4 warps; D=256 forward 32x32 8 warps
+    # 7 / 6 (64x32 did not fit), backward 4 / 4 against 1 / 1 at 4 warps.
     if spec.dtype == torch.float32:
         if d <= 128:
-            return BackwardConfig(64, 64, 4, 1, 64, 64, 4, 1)
-        return BackwardConfig(32, 32, 4, 1, 32, 32, 4, 1)
+            return BackwardConfig(32, 64, 8, 1, 64, 32, 8, 1)
+        return BackwardConfig(32, 32, 8, 1, 32, 32, 8, 1)
     if d <= 64:
         if causal or spec.has_bias:
             return BackwardConfig(64, 64, 4, 1, 64, 64, 4, 2)
