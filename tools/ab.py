@@ -7,7 +7,8 @@ included), TFLOP/s of the GPU alone (CUDA graph replay) and host µs per call in
 (B = 16384 / S, H = 2048 / Dqk): "DxS", "c" for causal, "Dqk/DvxS" for a narrower V,
 "+BHQK"-style letters for a bias of that shape (1 where it broadcasts; no gradient
 asked of it, but with ".grad": "+1HQK.grad"; the error column then covers dQ, dK and dV
-only); the shape "docs" is the bench's packed documents (causal, H=16, D=128).
+only); the shapes "docs" and "docs-full" are the bench's packed documents (causal and
+not, H=16, D=128).
 
     python tools/ab.py [--pass fwd|bwd] [--shapes 128x4096c,192/128x4096c,128x4096+1H1K,docs]
                        [--variants tile,default]
@@ -62,16 +63,18 @@ def use(knobs) -> None:
 
 def inputs(shape: str, device: str = "cuda"):
     """(q, k, v, grad_out, options, flops of the forward) for "Dqk[/Dv]xS[c][+BIAS]" or
-    "docs" (see the module's docstring)."""
+    "docs" / "docs-full" (see the module's docstring)."""
     new = lambda *s: torch.randn(*s, device=device, dtype=torch.bfloat16)  # noqa: E731
-    if shape == "docs":
+    if shape in ("docs", "docs-full"):
+        causal = shape == "docs"
         lengths = bench.DOC_LENGTHS
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
                           device=device)  # fmt: skip
         q, k, v, do = (new(sum(lengths), 16, 128) for _ in range(4))
-        kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
+        kw = dict(causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
                   max_seqlen_k=max(lengths))  # fmt: skip
-        return q, k, v, do, kw, sum(4 * 16 * 128 * n * (n + 1) / 2 for n in lengths)
+        pairs = (n * (n + 1) / 2 if causal else n * n for n in lengths)
+        return q, k, v, do, kw, sum(4 * 16 * 128 * p for p in pairs)
     shape, _, bias = shape.partition("+")
     causal = shape.endswith("c")
     dims, s = shape.rstrip("c").split("x")
