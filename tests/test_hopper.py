@@ -449,6 +449,27 @@ def test_work_items_cover_every_block_once(heads, blocks, sms, fold, monkeypatch
     assert sorted(walked) == [(h, r) for h in range(heads) for r in range(blocks)]
 
 
+@pytest.mark.parametrize("fold", [False, True], ids=["strided", "snake"])
+@pytest.mark.parametrize("pairs, blocks", [(1, 1), (3, 2), (5, 7), (13 * 16, 32)])
+@pytest.mark.parametrize("programs", [1, 5, 132])
+def test_packed_items_cover_every_block_once(pairs, blocks, programs, fold):
+    """Packed sequences' schedule (hopper.packed_item, work_items), run in Python: the
+    programs walk every ((sequence, head), rank) exactly once; as a snake, a program's
+    items of two consecutive passes sit at mirrored positions (the heaviest of one
+    pass with the lightest of the next)."""
+    total = pairs * blocks
+    programs = min(programs, total)
+    walked = []
+    for pid in range(programs):
+        count = hopper.work_items.fn(pid, programs, total, fold, True)
+        items = [hopper.packed_item.fn(pid, j, programs, pairs, fold) for j in range(count)]
+        flat = [rank * pairs + pair for pair, rank in items]
+        if fold and count >= 2:
+            assert flat[0] + flat[1] == 2 * programs - 1, (pid, flat)
+        walked += items
+    assert sorted(walked) == sorted((p, r) for p in range(pairs) for r in range(blocks))
+
+
 def test_launcher_refuses_grids_of_more_dimensions(launcher):
     """Later launches pass the C launcher grid[0] alone: a 2-D grid would lose rows."""
     with pytest.raises(ValueError, match="1-D grid"):

@@ -100,6 +100,18 @@ BIAS_STAGES = {64: 2, 128: 1, 192: 1, 256: 1}
 # 308 -> 280, S=2048 527 -> 501; S=512 folded 279 against 307 unfolded). Tools set these
 # to A/B, then call hopper.forget_plans().
 FOLD = "masked"
+# Packed sequences under a mask fold otherwise (hopper.packed_item): every other pass of
+# the strides runs the other way round, so that a program that took a heavy block
+# takes a light one next (under a causal mask the ranks come heaviest first). In a
+# model counting key tiles over the bench's 13 documents the busiest program's work
+# was 1.18x the mean with plain strides, 1.08x with the snake; tools/ab.py (H100, GPU
+# alone): causal 377 -> 394-403 TFLOP/s. Without a mask a block's work goes by its
+# sequence's length, which the ranks do not sort: the model had 1.12x either way, and
+# the snake ran slower (441 -> 423), so those keep plain strides. (A program per
+# block, which the GPU hands out as SMs free, 1.01x in the model, ran slower still:
+# 392 -> 328 causal, 450 -> 353 without a mask; the blocks past their sequences' ends,
+# two in three, each cost a program's start.)
+VARLEN_FOLD = True
 PERSISTENT = True
 MASKED_PERSISTENT = {64: True, 128: True, 192: False, 256: False}  # 192 as 256: O in Q
 MIN_BLOCKS_TO_FOLD = {64: 0, 128: 0, 192: 5, 256: 5}
@@ -448,7 +460,7 @@ def _fwd_sm90_kernel(
     # up to the same. A block's start overlaps the previous one's end.
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
-    n_items = hopper.work_items(pid, programs, num_items, FOLD)
+    n_items = hopper.work_items(pid, programs, num_items, FOLD, IS_VARLEN)
     heads_total = num_items // num_m_blocks  # (batch, head) pairs
     seed, rng_offset = philox_key(Rng, HAS_DROPOUT)
 
@@ -591,7 +603,7 @@ def plan(spec: AttentionSpec, bias_row: bool, device_index: int) -> hopper.Plan:
     block_n = BLOCK_N[spec.head_dim_qk]
     num_m_blocks = cdiv(spec.seqlen_q, block_m)
     # Packed sequences walk their blocks rank by rank instead (hopper.query_block).
-    fold = not spec.varlen and (FOLD is True or (
+    fold = (VARLEN_FOLD and masked) if spec.varlen else (FOLD is True or (
         FOLD == "masked" and masked and num_m_blocks >= MIN_BLOCKS_TO_FOLD[spec.head_dim_qk]))
     persistent = PERSISTENT and (not masked or MASKED_PERSISTENT[spec.head_dim_qk])
     num_items = num_m_blocks * spec.batch * spec.heads
@@ -608,7 +620,8 @@ def plan(spec: AttentionSpec, bias_row: bool, device_index: int) -> hopper.Plan:
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
         BOUNDED_RIGHT=spec.window_right >= 0, num_warps=4,
     )  # fmt: skip
-    return hopper.Plan(hopper.programs(num_items, fold, persistent, device_index),
+    pairs = fold and not spec.varlen  # a program per pair of blocks (packed: per block)
+    return hopper.Plan(hopper.programs(num_items, pairs, persistent, device_index),
                        (num_m_blocks, num_items), constexprs)
 
 

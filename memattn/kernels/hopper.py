@@ -225,11 +225,36 @@ def work_item(pid, j, programs, blocks, FOLD: gl.constexpr):
 
 
 @gluon.jit
-def work_items(pid, programs, total, FOLD: gl.constexpr):
-    """How many blocks `work_item` gives program pid, of ``total`` (pid < the count of
-    pairs folded, of blocks otherwise). Folded: pairs q = pid, pid + programs, ... give
-    block 2q while 2q < total and block 2q + 1 while 2q + 1 < total. Plain integer
-    arithmetic, so that tests can run it in Python."""
+def packed_item(pid, j, programs, heads_total, FOLD: gl.constexpr):
+    """Program pid's j-th block of packed sequences' grid (query_block's varlen order:
+    rank after rank, each across all heads_total (sequence, head) pairs): (pair,
+    rank). Strided; folded, every other pass runs the other way round (a snake), so
+    that the program that took a pass's heaviest block takes the next one's lightest.
+    Plain integer arithmetic, so that tests can run it in Python."""
+    g = j * programs + pid
+    if FOLD:
+        if j % 2 == 1:
+            g = j * programs + programs - 1 - pid
+    return g % heads_total, g // heads_total
+
+
+@gluon.jit
+def work_items(pid, programs, total, FOLD: gl.constexpr, IS_VARLEN: gl.constexpr = False):
+    """How many blocks `work_item` (packed sequences: `packed_item`) gives program pid,
+    of ``total`` (pid < the count of pairs folded, of blocks otherwise). Folded: pairs
+    q = pid, pid + programs, ... give block 2q while 2q < total and block 2q + 1 while
+    2q + 1 < total; packed and folded, the last pass's first total % programs positions
+    from its direction's start. Plain integer arithmetic, so that tests can run it in
+    Python."""
+    if IS_VARLEN and FOLD:
+        passes = total // programs
+        position = pid
+        if passes % 2 == 1:
+            position = programs - 1 - pid
+        n = passes
+        if position < total % programs:
+            n = passes + 1
+        return n
     if FOLD:
         firsts = ((total + 1) // 2 - pid + programs - 1) // programs
         seconds = (total // 2 - pid + programs - 1) // programs
@@ -252,15 +277,13 @@ def query_block(
     it, count of key tiles). Varlen (packed sequences, cu_seqlens): blocks count to
     the longest sequence, and a block past its own sequence's end has no key tile.
     There the blocks are walked rank by rank across all heads_total = B * H (sequence,
-    head) pairs, unfolded: every sequence's last block, then the one before, ... Under
-    a causal mask each rank's blocks have the same work and the ranks come heaviest
-    first, so strided programs take the longest work first (a sequence shorter than
-    the longest has no block in the first ranks); without a mask the longest
-    sequences' blocks still come first."""
+    head) pairs (packed_item; folded, the strides alternate direction): every
+    sequence's last block, then the one before, ... Under a causal mask each rank's
+    blocks have the same work and the ranks come heaviest first, so strided programs
+    take the longest work first (a sequence shorter than the longest has no block in
+    the first ranks); without a mask the longest sequences' blocks still come first."""
     if IS_VARLEN:
-        g = pid + j * programs
-        bh = g % heads_total
-        rank = g // heads_total
+        bh, rank = packed_item(pid, j, programs, heads_total, FOLD)
     else:
         bh, rank = work_item(pid, j, programs, num_m_blocks, FOLD)
     m_block = num_m_blocks - 1 - rank
