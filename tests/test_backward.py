@@ -373,20 +373,13 @@ def test_split_head_dims_backward_gpu(case, dtype, hopper_backward_launches):
         assert torch.equal(a, b)
 
 
-# Gluon backward options built but off until these and tools/ab.py have run on the
-# device (backward_sm90's knobs): STATS_IN_ACCUMULATORS, lse and delta starting S's and
-# dP's accumulators (rows with no visible key, masks, a bias and ALiBi on S, dropout
-# keeping delta out of dP, packed rows, D=64's 128-row steps); DQ_WRITER, dQ sent by a
+# Gluon backward options built but off (backward_sm90's knobs): DQ_WRITER, dQ sent by a
 # warp of its own (two buffers a warpgroup, or one beside dropout; GQA, packed rows);
 # PACKED_GRID, packed sequences in a grid of their own key blocks (sequences with no
 # query or a few keys, GQA, masks either way, bias, ALiBi, dropout, a key row's
 # gradient, and a bias shared by the sequences, whose batch-inner order keeps the
 # dense grid).
 OFF_BY_DEFAULT = {
-    "STATS_IN_ACCUMULATORS": ["D64 Sq=777 Sk=1030", "causal bottom-right Sq>Sk",
-                              "window (0, 0)", "bias 1HQK D64 Sq=2100", "dropout causal GQA",
-                              "alibi BH bias D64 window", "varlen D64 GQA bottom-right",
-                              "Dqk128 Dv64 window"],
     "DQ_WRITER": ["D64 Sq=777 Sk=1030", "D128 causal", "GQA 8:2 transposed causal",
                   "dropout causal GQA", "bias K Sq=2100 Sk=333", "varlen D128 causal",
                   "Dqk128 Dv64 window"],

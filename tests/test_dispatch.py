@@ -94,8 +94,7 @@ def test_summed_bias_gradient_puts_its_broadcast_dim_inner(bias_shape, inner, mo
 @gluon
 @pytest.mark.parametrize(
     "knob, options, dbias_kind, constexpr, value",
-    [("STATS_IN_ACCUMULATORS", {}, None, "STATS_IN_ACC", True),
-     ("DQ_WRITER", {}, None, "DQ_BUFS", 2),
+    [("DQ_WRITER", {}, None, "DQ_BUFS", 2),
      ("DQ_WRITER", dict(dropout_p=0.1), None, "DQ_BUFS", 1),  # dropout's scratch: one
      ("DQ_WRITER", {}, "full", "DQ_BUFS", 0),  # dS leaves by TMA from the warpgroups
      ("DQ_WRITER", {}, "summed", "DQ_BUFS", 0),

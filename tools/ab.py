@@ -40,7 +40,6 @@ VARIANTS = {
     "bwd_rows64": {"bwd.BLOCK_M_D64": 64},  # 64 query rows a backward step at D=64
     "summed_outer": {"bwd.SUMMED_BIAS_INNER": False},  # summed biases in the shipped order
     "no_skip_empty": {"bwd.SKIP_EMPTY_KEY_BLOCKS": False},  # packed: blocks past the end run
-    "stats_in_acc": {"bwd.STATS_IN_ACCUMULATORS": True},  # lse, delta start S's, dP's wgmma
     "dq_writer": {"bwd.DQ_WRITER": True},  # dQ's reduce-adds from a warp of their own
     "packed_grid": {"bwd.PACKED_GRID": True},  # packed: a grid of the sequences' own blocks
     "no_split": {"bwd.SPLIT_HEAD_DIM_PAIRS": ()},  # 192/128 on the tile kernels
@@ -50,8 +49,7 @@ MODULES = {"fwd": forward_sm90, "bwd": backward_sm90}
 DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
     ("fwd", ("FOLD", "BLOCK_M_D64", "PERSISTENT", "VARLEN_FOLD", "MAX_Q_STAGES")),
     ("bwd", ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "SKIP_EMPTY_KEY_BLOCKS",
-             "SPLIT_HEAD_DIM_PAIRS", "DQ_BLOCK_N", "STATS_IN_ACCUMULATORS", "DQ_WRITER",
-             "PACKED_GRID")))
+             "SPLIT_HEAD_DIM_PAIRS", "DQ_BLOCK_N", "DQ_WRITER", "PACKED_GRID")))
     for name in names}  # fmt: skip
 
 

@@ -160,13 +160,12 @@ def _bwd_compute_partition(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
     HAS_DBIAS: gl.constexpr, DBIAS_SUM: gl.constexpr, BIAS_ROW: gl.constexpr,
     DBIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
-    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, STATS_IN_ACC: gl.constexpr,
-    DQ_BUFS: gl.constexpr,
+    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, DQ_BUFS: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: keys [start_n + HALF * 64, + 64) against every query tile.
     ``shared``: the runtime arguments both take (_bwd_sm90_kernel builds the tuple).
-    STATS_IN_ACC: STATS_IN_ACCUMULATORS. DQ_BUFS: 0, this warpgroup sends its dQ tiles
-    itself; else it leaves them in that many buffers for the dQ writer warp."""
+    DQ_BUFS: 0, this warpgroup sends its dQ tiles itself; else it leaves them in that
+    many buffers for the dQ writer warp."""
     (dq_desc, dbias_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
      stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bias_smem, ds_smem,
      dq_smem, dsum_smem, dq_full, dq_empty, kv_bar, q_ready, do_ready, q_empty, do_empty,
@@ -203,7 +202,6 @@ def _bwd_compute_partition(
         db_row = gl.zeros([HALF_N], gl.float32, layout=gl.SliceLayout(1, s_layout))
     bias_b = (b % bias_batches).to(gl.int64)  # 0 where the bias broadcasts over batches
     scale_log2 = scale * LOG2E
-    inv_scale_log2 = 1.0 / scale_log2
     # Bulk copies (TMA) a step may leave in flight when dQ's tile is written: the full
     # bias gradient's store, or the summed one's reduce-add from a buffer of its own.
     OTHER_BULK: gl.constexpr = 1 if HAS_DBIAS or (DBIAS_SUM and HEAD_DIM_QK != BLOCK_N) else 0
@@ -216,21 +214,10 @@ def _bwd_compute_partition(
         q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_QK])
         # Zero accumulators made here, not held across the loop: registers are short.
         s_init = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
-        if STATS_IN_ACC:  # S's accumulator starts at -lse / (scale log2 e): see the knob
-            lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
-            s = warpgroup_mma(k_half, q.permute((1, 0)), s_init - (lse2 * inv_scale_log2)[None, :],
-                              is_async=True)
-        else:
-            s = warpgroup_mma(k_half, q.permute((1, 0)), s_init, use_acc=False, is_async=True)
+        s = warpgroup_mma(k_half, q.permute((1, 0)), s_init, use_acc=False, is_async=True)
         hopper.arrived(do_ready, i, STAGES)
         do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_V])
-        if STATS_IN_ACC and not HAS_DROPOUT:  # dP's at -delta (dropout scales dP alone)
-            delta = delta_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
-            dp = warpgroup_mma(v_half, do.permute((1, 0)), s_init - delta[None, :],
-                               is_async=True)
-        else:
-            dp = warpgroup_mma(v_half, do.permute((1, 0)), s_init, use_acc=False,
-                               is_async=True)
+        dp = warpgroup_mma(v_half, do.permute((1, 0)), s_init, use_acc=False, is_async=True)
         if HAS_DROPOUT:  # Philox's integer work runs while the tensor cores do S and dP
             keep = hopper.dropout_keep(seed, rng_offset, b * heads + h, start_m, row0,
                                        dropout_p, BLOCK_M, HALF_N, True, s_layout)
@@ -255,29 +242,21 @@ def _bwd_compute_partition(
             s = add_bias_alibi_log2(s * scale_log2, offs_m[None, :], offs_n[:, None], off, slope,
                                     bias, HAS_BIAS or BIAS_ROW, HAS_ALIBI)
             p_scale = 1.0
-        if not STATS_IN_ACC:
-            lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
+        lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
         if (start_m < full_lo) | (start_m >= full_hi):
             # Rows past Sq: zeros by TMA in a dense batch, the next sequence's in a
             # packed one; either way no query.
             mask = visible(offs_m[None, :], offs_n[:, None], seqlen_k, off, window_left,
                            window_right, BOUNDED_LEFT, BOUNDED_RIGHT)
             s = gl.where(mask & (offs_m < seqlen_q)[None, :], s, float("-inf"))
-        if STATS_IN_ACC:
-            p = gl.exp2(s * p_scale)
-        else:
-            p = gl.exp2(s * p_scale - lse2[None, :])
+        p = gl.exp2(s * p_scale - lse2[None, :])
         dp = warpgroup_mma_wait(0, deps=(dp,))
-        if not STATS_IN_ACC or HAS_DROPOUT:
-            delta = delta_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
+        delta = delta_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
         p_kept = p
         if HAS_DROPOUT:  # dP Z / (1 - p); dV takes its 1 / (1 - p) at the end
             dp = gl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
             p_kept = gl.where(keep, p, 0.0)
-        if STATS_IN_ACC and not HAS_DROPOUT:
-            ds = p * dp  # dP - delta already
-        else:
-            ds = p * (dp - delta[None, :])  # the bias gradient; dK, dQ take the scale later
+        ds = p * (dp - delta[None, :])  # the bias gradient; dK, dQ take the scale later
         if DBIAS_ROW:  # summed over queries; stored once per query head, its last tile
             db_row += gl.sum(ds, 1)
             head_done = i % n_tiles == n_tiles - 1
@@ -514,7 +493,7 @@ def _bwd_sm90_kernel(
     HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
     BATCH_INNER: gl.constexpr, HEAD_INNER: gl.constexpr, SKIP_PAST_END: gl.constexpr,
-    PACKED_GRID: gl.constexpr, STATS_IN_ACC: gl.constexpr, DQ_BUFS: gl.constexpr,
+    PACKED_GRID: gl.constexpr, DQ_BUFS: gl.constexpr,
 ):  # fmt: skip
     (b, hk, start_n, q_start, k_start, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
      n_tiles) = _key_block(
@@ -580,11 +559,11 @@ def _bwd_sm90_kernel(
             [(_bwd_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, HAS_DBIAS, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
-                                       BOUNDED_RIGHT, STATS_IN_ACC, DQ_BUFS)),
+                                       BOUNDED_RIGHT, DQ_BUFS)),
              (_bwd_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, HAS_DBIAS, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
-                                       BOUNDED_RIGHT, STATS_IN_ACC, DQ_BUFS)),
+                                       BOUNDED_RIGHT, DQ_BUFS)),
              (_bwd_load_partition, (
                 q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem,
                 k_smem, v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready,
@@ -599,11 +578,11 @@ def _bwd_sm90_kernel(
             [(_bwd_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, HAS_DBIAS, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
-                                       BOUNDED_RIGHT, STATS_IN_ACC, DQ_BUFS)),
+                                       BOUNDED_RIGHT, DQ_BUFS)),
              (_bwd_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, HAS_DBIAS, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
-                                       BOUNDED_RIGHT, STATS_IN_ACC, DQ_BUFS)),
+                                       BOUNDED_RIGHT, DQ_BUFS)),
              (_bwd_load_partition, (
                 q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem,
                 k_smem, v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready,
@@ -1055,15 +1034,6 @@ SUMMED_BIAS_INNER = True
 # off as the place where a deterministic order of the adds (a semaphore per dQ tile)
 # would go.
 DQ_WRITER = False
-# The row statistics in the accumulators: S's wgmma starts from -lse / (scale log2 e)
-# and dP's from -delta (not with dropout, which scales dP alone), so that P = exp2(S
-# scale log2 e) and dS = P dP need lse and delta in no registers beside S and dP. At
-# D=64 with 128 query rows they hold 32 each a thread beside S's and dP's 64, the
-# cause of that variant's 76-124 bytes of spills (sm_90 compile). Correct (its GPU
-# test) but slower everywhere: tools/ab.py (variant "stats_in_acc", H100) 441 -> 426
-# D=64 S4096, 480 -> 469 causal S16384, 535 -> 509 D=128, 560 -> 536 causal: the
-# wgmma that starts from a loaded accumulator waits for it, and the spills were cheap.
-STATS_IN_ACCUMULATORS = False
 # Packed sequences: a program per key block of the longest sequence, so a shorter one's
 # blocks past its end have no query; they return before loading K and V (13 documents
 # in 16k tokens, H16: 4480 of 6656 programs). H100, the bench's docs row, backward
@@ -1245,7 +1215,7 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
         BOUNDED_RIGHT=spec.window_right >= 0, BATCH_INNER=inner[0], HEAD_INNER=inner[1],
         SKIP_PAST_END=spec.varlen and (SKIP_EMPTY_KEY_BLOCKS or packed_grid),
         PACKED_GRID=packed_grid,
-        STATS_IN_ACC=STATS_IN_ACCUMULATORS, DQ_BUFS=dq_buffers(spec, bias_tiles, dbias_kind),
+        DQ_BUFS=dq_buffers(spec, bias_tiles, dbias_kind),
         num_warps=4,
     )  # fmt: skip
     counts = (spec.batch if packed_grid else num_n,)  # _key_block's num_n_blocks
