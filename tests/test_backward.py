@@ -6,6 +6,9 @@ CPU (CI): Triton's interpreter at small odd sizes, float32 and float16. GPU
 
 import dataclasses
 import math
+import os
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -401,6 +404,63 @@ def test_backward_options_off_by_default_gpu(knob, name, hopper_backward_launche
     case = next(c for c in HOPPER_CASES if c.name == name)
     assert_results(check_backward(case, torch.bfloat16, "cuda", seed=13))
     assert hopper_backward_launches, "the call fell back to backward.py"
+
+
+# ORDERED_DQ (off until this has run on the device): deterministic calls on the Gluon
+# backward, each dQ tile's adds in a fixed order. Both orders (a right bound: last key
+# block first; none: round from the block whose walk starts at the tile), D 64 (128
+# rows a step) and 128, GQA, Sq far from Sk, one key block, dropout (one dQ buffer), a
+# key row's gradient, ALiBi, Dqk != Dv, and 32 key blocks a head contending for turns.
+ORDERED_CASES = ["D64 Sq=777 Sk=1030", "D64 Sq=2000 Sk=333", "D128 causal",
+                 "causal bottom-right Sq>Sk", "window (200, 0)", "GQA 8:2 transposed causal",
+                 "one tile", "dropout causal GQA", "bias K Sq=2100 Sk=333",
+                 "bias B11K causal GQA", "alibi H causal GQA", "Dqk128 Dv64 window",
+                 "ordered D128 S4096", "ordered D128 S4096 causal"]  # fmt: skip
+_ORDERED_EXTRA = [
+    Case("ordered D128 S4096", batch=1, heads=4, kv_heads=2, seqlen_q=4096, seqlen_k=4096,
+         dqk=128, dv=128),
+    Case("ordered D128 S4096 causal", batch=1, heads=4, kv_heads=2, seqlen_q=4096,
+         seqlen_k=4096, dqk=128, dv=128, options=dict(causal=True)),
+]  # fmt: skip
+
+
+def ordered_dq_child(name: str) -> None:
+    """test_ordered_dq_backward_gpu's work, in a process of its own: the case's
+    deterministic gradients against the reference on the Gluon backward, then three runs
+    bit for bit."""
+    from memattn.kernels import backward_sm90
+
+    backward_sm90.ORDERED_DQ = True
+    backward_sm90.MIN_KEYS_PER_QUERY = dict.fromkeys(backward_sm90.HEAD_DIMS, 0)
+    launched = []
+    run = backward_sm90.backward
+    backward_sm90.backward = lambda *a: launched.append(1) or run(*a)
+    case = next(c for c in HOPPER_CASES + _ORDERED_EXTRA if c.name == name)
+    det = dataclasses.replace(case, options=dict(case.options, deterministic=True))
+    assert_results(check_backward(det, torch.bfloat16, "cuda", seed=17))
+    assert launched, "the deterministic call fell back to backward.py"
+    runs = [_gradients(det, torch.bfloat16, "cuda") for _ in range(3)]
+    for grads in runs[1:]:
+        for a, b in zip(runs[0], grads):
+            assert torch.equal(a, b), "two deterministic runs differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ORDERED_CASES)
+def test_ordered_dq_backward_gpu(name):
+    """ORDERED_DQ in a subprocess with a time limit: a program waiting for a turn that
+    never comes would hang the GPU, and with it every later test of the worker."""
+    if not hopper_kernel_runs_here():
+        pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
+    code = f"from tests.test_backward import ordered_dq_child; ordered_dq_child({name!r})"
+    env = dict(os.environ, MEMATTN_POISON_OUTPUTS="1")
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=180, env=env, cwd=os.path.dirname(os.path.dirname(
+                                  os.path.abspath(__file__))))  # fmt: skip
+    except subprocess.TimeoutExpired:
+        pytest.fail("ORDERED_DQ hung (a turn never came) or ran past 180 s")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 def _bias_letters(case) -> str:

@@ -4,6 +4,7 @@ The Gluon kernels need a Hopper GPU; on the CPU these tests check that no call g
 there, the feature rules that hold whatever the device, and the empty calls answered
 without a launch. The GPU tests of test_forward/test_backward check which family ran."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -236,6 +237,103 @@ def test_packed_grid_covers_every_key_block_once(lengths, kv_heads, extra):
             walked.append((b, hk, start_n))
     assert walked == [(b, hk, n) for b, n_b in enumerate(lengths) for hk in range(kv_heads)
                       for n in range(0, n_b, block_n)]  # fmt: skip
+
+
+def _visits(n, seqlen_q, off, left, right, block_m, block_n):
+    """The query tiles (first rows) key block n's program walks: common.query_range's
+    lo and hi, restated in Python (left, right: None where unbounded)."""
+    lo = 0 if right is None else max(n * block_n - off - right, 0) // block_m * block_m
+    hi = seqlen_q if left is None else min(seqlen_q, (n + 1) * block_n - off + left)
+    return list(range(lo, max(hi, lo), block_m))
+
+
+@gluon
+@pytest.mark.parametrize(
+    "seqlen_q, seqlen_k, align, window",
+    [(777, 1030, "top_left", None), (2000, 333, "top_left", None), (64, 4096, "top_left", None),
+     (1531, 1531, "top_left", (-1, 0)), (1000, 300, "bottom_right", (-1, 0)),
+     (300, 1000, "bottom_right", (-1, 0)), (900, 900, "top_left", (200, 0)),
+     (600, 1000, "top_left", (300, 40)), (4096, 4096, "top_left", None)],
+)  # fmt: skip
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_ordered_dq_turns_follow_the_walks(seqlen_q, seqlen_k, align, window, block_m):
+    """ORDERED_DQ's turns (backward_sm90.dq_add_turn), run in Python against the walks
+    the programs make (_query_tile's, rotated where there is no right bound): at every
+    query tile the turns of the key blocks that add into it are 0, 1, ... in the order
+    the blocks reach it (ties: the later block first). In that order no program waits
+    in the steady state, and no two wait on each other: a turn waits only on a program
+    that reached the tile earlier in its own walk."""
+    bsm = dispatch.backward_sm90
+    block_n = bsm.BLOCK_N
+    left, right = (None, None) if window is None else window
+    left = None if left is not None and left < 0 else left
+    off = seqlen_k - seqlen_q if align == "bottom_right" else 0
+    num_n = -(-seqlen_k // block_n)
+    arrivals = {}  # first row -> [(step, -n, turn)]
+    for n in range(num_n):
+        tiles = _visits(n, seqlen_q, off, left, right, block_m, block_n)
+        rot = 0 if right is not None else n * len(tiles) // num_n
+        for step in range(len(tiles)):
+            start_m = tiles[(step + rot) % len(tiles)]
+            turn = bsm.dq_add_turn.fn(n, start_m, num_n, len(tiles), off,
+                                      0 if right is None else right, block_m, block_n,
+                                      right is not None)
+            arrivals.setdefault(start_m, []).append((step, -n, turn))
+    assert arrivals
+    for start_m, blocks in arrivals.items():
+        assert [turn for _, _, turn in sorted(blocks)] == list(range(len(blocks))), start_m
+
+
+@gluon
+@pytest.mark.parametrize(
+    "options, varlen, bias_shape, ordered, rotate",
+    [(dict(causal=True), False, None, True, False),
+     ({}, False, None, True, True),
+     (dict(window=(300, 40)), False, None, True, False),
+     (dict(window=(300, -1)), False, None, False, False),  # a left bound alone
+     (dict(causal=True), True, None, False, False),  # packed sequences
+     (dict(causal=True), False, (2, 2, 16, 16), False, False),  # dS leaves by TMA
+     (dict(causal=True), False, (2, 1, 1, 16), True, False)],  # a key row's gradient
+)  # fmt: skip
+def test_ordered_dq_takes_deterministic_calls(options, varlen, bias_shape, ordered, rotate,
+                                              monkeypatch):  # fmt: skip
+    """ORDERED_DQ (off until its GPU test has run) takes deterministic D 64/128 calls of
+    dense batches, without a bias gradient sent by TMA or a window bounded on the left
+    alone; there the plan has the dQ writer warp, and the rotated walk without a right
+    bound. Off, and for calls that are not deterministic, nothing changes."""
+    bsm = dispatch.backward_sm90
+    monkeypatch.setattr(bsm.hopper, "sm_count", lambda device_index: 132)
+    spec, *_, bias = spec_and_inputs(d=128, bias_shape=bias_shape, varlen=varlen,
+                                     deterministic=True, **options)  # fmt: skip
+    kind = None if bias is None else bsm.dbias_kind_of(spec, bias)
+    assert not bsm.orders_dq(spec, kind)
+    monkeypatch.setattr(bsm, "ORDERED_DQ", True)
+    bsm.hopper.forget_plans()  # plans are made from the knobs
+    try:
+        plan = bsm._plan(spec, bool(bias is not None and bsm.hopper.bias_row(spec, bias)),
+                         kind, (False, False), 0)  # fmt: skip
+    finally:
+        bsm.hopper.forget_plans()
+    assert bsm.orders_dq(spec, kind) is ordered
+    assert plan.constexprs["ORDERED"] is ordered
+    assert plan.constexprs["ROTATE"] is rotate
+    assert (plan.constexprs["DQ_BUFS"] > 0) is ordered
+    plain = dataclasses.replace(spec, deterministic=False)
+    assert not bsm.orders_dq(plain, kind)
+
+
+@gluon
+def test_ordered_dq_needs_a_whole_head_running_without_a_right_bound(monkeypatch):
+    """Without a right bound the turns go round a head's key blocks, so they must all
+    run at once: at most half the SMs' worth (the rest stays on the tile kernels)."""
+    bsm = dispatch.backward_sm90
+    monkeypatch.setattr(bsm, "ORDERED_DQ", True)
+    monkeypatch.setattr(bsm.hopper, "sm_count", lambda device_index: 8)
+    fits = spec_and_inputs(d=128, sk=4 * bsm.BLOCK_N, deterministic=True)[0]
+    long = spec_and_inputs(d=128, sk=5 * bsm.BLOCK_N, deterministic=True)[0]
+    assert bsm.orders_dq(fits, None) and not bsm.orders_dq(long, None)
+    causal = spec_and_inputs(d=128, sk=5 * bsm.BLOCK_N, deterministic=True, causal=True)[0]
+    assert bsm.orders_dq(causal, None)  # last block first: no such limit
 
 
 @pytest.mark.parametrize("which", ["no queries", "no keys", "no batch"])

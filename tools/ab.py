@@ -4,11 +4,11 @@ Per shape and variant: the relative error against the float64 reference (S <= 40
 first batch), TFLOP/s as `memattn bench` times it (do_bench, autograd recording, host
 included), TFLOP/s of the GPU alone (CUDA graph replay) and host µs per call in a loop;
 --kernels adds torch.profiler's table of GPU time per kernel. bf16, 16k tokens a shape
-(B = 16384 / S, H = 2048 / Dqk): "DxS", "c" for causal, "Dqk/DvxS" for a narrower V,
-"+BHQK"-style letters for a bias of that shape (1 where it broadcasts; no gradient
-asked of it, but with ".grad": "+1HQK.grad"; the error column then covers dQ, dK and dV
-only); the shapes "docs" and "docs-full" are the bench's packed documents (causal and
-not, H=16, D=128).
+(B = 16384 / S, H = 2048 / Dqk): "DxS", "c" for causal, then "d" for deterministic,
+"Dqk/DvxS" for a narrower V, "+BHQK"-style letters for a bias of that shape (1 where
+it broadcasts; no gradient asked of it, but with ".grad": "+1HQK.grad"; the error
+column then covers dQ, dK and dV only); the shapes "docs" and "docs-full" are the
+bench's packed documents (causal and not, H=16, D=128).
 
     python tools/ab.py [--pass fwd|bwd] [--shapes 128x4096c,192/128x4096c,128x4096+1H1K,docs]
                        [--variants tile,default]
@@ -42,6 +42,7 @@ VARIANTS = {
     "no_skip_empty": {"bwd.SKIP_EMPTY_KEY_BLOCKS": False},  # packed: blocks past the end run
     "dq_writer": {"bwd.DQ_WRITER": True},  # dQ's reduce-adds from a warp of their own
     "packed_grid": {"bwd.PACKED_GRID": True},  # packed: a grid of the sequences' own blocks
+    "ordered_dq": {"bwd.ORDERED_DQ": True},  # deterministic ("d" shapes) on the Gluon kernel
     "no_split": {"bwd.SPLIT_HEAD_DIM_PAIRS": ()},  # 192/128 on the tile kernels
     "dq32_at192": {"bwd.DQ_BLOCK_N": {256: 32, 192: 32}},  # 32-key tiles in 192's dQ kernel
 }
@@ -49,7 +50,8 @@ MODULES = {"fwd": forward_sm90, "bwd": backward_sm90}
 DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
     ("fwd", ("FOLD", "BLOCK_M_D64", "PERSISTENT", "VARLEN_FOLD", "MAX_Q_STAGES")),
     ("bwd", ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "SKIP_EMPTY_KEY_BLOCKS",
-             "SPLIT_HEAD_DIM_PAIRS", "DQ_BLOCK_N", "DQ_WRITER", "PACKED_GRID")))
+             "SPLIT_HEAD_DIM_PAIRS", "DQ_BLOCK_N", "DQ_WRITER", "PACKED_GRID",
+             "ORDERED_DQ")))
     for name in names}  # fmt: skip
 
 
@@ -77,6 +79,8 @@ def inputs(shape: str, device: str = "cuda"):
         pairs = (n * (n + 1) / 2 if causal else n * n for n in lengths)
         return q, k, v, do, kw, sum(4 * 16 * 128 * p for p in pairs)
     shape, _, bias = shape.partition("+")
+    deterministic = shape.endswith("d")
+    shape = shape.removesuffix("d")
     causal = shape.endswith("c")
     dims, s = shape.rstrip("c").split("x")
     d, dv = (int(x) for x in (dims.split("/") * 2)[:2])
@@ -84,7 +88,7 @@ def inputs(shape: str, device: str = "cuda"):
     b, h = max(1, 16384 // s), 2048 // d
     q, k = new(b, s, h, d), new(b, s, h, d)
     v, do = new(b, s, h, dv), new(b, s, h, dv)
-    kw = dict(causal=causal)
+    kw = dict(causal=causal, deterministic=deterministic)
     if bias:
         letters, _, grad = bias.partition(".")
         sizes = dict(B=b, H=h, Q=s, K=s)

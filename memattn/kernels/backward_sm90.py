@@ -39,9 +39,9 @@ writing it in the output dtype: no fp32 buffer, and no atomics.
 
 Covers what forward_sm90 covers (bf16/fp16, head dims 64, 128 and 256, GQA, causal
 masks either way, sliding windows, a bias, ALiBi, dropout, dense and packed batches)
-minus deterministic mode at D 64 and 128 (TMA reduce-adds land in any order), minus a
-bias gradient summed over keys, and at D=256 minus a bias, ALiBi, dropout and packed
-batches. Every other call runs backward.py.
+minus deterministic mode at D 64 and 128 (TMA reduce-adds land in any order; see
+ORDERED_DQ, built and off), minus a bias gradient summed over keys, and at D=256 minus
+a bias, ALiBi, dropout and packed batches. Every other call runs backward.py.
 """
 
 from __future__ import annotations
@@ -86,11 +86,43 @@ STAGES = 2  # Q and dO rings
 
 
 @gluon.jit
-def _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M: gl.constexpr):
+def _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M: gl.constexpr, rot=0,
+                ROTATE: gl.constexpr = False):  # fmt: skip
     """(query head, first row) of a program's i-th query tile: the heads of the GQA
-    group in turn, each's n_tiles tiles from lo on. The load warp and the compute
-    warpgroups walk the same sequence."""
-    return hk * GROUP + i // n_tiles, lo + (i % n_tiles) * BLOCK_M
+    group in turn, each's n_tiles tiles from lo on (ROTATE: from tile rot on, wrapping
+    round; see ORDERED_DQ). The load warp, the compute warpgroups and the dQ writer walk
+    the same sequence."""
+    h = hk * GROUP + i // n_tiles
+    t = i % n_tiles
+    if ROTATE:
+        t = (t + rot) % n_tiles
+    return h, lo + t * BLOCK_M
+
+
+@gluon.jit
+def dq_add_turn(n, start_m, num_n, n_tiles, off, window_right, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, BOUNDED_RIGHT: gl.constexpr):  # fmt: skip
+    """ORDERED_DQ: key block n's place among the key blocks that add into the dQ tile of
+    rows [start_m, + BLOCK_M) of one head, the order in which they reach it. With a
+    right bound (causal, windows) each program starts at its first query tile, later
+    the further right its keys, so the blocks add last first: the tile's last block
+    (the last whose keys a row of the tile sees) first. Without bounds every block
+    sees every tile, and each program starts its walk at tile n * n_tiles // num_n
+    (_query_tile's rot): tile m's adds come from the block that started there, or
+    last before it, then the ones before that, wrapping round. Plain integer
+    arithmetic, so that tests can run it in Python."""
+    if BOUNDED_RIGHT:
+        last = (start_m + BLOCK_M + off + window_right - 1) // BLOCK_N
+        if last > num_n - 1:
+            last = num_n - 1
+        turn = last - n
+    else:
+        # the last block whose walk starts at this tile or before it
+        starter = ((start_m // BLOCK_M + 1) * num_n - 1) // n_tiles
+        if starter > num_n - 1:
+            starter = num_n - 1
+        turn = (starter - n + num_n) % num_n
+    return turn
 
 
 @gluon.jit
@@ -111,7 +143,7 @@ def _bwd_load_partition(
     lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, b_tma,
     hk, q_start, k_start, stats_start, GROUP, bias_b, bias_heads, start_n, lo, n_tiles,
     q2_desc, k2_desc, q2_smem, k2_smem, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-    HAS_BIAS: gl.constexpr, QK_SPLIT: gl.constexpr,
+    HAS_BIAS: gl.constexpr, QK_SPLIT: gl.constexpr, rot=0, ROTATE: gl.constexpr = False,
 ):  # fmt: skip
     """One warp: K and V once, then Q (with its rows' lse and the bias tile) and dO
     (with delta) tiles of every query head of the group. b_tma: the batch's index to
@@ -129,7 +161,7 @@ def _bwd_load_partition(
                                         kv_bar, k2_smem)
     tma.async_copy_global_to_shared(v_desc, [b_tma, hk, k_start + start_n, 0], kv_bar, v_smem)
     for i in range(GROUP * n_tiles):
-        h, start_m = _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M)
+        h, start_m = _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M, rot, ROTATE)
         row = q_start + start_m
         # Q's and dO's tiles differ where Dqk != Dv: each barrier expects its own bytes.
         q_bytes: gl.constexpr = q_desc.block_type.nbytes + stats_desc.block_type.nbytes + (
@@ -161,11 +193,12 @@ def _bwd_compute_partition(
     HAS_DBIAS: gl.constexpr, DBIAS_SUM: gl.constexpr, BIAS_ROW: gl.constexpr,
     DBIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
     BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, DQ_BUFS: gl.constexpr,
+    ROTATE: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: keys [start_n + HALF * 64, + 64) against every query tile.
     ``shared``: the runtime arguments both take (_bwd_sm90_kernel builds the tuple).
     DQ_BUFS: 0, this warpgroup sends its dQ tiles itself; else it leaves them in that
-    many buffers for the dQ writer warp."""
+    many buffers for the dQ writer warp. ROTATE: _query_tile's."""
     (dq_desc, dbias_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
      stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bias_smem, ds_smem,
      dq_smem, dsum_smem, dq_full, dq_empty, kv_bar, q_ready, do_ready, q_empty, do_empty,
@@ -205,10 +238,13 @@ def _bwd_compute_partition(
     # Bulk copies (TMA) a step may leave in flight when dQ's tile is written: the full
     # bias gradient's store, or the summed one's reduce-add from a buffer of its own.
     OTHER_BULK: gl.constexpr = 1 if HAS_DBIAS or (DBIAS_SUM and HEAD_DIM_QK != BLOCK_N) else 0
+    rot = 0
+    if ROTATE:  # as _bwd_sm90_kernel's (dense batches: seqlen_k is Sk)
+        rot = (start_n // BLOCK_N) * n_tiles // gl.cdiv(seqlen_k, BLOCK_N)
     mbarrier.wait(kv_bar, 0)
 
     for i in range(GROUP * n_tiles):
-        h, start_m = _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M)
+        h, start_m = _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M, rot, ROTATE)
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=cols_layout)
         slot = hopper.arrived(q_ready, i, STAGES)
         q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_QK])
@@ -333,22 +369,33 @@ def _bwd_compute_partition(
 
 @gluon.jit
 def _bwd_dq_writer_partition(
-    dq_desc, dq_smem, dq_full, dq_empty, b_tma, hk, q_start, GROUP, lo, n_tiles,
-    BLOCK_M: gl.constexpr, DQ_BUFS: gl.constexpr,
+    dq_desc, dq_smem, dq_full, dq_empty, b_tma, hk, q_start, GROUP, lo, n_tiles, order,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DQ_BUFS: gl.constexpr,
+    ORDERED: gl.constexpr, ROTATE: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
-    """One warp (DQ_WRITER): each step's two dQ halves, left in dq_smem by the compute
-    warpgroups, added into the fp32 buffer by TMA reduce-add; their buffers released
-    once read. The compute warpgroups then neither issue nor wait for these copies
-    (FA4's dQ warp)."""
+    """One warp (DQ_WRITER, ORDERED_DQ): each step's two dQ halves, left in dq_smem by
+    the compute warpgroups, added into the fp32 buffer by TMA reduce-add; their buffers
+    released once read. The compute warpgroups then neither issue nor wait for these
+    copies (FA4's dQ warp). ORDERED: each tile's adds wait for their turn (dq_add_turn)
+    on the tile's counter in DqLocks, and count it on once they are done. ``order``:
+    (DqLocks, b, heads, seqlen_q, start_n, num_n, off, window_right, rot)."""
     HALF_D: gl.constexpr = dq_desc.block_type.shape[3]
+    DqLocks, b, heads, seqlen_q, start_n, num_n, off, window_right, rot = order
     for i in range(GROUP * n_tiles):
-        h, start_m = _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M)
+        h, start_m = _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M, rot, ROTATE)
+        if ORDERED:
+            lock = DqLocks + (b * heads + h) * gl.cdiv(seqlen_q, BLOCK_M) + start_m // BLOCK_M
+            turn = dq_add_turn(start_n // BLOCK_N, start_m, num_n, n_tiles, off, window_right,
+                               BLOCK_M, BLOCK_N, BOUNDED_RIGHT)
+            hopper.wait_turn(lock, turn)
         for half in gl.static_range(2):
             slot = half * DQ_BUFS + i % DQ_BUFS
             mbarrier.wait(dq_full.index(slot), (i // DQ_BUFS) & 1)
             hopper.tma_reduce_add(dq_desc, [b_tma, h, q_start + start_m, half * HALF_D],
                                   dq_smem.index(slot))
         tma.store_wait(0)
+        if ORDERED:
+            hopper.end_turn(lock)
         for half in gl.static_range(2):
             mbarrier.arrive(dq_empty.index(half * DQ_BUFS + i % DQ_BUFS))
 
@@ -359,7 +406,7 @@ def _key_block(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
     BATCH_INNER: gl.constexpr = False, HEAD_INNER: gl.constexpr = False,
-    PACKED_GRID: gl.constexpr = False,
+    PACKED_GRID: gl.constexpr = False, DESCENDING: gl.constexpr = False,
 ):  # fmt: skip
     """This program's keys: (b, kv head, first key, the sequence's first query and key
     token and lengths, the diagonal's offset, the query range common.query_range gives,
@@ -373,7 +420,9 @@ def _key_block(
     then the kv head, vary fastest instead (SUMMED_BIAS_INNER). PACKED_GRID: packed
     sequences' blocks in packed_programs' grid instead, in the same order; the plan
     then passes the count of sequences as num_n_blocks (unused there otherwise, and an
-    argument more would change every variant's code)."""
+    argument more would change every variant's code). DESCENDING (ORDERED_DQ): each
+    head's key blocks last first, so that a program's dQ adds wait only on programs
+    started before it."""
     pid = gl.program_id(0)
     if PACKED_GRID:
         b, hk, start_n = _packed_key_block(pid, HKV, CuSeqK, num_n_blocks, BLOCK_N)
@@ -396,6 +445,8 @@ def _key_block(
     else:
         bhk = pid // num_n_blocks
         start_n = (pid % num_n_blocks) * BLOCK_N
+        if DESCENDING:
+            start_n = (num_n_blocks - 1 - pid % num_n_blocks) * BLOCK_N
         b = bhk // HKV
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(CuSeqQ, CuSeqK, b, seqlen_q,
                                                            seqlen_k, IS_VARLEN)
@@ -493,13 +544,14 @@ def _bwd_sm90_kernel(
     HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
     BATCH_INNER: gl.constexpr, HEAD_INNER: gl.constexpr, SKIP_PAST_END: gl.constexpr,
-    PACKED_GRID: gl.constexpr, DQ_BUFS: gl.constexpr,
+    PACKED_GRID: gl.constexpr, DQ_BUFS: gl.constexpr, ORDERED: gl.constexpr,
+    ROTATE: gl.constexpr,
 ):  # fmt: skip
     (b, hk, start_n, q_start, k_start, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
      n_tiles) = _key_block(
         HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right,
         BLOCK_M, BLOCK_N, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT, BATCH_INNER,
-        HEAD_INNER, PACKED_GRID)  # fmt: skip
+        HEAD_INNER, PACKED_GRID, ORDERED)  # fmt: skip
     if SKIP_PAST_END:  # a key block past its packed sequence's end: nothing to do
         if start_n >= seqlen_k:
             return
@@ -543,6 +595,12 @@ def _bwd_sm90_kernel(
     bias_b = b % bias_batches  # 0 where the bias broadcasts over batches
     seed, rng_offset = philox_key(Rng, HAS_DROPOUT)
     heads = HKV * GROUP
+    # ORDERED_DQ (dense batches only): the dQ tiles' counters come in CuSeqQ's place,
+    # and without a mask each program walks its query tiles from its own one on.
+    rot = 0
+    if ROTATE:  # program n's walk starts at query tile n * n_tiles // num_n
+        rot = (start_n // BLOCK_N) * n_tiles // num_n_blocks
+    order = (CuSeqQ, b, heads, seqlen_q, start_n, num_n_blocks, off, window_right, rot)
 
     # Runtime values only: a constexpr stored in a variable would turn into a tensor, so
     # the constexprs go into each partition's arguments inline.
@@ -559,30 +617,31 @@ def _bwd_sm90_kernel(
             [(_bwd_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, HAS_DBIAS, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
-                                       BOUNDED_RIGHT, DQ_BUFS)),
+                                       BOUNDED_RIGHT, DQ_BUFS, ROTATE)),
              (_bwd_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, HAS_DBIAS, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
-                                       BOUNDED_RIGHT, DQ_BUFS)),
+                                       BOUNDED_RIGHT, DQ_BUFS, ROTATE)),
              (_bwd_load_partition, (
                 q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem,
                 k_smem, v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready,
                 q_empty, do_empty, b_tma, hk, q_start, k_start, stats_start, GROUP, bias_b,
                 bias_heads, start_n, lo, n_tiles, q_desc, k_desc, q_smem, k_smem, BLOCK_M,
-                STAGES, HAS_BIAS, 0)),
+                STAGES, HAS_BIAS, 0, rot, ROTATE)),
              (_bwd_dq_writer_partition, (dq_desc, dq_smem, dq_full, dq_empty, b_tma, hk,
-                                         q_start, GROUP, lo, n_tiles, BLOCK_M, DQ_BUFS))],
+                                         q_start, GROUP, lo, n_tiles, order, BLOCK_M,
+                                         BLOCK_N, DQ_BUFS, ORDERED, ROTATE, BOUNDED_RIGHT))],
             worker_num_warps=[4, 1, 1], worker_num_regs=[240, 24, 24])  # fmt: skip
     else:
         gl.warp_specialize(
             [(_bwd_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, HAS_DBIAS, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
-                                       BOUNDED_RIGHT, DQ_BUFS)),
+                                       BOUNDED_RIGHT, DQ_BUFS, ROTATE)),
              (_bwd_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, HAS_DBIAS, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
-                                       BOUNDED_RIGHT, DQ_BUFS)),
+                                       BOUNDED_RIGHT, DQ_BUFS, ROTATE)),
              (_bwd_load_partition, (
                 q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem,
                 k_smem, v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready,
@@ -1034,6 +1093,19 @@ SUMMED_BIAS_INNER = True
 # off as the place where a deterministic order of the adds (a semaphore per dQ tile)
 # would go.
 DQ_WRITER = False
+# Deterministic calls at D 64/128 on this kernel (FA3's scheme): a counter per dQ tile
+# (b, h, query tile), zeroed per call, and the dQ writer warp adds a tile's halves only
+# at its program's turn (dq_add_turn), counting the turn on once the adds completed
+# (hopper.wait_turn, end_turn). The turns follow the order in which the programs reach
+# a tile, so that in the steady state none waits: under a right bound (causal, windows)
+# the key blocks further right start on a tile earlier and add first; without bounds
+# each program starts its walk at its own query tile (rot), as FA3's shift scheduler.
+# Blocks of one head have consecutive programs, which the GPU starts in order, so a
+# program waits only on programs already running. Today deterministic calls at D 64/128
+# run the tile kernels (0.66x FA4 on the bench's row against 0.90x for the default).
+# Off until test_ordered_dq_backward_gpu (bitwise runs, the reference, a subprocess
+# that a hang cannot stall) has run and tools/ab.py has timed it (variant "ordered_dq").
+ORDERED_DQ = False
 # Packed sequences: a program per key block of the longest sequence, so a shorter one's
 # blocks past its end have no query; they return before loading K and V (13 documents
 # in 16k tokens, H16: 4480 of 6656 programs). H100, the bench's docs row, backward
@@ -1053,12 +1125,29 @@ PACKED_GRID = False
 
 def dq_buffers(spec: AttentionSpec, bias_tiles: bool, dbias_kind: str | None) -> int:
     """The kernel's DQ_BUFS: 0 (each compute warpgroup sends its dQ tiles), or with
-    DQ_WRITER the dQ writer warp's buffers a warpgroup: two where shared memory holds
-    them (no bias tiles, no dropout), else one. Not beside a bias gradient that leaves
-    by TMA from the compute warpgroups (full, or summed through dQ's buffers)."""
-    if not DQ_WRITER or dbias_kind in ("full", "summed"):
+    DQ_WRITER (and for ORDERED_DQ's calls) the dQ writer warp's buffers a warpgroup:
+    two where shared memory holds them (no bias tiles, no dropout), else one. Not
+    beside a bias gradient that leaves by TMA from the compute warpgroups (full, or
+    summed through dQ's buffers)."""
+    if not (DQ_WRITER or orders_dq(spec, dbias_kind)) or dbias_kind in ("full", "summed"):
         return 0
     return 1 if bias_tiles or spec.dropout_p > 0 else 2
+
+
+def orders_dq(spec: AttentionSpec, dbias_kind: str | None) -> bool:
+    """Whether a deterministic call runs the D 64/128 kernel with dQ's adds in a fixed
+    order (ORDERED_DQ): dense batches, no bias gradient sent by TMA from the compute
+    warpgroups (dQ's writer warp has no room beside it), and no window bounded on the
+    left alone (dq_add_turn's two orders need a right bound or none)."""
+    if not (ORDERED_DQ and spec.deterministic and dq_in_fp32(spec) and not spec.varlen
+            and dbias_kind not in ("full", "summed")):
+        return False
+    if spec.window_right >= 0:  # adds last block first, waiting on earlier programs only
+        return True
+    # No right bound: the turns go round the head's blocks (rot), so every block of a
+    # head must be running at once; half the SMs, to leave room for other streams' work.
+    no_left = spec.window_left < 0
+    return no_left and cdiv(spec.seqlen_k, BLOCK_N) <= hopper.sm_count(spec.device.index) // 2
 
 
 def inner_dims(spec: AttentionSpec, bias, dbias_kind: str | None) -> tuple[bool, bool]:
@@ -1135,6 +1224,10 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
     bias_row = bias is not None and hopper.bias_row(spec, bias)
     dbias_kind = None if dbias is None else dbias_kind_of(spec, bias)
     how = _plan(spec, bias_row, dbias_kind, inner_dims(spec, bias, dbias_kind), q.device.index)
+    if how.constexprs["ORDERED"]:  # a counter per dQ tile, in cu_seqlens_q's place (dense)
+        tiles = cdiv(spec.seqlen_q, how.constexprs["BLOCK_M"])
+        cu_seqlens_q = torch.zeros(spec.batch * spec.heads * tiles, dtype=torch.int32,
+                                   device=q.device)  # fmt: skip
     # What the arguments are made of beside the plan (the spec fixes every shape but
     # the bias's and ALiBi's): hopper.Launcher.launch_prepared.
     call = (how, q.data_ptr(), q.stride(), k.data_ptr(), k.stride(), v.data_ptr(),
@@ -1214,8 +1307,9 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
         BOUNDED_RIGHT=spec.window_right >= 0, BATCH_INNER=inner[0], HEAD_INNER=inner[1],
         SKIP_PAST_END=spec.varlen and (SKIP_EMPTY_KEY_BLOCKS or packed_grid),
-        PACKED_GRID=packed_grid,
-        DQ_BUFS=dq_buffers(spec, bias_tiles, dbias_kind),
+        PACKED_GRID=packed_grid, DQ_BUFS=dq_buffers(spec, bias_tiles, dbias_kind),
+        ORDERED=orders_dq(spec, dbias_kind),
+        ROTATE=orders_dq(spec, dbias_kind) and spec.window_right < 0,
         num_warps=4,
     )  # fmt: skip
     counts = (spec.batch if packed_grid else num_n,)  # _key_block's num_n_blocks

@@ -13,8 +13,8 @@ backward alike.
   gradient of a key row (summed in registers) or of a bias read by tiles (dS stored,
   or added up across the batch or heads it broadcasts over), and at D=256 nothing of
   bias, ALiBi, dropout or packed batches; deterministic mode only where dQ is not
-  added up in fp32 across programs. Neither takes global positions for ALiBi or
-  dropout (AttentionSpec.positioned).
+  added up in fp32 across programs, or is in a fixed order (backward_sm90.ORDERED_DQ).
+  Neither takes global positions for ALiBi or dropout (AttentionSpec.positioned).
 - The split-KV forward (decode.py), before either: few queries a sequence (Sq <= 64)
   against many keys (Sk >= 4096), every option but global positions; the query heads
   of a GQA group share each K/V tile read and the keys spread over the SMs. Its
@@ -89,6 +89,15 @@ def gluon_backward_computes(spec: AttentionSpec, bias, alibi_slopes, need_dbias:
     return hopper.bias_readable(spec, bias) and spec.seqlen_k % 8 == 0
 
 
+def _gluon_deterministic(spec: AttentionSpec, bias, need_dbias: bool) -> bool:
+    """Whether the Gluon backward makes this deterministic call's gradients in a fixed
+    order: where dQ is not added up in fp32 across programs, or in a fixed order."""
+    if not backward_sm90.dq_in_fp32(spec):
+        return True
+    return backward_sm90.orders_dq(
+        spec, backward_sm90.dbias_kind_of(spec, bias) if need_dbias else None)
+
+
 def gluon_backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, needs) -> bool:
     """Whether the Gluon backward runs this call (else backward.py's tile kernels): it
     computes dQ, dK and dV together, so a call that needs dQ and dK or dV."""
@@ -97,7 +106,7 @@ def gluon_backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, n
             and _gluon_takes(spec, q, k, v, bias)
             and backward_sm90.takes_head_dims(spec)
             and gluon_backward_computes(spec, bias, alibi_slopes, need_dbias)
-            and not (spec.deterministic and backward_sm90.dq_in_fp32(spec))
+            and (not spec.deterministic or _gluon_deterministic(spec, bias, need_dbias))
             and hopper.keys_per_query(spec) >= backward_sm90.MIN_KEYS_PER_QUERY[spec.head_dim_qk]
             and hopper.tma_readable(grad_out))  # fmt: skip
 

@@ -426,6 +426,29 @@ def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
                                               tensor_desc.handle, coord, src.handle)
 
 
+@gluon.jit
+def wait_turn(lock, turn):
+    """Spins until the int32 counter at ``lock`` reads ``turn`` (ld.acquire.gpu, every
+    lane): adds from different programs in a fixed order (backward_sm90.ORDERED_DQ)."""
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 v; WAIT_TURN: ld.global.acquire.gpu.b32 v, [$1]; "
+        "setp.ne.s32 p, v, $2; @p bra WAIT_TURN; mov.b32 $0, v; }",
+        "=r,l,r", [lock, turn], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def end_turn(lock):
+    """Counts a turn done at ``lock``, from one warp, once the warp's bulk copies have
+    completed: cp.async.bulk.wait_group 0 (tma.store_wait's .read variant only waits
+    for their sources to be read, not for their writes), the warp's lanes together,
+    fence.acq_rel.gpu, then lane 0's red.add; the next wait_turn then sees the writes."""
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 l; cp.async.bulk.wait_group 0; bar.warp.sync -1; "
+        "mov.u32 l, %laneid; setp.eq.u32 p, l, 0; fence.acq_rel.gpu; "
+        "@p red.relaxed.gpu.global.add.s32 [$1], 1; mov.b32 $0, 0; }",
+        "=r,l", [lock], dtype=gl.int32, is_pure=False, pack=1)
+
+
 # Arguments a launch key holds by value: Triton specialises an int on its value (is it
 # 1, divisible by 16, its width), a float or a bool on its type. Keying on the value
 # (the types sit beside it in the key) costs a tenth of working those out on each call,
