@@ -1298,6 +1298,7 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
     wide = (spec.head_dim_qk == 64 and not bias_tiles and spec.dropout_p == 0
             and not spec.has_alibi)
     packed_grid = spec.varlen and PACKED_GRID and not any(inner)  # sequences in order
+    ordered = orders_dq(spec, dbias_kind)
     constexprs = dict(
         HEAD_DIM_QK=spec.head_dim_qk, HEAD_DIM_V=spec.head_dim_v,
         BLOCK_M=BLOCK_M_D64 if wide else BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
@@ -1308,8 +1309,7 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
         BOUNDED_RIGHT=spec.window_right >= 0, BATCH_INNER=inner[0], HEAD_INNER=inner[1],
         SKIP_PAST_END=spec.varlen and (SKIP_EMPTY_KEY_BLOCKS or packed_grid),
         PACKED_GRID=packed_grid, DQ_BUFS=dq_buffers(spec, bias_tiles, dbias_kind),
-        ORDERED=orders_dq(spec, dbias_kind),
-        ROTATE=orders_dq(spec, dbias_kind) and spec.window_right < 0,
+        ORDERED=ordered, ROTATE=ordered and spec.window_right < 0,
         num_warps=4,
     )  # fmt: skip
     counts = (spec.batch if packed_grid else num_n,)  # _key_block's num_n_blocks
