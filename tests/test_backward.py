@@ -377,19 +377,11 @@ def test_split_head_dims_backward_gpu(case, dtype, hopper_backward_launches):
 
 
 # Gluon backward options built but off (backward_sm90's knobs): DQ_WRITER, dQ sent by a
-# warp of its own (two buffers a warpgroup, or one beside dropout; GQA, packed rows);
-# PACKED_GRID, packed sequences in a grid of their own key blocks (sequences with no
-# query or a few keys, GQA, masks either way, bias, ALiBi, dropout, a key row's
-# gradient, and a bias shared by the sequences, whose batch-inner order keeps the
-# dense grid).
+# warp of its own (two buffers a warpgroup, or one beside dropout; GQA, packed rows).
 OFF_BY_DEFAULT = {
     "DQ_WRITER": ["D64 Sq=777 Sk=1030", "D128 causal", "GQA 8:2 transposed causal",
                   "dropout causal GQA", "bias K Sq=2100 Sk=333", "varlen D128 causal",
                   "Dqk128 Dv64 window"],
-    "PACKED_GRID": ["varlen D128 causal", "varlen D64 GQA bottom-right",
-                    "varlen D64 three warpgroups window", "varlen bias alibi",
-                    "varlen key bias BH1K causal", "varlen dropout key bias GQA",
-                    "varlen bias 1HQK shared causal"],
 }  # fmt: skip
 
 
@@ -406,8 +398,8 @@ def test_backward_options_off_by_default_gpu(knob, name, hopper_backward_launche
     assert hopper_backward_launches, "the call fell back to backward.py"
 
 
-# ORDERED_DQ (off until this has run on the device): deterministic calls on the Gluon
-# backward, each dQ tile's adds in a fixed order. Both orders (a right bound: last key
+# ORDERED_DQ: deterministic calls on the Gluon backward, each dQ tile's adds in a fixed
+# order. Both orders (a right bound: last key
 # block first; none: round from the block whose walk starts at the tile), D 64 (128
 # rows a step) and 128, GQA, Sq far from Sk, one key block, dropout (one dQ buffer), a
 # key row's gradient, ALiBi, Dqk != Dv, and 32 key blocks a head contending for turns.
@@ -430,7 +422,6 @@ def ordered_dq_child(name: str) -> None:
     bit for bit."""
     from memattn.kernels import backward_sm90
 
-    backward_sm90.ORDERED_DQ = True
     backward_sm90.MIN_KEYS_PER_QUERY = dict.fromkeys(backward_sm90.HEAD_DIMS, 0)
     launched = []
     run = backward_sm90.backward

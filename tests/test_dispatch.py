@@ -5,7 +5,6 @@ there, the feature rules that hold whatever the device, and the empty calls answ
 without a launch. The GPU tests of test_forward/test_backward check which family ran."""
 
 import dataclasses
-import itertools
 
 import pytest
 import torch
@@ -187,58 +186,6 @@ def test_split_head_dims_take_the_wide_backward():
 
 
 
-@gluon
-@pytest.mark.parametrize("varlen, inner", [(True, (False, False)), (False, (False, False)),
-                                           (True, (True, False))])  # fmt: skip
-def test_packed_grid_reaches_the_plan_only_for_packed_calls(varlen, inner, monkeypatch):
-    """PACKED_GRID (off until its GPU test has run) takes packed calls whose programs go
-    sequence by sequence (not a summed bias's batch-inner order), passes the sequence
-    count in place of the key blocks per head, and never runs more programs than the
-    grid of the longest sequence's blocks."""
-    backward_sm90 = dispatch.backward_sm90
-    spec, _, k, _, _ = spec_and_inputs(b=3, sq=300, sk=300, d=128, varlen=varlen)
-    monkeypatch.setattr(backward_sm90, "PACKED_GRID", True)
-    backward_sm90.hopper.forget_plans()  # plans are made from the knobs
-    try:
-        plan = backward_sm90._plan(spec, False, None, inner, 0)
-    finally:
-        backward_sm90.hopper.forget_plans()
-    packed = varlen and inner == (False, False)
-    assert plan.constexprs["PACKED_GRID"] is packed
-    blocks = -(-300 // backward_sm90.BLOCK_N)  # the longest sequence's key blocks
-    assert plan.counts == ((spec.batch,) if packed else (blocks,))
-    assert plan.programs == 3 * spec.kv_heads * blocks
-    bound = spec.kv_heads * (900 // backward_sm90.BLOCK_N + 3)
-    programs = backward_sm90.packed_programs(spec, plan, k.shape[0])
-    assert programs == (min(bound, plan.programs) if packed else plan.programs)
-
-
-@gluon
-@pytest.mark.parametrize("lengths", [(700, 5, 1300, 64), (0, 128, 129, 0, 1), (4000,),
-                                     (1,) * 7, (127, 128, 129, 255, 256, 257)])  # fmt: skip
-@pytest.mark.parametrize("kv_heads", [1, 3])
-@pytest.mark.parametrize("extra", [0, 300], ids=["exact", "tokens past cu_seqlens"])
-def test_packed_grid_covers_every_key_block_once(lengths, kv_heads, extra):
-    """PACKED_GRID's programs (packed_programs, packed_key_block_of; the kernel's search
-    for a program's sequence, _packed_key_block, done here in Python): every key block
-    of every (sequence, kv head) exactly once, in the dense grid's order (sequences,
-    then kv heads, then key blocks), every other program past its sequence's end,
-    also where the packed tensor holds tokens past cu_seqlens_k's last."""
-    block_n = dispatch.backward_sm90.BLOCK_N
-    cu = [0, *itertools.accumulate(lengths)]
-    programs = kv_heads * ((cu[-1] + extra) // block_n + len(lengths))
-    walked = []
-    for pid in range(programs):
-        b = max(i for i in range(len(lengths)) if cu[i] // block_n + i <= pid // kv_heads)
-        hk, start_n = dispatch.backward_sm90.packed_key_block_of.fn(
-            pid, kv_heads, b, cu[b], cu[b + 1], block_n)
-        assert 0 <= hk < kv_heads and start_n >= 0
-        if start_n < lengths[b]:
-            walked.append((b, hk, start_n))
-    assert walked == [(b, hk, n) for b, n_b in enumerate(lengths) for hk in range(kv_heads)
-                      for n in range(0, n_b, block_n)]  # fmt: skip
-
-
 def _visits(n, seqlen_q, off, left, right, block_m, block_n):
     """The query tiles (first rows) key block n's program walks: common.query_range's
     lo and hi, restated in Python (left, right: None where unbounded)."""
@@ -297,15 +244,16 @@ def test_ordered_dq_turns_follow_the_walks(seqlen_q, seqlen_k, align, window, bl
 )  # fmt: skip
 def test_ordered_dq_takes_deterministic_calls(options, varlen, bias_shape, ordered, rotate,
                                               monkeypatch):  # fmt: skip
-    """ORDERED_DQ (off until its GPU test has run) takes deterministic D 64/128 calls of
-    dense batches, without a bias gradient sent by TMA or a window bounded on the left
-    alone; there the plan has the dQ writer warp, and the rotated walk without a right
-    bound. Off, and for calls that are not deterministic, nothing changes."""
+    """ORDERED_DQ takes deterministic D 64/128 calls of dense batches, without a bias
+    gradient sent by TMA or a window bounded on the left alone; there the plan has the
+    dQ writer warp, and the rotated walk without a right bound. Off, and for calls that
+    are not deterministic, nothing changes."""
     bsm = dispatch.backward_sm90
     monkeypatch.setattr(bsm.hopper, "sm_count", lambda device_index: 132)
     spec, *_, bias = spec_and_inputs(d=128, bias_shape=bias_shape, varlen=varlen,
                                      deterministic=True, **options)  # fmt: skip
     kind = None if bias is None else bsm.dbias_kind_of(spec, bias)
+    monkeypatch.setattr(bsm, "ORDERED_DQ", False)
     assert not bsm.orders_dq(spec, kind)
     monkeypatch.setattr(bsm, "ORDERED_DQ", True)
     bsm.hopper.forget_plans()  # plans are made from the knobs

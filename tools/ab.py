@@ -41,8 +41,6 @@ VARIANTS = {
     "summed_outer": {"bwd.SUMMED_BIAS_INNER": False},  # summed biases in the shipped order
     "no_skip_empty": {"bwd.SKIP_EMPTY_KEY_BLOCKS": False},  # packed: blocks past the end run
     "dq_writer": {"bwd.DQ_WRITER": True},  # dQ's reduce-adds from a warp of their own
-    "packed_grid": {"bwd.PACKED_GRID": True},  # packed: a grid of the sequences' own blocks
-    "ordered_dq": {"bwd.ORDERED_DQ": True},  # deterministic ("d" shapes) on the Gluon kernel
     "no_split": {"bwd.SPLIT_HEAD_DIM_PAIRS": ()},  # 192/128 on the tile kernels
     "dq32_at192": {"bwd.DQ_BLOCK_N": {256: 32, 192: 32}},  # 32-key tiles in 192's dQ kernel
 }
@@ -50,8 +48,7 @@ MODULES = {"fwd": forward_sm90, "bwd": backward_sm90}
 DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
     ("fwd", ("FOLD", "BLOCK_M_D64", "PERSISTENT", "VARLEN_FOLD", "MAX_Q_STAGES")),
     ("bwd", ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "SKIP_EMPTY_KEY_BLOCKS",
-             "SPLIT_HEAD_DIM_PAIRS", "DQ_BLOCK_N", "DQ_WRITER", "PACKED_GRID",
-             "ORDERED_DQ")))
+             "SPLIT_HEAD_DIM_PAIRS", "DQ_BLOCK_N", "DQ_WRITER", "ORDERED_DQ")))
     for name in names}  # fmt: skip
 
 

@@ -39,8 +39,9 @@ writing it in the output dtype: no fp32 buffer, and no atomics.
 
 Covers what forward_sm90 covers (bf16/fp16, head dims 64, 128 and 256, GQA, causal
 masks either way, sliding windows, a bias, ALiBi, dropout, dense and packed batches)
-minus deterministic mode at D 64 and 128 (TMA reduce-adds land in any order; see
-ORDERED_DQ, built and off), minus a bias gradient summed over keys, and at D=256 minus
+minus a bias gradient summed over keys, minus deterministic calls at D 64 and 128 other
+than orders_dq's (TMA reduce-adds land in any order; ORDERED_DQ puts them in one for
+dense batches), and at D=256 minus
 a bias, ALiBi, dropout and packed batches. Every other call runs backward.py.
 """
 
@@ -406,7 +407,7 @@ def _key_block(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
     BATCH_INNER: gl.constexpr = False, HEAD_INNER: gl.constexpr = False,
-    PACKED_GRID: gl.constexpr = False, DESCENDING: gl.constexpr = False,
+    DESCENDING: gl.constexpr = False,
 ):  # fmt: skip
     """This program's keys: (b, kv head, first key, the sequence's first query and key
     token and lengths, the diagonal's offset, the query range common.query_range gives,
@@ -417,16 +418,11 @@ def _key_block(
     backward's speed: 427 -> 231 TFLOP/s on 13 documents, H100). Varlen (packed
     sequences, cu_seqlens): blocks count to the longest sequence, and a block past its
     own sequence's end has no query tile. BATCH_INNER, HEAD_INNER: the batch (sequence),
-    then the kv head, vary fastest instead (SUMMED_BIAS_INNER). PACKED_GRID: packed
-    sequences' blocks in packed_programs' grid instead, in the same order; the plan
-    then passes the count of sequences as num_n_blocks (unused there otherwise, and an
-    argument more would change every variant's code). DESCENDING (ORDERED_DQ): each
+    then the kv head, vary fastest instead (SUMMED_BIAS_INNER). DESCENDING (ORDERED_DQ): each
     head's key blocks last first, so that a program's dQ adds wait only on programs
     started before it."""
     pid = gl.program_id(0)
-    if PACKED_GRID:
-        b, hk, start_n = _packed_key_block(pid, HKV, CuSeqK, num_n_blocks, BLOCK_N)
-    elif BATCH_INNER or HEAD_INNER:
+    if BATCH_INNER or HEAD_INNER:
         rest = pid
         if BATCH_INNER:
             batches = gl.num_programs(0) // (num_n_blocks * HKV)
@@ -458,50 +454,10 @@ def _key_block(
     if IS_VARLEN:
         if start_n >= seqlen_k:
             n_tiles = 0
-    if not (BATCH_INNER or HEAD_INNER or PACKED_GRID):
+    if not (BATCH_INNER or HEAD_INNER):
         hk = bhk % HKV
     return (b, hk, start_n, q_start, k_start, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
             n_tiles)
-
-
-@gluon.jit
-def _packed_key_block(pid, HKV, CuSeqK, num_seqs, BLOCK_N: gl.constexpr):
-    """Program pid's (sequence, kv head, first key) in packed_programs' grid: sequence b
-    owns the programs from HKV * (cu_seqlens_k[b] // BLOCK_N + b) on, its kv heads one
-    after another, each's key blocks in order; a program past its sequence's last block
-    (at most two a head) or past the grid's last sequence gets a first key at the
-    sequence's end (the kernel returns). b is the last sequence whose first program is
-    at most pid: a count over all of cu_seqlens_k in vector loads, one round trip for up
-    to 512 sequences."""
-    layout: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
-    CHUNK: gl.constexpr = 512
-    target = pid // HKV
-    count = gl.to_tensor(0)
-    for first in range(0, num_seqs, CHUNK):
-        seq = first + gl.arange(0, CHUNK, layout=layout)
-        inside = seq < num_seqs
-        starts = gl.load(CuSeqK + seq, mask=inside, other=0) // BLOCK_N + seq
-        count += gl.sum(((starts <= target) & inside).to(gl.int32), axis=0)
-    b = count - 1
-    hk, start_n = packed_key_block_of(pid, HKV, b, gl.load(CuSeqK + b),
-                                      gl.load(CuSeqK + b + 1), BLOCK_N)
-    return b, hk, start_n
-
-
-@gluon.jit
-def packed_key_block_of(pid, HKV, b, k_first, k_end, BLOCK_N: gl.constexpr):
-    """_packed_key_block's (kv head, first key) for program pid of sequence b, whose
-    keys are tokens [k_first, k_end): HKV runs of (k_end // BLOCK_N - k_first //
-    BLOCK_N + 1) programs. Plain integer arithmetic, so that tests can run it in
-    Python."""
-    blocks = k_end // BLOCK_N - k_first // BLOCK_N + 1  # this sequence's programs a head
-    local = pid - HKV * (k_first // BLOCK_N + b)
-    hk = local // blocks
-    start_n = (local % blocks) * BLOCK_N
-    if hk >= HKV:  # past cu_seqlens_k's last token (the packed tensor may hold more)
-        hk = HKV - 1
-        start_n = k_end - k_first
-    return hk, start_n
 
 
 @gluon.jit
@@ -544,14 +500,14 @@ def _bwd_sm90_kernel(
     HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
     BATCH_INNER: gl.constexpr, HEAD_INNER: gl.constexpr, SKIP_PAST_END: gl.constexpr,
-    PACKED_GRID: gl.constexpr, DQ_BUFS: gl.constexpr, ORDERED: gl.constexpr,
+    DQ_BUFS: gl.constexpr, ORDERED: gl.constexpr,
     ROTATE: gl.constexpr,
 ):  # fmt: skip
     (b, hk, start_n, q_start, k_start, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
      n_tiles) = _key_block(
         HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right,
         BLOCK_M, BLOCK_N, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT, BATCH_INNER,
-        HEAD_INNER, PACKED_GRID, ORDERED)  # fmt: skip
+        HEAD_INNER, ORDERED)  # fmt: skip
     if SKIP_PAST_END:  # a key block past its packed sequence's end: nothing to do
         if start_n >= seqlen_k:
             return
@@ -1101,26 +1057,16 @@ DQ_WRITER = False
 # the key blocks further right start on a tile earlier and add first; without bounds
 # each program starts its walk at its own query tile (rot), as FA3's shift scheduler.
 # Blocks of one head have consecutive programs, which the GPU starts in order, so a
-# program waits only on programs already running. Today deterministic calls at D 64/128
-# run the tile kernels (0.66x FA4 on the bench's row against 0.90x for the default).
-# Off until test_ordered_dq_backward_gpu (bitwise runs, the reference, a subprocess
-# that a hang cannot stall) has run and tools/ab.py has timed it (variant "ordered_dq").
-ORDERED_DQ = False
+# program waits only on programs already running. H100, tools/ab.py (variant
+# "ordered_dq" against the tile kernels and the non-deterministic default), D128 S4096
+# backward: 385 -> 504 TFLOP/s (default 546: 1.08x its time), causal 309 -> 427 (458:
+# 1.07x), D64 456 (default 443).
+ORDERED_DQ = True
 # Packed sequences: a program per key block of the longest sequence, so a shorter one's
 # blocks past its end have no query; they return before loading K and V (13 documents
 # in 16k tokens, H16: 4480 of 6656 programs). H100, the bench's docs row, backward
 # 358 -> 381 TFLOP/s.
 SKIP_EMPTY_KEY_BLOCKS = True
-# Packed sequences in a grid of their own blocks instead (packed_programs,
-# _packed_key_block): sequence b's programs start at HKV * (cu_seqlens_k[b] // BLOCK_N
-# + b), so a program finds its sequence from cu_seqlens_k alone (one vector load, no
-# host sync, no buffer), and at most HKV * (T // BLOCK_N + B) programs run: 2256 for
-# the bench's 13 documents against 6656, of which 4480 return at once, each at a
-# program's start (~2.6 µs, from the forward's program-per-block run; ~90 µs of the
-# ~970 µs call). The price: one more load round trip a program before its first tile.
-# Predicted +3-8 % on the documents' backward. Off until the GPU suite has run with it
-# (test_packed_grid_backward_gpu) and tools/ab.py has timed it (variant "packed_grid").
-PACKED_GRID = False
 
 
 def dq_buffers(spec: AttentionSpec, bias_tiles: bool, dbias_kind: str | None) -> int:
@@ -1236,8 +1182,7 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
             dv.stride(), hopper.tensor_key(bias), hopper.tensor_key(dbias),
             hopper.tensor_key(alibi_slopes), hopper.tensor_key(rng_state),
             hopper.tensor_key(cu_seqlens_q), hopper.tensor_key(cu_seqlens_k))  # fmt: skip
-    programs = packed_programs(spec, how, k.shape[0])
-    if _launch_backward.launch_prepared(programs, call):
+    if _launch_backward.launch_prepared(how.programs, call):
         return
     half_d = spec.head_dim_qk // 2
     # K's tile is sliced by columns for dQ: its swizzle may not span more than a half.
@@ -1267,7 +1212,7 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
                hopper.aligned(alibi_slopes), (bias.dtype, hopper.aligned(bias)) if bias_row
                else None, hopper.aligned(cu_seqlens_q), hopper.aligned(cu_seqlens_k))  # fmt: skip
     _launch_backward(
-        (programs,),
+        (how.programs,),
         q_desc, hopper.descriptor(k, BLOCK_N, swizzle=k_swizzle),
         hopper.descriptor(v, BLOCK_N), hopper.descriptor(grad_out, block_m),
         hopper.descriptor(dq, block_m, cols=half_d),
@@ -1290,14 +1235,13 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
     head (packed sequences: blocks of the longest). bias_row: the bias is one row of
     keys (hopper.bias_row), read by pointer. dbias_kind: dbias_kind_of's, None without
     a bias gradient. inner: batch and kv head innermost in the programs' order
-    (SUMMED_BIAS_INNER). Counts: key blocks per head (PACKED_GRID: sequences)."""
+    (SUMMED_BIAS_INNER). Counts: key blocks per head."""
     num_n = cdiv(spec.seqlen_k, BLOCK_N)
     bias_tiles = spec.has_bias and not bias_row
     # 128 query rows at D=64 where they fit: not beside bias tiles (shared memory), nor
     # with dropout or ALiBi (their registers: 750-3400 bytes of spills, sm_90 compile)
     wide = (spec.head_dim_qk == 64 and not bias_tiles and spec.dropout_p == 0
             and not spec.has_alibi)
-    packed_grid = spec.varlen and PACKED_GRID and not any(inner)  # sequences in order
     ordered = orders_dq(spec, dbias_kind)
     constexprs = dict(
         HEAD_DIM_QK=spec.head_dim_qk, HEAD_DIM_V=spec.head_dim_v,
@@ -1307,23 +1251,12 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
         HAS_DROPOUT=spec.dropout_p > 0, IS_VARLEN=spec.varlen,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
         BOUNDED_RIGHT=spec.window_right >= 0, BATCH_INNER=inner[0], HEAD_INNER=inner[1],
-        SKIP_PAST_END=spec.varlen and (SKIP_EMPTY_KEY_BLOCKS or packed_grid),
-        PACKED_GRID=packed_grid, DQ_BUFS=dq_buffers(spec, bias_tiles, dbias_kind),
+        SKIP_PAST_END=spec.varlen and SKIP_EMPTY_KEY_BLOCKS,
+        DQ_BUFS=dq_buffers(spec, bias_tiles, dbias_kind),
         ORDERED=ordered, ROTATE=ordered and spec.window_right < 0,
         num_warps=4,
     )  # fmt: skip
-    counts = (spec.batch if packed_grid else num_n,)  # _key_block's num_n_blocks
-    return hopper.Plan(num_n * spec.batch * spec.kv_heads, counts, constexprs)
-
-
-def packed_programs(spec: AttentionSpec, plan: hopper.Plan, keys: int) -> int:
-    """Programs the D 64/128 kernel runs: the plan's, or with PACKED_GRID (packed
-    sequences of ``keys`` tokens in all) at most kv_heads * (keys // BLOCK_N + batch):
-    each sequence's blocks, ⌈n / BLOCK_N⌉ ≤ (k_start + n) // BLOCK_N - k_start //
-    BLOCK_N + 1 of them, from its first program (_packed_key_block) on."""
-    if not plan.constexprs["PACKED_GRID"]:
-        return plan.programs
-    return min(plan.programs, spec.kv_heads * (keys // BLOCK_N + spec.batch))
+    return hopper.Plan(num_n * spec.batch * spec.kv_heads, (num_n,), constexprs)
 
 
 def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, stats, dq, dk, dv) -> None:
