@@ -8,7 +8,8 @@ included), TFLOP/s of the GPU alone (CUDA graph replay) and host µs per call in
 "Dqk/DvxS" for a narrower V, "+BHQK"-style letters for a bias of that shape (1 where
 it broadcasts; no gradient asked of it, but with ".grad": "+1HQK.grad"; the error
 column then covers dQ, dK and dV only); the shapes "docs" and "docs-full" are the
-bench's packed documents (causal and not, H=16, D=128).
+bench's packed documents (causal and not, H=16, D=128), "docs/N" and "docs/N-full"
+16384 tokens of documents N long.
 
     python tools/ab.py [--pass fwd|bwd] [--shapes 128x4096c,192/128x4096c,128x4096+1H1K,docs]
                        [--variants tile,default]
@@ -63,11 +64,12 @@ def use(knobs) -> None:
 
 def inputs(shape: str, device: str = "cuda"):
     """(q, k, v, grad_out, options, flops of the forward) for "Dqk[/Dv]xS[c][+BIAS]" or
-    "docs" / "docs-full" (see the module's docstring)."""
+    "docs[/N][-full]" (see the module's docstring)."""
     new = lambda *s: torch.randn(*s, device=device, dtype=torch.bfloat16)  # noqa: E731
-    if shape in ("docs", "docs-full"):
-        causal = shape == "docs"
-        lengths = bench.DOC_LENGTHS
+    if shape.startswith("docs"):
+        causal = not shape.endswith("-full")
+        size = shape.removesuffix("-full").partition("/")[2]
+        lengths = (int(size),) * (16384 // int(size)) if size else bench.DOC_LENGTHS
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
                           device=device)  # fmt: skip
         q, k, v, do = (new(sum(lengths), 16, 128) for _ in range(4))

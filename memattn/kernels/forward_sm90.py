@@ -206,14 +206,23 @@ def _softmax_tile(
 ):  # fmt: skip
     """Online-softmax step on raw scores s (with the bias: a tile in natural units, or
     a row in log2 units (BIAS_ROW), fp32; and ALiBi's slope for this head); m_i is kept
-    in scaled log2 units."""
+    in scaled log2 units, with a bias tile in natural units (see below)."""
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-    if BIAS_ROW:  # one FMA a score
+    if HAS_BIAS:
+        # Natural units: one FMA a score adds the tile. In log2 units the bias is scaled
+        # too, and a finite bias near -FLT_MAX (eager masks' finfo.min) times log2(e)
+        # overflows to -inf, turning a row the reference averages into an empty one:
+        # that took a clamp and a select a score more.
+        s = s * (scale_log2 * LN2) + bias
+        if HAS_ALIBI:
+            s -= slope * gl.abs(offs_m[:, None] + off - offs_n[None, :]).to(gl.float32)
+        scale_log2 = 1.0
+    elif BIAS_ROW:  # one FMA a score
         s = s * scale_log2 + bias
         scale_log2 = 1.0
-    if HAS_BIAS or HAS_ALIBI:  # the scale goes in first here, not folded into exp2's
+    if HAS_ALIBI and not HAS_BIAS:  # the scale goes in first here, not folded into exp2's
         s = add_bias_alibi_log2(s * scale_log2, offs_m[:, None], offs_n[None, :], off, slope,
-                                bias, HAS_BIAS, HAS_ALIBI)
+                                bias, False, HAS_ALIBI)
         scale_log2 = 1.0
     if needs_mask:
         mask = visible(offs_m[:, None], offs_n[None, :], seqlen_k, off, window_left,
@@ -222,8 +231,12 @@ def _softmax_tile(
     m_new = gl.maximum(m_i, gl.max(s, 1) * scale_log2)
     # Rows with no visible key yet keep m = -inf: subtract 0 there (no -inf - -inf).
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s * scale_log2 - m_safe[:, None])
-    alpha = gl.exp2(m_i - m_safe)
+    if HAS_BIAS:  # the difference first: s and m may be near -FLT_MAX
+        p = gl.exp2((s - m_safe[:, None]) * LOG2E)
+        alpha = gl.exp2((m_i - m_safe) * LOG2E)
+    else:
+        p = gl.exp2(s * scale_log2 - m_safe[:, None])
+        alpha = gl.exp2(m_i - m_safe)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_i, alpha
 
@@ -410,7 +423,12 @@ def _softmax_partition(
             inv_l = 1.0 / gl.where(empty, 1.0, l_i)
             if HAS_DROPOUT:  # kept probabilities weigh 1 / (1 - p)
                 inv_l = inv_l / (1.0 - dropout_p)
-            lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2)
+            log2_l = gl.log2(gl.where(empty, 1.0, l_i))
+            if HAS_BIAS:  # m in natural units; the backwards recompute scores with the
+                # bias clamped at -2e38 (add_bias_alibi_log2), and so the lse
+                lse = gl.where(empty, float("-inf"), gl.maximum(m_i + log2_l * LN2, -2.0e38))
+            else:
+                lse = gl.where(empty, float("-inf"), (m_i + log2_l) * LN2)
             out = acc * gl.convert_layout(inv_l, o_rows)[:, None]
             if IS_VARLEN:
                 # A TMA store clips at the packed tensor's end, not at the sequence's: rows
