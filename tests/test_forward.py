@@ -349,7 +349,6 @@ def test_hopper_kernel_persistent_gpu(name, fold, dtype, monkeypatch):
     monkeypatch.setattr(forward_sm90, "MIN_KEYS_PER_QUERY",
                         dict.fromkeys(forward_sm90.HEAD_DIMS, 0))
     monkeypatch.setattr(forward_sm90, "FOLD", fold)
-    monkeypatch.setattr(forward_sm90, "VARLEN_FOLD", fold)  # packed, masked: the snake
     monkeypatch.setattr(forward_sm90, "PERSISTENT", True)
     monkeypatch.setattr(forward_sm90, "MASKED_PERSISTENT",
                         dict.fromkeys(forward_sm90.HEAD_DIMS, True))

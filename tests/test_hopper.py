@@ -1,10 +1,13 @@
 """kernels/hopper.py: what the Gluon kernels share. The launcher's bookkeeping runs on
 the CPU against a stand-in kernel; the real launches run on the GPU."""
 
+import itertools
+
 import pytest
 import torch
 
 import memattn
+from memattn import bench
 from memattn.kernels import backward_sm90, forward_sm90, hopper
 
 from .test_forward import hopper_kernel_runs_here
@@ -385,6 +388,35 @@ def test_bias_descriptor_indexes_broadcast_dimensions_at_zero():
 
 
 @pytest.mark.gpu
+def test_prepared_launches_see_packed_token_counts_gpu(monkeypatch):
+    """A launch's arguments are made once per key (Launcher.launch_prepared); for packed
+    sequences the key must hold the token counts, which the spec does not fix and the
+    TMA descriptors do: calls over views of one buffer (the same addresses and strides,
+    as a caching allocator hands out) with more tokens each time must not clip at the
+    first call's count."""
+    if not hopper_kernel_runs_here():
+        pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
+    monkeypatch.setattr(hopper, "CHECK_VARIANTS", False)
+    for module in (forward_sm90, backward_sm90):
+        monkeypatch.setattr(module, "MIN_KEYS_PER_QUERY", dict.fromkeys(module.HEAD_DIMS, 0))
+    buffers = torch.randn(4, 1100, 2, 128, device="cuda", dtype=torch.bfloat16)
+    for tokens in (300, 700, 1100):  # the longest sequence stays 300: one spec
+        q, k, v = (t[:tokens].requires_grad_(True) for t in buffers[:3])
+        grad = buffers[3, :tokens]
+        cu = torch.arange(0, tokens + 1, 300, device="cuda", dtype=torch.int32)
+        cu = torch.cat([cu, cu.new_tensor([tokens])]) if cu[-1] != tokens else cu
+        kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=300, max_seqlen_k=300,
+                  causal=True)  # fmt: skip
+        out = memattn.attention(q, k, v, **kw)
+        grads = torch.autograd.grad(out, (q, k, v), grad)
+        ref_leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+        ref = memattn.reference.attention(*ref_leaves, **kw)
+        ref_grads = torch.autograd.grad(ref, ref_leaves, grad.double())
+        for got, want in zip((out, *grads), (ref, *ref_grads)):
+            torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
 def test_minus_inf_bias_rows_in_the_gluon_kernels_gpu(monkeypatch):
     """Through the Gluon kernels: a -inf bias row is empty (out 0, lse -inf, gradients
     0, never NaN), a finfo.min row averages v, as the reference has them."""
@@ -449,25 +481,35 @@ def test_work_items_cover_every_block_once(heads, blocks, sms, fold, monkeypatch
     assert sorted(walked) == [(h, r) for h in range(heads) for r in range(blocks)]
 
 
-@pytest.mark.parametrize("fold", [False, True], ids=["strided", "snake"])
-@pytest.mark.parametrize("pairs, blocks", [(1, 1), (3, 2), (5, 7), (13 * 16, 32)])
+@pytest.mark.parametrize("lengths", [(700, 5, 1300, 64), (0, 128, 129, 0, 1), (4000,),
+                                     (1,) * 7, (127, 128, 129, 255, 256, 257),
+                                     bench.DOC_LENGTHS])  # fmt: skip
+@pytest.mark.parametrize("heads", [1, 3, 16])
+@pytest.mark.parametrize("extra", [0, 300], ids=["exact", "tokens past cu_seqlens"])
 @pytest.mark.parametrize("programs", [1, 5, 132])
-def test_packed_items_cover_every_block_once(pairs, blocks, programs, fold):
-    """Packed sequences' schedule (hopper.packed_item, work_items), run in Python: the
-    programs walk every ((sequence, head), rank) exactly once; as a snake, a program's
-    items of two consecutive passes sit at mirrored positions (the heaviest of one
-    pass with the lightest of the next)."""
-    total = pairs * blocks
-    programs = min(programs, total)
+def test_packed_items_cover_every_block_once(lengths, heads, extra, programs):
+    """Packed sequences' schedule (hopper.packed_items, packed_rank, work_items; the
+    kernel's search for an item's sequence, packed_sequence, done here in Python): the
+    programs walk every (sequence, head, block) exactly once, each sequence's items
+    after the last one's, blocks last first, each block across the heads; every other
+    item is past its sequence's blocks, also where the packed tensor holds tokens past
+    cu_seqlens's last."""
+    block = 128
+    cu = [0, *itertools.accumulate(lengths)]
+    total = hopper.packed_items(len(lengths), cu[-1] + extra, heads, block)
     walked = []
-    for pid in range(programs):
-        count = hopper.work_items.fn(pid, programs, total, fold, True)
-        items = [hopper.packed_item.fn(pid, j, programs, pairs, fold) for j in range(count)]
-        flat = [rank * pairs + pair for pair, rank in items]
-        if fold and count >= 2:
-            assert flat[0] + flat[1] == 2 * programs - 1, (pid, flat)
-        walked += items
-    assert sorted(walked) == sorted((p, r) for p in range(pairs) for r in range(blocks))
+    for pid in range(min(programs, total)):
+        for j in range(hopper.work_items.fn(pid, min(programs, total), total, False)):
+            g = pid + j * min(programs, total)
+            b = sum(heads * (cu[i] // block + i) <= g for i in range(len(lengths))) - 1
+            h, rank = hopper.packed_rank.fn(g, heads, b, cu[b], block)
+            assert 0 <= h < heads and rank >= 0
+            if rank < -(-lengths[b] // block):  # else past the sequence's blocks
+                walked.append((g, b, h, -(-lengths[b] // block) - 1 - rank))
+    walked.sort()
+    assert [w[1:] for w in walked] == [
+        (b, h, m) for b, n in enumerate(lengths) for m in reversed(range(-(-n // block)))
+        for h in range(heads)]  # fmt: skip
 
 
 def test_launcher_refuses_grids_of_more_dimensions(launcher):

@@ -37,7 +37,6 @@ VARIANTS = {
     "fold_none": {"fwd.FOLD": False},  # masked calls unfolded
     "one_q": {"fwd.MAX_Q_STAGES": 1},  # one Q buffer
     "grid": {"fwd.PERSISTENT": False},  # a program per query block (per pair under a mask)
-    "packed_strided": {"fwd.VARLEN_FOLD": False},  # packed, masked: no snake
     "bwd_rows64": {"bwd.BLOCK_M_D64": 64},  # 64 query rows a backward step at D=64
     "summed_outer": {"bwd.SUMMED_BIAS_INNER": False},  # summed biases in the shipped order
     "no_skip_empty": {"bwd.SKIP_EMPTY_KEY_BLOCKS": False},  # packed: blocks past the end run
@@ -47,7 +46,7 @@ VARIANTS = {
 }
 MODULES = {"fwd": forward_sm90, "bwd": backward_sm90}
 DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
-    ("fwd", ("FOLD", "BLOCK_M_D64", "PERSISTENT", "VARLEN_FOLD", "MAX_Q_STAGES")),
+    ("fwd", ("FOLD", "BLOCK_M_D64", "PERSISTENT", "MAX_Q_STAGES")),
     ("bwd", ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "SKIP_EMPTY_KEY_BLOCKS",
              "SPLIT_HEAD_DIM_PAIRS", "DQ_BLOCK_N", "DQ_WRITER", "ORDERED_DQ")))
     for name in names}  # fmt: skip

@@ -825,7 +825,7 @@ def _dq_load_partition(
     for j in range(n_items):
         # Dense batches only: no cu_seqlens (the 0s), IS_VARLEN off.
         b, h, hk, start_m, _, _, _, _, off, lo, full_lo, full_hi, n_tiles = hopper.query_block(
-            pid, j, programs, H, GROUP, num_m_blocks, 0, 0, 0, seqlen_q, seqlen_k, window_left,
+            pid, j, programs, H, GROUP, num_m_blocks, 0, 0, seqlen_q, seqlen_k, window_left,
             window_right, BLOCK_M, BLOCK_N, FOLD, False, BOTTOM_RIGHT, BOUNDED_LEFT,
             BOUNDED_RIGHT)  # fmt: skip
         hopper.claim(q_ready, q_empty, j, block_bytes, 1)
@@ -893,7 +893,7 @@ def _dq_compute_partition(
     kv = 0
     for j in range(n_items):
         b, h, hk, start_m, _, _, _, _, off, lo, full_lo, full_hi, n_tiles = hopper.query_block(
-            pid, j, programs, H, GROUP, num_m_blocks, 0, 0, 0, seqlen_q, seqlen_k, window_left,
+            pid, j, programs, H, GROUP, num_m_blocks, 0, 0, seqlen_q, seqlen_k, window_left,
             window_right, BLOCK_M, BLOCK_N, FOLD, False, BOTTOM_RIGHT, BOUNDED_LEFT,
             BOUNDED_RIGHT)  # fmt: skip
         row0 = start_m + PART * ROWS
@@ -1174,14 +1174,11 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
         tiles = cdiv(spec.seqlen_q, how.constexprs["BLOCK_M"])
         cu_seqlens_q = torch.zeros(spec.batch * spec.heads * tiles, dtype=torch.int32,
                                    device=q.device)  # fmt: skip
-    # What the arguments are made of beside the plan (the spec fixes every shape but
-    # the bias's and ALiBi's): hopper.Launcher.launch_prepared.
-    call = (how, q.data_ptr(), q.stride(), k.data_ptr(), k.stride(), v.data_ptr(),
-            v.stride(), grad_out.data_ptr(), grad_out.stride(), stats.data_ptr(),
-            dq.data_ptr(), dq.stride(), dk.data_ptr(), dk.stride(), dv.data_ptr(),
-            dv.stride(), hopper.tensor_key(bias), hopper.tensor_key(dbias),
-            hopper.tensor_key(alibi_slopes), hopper.tensor_key(rng_state),
-            hopper.tensor_key(cu_seqlens_q), hopper.tensor_key(cu_seqlens_k))  # fmt: skip
+    # What the arguments are made of beside the plan, shapes included (the spec does not
+    # fix packed sequences' token counts): hopper.Launcher.launch_prepared.
+    call = (how, *map(hopper.tensor_key, (q, k, v, grad_out, stats, dq, dk, dv, bias, dbias,
+                                           alibi_slopes, rng_state, cu_seqlens_q,
+                                           cu_seqlens_k)))  # fmt: skip
     if _launch_backward.launch_prepared(how.programs, call):
         return
     half_d = spec.head_dim_qk // 2
@@ -1263,12 +1260,11 @@ def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, stats, dq, dk, dv) ->
     """`backward` at D=256 and Dqk=192 (no bias, ALiBi or dropout: dispatch keeps them
     off it): dK and dV from _bwd_wide_kernel, dQ from _bwd_dq_wide_kernel."""
     dkdv, dq_plan = _plans_wide(spec, q.device.index)
-    # What each launch's arguments are made of beside its plan (the spec fixes every
-    # shape): hopper.Launcher.launch_prepared.
-    inputs = (q.data_ptr(), q.stride(), k.data_ptr(), k.stride(), v.data_ptr(), v.stride(),
-              grad_out.data_ptr(), grad_out.stride(), stats.data_ptr())  # fmt: skip
-    dkdv_call = (dkdv, *inputs, dk.data_ptr(), dk.stride(), dv.data_ptr(), dv.stride())
-    dq_call = (dq_plan, *inputs, dq.data_ptr(), dq.stride())
+    # What each launch's arguments are made of beside its plan:
+    # hopper.Launcher.launch_prepared.
+    inputs = tuple(map(hopper.tensor_key, (q, k, v, grad_out, stats)))
+    dkdv_call = (dkdv, *inputs, hopper.tensor_key(dk), hopper.tensor_key(dv))
+    dq_call = (dq_plan, *inputs, hopper.tensor_key(dq))
     dkdv_launched = _launch_backward_wide.launch_prepared(dkdv.programs, dkdv_call)
     dq_launched = _launch_dq_wide.launch_prepared(dq_plan.programs, dq_call)
     if dkdv_launched and dq_launched:

@@ -100,18 +100,6 @@ BIAS_STAGES = {64: 2, 128: 1, 192: 1, 256: 1}
 # 308 -> 280, S=2048 527 -> 501; S=512 folded 279 against 307 unfolded). Tools set these
 # to A/B, then call hopper.forget_plans().
 FOLD = "masked"
-# Packed sequences under a mask fold otherwise (hopper.packed_item): every other pass of
-# the strides runs the other way round, so that a program that took a heavy block
-# takes a light one next (under a causal mask the ranks come heaviest first). In a
-# model counting key tiles over the bench's 13 documents the busiest program's work
-# was 1.18x the mean with plain strides, 1.08x with the snake; tools/ab.py (H100, GPU
-# alone): causal 377 -> 394-403 TFLOP/s. Without a mask a block's work goes by its
-# sequence's length, which the ranks do not sort: the model had 1.12x either way, and
-# the snake ran slower (441 -> 423), so those keep plain strides. (A program per
-# block, which the GPU hands out as SMs free, 1.01x in the model, ran slower still:
-# 392 -> 328 causal, 450 -> 353 without a mask; the blocks past their sequences' ends,
-# two in three, each cost a program's start.)
-VARLEN_FOLD = True
 PERSISTENT = True
 MASKED_PERSISTENT = {64: True, 128: True, 192: False, 256: False}  # 192 as 256: O in Q
 MIN_BLOCKS_TO_FOLD = {64: 0, 128: 0, 192: 5, 256: 5}
@@ -137,7 +125,7 @@ def _load_partition(
     (_fwd_sm90_kernel builds the tuple)."""
     (q_desc, k_desc, v_desc, bias_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, bias_smem,
      q2_smem, k2_smem, q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty,
-     bias_empty, pid, programs, H, GROUP, bias_batches, bias_heads, num_m_blocks, heads_total,
+     bias_empty, pid, programs, H, GROUP, bias_batches, bias_heads, num_m_blocks,
      n_items, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, window_left, window_right) = loads
     split_col: gl.constexpr = q_desc.block_type.shape[3]  # where Q's and K's split starts
     q_bytes: gl.constexpr = (q_desc.block_type.nbytes + q2_desc.block_type.nbytes
@@ -148,7 +136,7 @@ def _load_partition(
     for j in range(n_items):
         (b, h, hk, start_m, q_start, k_start, seqlen_q_b, _, _, lo, _, _,
          n_tiles) = hopper.query_block(
-            pid, j, programs, H, GROUP, num_m_blocks, heads_total, CuSeqQ, CuSeqK, seqlen_q,
+            pid, j, programs, H, GROUP, num_m_blocks, CuSeqQ, CuSeqK, seqlen_q,
             seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, FOLD, IS_VARLEN,
             BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
         if not IS_VARLEN or start_m < seqlen_q_b:  # a packed block past its end: none
@@ -324,7 +312,7 @@ def _softmax_partition(
     (o_desc, Out, stride_om, stride_oh, Lse, Alibi, stride_lb, stride_lh, stride_lm,
      stride_ab, stride_ah, q_smem, k_smem, v_smem, o_smem, bias_smem, q2_smem, k2_smem,
      q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, pid,
-     programs, H, GROUP, num_m_blocks, heads_total, n_items, CuSeqQ, CuSeqK, max_seqlen_q,
+     programs, H, GROUP, num_m_blocks, n_items, CuSeqQ, CuSeqK, max_seqlen_q,
      max_seqlen_k, scale_log2, window_left, window_right, seed, rng_offset, dropout_p) = shared
     QK_MAIN: gl.constexpr = HEAD_DIM_QK - QK_SPLIT  # Q's and K's columns in q_smem, k_smem
     PARTS: gl.constexpr = BLOCK_M // ROWS
@@ -345,7 +333,7 @@ def _softmax_partition(
     for j in range(n_items):
         (b, h, hk, start_m, q_start, _, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
          n_tiles) = hopper.query_block(
-            pid, j, programs, H, GROUP, num_m_blocks, heads_total, CuSeqQ, CuSeqK,
+            pid, j, programs, H, GROUP, num_m_blocks, CuSeqQ, CuSeqK,
             max_seqlen_q, max_seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, FOLD,
             IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
         if not IS_VARLEN or start_m < seqlen_q:  # a packed block past its end: none
@@ -478,8 +466,7 @@ def _fwd_sm90_kernel(
     # up to the same. A block's start overlaps the previous one's end.
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
-    n_items = hopper.work_items(pid, programs, num_items, FOLD, IS_VARLEN)
-    heads_total = num_items // num_m_blocks  # (batch, head) pairs
+    n_items = hopper.work_items(pid, programs, num_items, FOLD)
     seed, rng_offset = philox_key(Rng, HAS_DROPOUT)
 
     PARTS: gl.constexpr = BLOCK_M // ROWS  # softmax warpgroups
@@ -519,13 +506,13 @@ def _fwd_sm90_kernel(
     shared = (o_desc, Out, stride_om, stride_oh, Lse, Alibi, stride_lb, stride_lh, stride_lm,
               stride_ab, stride_ah, q_smem, k_smem, v_smem, o_smem, bias_smem, q2_smem,
               k2_smem, q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty,
-              bias_empty, pid, programs, H, GROUP, num_m_blocks, heads_total, n_items, CuSeqQ,
+              bias_empty, pid, programs, H, GROUP, num_m_blocks, n_items, CuSeqQ,
               CuSeqK, seqlen_q, seqlen_k, scale_log2, window_left, window_right, seed,
               rng_offset, dropout_p)
     loads = (q_desc, k_desc, v_desc, bias_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem,
              bias_smem, q2_smem, k2_smem, q_ready, q_empty, k_ready, v_ready, bias_ready,
              k_empty, v_empty, bias_empty, pid, programs, H, GROUP, bias_batches, bias_heads,
-             num_m_blocks, heads_total, n_items, CuSeqQ, CuSeqK, seqlen_q, seqlen_k,
+             num_m_blocks, n_items, CuSeqQ, CuSeqK, seqlen_q, seqlen_k,
              window_left, window_right)
     if PARTS == 2:
         gl.warp_specialize([
@@ -606,10 +593,12 @@ def takes_head_dims(spec: AttentionSpec, bias_row: bool) -> bool:
 
 
 @hopper.plan_cache
-def plan(spec: AttentionSpec, bias_row: bool, device_index: int) -> hopper.Plan:
+def plan(spec: AttentionSpec, bias_row: bool, tokens_q: int, device_index: int) -> hopper.Plan:
     """The forward's launch for this spec (hopper.Plan), from this module's knobs (who sets
     them calls hopper.forget_plans); bias_row: the bias is one row of keys
-    (hopper.bias_row), loaded beside K. Counts: query blocks per head, work items."""
+    (hopper.bias_row), loaded beside K; tokens_q: packed sequences' query tokens in all
+    (0 for dense batches). Counts: query blocks per head (packed: sequences), work
+    items."""
     masked = spec.window_left >= 0 or spec.window_right >= 0
     tile_bias = spec.has_bias and not bias_row
     # Three warpgroups have 160 registers a thread: no room for dropout, ALiBi or the
@@ -620,11 +609,15 @@ def plan(spec: AttentionSpec, bias_row: bool, device_index: int) -> hopper.Plan:
     block_m = BLOCK_M_D64 if three_parts else BLOCK_M
     block_n = BLOCK_N[spec.head_dim_qk]
     num_m_blocks = cdiv(spec.seqlen_q, block_m)
-    # Packed sequences walk their blocks rank by rank instead (hopper.query_block).
-    fold = (VARLEN_FOLD and masked) if spec.varlen else (FOLD is True or (
+    # Packed sequences walk their blocks sequence by sequence instead (hopper.query_block).
+    fold = not spec.varlen and (FOLD is True or (
         FOLD == "masked" and masked and num_m_blocks >= MIN_BLOCKS_TO_FOLD[spec.head_dim_qk]))
     persistent = PERSISTENT and (not masked or MASKED_PERSISTENT[spec.head_dim_qk])
     num_items = num_m_blocks * spec.batch * spec.heads
+    counts = (num_m_blocks, num_items)
+    if spec.varlen:
+        num_items = hopper.packed_items(spec.batch, tokens_q, spec.heads, block_m)
+        counts = (spec.batch, num_items)
     constexprs = dict(
         HEAD_DIM_QK=spec.head_dim_qk, HEAD_DIM_V=spec.head_dim_v,
         QK_SPLIT=hopper.qk_split(spec.head_dim_qk), BLOCK_M=block_m, BLOCK_N=block_n,
@@ -638,9 +631,8 @@ def plan(spec: AttentionSpec, bias_row: bool, device_index: int) -> hopper.Plan:
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
         BOUNDED_RIGHT=spec.window_right >= 0, num_warps=4,
     )  # fmt: skip
-    pairs = fold and not spec.varlen  # a program per pair of blocks (packed: per block)
-    return hopper.Plan(hopper.programs(num_items, pairs, persistent, device_index),
-                       (num_m_blocks, num_items), constexprs)
+    return hopper.Plan(hopper.programs(num_items, fold, persistent, device_index), counts,
+                       constexprs)
 
 
 def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seqlens_q,
@@ -649,16 +641,15 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
     a call dispatch.gluon_forward took; rng_state: dropout's [seed, offset] (memattn.dropout),
     None without dropout."""
     bias_row = bias is not None and hopper.bias_row(spec, bias)
-    how = plan(spec, bias_row, q.device.index)
+    how = plan(spec, bias_row, q.shape[0] if spec.varlen else 0, q.device.index)
     if bias_row:  # (B', H', Sk) fp32 in log2 units: what the kernel adds, by TMA
         bias = hopper.bias_row_log2(bias)
-    # What the launch's arguments are made of beside the plan (the spec fixes every
-    # shape but the bias's and ALiBi's): once launched, a call of the same key skips
-    # making them (hopper.Launcher.launch_prepared).
-    call = (how, q.data_ptr(), q.stride(), k.data_ptr(), k.stride(), v.data_ptr(),
-            v.stride(), out.data_ptr(), out.stride(), lse.data_ptr(), lse.stride(),
-            hopper.tensor_key(bias), hopper.tensor_key(alibi_slopes), hopper.tensor_key(rng_state),
-            hopper.tensor_key(cu_seqlens_q), hopper.tensor_key(cu_seqlens_k))  # fmt: skip
+    # What the launch's arguments are made of beside the plan, shapes included (the
+    # spec does not fix packed sequences' token counts, which the descriptors hold):
+    # once launched, a call of the same key skips making them
+    # (hopper.Launcher.launch_prepared).
+    call = (how, *map(hopper.tensor_key, (q, k, v, out, lse, bias, alibi_slopes, rng_state,
+                                           cu_seqlens_q, cu_seqlens_k)))  # fmt: skip
     if _launch_forward.launch_prepared(how.programs, call):
         return
     block_n = how.constexprs["BLOCK_N"]
