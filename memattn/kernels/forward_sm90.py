@@ -418,9 +418,9 @@ def _softmax_partition(
             else:
                 lse = gl.where(empty, float("-inf"), (m_i + log2_l) * LN2)
             out = acc * gl.convert_layout(inv_l, o_rows)[:, None]
-            if IS_VARLEN:
+            if IS_VARLEN and row0 + ROWS > seqlen_q:
                 # A TMA store clips at the packed tensor's end, not at the sequence's: rows
-                # past it belong to the next sequence. Plain masked stores instead.
+                # past it belong to the next sequence. Plain masked stores there.
                 rows = gl.arange(0, ROWS, layout=o_rows)
                 cols = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
                 tokens = (q_start + row0 + rows).to(gl.int64)
@@ -436,7 +436,8 @@ def _softmax_partition(
                 o_buf.reshape([ROWS, HEAD_DIM_V]).store(out.to(dtype))
                 fence_async_shared()
                 # The TMA store clips rows past Sq; it runs on while the next block starts.
-                tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], o_buf)
+                tma.async_copy_shared_to_global(o_desc, [0 if IS_VARLEN else b, h,
+                                                         q_start + row0, 0], o_buf)
                 if O_IN_Q:  # o_buf is this warpgroup's Q: refilled once the store has read it
                     tma.store_wait(0)
                     gl.thread_barrier()
@@ -473,7 +474,7 @@ def _fwd_sm90_kernel(
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [Q_STAGES * PARTS] + q_desc.block_type.shape,
                                        q_desc.layout)
-    if O_IN_Q or IS_VARLEN:  # varlen stores O from registers
+    if O_IN_Q:
         o_smem = q_smem
     else:
         o_smem = gl.allocate_shared_memory(dtype, [PARTS] + o_desc.block_type.shape,
@@ -653,9 +654,9 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
     if _launch_forward.launch_prepared(how.programs, call):
         return
     block_n = how.constexprs["BLOCK_N"]
-    stride_om = stride_oh = 0  # O leaves by TMA but for packed sequences
+    stride_om = stride_oh = 0  # O leaves by TMA but for packed sequences' last blocks
     lse_strides = lse.stride()
-    if spec.varlen:  # one batch of all tokens; O and lse by pointer, rows masked
+    if spec.varlen:  # one batch of all tokens; lse by pointer, rows masked
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
         stride_om, stride_oh = out.stride(0), out.stride(1)
         lse_strides = (0, *lse.stride())
@@ -666,7 +667,7 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
     if split:
         q2_desc = hopper.descriptor(q, ROWS.value, split)
         k2_desc = hopper.descriptor(k, block_n, split)
-    o_desc = q_desc if spec.varlen else hopper.descriptor(out, ROWS.value)
+    o_desc = hopper.descriptor(out.unsqueeze(0) if spec.varlen else out, ROWS.value)
     bias_desc, bias_batches, bias_heads = q_desc, 1, 1  # a stand-in, never read
     if bias_row:
         bias_batches, bias_heads = bias.shape[:2]
