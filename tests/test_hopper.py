@@ -486,30 +486,24 @@ def test_work_items_cover_every_block_once(heads, blocks, sms, fold, monkeypatch
                                      bench.DOC_LENGTHS])  # fmt: skip
 @pytest.mark.parametrize("heads", [1, 3, 16])
 @pytest.mark.parametrize("extra", [0, 300], ids=["exact", "tokens past cu_seqlens"])
-@pytest.mark.parametrize("programs", [1, 5, 132])
-def test_packed_items_cover_every_block_once(lengths, heads, extra, programs):
-    """Packed sequences' schedule (hopper.packed_items, packed_rank, work_items; the
-    kernel's search for an item's sequence, packed_sequence, done here in Python): the
-    programs walk every (sequence, head, block) exactly once, each sequence's items
-    after the last one's, blocks last first, each block across the heads; every other
-    item is past its sequence's blocks, also where the packed tensor holds tokens past
-    cu_seqlens's last."""
+def test_packed_items_cover_every_block_once(lengths, heads, extra):
+    """Packed sequences' grid (hopper.packed_items, packed_rank; the kernel's search for
+    an item's sequence, packed_sequence, done here in Python): its items hold every
+    (sequence, head, block) exactly once, each sequence's after the last one's, blocks
+    last first, each block across the heads; every other item is past its sequence's
+    blocks, also where the packed tensor holds tokens past cu_seqlens's last."""
     block = 128
     cu = [0, *itertools.accumulate(lengths)]
-    total = hopper.packed_items(len(lengths), cu[-1] + extra, heads, block)
     walked = []
-    for pid in range(min(programs, total)):
-        for j in range(hopper.work_items.fn(pid, min(programs, total), total, False)):
-            g = pid + j * min(programs, total)
-            b = sum(heads * (cu[i] // block + i) <= g for i in range(len(lengths))) - 1
-            h, rank = hopper.packed_rank.fn(g, heads, b, cu[b], block)
-            assert 0 <= h < heads and rank >= 0
-            if rank < -(-lengths[b] // block):  # else past the sequence's blocks
-                walked.append((g, b, h, -(-lengths[b] // block) - 1 - rank))
-    walked.sort()
-    assert [w[1:] for w in walked] == [
-        (b, h, m) for b, n in enumerate(lengths) for m in reversed(range(-(-n // block)))
-        for h in range(heads)]  # fmt: skip
+    for g in range(hopper.packed_items(len(lengths), cu[-1] + extra, heads, block)):
+        b = sum(heads * (cu[i] // block + i) <= g for i in range(len(lengths))) - 1
+        h, rank = hopper.packed_rank.fn(g, heads, b, cu[b], block)
+        assert 0 <= h < heads and rank >= 0
+        blocks = -(-lengths[b] // block)
+        if rank < blocks:  # else past the sequence's blocks
+            walked.append((b, h, blocks - 1 - rank))
+    assert walked == [(b, h, m) for b, n in enumerate(lengths)
+                      for m in reversed(range(-(-n // block))) for h in range(heads)]
 
 
 def test_launcher_refuses_grids_of_more_dimensions(launcher):

@@ -823,10 +823,9 @@ def _dq_load_partition(
         k2_desc.block_type.nbytes if QK_SPLIT > 0 else 0)
     kv = 0
     for j in range(n_items):
-        # Dense batches only: no cu_seqlens (the 0s), IS_VARLEN off.
         b, h, hk, start_m, _, _, _, _, off, lo, full_lo, full_hi, n_tiles = hopper.query_block(
-            pid, j, programs, H, GROUP, num_m_blocks, 0, 0, seqlen_q, seqlen_k, window_left,
-            window_right, BLOCK_M, BLOCK_N, FOLD, False, BOTTOM_RIGHT, BOUNDED_LEFT,
+            pid, j, programs, H, GROUP, num_m_blocks, seqlen_q, seqlen_k, window_left,
+            window_right, BLOCK_M, BLOCK_N, FOLD, BOTTOM_RIGHT, BOUNDED_LEFT,
             BOUNDED_RIGHT)  # fmt: skip
         hopper.claim(q_ready, q_empty, j, block_bytes, 1)
         for i in gl.static_range(PARTS):
@@ -893,8 +892,8 @@ def _dq_compute_partition(
     kv = 0
     for j in range(n_items):
         b, h, hk, start_m, _, _, _, _, off, lo, full_lo, full_hi, n_tiles = hopper.query_block(
-            pid, j, programs, H, GROUP, num_m_blocks, 0, 0, seqlen_q, seqlen_k, window_left,
-            window_right, BLOCK_M, BLOCK_N, FOLD, False, BOTTOM_RIGHT, BOUNDED_LEFT,
+            pid, j, programs, H, GROUP, num_m_blocks, seqlen_q, seqlen_k, window_left,
+            window_right, BLOCK_M, BLOCK_N, FOLD, BOTTOM_RIGHT, BOUNDED_LEFT,
             BOUNDED_RIGHT)  # fmt: skip
         row0 = start_m + PART * ROWS
         offs_m = row0 + gl.arange(0, ROWS, layout=rows_layout)

@@ -76,6 +76,10 @@ BLOCK_M = 128
 BLOCK_M_D64 = 192
 MIN_SEQLEN_Q_D64 = 2048
 REGS_3 = gl.constexpr(160)  # per thread, for three softmax warpgroups beside the load warp
+# Packed sequences' items go to the softmax warpgroups through a ring of INFO_STAGES
+# slots of INFO_FIELDS int32 (_hand_item, _taken_item): 128 bytes.
+INFO_STAGES = gl.constexpr(4)
+INFO_FIELDS = gl.constexpr(8)
 # The tables below go by the q·k head dim; V's may be smaller (Dqk != Dv: 192/128 as
 # in MLA, 128/64, 256/128), never larger (O's registers and buffer are sized by it).
 # Keys per tile. At D=256 a warpgroup's O takes 128 registers a thread, so S takes 64
@@ -121,68 +125,145 @@ def _load_partition(
     and V tiles into theirs as slots come free. The rings' index runs on across the
     program's query blocks, so the next block's first tiles load while this one's last
     are still in use. With QK_SPLIT, Q's and K's last QK_SPLIT columns go to buffers of
-    their own (q2, k2) on the same barriers. ``loads``: its runtime arguments
+    their own (q2, k2) on the same barriers. Packed sequences (IS_VARLEN): the items
+    come from a dynamic schedule, the first the program's own, each next one from
+    ``Tickets``; this warp hands each item with work to the softmax warpgroups through
+    ``info_smem``, then one past the last item. ``loads``: its runtime arguments
     (_fwd_sm90_kernel builds the tuple)."""
     (q_desc, k_desc, v_desc, bias_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, bias_smem,
      q2_smem, k2_smem, q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty,
-     bias_empty, pid, programs, H, GROUP, bias_batches, bias_heads, num_m_blocks,
-     n_items, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, window_left, window_right) = loads
+     bias_empty, info_smem, info_ready, info_empty, Tickets, pid, programs, H, GROUP,
+     bias_batches, bias_heads, num_m_blocks, n_items, CuSeqQ, CuSeqK, seqlen_q, seqlen_k,
+     window_left, window_right) = loads
+    kv = 0  # key tiles loaded so far
+    qi = 0  # query blocks loaded so far: the Q ring's index
+    if IS_VARLEN:
+        g = pid
+        while g < n_items:  # n_items: the grid's items
+            following = programs + hopper.take_ticket(Tickets)  # its latency hides here
+            (b, h, hk, start_m, q_start, k_start, seqlen_q_b, seqlen_k_b, _, lo, _, _,
+             n_tiles) = hopper.packed_block(
+                g, H, GROUP, num_m_blocks, CuSeqQ, CuSeqK, window_left, window_right,
+                BLOCK_M, BLOCK_N, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+            if start_m < seqlen_q_b:  # else past its sequence's blocks: nothing to do
+                _hand_item(info_smem, info_ready, info_empty, qi, g, b, h, start_m, q_start,
+                           seqlen_q_b, seqlen_k_b)
+                kv, qi = _load_block(loads, b, h, hk, start_m, q_start, k_start, lo, n_tiles,
+                                     kv, qi, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, QK_SPLIT,
+                                     HAS_BIAS, BIAS_STAGES, BIAS_ROW, IS_VARLEN)  # fmt: skip
+            g = following
+        _hand_item(info_smem, info_ready, info_empty, qi, n_items, 0, 0, 0, 0, 0, 0)
+    else:
+        for j in range(n_items):
+            (b, h, hk, start_m, q_start, k_start, _, _, _, lo, _, _,
+             n_tiles) = hopper.query_block(
+                pid, j, programs, H, GROUP, num_m_blocks, seqlen_q, seqlen_k, window_left,
+                window_right, BLOCK_M, BLOCK_N, FOLD, BOTTOM_RIGHT, BOUNDED_LEFT,
+                BOUNDED_RIGHT)  # fmt: skip
+            kv, qi = _load_block(loads, b, h, hk, start_m, q_start, k_start, lo, n_tiles, kv,
+                                 qi, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, QK_SPLIT, HAS_BIAS,
+                                 BIAS_STAGES, BIAS_ROW, IS_VARLEN)  # fmt: skip
+
+
+@gluon.jit
+def _load_block(
+    loads, b, h, hk, start_m, q_start, k_start, lo, n_tiles, kv, qi, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr,
+    QK_SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr,
+    BIAS_ROW: gl.constexpr, IS_VARLEN: gl.constexpr,
+):  # fmt: skip
+    """_load_partition's work for one query block: its Q, then its key tiles; returns
+    the rings' running indices (key tiles, query blocks) after it."""
+    (q_desc, k_desc, v_desc, bias_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, bias_smem,
+     q2_smem, k2_smem, q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty,
+     bias_empty, _, _, _, _, _, _, _, _, bias_batches, bias_heads, _, _, _, _, _, _, _,
+     _) = loads
     split_col: gl.constexpr = q_desc.block_type.shape[3]  # where Q's and K's split starts
     q_bytes: gl.constexpr = (q_desc.block_type.nbytes + q2_desc.block_type.nbytes
                              if QK_SPLIT > 0 else q_desc.block_type.nbytes)
     PARTS: gl.constexpr = BLOCK_M // ROWS
-    kv = 0  # key tiles loaded so far
-    qi = 0  # query blocks loaded so far: the Q ring's index
-    for j in range(n_items):
-        (b, h, hk, start_m, q_start, k_start, seqlen_q_b, _, _, lo, _, _,
-         n_tiles) = hopper.query_block(
-            pid, j, programs, H, GROUP, num_m_blocks, CuSeqQ, CuSeqK, seqlen_q,
-            seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, FOLD, IS_VARLEN,
-            BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
-        if not IS_VARLEN or start_m < seqlen_q_b:  # a packed block past its end: none
-            b_tma = 0 if IS_VARLEN else b  # packed sequences: one batch of all tokens
-            # A Q slot is free once every warpgroup has its block's last S (or, with O in
-            # Q's buffer, has stored O from it).
-            slot = hopper.claim(q_ready, q_empty, qi, PARTS * q_bytes, Q_STAGES)
+    b_tma = 0 if IS_VARLEN else b  # packed sequences: one batch of all tokens
+    # A Q slot is free once every warpgroup has its block's last S (or, with O in
+    # Q's buffer, has stored O from it).
+    slot = hopper.claim(q_ready, q_empty, qi, PARTS * q_bytes, Q_STAGES)
+    for i in gl.static_range(PARTS):
+        row = q_start + start_m + i * ROWS
+        tma.async_copy_global_to_shared(q_desc, [b_tma, h, row, 0], q_ready.index(slot),
+                                        q_smem.index(slot * PARTS + i))
+        if QK_SPLIT > 0:
+            tma.async_copy_global_to_shared(q2_desc, [b_tma, h, row, split_col],
+                                            q_ready.index(slot),
+                                            q2_smem.index(slot * PARTS + i))
+    bias_b = b % bias_batches  # 0 where the bias broadcasts over batches
+    bias_h = h % bias_heads
+    # a bias row's keys come with K's, on its barrier, as K's split columns do
+    k_bytes: gl.constexpr = k_desc.block_type.nbytes + (
+        bias_desc.block_type.nbytes if BIAS_ROW else 0) + (
+        k2_desc.block_type.nbytes if QK_SPLIT > 0 else 0)
+    for t in range(n_tiles):
+        slot = hopper.claim(k_ready, k_empty, kv + t, k_bytes, STAGES)
+        key = k_start + lo + t * BLOCK_N
+        tma.async_copy_global_to_shared(k_desc, [b_tma, hk, key, 0], k_ready.index(slot),
+                                        k_smem.index(slot))
+        if QK_SPLIT > 0:
+            tma.async_copy_global_to_shared(k2_desc, [b_tma, hk, key, split_col],
+                                            k_ready.index(slot), k2_smem.index(slot))
+        if BIAS_ROW:  # indexed by positions inside the sequence
+            tma.async_copy_global_to_shared(
+                bias_desc, [bias_b, bias_h, lo + t * BLOCK_N], k_ready.index(slot),
+                bias_smem.index(slot))
+        if HAS_BIAS:  # one ROWS x BLOCK_N tile per warpgroup
+            slot = hopper.claim(bias_ready, bias_empty, kv + t,
+                                PARTS * bias_desc.block_type.nbytes, BIAS_STAGES)
             for i in gl.static_range(PARTS):
-                row = q_start + start_m + i * ROWS
-                tma.async_copy_global_to_shared(q_desc, [b_tma, h, row, 0], q_ready.index(slot),
-                                                q_smem.index(slot * PARTS + i))
-                if QK_SPLIT > 0:
-                    tma.async_copy_global_to_shared(q2_desc, [b_tma, h, row, split_col],
-                                                    q_ready.index(slot),
-                                                    q2_smem.index(slot * PARTS + i))
-            bias_b = b % bias_batches  # 0 where the bias broadcasts over batches
-            bias_h = h % bias_heads
-            # a bias row's keys come with K's, on its barrier, as K's split columns do
-            k_bytes: gl.constexpr = k_desc.block_type.nbytes + (
-                bias_desc.block_type.nbytes if BIAS_ROW else 0) + (
-                k2_desc.block_type.nbytes if QK_SPLIT > 0 else 0)
-            for t in range(n_tiles):
-                slot = hopper.claim(k_ready, k_empty, kv + t, k_bytes, STAGES)
-                key = k_start + lo + t * BLOCK_N
-                tma.async_copy_global_to_shared(k_desc, [b_tma, hk, key, 0], k_ready.index(slot),
-                                                k_smem.index(slot))
-                if QK_SPLIT > 0:
-                    tma.async_copy_global_to_shared(k2_desc, [b_tma, hk, key, split_col],
-                                                    k_ready.index(slot), k2_smem.index(slot))
-                if BIAS_ROW:  # indexed by positions inside the sequence
-                    tma.async_copy_global_to_shared(
-                        bias_desc, [bias_b, bias_h, lo + t * BLOCK_N], k_ready.index(slot),
-                        bias_smem.index(slot))
-                if HAS_BIAS:  # one ROWS x BLOCK_N tile per warpgroup
-                    slot = hopper.claim(bias_ready, bias_empty, kv + t,
-                                        PARTS * bias_desc.block_type.nbytes, BIAS_STAGES)
-                    for i in gl.static_range(PARTS):
-                        tma.async_copy_global_to_shared(
-                            bias_desc, [bias_b, bias_h, start_m + i * ROWS, lo + t * BLOCK_N],
-                            bias_ready.index(slot), bias_smem.index(slot * PARTS + i))
-                slot = hopper.claim(v_ready, v_empty, kv + t, v_desc.block_type.nbytes, STAGES)
                 tma.async_copy_global_to_shared(
-                    v_desc, [b_tma, hk, k_start + lo + t * BLOCK_N, 0], v_ready.index(slot),
-                    v_smem.index(slot))
-            kv += n_tiles
-            qi += 1
+                    bias_desc, [bias_b, bias_h, start_m + i * ROWS, lo + t * BLOCK_N],
+                    bias_ready.index(slot), bias_smem.index(slot * PARTS + i))
+        slot = hopper.claim(v_ready, v_empty, kv + t, v_desc.block_type.nbytes, STAGES)
+        tma.async_copy_global_to_shared(
+            v_desc, [b_tma, hk, k_start + lo + t * BLOCK_N, 0], v_ready.index(slot),
+            v_smem.index(slot))
+    kv += n_tiles
+    qi += 1
+    return kv, qi
+
+
+@gluon.jit
+def _hand_item(info_smem, info_ready, info_empty, i, g, b, h, start_m, q_start, seqlen_q,
+               seqlen_k):  # fmt: skip
+    """Load warp: the i-th item with work (grid item g) to the softmax warpgroups, once
+    they have read the one INFO_STAGES before it; g = the grid's item count: no more."""
+    STAGES: gl.constexpr = info_smem.shape[0]
+    slot = i % STAGES
+    mbarrier.wait(info_empty.index(slot), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
+    layout: gl.constexpr = gl.BlockedLayout([INFO_FIELDS], [32], [gl.num_warps()], [0])
+    field = gl.arange(0, INFO_FIELDS, layout=layout)
+    values = (gl.where(field == 0, g, 0) + gl.where(field == 1, b, 0)
+              + gl.where(field == 2, h, 0) + gl.where(field == 3, start_m, 0)
+              + gl.where(field == 4, q_start, 0) + gl.where(field == 5, seqlen_q, 0)
+              + gl.where(field == 6, seqlen_k, 0))
+    info_smem.index(slot).store(values)
+    gl.thread_barrier()  # every lane's store before the arrive (one thread's release)
+    mbarrier.arrive(info_ready.index(slot))
+
+
+@gluon.jit
+def _taken_item(info_smem, info_ready, info_empty, i):
+    """Softmax warpgroup: the i-th item _hand_item handed, (g, b, h, start_m, q_start,
+    seqlen_q, seqlen_k); its slot released once read."""
+    STAGES: gl.constexpr = info_smem.shape[0]
+    slot = hopper.arrived(info_ready, i, STAGES)
+    layout: gl.constexpr = gl.BlockedLayout([INFO_FIELDS], [32], [gl.num_warps()], [0])
+    field = gl.arange(0, INFO_FIELDS, layout=layout)
+    values = info_smem.index(slot).load(layout)
+    mbarrier.arrive(info_empty.index(slot))
+    return (gl.sum(gl.where(field == 0, values, 0), axis=0),
+            gl.sum(gl.where(field == 1, values, 0), axis=0),
+            gl.sum(gl.where(field == 2, values, 0), axis=0),
+            gl.sum(gl.where(field == 3, values, 0), axis=0),
+            gl.sum(gl.where(field == 4, values, 0), axis=0),
+            gl.sum(gl.where(field == 5, values, 0), axis=0),
+            gl.sum(gl.where(field == 6, values, 0), axis=0))
 
 
 @gluon.jit
@@ -308,12 +389,63 @@ def _softmax_partition(
     """One warpgroup: query rows [start_m + PART * ROWS, + ROWS) of each of the
     program's query blocks, over every key tile. S(t) and P(t-1)·V(t-1) are in flight
     together; the softmax of S(t) runs while P(t-1)·V(t-1) does. ``shared``: the
-    runtime arguments every softmax warpgroup takes (_fwd_sm90_kernel builds it)."""
+    runtime arguments every softmax warpgroup takes (_fwd_sm90_kernel builds it). Packed
+    sequences (IS_VARLEN): the items the load warp hands over (_taken_item), until one
+    past the grid's last."""
     (o_desc, Out, stride_om, stride_oh, Lse, Alibi, stride_lb, stride_lh, stride_lm,
      stride_ab, stride_ah, q_smem, k_smem, v_smem, o_smem, bias_smem, q2_smem, k2_smem,
-     q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, pid,
-     programs, H, GROUP, num_m_blocks, n_items, CuSeqQ, CuSeqK, max_seqlen_q,
+     q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, info_smem,
+     info_ready, info_empty, pid, programs, H, GROUP, num_m_blocks, n_items, max_seqlen_q,
      max_seqlen_k, scale_log2, window_left, window_right, seed, rng_offset, dropout_p) = shared
+    kv = 0  # key tiles consumed so far: the ring's running index
+    qi = 0  # query blocks taken so far: the Q ring's index
+    if IS_VARLEN:
+        more = True
+        while more:
+            g, b, h, start_m, q_start, seqlen_q, seqlen_k = _taken_item(
+                info_smem, info_ready, info_empty, qi)
+            more = g < n_items
+            if more:
+                off, lo, full_lo, full_hi, n_tiles = hopper.block_keys(
+                    start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
+                    True, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+                kv, qi = _softmax_block(
+                    shared, b, h, h // GROUP, start_m, q_start, seqlen_q, seqlen_k, off, lo,
+                    full_lo, full_hi, n_tiles, kv, qi, PART, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
+                    BLOCK_M, BLOCK_N, STAGES, Q_STAGES, O_IN_Q, HAS_BIAS, BIAS_STAGES, BIAS_ROW,
+                    HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+    else:
+        for j in range(n_items):
+            (b, h, hk, start_m, q_start, _, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
+             n_tiles) = hopper.query_block(
+                pid, j, programs, H, GROUP, num_m_blocks, max_seqlen_q, max_seqlen_k,
+                window_left, window_right, BLOCK_M, BLOCK_N, FOLD, BOTTOM_RIGHT, BOUNDED_LEFT,
+                BOUNDED_RIGHT)  # fmt: skip
+            kv, qi = _softmax_block(
+                shared, b, h, hk, start_m, q_start, seqlen_q, seqlen_k, off, lo, full_lo,
+                full_hi, n_tiles, kv, qi, PART, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M,
+                BLOCK_N, STAGES, Q_STAGES, O_IN_Q, HAS_BIAS, BIAS_STAGES, BIAS_ROW, HAS_ALIBI,
+                HAS_DROPOUT, IS_VARLEN, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _softmax_block(
+    shared, b, h, hk, start_m, q_start, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
+    n_tiles, kv, qi, PART: gl.constexpr, HEAD_DIM_QK: gl.constexpr,
+    HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr,
+    O_IN_Q: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr,
+    BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
+    IS_VARLEN: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+):  # fmt: skip
+    """_softmax_partition's work for one query block (hopper.query_block's values);
+    returns the rings' running indices (key tiles, query blocks) after it."""
+    (o_desc, Out, stride_om, stride_oh, Lse, Alibi, stride_lb, stride_lh, stride_lm,
+     stride_ab, stride_ah, q_smem, k_smem, v_smem, o_smem, bias_smem, q2_smem, k2_smem,
+     q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, _, _, _,
+     _, _, H, _, _, _, _, _, scale_log2, window_left, window_right, seed, rng_offset,
+     dropout_p) = shared
     QK_MAIN: gl.constexpr = HEAD_DIM_QK - QK_SPLIT  # Q's and K's columns in q_smem, k_smem
     PARTS: gl.constexpr = BLOCK_M // ROWS
     dtype: gl.constexpr = o_desc.dtype
@@ -328,131 +460,122 @@ def _softmax_partition(
     if O_IN_Q and HEAD_DIM_V != QK_MAIN:  # O's narrower tile in Q's bytes
         o_buf = o_buf._reinterpret(dtype, o_desc.block_type.shape, o_desc.layout)
 
-    kv = 0  # key tiles consumed so far: the ring's running index
-    qi = 0  # query blocks taken so far: the Q ring's index
-    for j in range(n_items):
-        (b, h, hk, start_m, q_start, _, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
-         n_tiles) = hopper.query_block(
-            pid, j, programs, H, GROUP, num_m_blocks, CuSeqQ, CuSeqK,
-            max_seqlen_q, max_seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, FOLD,
-            IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
-        if not IS_VARLEN or start_m < seqlen_q:  # a packed block past its end: none
-            bh = b * H + h  # dropout's stream
-            slope = 0.0
-            if HAS_ALIBI:
-                slope = gl.load(Alibi + b.to(gl.int64) * stride_ab + h.to(gl.int64) * stride_ah)
-            row0 = start_m + PART * ROWS
-            offs_m = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-            m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-            l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
-            acc = gl.zeros([ROWS, HEAD_DIM_V], gl.float32, layout=o_layout)
-            q_slot = hopper.arrived(q_ready, qi, Q_STAGES)
-            q_tile = q_smem.index(q_slot * PARTS + PART).reshape([ROWS, QK_MAIN])
-            q2_tile = q_tile  # a stand-in without a split
-            if QK_SPLIT > 0:
-                q2_tile = q2_smem.index(q_slot * PARTS + PART).reshape([ROWS, QK_SPLIT])
+    bh = b * H + h  # dropout's stream
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = gl.load(Alibi + b.to(gl.int64) * stride_ab + h.to(gl.int64) * stride_ah)
+    row0 = start_m + PART * ROWS
+    offs_m = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([ROWS, HEAD_DIM_V], gl.float32, layout=o_layout)
+    q_slot = hopper.arrived(q_ready, qi, Q_STAGES)
+    q_tile = q_smem.index(q_slot * PARTS + PART).reshape([ROWS, QK_MAIN])
+    q2_tile = q_tile  # a stand-in without a split
+    if QK_SPLIT > 0:
+        q2_tile = q2_smem.index(q_slot * PARTS + PART).reshape([ROWS, QK_SPLIT])
 
-            if n_tiles > 0:
-                # Tile 0 alone: its softmax has no P·V to overlap with.
-                slot = hopper.arrived(k_ready, kv, STAGES)
-                s = _scores(q_tile, q2_tile, k_smem, k2_smem, slot, s_init, BLOCK_N, QK_MAIN,
-                            QK_SPLIT)
-                keep = _keep(seed, rng_offset, bh, row0, lo, dropout_p, BLOCK_N, s_layout,
-                             HAS_DROPOUT)
-                bias = _bias_row(bias_smem, slot, BLOCK_N, s_layout, BIAS_ROW)
-                s = warpgroup_mma_wait(0, deps=(s,))
-                mbarrier.arrive(k_empty.index(slot))
-                bias = _bias(bias, bias_smem, bias_ready, bias_empty, kv, s_layout, PART, PARTS,
-                             BLOCK_N, BIAS_STAGES, HAS_BIAS, BIAS_ROW)
-                needs_mask = (lo < full_lo) | (lo >= full_hi)
-                p_, m_i, l_i, alpha = _softmax_tile(
-                    s, m_i, l_i, lo, offs_m, bias, slope, seqlen_k, off, window_left,
-                    window_right, needs_mask, scale_log2, BLOCK_N, HAS_BIAS, BIAS_ROW,
-                    HAS_ALIBI, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
-                p_op = gl.convert_layout(_dropped(p_, keep, HAS_DROPOUT).to(dtype), p_layout)
-                for t in range(1, n_tiles):
-                    start_n = lo + t * BLOCK_N
-                    k_slot = hopper.arrived(k_ready, kv + t, STAGES)
-                    s_tok = _scores(q_tile, q2_tile, k_smem, k2_smem, k_slot, s_init, BLOCK_N,
-                                    QK_MAIN, QK_SPLIT)
-                    v_slot = hopper.arrived(v_ready, kv + t - 1, STAGES)
-                    v = v_smem.index(v_slot).reshape([BLOCK_N, HEAD_DIM_V])
-                    acc_tok = warpgroup_mma(p_op, v, acc, is_async=True)
-                    # Philox's integer work runs while the tensor cores do S(t) and P·V.
-                    keep = _keep(seed, rng_offset, bh, row0, start_n, dropout_p, BLOCK_N,
-                                 s_layout, HAS_DROPOUT)
-                    bias = _bias_row(bias_smem, k_slot, BLOCK_N, s_layout, BIAS_ROW)
-                    s = warpgroup_mma_wait(1, deps=(s_tok,))  # S(t) done; P(t-1)·V(t-1) runs on
-                    mbarrier.arrive(k_empty.index(k_slot))
-                    bias = _bias(bias, bias_smem, bias_ready, bias_empty, kv + t, s_layout, PART,
-                                 PARTS, BLOCK_N, BIAS_STAGES, HAS_BIAS, BIAS_ROW)
-                    needs_mask = (start_n < full_lo) | (start_n >= full_hi)
-                    p_, m_i, l_i, alpha = _softmax_tile(
-                        s, m_i, l_i, start_n, offs_m, bias, slope, seqlen_k, off, window_left,
-                        window_right, needs_mask, scale_log2, BLOCK_N, HAS_BIAS, BIAS_ROW,
-                        HAS_ALIBI, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
-                    acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
-                    mbarrier.arrive(v_empty.index(v_slot))
-                    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-                    p_op = gl.convert_layout(_dropped(p_, keep, HAS_DROPOUT).to(dtype), p_layout)
-                if not O_IN_Q:  # every S of this block is done: Q may be refilled
-                    mbarrier.arrive(q_empty.index(q_slot))
-                v_slot = hopper.arrived(v_ready, kv + n_tiles - 1, STAGES)
-                v = v_smem.index(v_slot).reshape([BLOCK_N, HEAD_DIM_V])
-                acc = warpgroup_mma(p_op, v, acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                mbarrier.arrive(v_empty.index(v_slot))
-            elif not O_IN_Q:
-                mbarrier.arrive(q_empty.index(q_slot))
-            kv += n_tiles
+    if n_tiles > 0:
+        # Tile 0 alone: its softmax has no P·V to overlap with.
+        slot = hopper.arrived(k_ready, kv, STAGES)
+        s = _scores(q_tile, q2_tile, k_smem, k2_smem, slot, s_init, BLOCK_N, QK_MAIN,
+                    QK_SPLIT)
+        keep = _keep(seed, rng_offset, bh, row0, lo, dropout_p, BLOCK_N, s_layout,
+                     HAS_DROPOUT)
+        bias = _bias_row(bias_smem, slot, BLOCK_N, s_layout, BIAS_ROW)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        mbarrier.arrive(k_empty.index(slot))
+        bias = _bias(bias, bias_smem, bias_ready, bias_empty, kv, s_layout, PART, PARTS,
+                     BLOCK_N, BIAS_STAGES, HAS_BIAS, BIAS_ROW)
+        needs_mask = (lo < full_lo) | (lo >= full_hi)
+        p_, m_i, l_i, alpha = _softmax_tile(
+            s, m_i, l_i, lo, offs_m, bias, slope, seqlen_k, off, window_left,
+            window_right, needs_mask, scale_log2, BLOCK_N, HAS_BIAS, BIAS_ROW,
+            HAS_ALIBI, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+        p_op = gl.convert_layout(_dropped(p_, keep, HAS_DROPOUT).to(dtype), p_layout)
+        for t in range(1, n_tiles):
+            start_n = lo + t * BLOCK_N
+            k_slot = hopper.arrived(k_ready, kv + t, STAGES)
+            s_tok = _scores(q_tile, q2_tile, k_smem, k2_smem, k_slot, s_init, BLOCK_N,
+                            QK_MAIN, QK_SPLIT)
+            v_slot = hopper.arrived(v_ready, kv + t - 1, STAGES)
+            v = v_smem.index(v_slot).reshape([BLOCK_N, HEAD_DIM_V])
+            acc_tok = warpgroup_mma(p_op, v, acc, is_async=True)
+            # Philox's integer work runs while the tensor cores do S(t) and P·V.
+            keep = _keep(seed, rng_offset, bh, row0, start_n, dropout_p, BLOCK_N,
+                         s_layout, HAS_DROPOUT)
+            bias = _bias_row(bias_smem, k_slot, BLOCK_N, s_layout, BIAS_ROW)
+            s = warpgroup_mma_wait(1, deps=(s_tok,))  # S(t) done; P(t-1)·V(t-1) runs on
+            mbarrier.arrive(k_empty.index(k_slot))
+            bias = _bias(bias, bias_smem, bias_ready, bias_empty, kv + t, s_layout, PART,
+                         PARTS, BLOCK_N, BIAS_STAGES, HAS_BIAS, BIAS_ROW)
+            needs_mask = (start_n < full_lo) | (start_n >= full_hi)
+            p_, m_i, l_i, alpha = _softmax_tile(
+                s, m_i, l_i, start_n, offs_m, bias, slope, seqlen_k, off, window_left,
+                window_right, needs_mask, scale_log2, BLOCK_N, HAS_BIAS, BIAS_ROW,
+                HAS_ALIBI, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
+            mbarrier.arrive(v_empty.index(v_slot))
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            p_op = gl.convert_layout(_dropped(p_, keep, HAS_DROPOUT).to(dtype), p_layout)
+        if not O_IN_Q:  # every S of this block is done: Q may be refilled
+            mbarrier.arrive(q_empty.index(q_slot))
+        v_slot = hopper.arrived(v_ready, kv + n_tiles - 1, STAGES)
+        v = v_smem.index(v_slot).reshape([BLOCK_N, HEAD_DIM_V])
+        acc = warpgroup_mma(p_op, v, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(v_slot))
+    elif not O_IN_Q:
+        mbarrier.arrive(q_empty.index(q_slot))
+    kv += n_tiles
 
-            # Rows with no visible key: l = 0, out = 0, lse = -inf.
-            empty = l_i == 0.0
-            inv_l = 1.0 / gl.where(empty, 1.0, l_i)
-            if HAS_DROPOUT:  # kept probabilities weigh 1 / (1 - p)
-                inv_l = inv_l / (1.0 - dropout_p)
-            log2_l = gl.log2(gl.where(empty, 1.0, l_i))
-            if HAS_BIAS:  # m in natural units; the backwards recompute scores with the
-                # bias clamped at -2e38 (add_bias_alibi_log2), and so the lse
-                lse = gl.where(empty, float("-inf"), gl.maximum(m_i + log2_l * LN2, -2.0e38))
-            else:
-                lse = gl.where(empty, float("-inf"), (m_i + log2_l) * LN2)
-            out = acc * gl.convert_layout(inv_l, o_rows)[:, None]
-            if IS_VARLEN and row0 + ROWS > seqlen_q:
-                # A TMA store clips at the packed tensor's end, not at the sequence's: rows
-                # past it belong to the next sequence. Plain masked stores there.
-                rows = gl.arange(0, ROWS, layout=o_rows)
-                cols = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
-                tokens = (q_start + row0 + rows).to(gl.int64)
-                o_ptrs = (Out + tokens[:, None] * stride_om + h.to(gl.int64) * stride_oh
-                          + cols[None, :])
-                gl.store(o_ptrs, out.to(dtype), mask=(row0 + rows < seqlen_q)[:, None])
-                if O_IN_Q:
-                    mbarrier.arrive(q_empty.index(q_slot))
-            else:
-                tma.store_wait(0)  # the previous block's store has read o_buf (one thread
-                # issued it)
-                gl.thread_barrier()
-                o_buf.reshape([ROWS, HEAD_DIM_V]).store(out.to(dtype))
-                fence_async_shared()
-                # The TMA store clips rows past Sq; it runs on while the next block starts.
-                tma.async_copy_shared_to_global(o_desc, [0 if IS_VARLEN else b, h,
-                                                         q_start + row0, 0], o_buf)
-                if O_IN_Q:  # o_buf is this warpgroup's Q: refilled once the store has read it
-                    tma.store_wait(0)
-                    gl.thread_barrier()
-                    mbarrier.arrive(q_empty.index(q_slot))
-            l_ptrs = (Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
-                      + (q_start + offs_m).to(gl.int64) * stride_lm)
-            gl.store(l_ptrs, lse, mask=offs_m < seqlen_q)
-            qi += 1
-    tma.store_wait(0)
+    # Rows with no visible key: l = 0, out = 0, lse = -inf.
+    empty = l_i == 0.0
+    inv_l = 1.0 / gl.where(empty, 1.0, l_i)
+    if HAS_DROPOUT:  # kept probabilities weigh 1 / (1 - p)
+        inv_l = inv_l / (1.0 - dropout_p)
+    log2_l = gl.log2(gl.where(empty, 1.0, l_i))
+    if HAS_BIAS:  # m in natural units; the backwards recompute scores with the
+        # bias clamped at -2e38 (add_bias_alibi_log2), and so the lse
+        lse = gl.where(empty, float("-inf"), gl.maximum(m_i + log2_l * LN2, -2.0e38))
+    else:
+        lse = gl.where(empty, float("-inf"), (m_i + log2_l) * LN2)
+    out = acc * gl.convert_layout(inv_l, o_rows)[:, None]
+    if IS_VARLEN and row0 + ROWS > seqlen_q:
+        # A TMA store clips at the packed tensor's end, not at the sequence's: rows
+        # past it belong to the next sequence. Plain masked stores there.
+        rows = gl.arange(0, ROWS, layout=o_rows)
+        cols = gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, o_layout))
+        tokens = (q_start + row0 + rows).to(gl.int64)
+        o_ptrs = (Out + tokens[:, None] * stride_om + h.to(gl.int64) * stride_oh
+                  + cols[None, :])
+        gl.store(o_ptrs, out.to(dtype), mask=(row0 + rows < seqlen_q)[:, None])
+        if O_IN_Q:
+            mbarrier.arrive(q_empty.index(q_slot))
+    else:
+        tma.store_wait(0)  # the previous block's store has read o_buf (one thread
+        # issued it)
+        gl.thread_barrier()
+        o_buf.reshape([ROWS, HEAD_DIM_V]).store(out.to(dtype))
+        fence_async_shared()
+        # The TMA store clips rows past Sq; it runs on while the next block starts.
+        tma.async_copy_shared_to_global(o_desc, [0 if IS_VARLEN else b, h,
+                                                 q_start + row0, 0], o_buf)
+        if O_IN_Q:  # o_buf is this warpgroup's Q: refilled once the store has read it
+            tma.store_wait(0)
+            gl.thread_barrier()
+            mbarrier.arrive(q_empty.index(q_slot))
+    l_ptrs = (Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+              + (q_start + offs_m).to(gl.int64) * stride_lm)
+    gl.store(l_ptrs, lse, mask=offs_m < seqlen_q)
+    qi += 1
+    return kv, qi
 
 
 @gluon.jit
 def _fwd_sm90_kernel(
     q_desc, k_desc, v_desc, o_desc, bias_desc, q2_desc, k2_desc, Out, Lse, Rng, Alibi,
-    CuSeqQ, CuSeqK, stride_om, stride_oh, stride_lb, stride_lh, stride_lm, stride_ab,
+    CuSeqQ, CuSeqK, Tickets, stride_om, stride_oh, stride_lb, stride_lh, stride_lm, stride_ab,
     stride_ah, H, GROUP, bias_batches, bias_heads, seqlen_q, seqlen_k, num_m_blocks,
     num_items, scale_log2, window_left, window_right, dropout_p,
     HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr,
@@ -464,10 +587,14 @@ def _fwd_sm90_kernel(
 ):  # fmt: skip
     # The programs (one per SM at most, persistent) walk the num_items query blocks in
     # strides (hopper.work_item), folded under a mask: pairs of blocks whose work adds
-    # up to the same. A block's start overlaps the previous one's end.
+    # up to the same; packed sequences' items (hopper.packed_block) as each program
+    # frees (_load_partition). A block's start overlaps the previous one's end.
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
-    n_items = hopper.work_items(pid, programs, num_items, FOLD)
+    if IS_VARLEN:
+        n_items = num_items
+    else:
+        n_items = hopper.work_items(pid, programs, num_items, FOLD)
     seed, rng_offset = philox_key(Rng, HAS_DROPOUT)
 
     PARTS: gl.constexpr = BLOCK_M // ROWS  # softmax warpgroups
@@ -501,20 +628,26 @@ def _fwd_sm90_kernel(
                                             k2_desc.layout)
     else:  # stand-ins, never touched
         q2_smem, k2_smem = q_smem, k_smem
+    if IS_VARLEN:  # the items the load warp hands the softmax warpgroups
+        info_smem = gl.allocate_shared_memory(gl.int32, [INFO_STAGES, INFO_FIELDS],
+                                              gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        info_ready, info_empty = hopper.ring(INFO_STAGES, PARTS)
+    else:  # stand-ins, never touched
+        info_smem, info_ready, info_empty = k_smem, k_ready, k_empty
 
     # Runtime values only: a constexpr stored in a variable would turn into a tensor, so
     # the constexprs go into each partition's arguments inline.
     shared = (o_desc, Out, stride_om, stride_oh, Lse, Alibi, stride_lb, stride_lh, stride_lm,
               stride_ab, stride_ah, q_smem, k_smem, v_smem, o_smem, bias_smem, q2_smem,
               k2_smem, q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty,
-              bias_empty, pid, programs, H, GROUP, num_m_blocks, n_items, CuSeqQ,
-              CuSeqK, seqlen_q, seqlen_k, scale_log2, window_left, window_right, seed,
-              rng_offset, dropout_p)
+              bias_empty, info_smem, info_ready, info_empty, pid, programs, H, GROUP,
+              num_m_blocks, n_items, seqlen_q, seqlen_k, scale_log2, window_left,
+              window_right, seed, rng_offset, dropout_p)
     loads = (q_desc, k_desc, v_desc, bias_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem,
              bias_smem, q2_smem, k2_smem, q_ready, q_empty, k_ready, v_ready, bias_ready,
-             k_empty, v_empty, bias_empty, pid, programs, H, GROUP, bias_batches, bias_heads,
-             num_m_blocks, n_items, CuSeqQ, CuSeqK, seqlen_q, seqlen_k,
-             window_left, window_right)
+             k_empty, v_empty, bias_empty, info_smem, info_ready, info_empty, Tickets, pid,
+             programs, H, GROUP, bias_batches, bias_heads, num_m_blocks, n_items, CuSeqQ,
+             CuSeqK, seqlen_q, seqlen_k, window_left, window_right)
     if PARTS == 2:
         gl.warp_specialize([
             (_softmax_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
@@ -649,8 +782,10 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
     # spec does not fix packed sequences' token counts, which the descriptors hold):
     # once launched, a call of the same key skips making them
     # (hopper.Launcher.launch_prepared).
+    # Packed sequences' dynamic schedule counts its items taken here (zeroed per call).
+    tickets = torch.zeros(1, dtype=torch.int32, device=q.device) if spec.varlen else lse
     call = (how, *map(hopper.tensor_key, (q, k, v, out, lse, bias, alibi_slopes, rng_state,
-                                           cu_seqlens_q, cu_seqlens_k)))  # fmt: skip
+                                           cu_seqlens_q, cu_seqlens_k, tickets)))  # fmt: skip
     if _launch_forward.launch_prepared(how.programs, call):
         return
     block_n = how.constexprs["BLOCK_N"]
@@ -687,7 +822,7 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
     _launch_forward(
         (how.programs,),
         q_desc, k_desc, hopper.descriptor(v, block_n), o_desc, bias_desc, q2_desc, k2_desc,
-        out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+        out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k, tickets,
         stride_om, stride_oh, *lse_strides, alibi_batch_stride, alibi_head_stride,
         spec.heads, spec.group, bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k,
         *how.counts, spec.scale * LOG2E.value, spec.window_left, spec.window_right,

@@ -275,39 +275,61 @@ def work_items(pid, programs, total, FOLD: gl.constexpr):
 
 @gluon.jit
 def query_block(
-    pid, j, programs, H, GROUP, num_m_blocks, CuSeqQ, CuSeqK, seqlen_q, seqlen_k,
-    window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    FOLD: gl.constexpr, IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
-    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    pid, j, programs, H, GROUP, num_m_blocks, seqlen_q, seqlen_k, window_left, window_right,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr,
+    BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     """The j-th query block of program pid (work_item's order: each head's last block
-    first, folded or not) of a grid over query blocks (the forward's, the D=256
+    first, folded or not) of a dense grid over query blocks (the forward's, the D=256
     backward's dQ kernel): (b, h, kv head, first row, the sequence's first query and
     key token and lengths, the diagonal's offset, key range as common.key_range gives
-    it, count of key tiles). Varlen (packed sequences, cu_seqlens; num_m_blocks is
-    then the count of sequences): packed_rank's grid, strided, sequence after sequence,
-    each's blocks last first, each block across the heads. Programs side by side then
-    work on one sequence's heads and neighbouring blocks, whose K and V tiles they
-    share in L2 (walked rank by rank across all sequences, 8 documents of 2048 tokens
-    ran at 0.55x the dense batch's speed, H100: each block read its K and V from
-    memory); under a causal mask each sequence's heaviest blocks come first. An item
-    past its sequence's blocks has no key tile."""
-    if IS_VARLEN:
-        g = pid + j * programs
-        b = packed_sequence(g, H, CuSeqQ, num_m_blocks, BLOCK_M)
-        q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(CuSeqQ, CuSeqK, b, seqlen_q,
-                                                               seqlen_k, IS_VARLEN)
-        h, rank = packed_rank(g, H, b, q_start, BLOCK_M)
-        start_m = (gl.cdiv(seqlen_q, BLOCK_M) - 1 - rank) * BLOCK_M
-        if start_m < 0:  # past the sequence's blocks (rank >= 0 always)
-            start_m = seqlen_q
-    else:
-        bh, rank = work_item(pid, j, programs, num_m_blocks, FOLD)
-        b = bh // H
-        h = bh % H
-        start_m = (num_m_blocks - 1 - rank) * BLOCK_M
-        q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(CuSeqQ, CuSeqK, b, seqlen_q,
-                                                               seqlen_k, IS_VARLEN)
+    it, count of key tiles)."""
+    bh, rank = work_item(pid, j, programs, num_m_blocks, FOLD)
+    b = bh // H
+    h = bh % H
+    start_m = (num_m_blocks - 1 - rank) * BLOCK_M
+    off, lo, full_lo, full_hi, n_tiles = block_keys(
+        start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, False,
+        BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+    return (b, h, h // GROUP, start_m, 0, 0, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
+            n_tiles)
+
+
+@gluon.jit
+def packed_block(
+    g, H, GROUP, num_seqs, CuSeqQ, CuSeqK, window_left, window_right,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+):  # fmt: skip
+    """Item g of packed sequences' grid (cu_seqlens; packed_rank's order: sequence after
+    sequence, each's blocks last first, each block across the heads), as query_block
+    gives a block: programs side by side then work on one sequence's heads and
+    neighbouring blocks, whose K and V tiles they share in L2 (walked rank by rank
+    across all sequences, 8 documents of 2048 tokens ran at 0.55x the dense batch's
+    speed, H100: each block read its K and V from memory); under a causal mask each
+    sequence's heaviest blocks come first. An item past its sequence's blocks starts
+    at the sequence's end and has no key tile."""
+    b = packed_sequence(g, H, CuSeqQ, num_seqs, BLOCK_M)
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(CuSeqQ, CuSeqK, b, 0, 0, True)
+    h, rank = packed_rank(g, H, b, q_start, BLOCK_M)
+    start_m = (gl.cdiv(seqlen_q, BLOCK_M) - 1 - rank) * BLOCK_M
+    if start_m < 0:  # past the sequence's blocks (rank >= 0 always)
+        start_m = seqlen_q
+    off, lo, full_lo, full_hi, n_tiles = block_keys(
+        start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, True,
+        BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+    return (b, h, h // GROUP, start_m, q_start, k_start, seqlen_q, seqlen_k, off, lo, full_lo,
+            full_hi, n_tiles)
+
+
+@gluon.jit
+def block_keys(
+    start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+):  # fmt: skip
+    """A query block's keys: the diagonal's offset, the key range common.key_range gives
+    and its count of key tiles (none for a packed block past its sequence's end)."""
     off = diagonal_offset(seqlen_q, seqlen_k, BOTTOM_RIGHT)
     lo, full_lo, full_hi, hi = key_range(
         start_m, seqlen_k, off, window_left, window_right,
@@ -316,8 +338,20 @@ def query_block(
     if IS_VARLEN:
         if start_m >= seqlen_q:
             n_tiles = 0
-    return (b, h, h // GROUP, start_m, q_start, k_start, seqlen_q, seqlen_k, off, lo, full_lo,
-            full_hi, n_tiles)
+    return off, lo, full_lo, full_hi, n_tiles
+
+
+@gluon.jit
+def take_ticket(counter):
+    """The int32 counter's value before adding 1 (lane 0's atom.add, shuffled to the
+    warp): one warp's next item of a dynamic schedule. Inline, as a scalar atomic whose
+    result is used goes through scratch that sat where warp_specialize passes captured
+    values (PERFORMANCE.md, pitfalls)."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 l, v; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; "
+        "mov.b32 v, 0; @p atom.relaxed.gpu.global.add.s32 v, [$1], 1; "
+        "shfl.sync.idx.b32 $0, v, 0, 31, -1; }",
+        "=r,l", [counter], dtype=gl.int32, is_pure=False, pack=1)
 
 
 # Rings of shared-memory slots between a kernel's TMA load warp and its consumers. Item
