@@ -502,18 +502,16 @@ def test_hopper_backward_gradient_through_lse_gpu(case, hopper_backward_launches
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_deterministic_backward_on_hopper_gpu(head_dim, hopper_backward_launches):
-    """Where the Gluon backward adds dQ tiles in any order (fp32 reduce-adds: D 64 and
-    128), deterministic calls run backward.py; at D=256 dQ has a kernel of its own that
-    adds in a fixed order, so the Gluon kernels run them. Either way two runs agree bit
-    for bit; at D=256 the gradients are checked against the reference too."""
+    """Deterministic calls on the Gluon backward: at D=128 dQ's fp32 reduce-adds go in a
+    fixed order (backward_sm90.ORDERED_DQ), at D=256 dQ has a kernel of its own that
+    adds in one. Two runs agree bit for bit, and the gradients match the reference."""
     case = Case("det plain", batch=2, heads=8, kv_heads=2, seqlen_q=1500, seqlen_k=1500,
                 dqk=head_dim, dv=head_dim, options=dict(causal=True, deterministic=True))
     runs = [_gradients(case, torch.bfloat16, "cuda") for _ in range(2)]
-    assert bool(hopper_backward_launches) == (head_dim == 256)
+    assert hopper_backward_launches, "the deterministic call fell back to backward.py"
     for a, b in zip(*runs):
         assert torch.equal(a, b)
-    if head_dim == 256:
-        assert_results(check_backward(case, torch.bfloat16, "cuda", seed=5))
+    assert_results(check_backward(case, torch.bfloat16, "cuda", seed=5))
 
 
 FLOAT32_CASES = [
