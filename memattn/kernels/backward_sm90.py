@@ -194,19 +194,22 @@ def _bwd_compute_partition(
     HAS_DBIAS: gl.constexpr, DBIAS_SUM: gl.constexpr, BIAS_ROW: gl.constexpr,
     DBIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
     BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, DQ_BUFS: gl.constexpr,
-    ROTATE: gl.constexpr,
+    ROTATE: gl.constexpr, IS_VARLEN: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: keys [start_n + HALF * 64, + 64) against every query tile.
     ``shared``: the runtime arguments both take (_bwd_sm90_kernel builds the tuple).
     DQ_BUFS: 0, this warpgroup sends its dQ tiles itself; else it leaves them in that
-    many buffers for the dQ writer warp. ROTATE: _query_tile's."""
-    (dq_desc, dbias_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
-     stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bias_smem, ds_smem,
-     dq_smem, dsum_smem, dq_full, dq_empty, kv_bar, q_ready, do_ready, q_empty, do_empty,
+    many buffers for the dQ writer warp. ROTATE: _query_tile's. dK and dV leave by TMA
+    store through the Q and dO rings' slot HALF, once both warpgroups are done with them;
+    a packed sequence's block that ends past the sequence's keys by plain stores (a TMA
+    store clips at the packed tensor's end, not the sequence's)."""
+    (dq_desc, dbias_desc, dk_desc, dv_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb,
+     stride_vn, stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bias_smem,
+     ds_smem, dq_smem, dsum_smem, dq_full, dq_empty, kv_bar, q_ready, do_ready, q_empty, do_empty,
      ds_bar, b, b_tma, hk, q_start, k_start, GROUP, start_n, lo, full_lo, full_hi, n_tiles,
-     seqlen_q, seqlen_k, off, scale, window_left, window_right, seed, rng_offset, heads,
-     dropout_p, Alibi, stride_ab, stride_ah, BiasRow, stride_rb, stride_rh, stride_rn,
-     bias_batches, bias_heads, DBiasRow, stride_pb, stride_ph) = shared
+     seqlen_q, seqlen_k, off, scale, window_left, window_right, seed, rng_offset, heads, dropout_p,
+     Alibi, stride_ab, stride_ah, BiasRow, stride_rb, stride_rh, stride_rn, bias_batches,
+     bias_heads, DBiasRow, stride_pb, stride_ph) = shared
     dtype: gl.constexpr = k_smem.dtype
     HALF_N: gl.constexpr = BLOCK_N // 2
     HALF_D: gl.constexpr = HEAD_DIM_QK // 2  # dQ's columns a warpgroup makes
@@ -358,14 +361,32 @@ def _bwd_compute_partition(
 
     if HAS_DROPOUT:
         dv = dv * (1.0 / (1.0 - dropout_p))
-    _store_key_rows((dk * scale).to(dtype), DK, b, hk, stride_kb, stride_kn, stride_kh,
-                    seqlen_k, row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dk_layout)),
-                    gl.arange(0, HEAD_DIM_QK, layout=gl.SliceLayout(0, dk_layout)),
-                    HEAD_DIM_QK)  # fmt: skip
-    _store_key_rows(dv.to(dtype), DV, b, hk, stride_vb, stride_vn, stride_vh, seqlen_k,
-                    row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dv_layout)),
-                    gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, dv_layout)),
-                    HEAD_DIM_V)  # fmt: skip
+    dk_out = (dk * scale).to(dtype)
+    dv_out = dv.to(dtype)
+    # Both warpgroups are done with the Q and dO rings (the load warp has no more to
+    # bring): slot HALF of each takes this warpgroup's dK and dV.
+    mbarrier.arrive(ds_bar)
+    mbarrier.wait(ds_bar, (GROUP * n_tiles) & 1)
+    if IS_VARLEN and row0 + HALF_N > seqlen_k:
+        _store_key_rows(dk_out, DK, b, hk, stride_kb, stride_kn, stride_kh, seqlen_k,
+                        row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dk_layout)),
+                        gl.arange(0, HEAD_DIM_QK, layout=gl.SliceLayout(0, dk_layout)),
+                        HEAD_DIM_QK)  # fmt: skip
+        _store_key_rows(dv_out, DV, b, hk, stride_vb, stride_vn, stride_vh, seqlen_k,
+                        row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dv_layout)),
+                        gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, dv_layout)),
+                        HEAD_DIM_V)  # fmt: skip
+    else:  # the TMA store clips a dense batch's keys past Sk
+        dk_buf = q_smem.index(HALF)._reinterpret(dtype, dk_desc.block_type.shape,
+                                                 dk_desc.layout)
+        dv_buf = do_smem.index(HALF)._reinterpret(dtype, dv_desc.block_type.shape,
+                                                  dv_desc.layout)
+        dk_buf.reshape([HALF_N, HEAD_DIM_QK]).store(dk_out)
+        dv_buf.reshape([HALF_N, HEAD_DIM_V]).store(dv_out)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dk_desc, [b_tma, hk, k_start + row0, 0], dk_buf)
+        tma.async_copy_shared_to_global(dv_desc, [b_tma, hk, k_start + row0, 0], dv_buf)
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -488,8 +509,8 @@ def _operand_buffers(q_desc, do_desc, k_desc, v_desc, stats_desc, STAGES: gl.con
 
 @gluon.jit
 def _bwd_sm90_kernel(
-    q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, bias_desc, dbias_desc, DK, DV, Rng,
-    Alibi, CuSeqQ, CuSeqK, BiasRow, DBiasRow, stride_kb,
+    q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, bias_desc, dbias_desc, dk_desc,
+    dv_desc, DK, DV, Rng, Alibi, CuSeqQ, CuSeqK, BiasRow, DBiasRow, stride_kb,
     stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ab, stride_ah, stride_rb,
     stride_rh, stride_rn, stride_pb, stride_ph, HKV, GROUP, bias_batches, bias_heads, seqlen_q,
     seqlen_k, num_n_blocks, scale, window_left, window_right, dropout_p,
@@ -560,24 +581,24 @@ def _bwd_sm90_kernel(
 
     # Runtime values only: a constexpr stored in a variable would turn into a tensor, so
     # the constexprs go into each partition's arguments inline.
-    shared = (dq_desc, dbias_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb,
-              stride_vn, stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-              bias_smem, ds_smem, dq_smem, dsum_smem, dq_full, dq_empty, kv_bar, q_ready,
-              do_ready, q_empty, do_empty, ds_bar, b, b_tma, hk, q_start, k_start, GROUP,
-              start_n, lo, full_lo, full_hi, n_tiles, seqlen_q, seqlen_k, off, scale,
-              window_left, window_right, seed, rng_offset, heads, dropout_p, Alibi, stride_ab,
-              stride_ah, BiasRow, stride_rb, stride_rh, stride_rn, bias_batches, bias_heads,
-              DBiasRow, stride_pb, stride_ph)
+    shared = (dq_desc, dbias_desc, dk_desc, dv_desc, DK, DV, stride_kb, stride_kn, stride_kh,
+              stride_vb, stride_vn, stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem,
+              delta_smem, bias_smem, ds_smem, dq_smem, dsum_smem, dq_full, dq_empty, kv_bar,
+              q_ready, do_ready, q_empty, do_empty, ds_bar, b, b_tma, hk, q_start, k_start, GROUP,
+              start_n, lo, full_lo, full_hi, n_tiles, seqlen_q, seqlen_k, off, scale, window_left,
+              window_right, seed, rng_offset, heads, dropout_p, Alibi, stride_ab, stride_ah,
+              BiasRow, stride_rb, stride_rh, stride_rn, bias_batches, bias_heads, DBiasRow,
+              stride_pb, stride_ph)
     if DQ_BUFS > 0:  # a fourth partition, the dQ writer warp
         gl.warp_specialize(
             [(_bwd_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, HAS_DBIAS, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
-                                       BOUNDED_RIGHT, DQ_BUFS, ROTATE)),
+                                       BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN)),
              (_bwd_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, HAS_DBIAS, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
-                                       BOUNDED_RIGHT, DQ_BUFS, ROTATE)),
+                                       BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN)),
              (_bwd_load_partition, (
                 q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem,
                 k_smem, v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready,
@@ -593,11 +614,11 @@ def _bwd_sm90_kernel(
             [(_bwd_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, HAS_DBIAS, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
-                                       BOUNDED_RIGHT, DQ_BUFS, ROTATE)),
+                                       BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN)),
              (_bwd_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, HAS_DBIAS, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
-                                       BOUNDED_RIGHT, DQ_BUFS, ROTATE)),
+                                       BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN)),
              (_bwd_load_partition, (
                 q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem,
                 k_smem, v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready,
@@ -1184,8 +1205,10 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
     # K's tile is sliced by columns for dQ: its swizzle may not span more than a half.
     k_swizzle = min(128, half_d * k.element_size())
     k_strides, v_strides = dense_strides(dk, spec.varlen)[:3], dense_strides(dv, spec.varlen)[:3]
+    dk_tma, dv_tma = dk, dv
     if spec.varlen:  # one batch of all tokens to TMA
-        q, k, v, grad_out, dq = (t.unsqueeze(0) for t in (q, k, v, grad_out, dq))
+        q, k, v, grad_out, dq, dk_tma, dv_tma = (
+            t.unsqueeze(0) for t in (q, k, v, grad_out, dq, dk, dv))
     block_m = how.constexprs["BLOCK_M"]
     q_desc = hopper.descriptor(q, block_m)
     bias_desc = dbias_desc = q_desc  # stand-ins, never read without a bias (gradient)
@@ -1214,7 +1237,9 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
         hopper.descriptor(dq, block_m, cols=half_d),
         _row_stats_descriptor(stats, stats.shape[-1] if spec.varlen else spec.seqlen_q,
                               block_m),
-        bias_desc, dbias_desc, dk, dv, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+        bias_desc, dbias_desc, hopper.descriptor(dk_tma, BLOCK_N // 2),
+        hopper.descriptor(dv_tma, BLOCK_N // 2), dk, dv, rng_state, alibi_slopes,
+        cu_seqlens_q, cu_seqlens_k,
         bias if bias_row else dk, dbias if dbias_kind == "row" else dk,
         *k_strides, *v_strides,
         alibi_batch_stride, alibi_head_stride, *row_strides, *partial_strides,
