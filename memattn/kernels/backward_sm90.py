@@ -130,7 +130,9 @@ def dq_add_turn(n, start_m, num_n, n_tiles, off, window_right, BLOCK_M: gl.const
 def _store_key_rows(x, X, b, hk, stride_b, stride_n, stride_h, seqlen_k, rows, cols,
                     COLS: gl.constexpr):  # fmt: skip
     """x (dK or dV, in the output dtype) of keys ``rows`` and columns ``cols`` of (b, kv
-    head hk), by plain stores, once per program; keys past Sk are not written."""
+    head hk), by plain stores: a packed sequence's key block that ends past its keys
+    (elsewhere TMA stores, which clip at the packed tensor's end, not the sequence's);
+    keys past the sequence are not written."""
     ok = (rows < seqlen_k)[:, None] & (cols < COLS)[None, :]
     rows64 = rows.to(gl.int64)[:, None]
     ptrs = (X + b.to(gl.int64) * stride_b + hk.to(gl.int64) * stride_h + rows64 * stride_n
@@ -655,8 +657,8 @@ def _bwd_wide_compute_partition(
     """One warpgroup at D=256 (or 192/128): S and dP of keys [start_n + HALF * 32, + 32),
     then dK and dV of this warpgroup's head-dim columns over all 64 keys: half of each at
     D=256; with QK_SPLIT, dK's first (HALF 0) or split columns and half of dV's."""
-    (DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, q_smem,
-     do_smem, k_smem, v_smem, q2_smem, k2_smem, lse_smem, delta_smem, pt_smem, dst_smem,
+    (dk_desc, dk2_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, q2_smem, k2_smem,
+     lse_smem, delta_smem, pt_smem, dst_smem,
      kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, pds_free, b, hk, GROUP, start_n,
      lo, full_lo, full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right) = shared
     dtype: gl.constexpr = k_smem.dtype
@@ -742,22 +744,26 @@ def _bwd_wide_compute_partition(
         mbarrier.arrive(pds_free)
         mbarrier.wait(pds_free, i & 1)
 
-    dk, dv = (dk * scale).to(dtype), dv.to(dtype)
-    _store_key_rows(dk, DK, b, hk, stride_kb, stride_kn, stride_kh, seqlen_k,
-                    start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout)),
-                    DK_COL0 + gl.arange(0, DK_COLS, layout=gl.SliceLayout(0, dk_layout)),
-                    HEAD_DIM_QK)  # fmt: skip
-    _store_key_rows(dv, DV, b, hk, stride_vb, stride_vn, stride_vh, seqlen_k,
-                    start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dv_layout)),
-                    HALF * DV_COLS + gl.arange(0, DV_COLS, layout=gl.SliceLayout(0, dv_layout)),
-                    HEAD_DIM_V)  # fmt: skip
+    # Both warpgroups are past the last step's pds_free: the Q and dO rings are free,
+    # and slot HALF of each takes this warpgroup's dK and dV for their TMA stores (which
+    # clip the keys past Sk; dense batches only here).
+    out_desc = dk2_desc if QK_SPLIT > 0 and HALF == 1 else dk_desc
+    dk_buf = q_smem.index(HALF)._reinterpret(dtype, out_desc.block_type.shape,
+                                             out_desc.layout)
+    dv_buf = do_smem.index(HALF)._reinterpret(dtype, dv_desc.block_type.shape,
+                                              dv_desc.layout)
+    dk_buf.reshape([BLOCK_N, DK_COLS]).store((dk * scale).to(dtype))
+    dv_buf.reshape([BLOCK_N, DV_COLS]).store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(out_desc, [b, hk, start_n, DK_COL0], dk_buf)
+    tma.async_copy_shared_to_global(dv_desc, [b, hk, start_n, HALF * DV_COLS], dv_buf)
+    tma.store_wait(0)
 
 
 @gluon.jit
 def _bwd_wide_kernel(
-    q_desc, k_desc, v_desc, do_desc, stats_desc, q2_desc, k2_desc, DK, DV,
-    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    HKV, GROUP, seqlen_q, seqlen_k, num_n_blocks, scale, window_left, window_right,
+    q_desc, k_desc, v_desc, do_desc, stats_desc, q2_desc, k2_desc, dk_desc, dk2_desc,
+    dv_desc, HKV, GROUP, seqlen_q, seqlen_k, num_n_blocks, scale, window_left, window_right,
     HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
@@ -784,8 +790,8 @@ def _bwd_wide_kernel(
     pds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(pds_free, count=2)  # both warpgroups' matmuls on P and dS done
 
-    shared = (DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
-              stride_vh, q_smem, do_smem, k_smem, v_smem, q2_smem, k2_smem, lse_smem,
+    shared = (dk_desc, dk2_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, q2_smem, k2_smem,
+              lse_smem,
               delta_smem, pt_smem, dst_smem, kv_bar, q_ready, do_ready, q_empty, do_empty,
               ds_bar, pds_free, b, hk, GROUP, start_n, lo, full_lo, full_hi, n_tiles,
               seqlen_k, off, scale, window_left, window_right)
@@ -1307,12 +1313,14 @@ def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, stats, dq, dk, dv) ->
     stats_desc = _row_stats_descriptor(stats, spec.seqlen_q)
     if not dkdv_launched:
         k_desc, k2_desc = parts(k, BLOCK_N_WIDE)
+        # dK's columns a warpgroup stores: half of them, or with a split each buffer's
+        dk_parts = parts(dk, BLOCK_N_WIDE) if split else (
+            hopper.descriptor(dk, BLOCK_N_WIDE, cols=spec.head_dim_qk // 2),) * 2
         _launch_backward_wide(
             (dkdv.programs,),
             q_desc, k_desc, hopper.descriptor(v, BLOCK_N_WIDE), do_desc, stats_desc, q2_desc,
-            k2_desc, dk, dv,
-            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1),
-            dv.stride(2), spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k,
+            k2_desc, *dk_parts, hopper.descriptor(dv, BLOCK_N_WIDE, cols=spec.head_dim_v // 2),
+            spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k,
             *dkdv.counts, spec.scale, spec.window_left, spec.window_right,
             variant=dkdv, prepare=dkdv_call, **dkdv.constexprs,
         )  # fmt: skip
