@@ -1083,8 +1083,8 @@ DQ_WRITER = False
 # the key blocks further right start on a tile earlier and add first; without bounds
 # each program starts its walk at its own query tile (rot), as FA3's shift scheduler.
 # Blocks of one head have consecutive programs, which the GPU starts in order, so a
-# program waits only on programs already running. H100, tools/ab.py (variant
-# "ordered_dq" against the tile kernels and the non-deterministic default), D128 S4096
+# program waits only on programs already running. H100, tools/ab.py ("d" shapes, the
+# tile kernels against this; the non-deterministic default beside), D128 S4096
 # backward: 385 -> 504 TFLOP/s (default 546: 1.08x its time), causal 309 -> 427 (458:
 # 1.07x), D64 456 (default 443).
 ORDERED_DQ = True

@@ -215,9 +215,15 @@ def add_bias_alibi_log2(
         scaled = tl.maximum(bias, -2.0e38) * LOG2E
         s += tl.where(bias == float("-inf"), float("-inf"), scaled)
     if HAS_ALIBI:
-        dist = tl.abs(rows + off - cols).to(tl.float32)
-        s -= (slope * LOG2E) * dist
+        s -= (slope * LOG2E) * alibi_distance(rows, cols, off)
     return s
+
+
+@triton.jit
+def alibi_distance(rows, cols, off):
+    """ALiBi's |i + off - j| between query rows and key columns, fp32 (its slope's
+    factor; off: diagonal_offset's)."""
+    return tl.abs(rows + off - cols).to(tl.float32)
 
 
 @triton.jit

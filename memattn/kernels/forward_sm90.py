@@ -58,6 +58,7 @@ from .common import (
     LN2,
     LOG2E,
     add_bias_alibi_log2,
+    alibi_distance,
     alibi_strides,
     cdiv,
     philox_key,
@@ -284,7 +285,7 @@ def _softmax_tile(
         # that took a clamp and a select a score more.
         s = s * (scale_log2 * LN2) + bias
         if HAS_ALIBI:
-            s -= slope * gl.abs(offs_m[:, None] + off - offs_n[None, :]).to(gl.float32)
+            s -= slope * alibi_distance(offs_m[:, None], offs_n[None, :], off)
         scale_log2 = 1.0
     elif BIAS_ROW:  # one FMA a score
         s = s * scale_log2 + bias

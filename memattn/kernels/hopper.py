@@ -260,8 +260,8 @@ def packed_items(seqs: int, tokens: int, heads: int, block: int) -> int:
 
 @gluon.jit
 def work_items(pid, programs, total, FOLD: gl.constexpr):
-    """How many blocks `work_item` (packed sequences: `packed_rank`, strided) gives
-    program pid, of ``total`` (pid < the count of pairs folded, of blocks otherwise).
+    """How many blocks `work_item` gives program pid, of ``total`` (pid < the count of
+    pairs folded, of blocks otherwise).
     Folded: pairs q = pid, pid + programs, ... give block 2q while 2q < total and block
     2q + 1 while 2q + 1 < total. Plain integer arithmetic, so that tests can run it in
     Python."""
