@@ -121,6 +121,97 @@ def test_packed_row_stats_for_hopper_cpu(lengths):
     assert ((stats[1, 0].double() - want_delta).abs() <= bound).all()
 
 
+def _tile_spec(head_dim, lengths, batch, seqlen):
+    """(spec, q, cu_seqlens) for dq_tiles' tests: packed ``lengths`` or a dense batch."""
+    if lengths:
+        q = torch.randn(sum(lengths), 3, head_dim)
+        cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+        spec = memattn.spec.check_call(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                       max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
+        return spec, q, cu, [(0, first, n) for first, n in zip(cu.tolist(), lengths)]
+    q = torch.randn(batch, seqlen, 3, head_dim)
+    spec = memattn.spec.check_call(q, q, q)
+    return spec, q, None, [(b, 0, seqlen) for b in range(batch)]
+
+
+_TILE_CASES = dict(
+    head_dim=st.sampled_from([64, 128]), rows=st.sampled_from([64, 128]),
+    lengths=st.one_of(st.just(()), st.lists(st.integers(1, 300), min_size=1, max_size=4)),
+    batch=st.integers(1, 2), seqlen=st.integers(1, 300))
+
+
+def _tiles_of(spec, cu, seqs, rows):
+    """[(b, h, tile, first token, rows it holds)] of every dQ tile the kernel adds into,
+    tile numbered as backward_sm90._dq_tile_row numbers them."""
+    out = []
+    for index, (b, first, n) in enumerate(seqs):
+        for m in range(math.ceil(n / rows)):
+            tile = m + (first // rows + index if cu is not None else 0)
+            for h in range(spec.heads):
+                out.append((b, h, tile, first + m * rows, min(rows, n - m * rows)))
+    return out
+
+
+@cpu_only
+@settings(max_examples=8, deadline=None)
+@given(**_TILE_CASES)
+def test_dq_tiles_read_back_cpu(head_dim, rows, lengths, batch, seqlen):
+    """_dq_from_tiles_kernel reads each dQ tile of dq_tiles' buffer, laid out in its
+    registers' order as hopper.accumulator_order's bases say, back into dQ's rows: every
+    row of every sequence exactly, and nothing from a tile's rows past its sequence."""
+    from memattn.kernels import backward_sm90, hopper
+
+    if head_dim == 128 and rows == 128:
+        rows = 64  # D=128 takes 64 rows a step
+    spec, q, cu, seqs = _tile_spec(head_dim, lengths, batch, seqlen)
+    buffer = backward_sm90.dq_tiles(spec, q.shape[0], rows, "cpu").fill_(float("nan"))
+    want = torch.randn(q.shape)
+    half = head_dim // 2
+    bases = torch.tensor(hopper.accumulator_order.fn(rows, half).offset_bases)
+    bits = (torch.arange(rows * half)[:, None] >> torch.arange(len(bases))) & 1
+    at_row, at_col = (bits @ bases).unbind(1)  # the element each offset holds
+    plane = buffer.flatten(2)
+    for b, h, tile, first, count in _tiles_of(spec, cu, seqs, rows):
+        values = torch.randn(rows, head_dim)  # rows past the sequence: junk
+        token = (b, slice(first, first + count), h) if cu is None else (
+            slice(first, first + count), h)
+        values[:count] = want[token]
+        for hf in range(2):
+            start = (2 * tile + hf) * rows * half
+            plane[b, h, start : start + rows * half] = values[at_row, hf * half + at_col]
+    dq = torch.full_like(q, float("nan"))
+    grid, args, constexprs = backward_sm90.dq_from_tiles_launch(spec, buffer, rows, dq, cu)
+    backward_sm90._dq_from_tiles_kernel[grid](*args, **constexprs)
+    assert torch.equal(dq, want)
+
+
+@cpu_only
+@settings(max_examples=8, deadline=None)
+@given(**_TILE_CASES)
+def test_preprocess_zeroes_dq_tiles_cpu(head_dim, rows, lengths, batch, seqlen):
+    """The preprocess zeroes every dQ tile the Gluon backward adds into (_tiles_of, as
+    backward_sm90._dq_tile_row numbers them), in a buffer that held NaN."""
+    from memattn.kernels import backward_sm90
+
+    if head_dim == 128 and rows == 128:
+        rows = 64
+    spec, q, cu, seqs = _tile_spec(head_dim, lengths, batch, seqlen)
+    out, grad_out = torch.randn_like(q), torch.randn_like(q)
+    lse = (torch.randn(spec.heads, q.shape[0]) if cu is not None
+           else torch.randn(batch, spec.heads, seqlen))  # fmt: skip
+    stats = backward_sm90.row_stats_buffer(spec, lse)
+    lse2, delta = stats[:, 0] if cu is not None else stats.unbind(0)
+    buffer = backward_sm90.dq_tiles(spec, q.shape[0], rows, "cpu").fill_(float("nan"))
+    grid, args, constexprs = backward_kernels.delta_launch(
+        spec, out, grad_out, lse, None, cu, delta, lse2, buffer, rows)
+    backward_kernels._delta_kernel[grid](*args, **constexprs)
+    plane = buffer.flatten(2)
+    for b, h, tile, _, _ in _tiles_of(spec, cu, seqs, rows):
+        start = 2 * tile * rows * head_dim // 2
+        assert torch.equal(plane[b, h, start : start + rows * head_dim],
+                           torch.zeros(rows * head_dim)), (b, h, tile)
+
+
 @cpu_only
 def test_only_requested_gradients_cpu():
     """ops.backward computes only what `needs` asks for."""

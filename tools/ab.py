@@ -9,7 +9,7 @@ included), TFLOP/s of the GPU alone (CUDA graph replay) and host µs per call in
 it broadcasts; no gradient asked of it, but with ".grad": "+1HQK.grad"; the error
 column then covers dQ, dK and dV only); the shapes "docs" and "docs-full" are the
 bench's packed documents (causal and not, H=16, D=128), "docs/N" and "docs/N-full"
-16384 tokens of documents N long.
+16384 tokens of documents N long; "docs+1HQK.grad" adds a bias the documents share.
 
     python tools/ab.py [--pass fwd|bwd] [--shapes 128x4096c,192/128x4096c,128x4096+1H1K,docs]
                        [--variants tile,default]
@@ -66,6 +66,7 @@ def inputs(shape: str, device: str = "cuda"):
     "docs[/N][-full]" (see the module's docstring)."""
     new = lambda *s: torch.randn(*s, device=device, dtype=torch.bfloat16)  # noqa: E731
     if shape.startswith("docs"):
+        shape, _, bias = shape.partition("+")
         causal = not shape.endswith("-full")
         size = shape.removesuffix("-full").partition("/")[2]
         lengths = (int(size),) * (16384 // int(size)) if size else bench.DOC_LENGTHS
@@ -74,6 +75,8 @@ def inputs(shape: str, device: str = "cuda"):
         q, k, v, do = (new(sum(lengths), 16, 128) for _ in range(4))
         kw = dict(causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
                   max_seqlen_k=max(lengths))  # fmt: skip
+        if bias:  # shared by the documents, indexed by positions in each
+            kw["bias"] = _bias(bias, new, B=len(lengths), H=16, Q=max(lengths), K=max(lengths))
         pairs = (n * (n + 1) / 2 if causal else n * n for n in lengths)
         return q, k, v, do, kw, sum(4 * 16 * 128 * p for p in pairs)
     shape, _, bias = shape.partition("+")
@@ -88,11 +91,14 @@ def inputs(shape: str, device: str = "cuda"):
     v, do = new(b, s, h, dv), new(b, s, h, dv)
     kw = dict(causal=causal, deterministic=deterministic)
     if bias:
-        letters, _, grad = bias.partition(".")
-        sizes = dict(B=b, H=h, Q=s, K=s)
-        kw["bias"] = new(*(sizes[c] if c in sizes else 1 for c in letters))
-        kw["bias"].requires_grad_(grad == "grad")
+        kw["bias"] = _bias(bias, new, B=b, H=h, Q=s, K=s)
     return q, k, v, do, kw, 2 * b * h * s * s * (d + dv) / (2 if causal else 1)
+
+
+def _bias(spec: str, new, **sizes):
+    """A bias of "BHQK"-style letters (1 where it broadcasts), ".grad": with its gradient."""
+    letters, _, grad = spec.partition(".")
+    return new(*(sizes.get(c, 1) for c in letters)).requires_grad_(grad == "grad")
 
 
 def main():

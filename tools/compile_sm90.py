@@ -157,7 +157,7 @@ def compile_hopper_forward() -> int:
 
 def compile_hopper_backward() -> int:
     """The Gluon backward (kernels/backward_sm90.py): every head dim and mask variant."""
-    from memattn.kernels import backward_sm90, dispatch
+    from memattn.kernels import backward_sm90, dispatch, hopper
 
     def launch(spec, q, k, v, bias, alibi, cu_seqlens=(None, None)):
         if not backward_sm90.takes_head_dims(spec) or not dispatch.gluon_backward_computes(
@@ -173,8 +173,10 @@ def compile_hopper_backward() -> int:
         elif kind is not None:
             dbias = torch.empty(bias.shape, dtype=bias.dtype if kind == "full" else torch.float32)
         rng = torch.zeros(2, dtype=torch.int64) if spec.dropout_p > 0 else None
-        dq = torch.empty(q.shape, dtype=torch.float32 if backward_sm90.dq_in_fp32(spec)
-                         else q.dtype)  # fmt: skip
+        dq = torch.empty(q.shape, dtype=q.dtype)
+        if backward_sm90.dq_in_fp32(spec):  # as backward_sm90.run makes it
+            rows = backward_sm90.block_m(spec, bias is not None and hopper.bias_row(spec, bias))
+            dq = backward_sm90.dq_tiles(spec, q.shape[0], rows, q.device)
         grad_out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
         backward_sm90.backward(spec, q, k, v, grad_out, bias, alibi, rng, *cu_seqlens, stats,
                                dq, torch.empty_like(k), torch.empty_like(v), dbias)  # fmt: skip

@@ -59,18 +59,19 @@ def _delta_kernel(
     stride_gb, stride_gm, stride_gh, stride_gd,
     stride_lb, stride_lh, stride_lm,
     stride_db, stride_dh, stride_dm,
-    stride_ab, stride_am, stride_ah,
+    stride_ab, stride_ah,
     stride_eb, stride_eh, stride_em,
     CuSeqQ, H, seqlen_q, num_m_blocks,
     DV: tl.constexpr, DQK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_VARLEN: tl.constexpr, FOR_SM90: tl.constexpr, ZERO_DQ: tl.constexpr,
-    HAS_GRAD_LSE: tl.constexpr,
+    DQ_BLOCK_M: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
 ):  # fmt: skip
     """delta = rowsum(dO * O), minus grad_lse where a gradient flows into lse (it adds
     P * grad_lse to dS). FOR_SM90 (the Gluon backward's inputs): also
     lse2 = lse * log2(e) (+inf for rows that see no key, so their P is 0, not NaN),
     stored beside delta (strides stride_d*), packed sequences' at packed_stats_start;
-    with ZERO_DQ, zeros for the fp32 dQ accumulator."""
+    with ZERO_DQ, zeros for the fp32 dQ accumulator (backward_sm90.dq_tiles: DQ_BLOCK_M
+    rows a tile, each zeroed whole by the program at its first row)."""
     pid = tl.program_id(0)
     bh = pid // num_m_blocks
     start_m = (pid % num_m_blocks) * BLOCK_M
@@ -103,20 +104,25 @@ def _delta_kernel(
         tl.store(Lse2 + d_off, tl.where(lse == float("-inf"), float("inf"), lse * LOG2E),
                  mask=row_ok)
     if ZERO_DQ:
-        dq_cols = tl.arange(0, DQK)
-        tl.store(DQAcc + b64 * stride_ab + h64 * stride_ah + (row0 + rows)[:, None] * stride_am
-                 + dq_cols[None, :], tl.zeros([BLOCK_M, DQK], tl.float32), mask=row_ok[:, None])
+        if (start_m % DQ_BLOCK_M == 0) & (start_m < seqlen_q):
+            tile = start_m // DQ_BLOCK_M
+            if IS_VARLEN:  # as backward_sm90._dq_tile_row
+                tile += q_start // DQ_BLOCK_M + b
+            first = b64 * stride_ab + h64 * stride_ah + tl.cast(tile, tl.int64) * DQ_BLOCK_M * DQK
+            tl.store(DQAcc + first + tl.arange(0, DQ_BLOCK_M * DQK),
+                     tl.zeros([DQ_BLOCK_M * DQK], tl.float32))
 
 
 _DELTA_BLOCK_M = 64
 
 
 def delta_launch(spec: AttentionSpec, out, grad_out, lse, grad_lse, cu_seqlens_q, delta,
-                 lse2=None, dq_acc=None) -> tuple[tuple, tuple, dict]:  # fmt: skip
+                 lse2=None, dq_acc=None, dq_block_m=0) -> tuple[tuple, tuple, dict]:  # fmt: skip
     """_delta_kernel's (grid, arguments, constexprs): delta (laid out as lse; for the
     Gluon backward, lse2 given, as backward_sm90.row_stats_buffer) minus grad_lse where
-    given, lse2, and zeros in dq_acc where given. The tile backward launches it here,
-    backward_sm90 through its launcher."""
+    given, lse2, and zeros in dq_acc where given (backward_sm90.dq_tiles, tiles of
+    dq_block_m rows). The tile backward launches it here, backward_sm90 through its
+    launcher."""
     zero_dq = dq_acc is not None
     num_m = cdiv(spec.seqlen_q, _DELTA_BLOCK_M)
     grid = (num_m * spec.batch * spec.heads,)
@@ -125,14 +131,16 @@ def delta_launch(spec: AttentionSpec, out, grad_out, lse, grad_lse, cu_seqlens_q
         lse if grad_lse is None else grad_lse,
         *dense_strides(out, spec.varlen), *dense_strides(grad_out, spec.varlen),
         *lse_strides(lse, spec.varlen), *lse_strides(delta, spec.varlen),
-        *(dense_strides(dq_acc, spec.varlen)[:3] if zero_dq else (0, 0, 0)),
+        0 if spec.varlen or not zero_dq else dq_acc.stride(0),
+        dq_acc.stride(1) if zero_dq else 0,
         *(lse_strides(grad_lse, spec.varlen) if grad_lse is not None else (0, 0, 0)),
         cu_seqlens_q, spec.heads, spec.seqlen_q, num_m,
     )  # fmt: skip
     constexprs = dict(
         DV=spec.head_dim_v, DQK=spec.head_dim_qk, BLOCK_M=_DELTA_BLOCK_M,
         BLOCK_DV=tuning.padded_head_dim(spec.head_dim_v), IS_VARLEN=spec.varlen,
-        FOR_SM90=lse2 is not None, ZERO_DQ=zero_dq, HAS_GRAD_LSE=grad_lse is not None,
+        FOR_SM90=lse2 is not None, ZERO_DQ=zero_dq, DQ_BLOCK_M=dq_block_m,
+        HAS_GRAD_LSE=grad_lse is not None,
     )  # fmt: skip
     return grid, args, constexprs
 

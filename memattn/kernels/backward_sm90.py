@@ -28,8 +28,9 @@ sequences (varlen): one batch of all tokens to TMA, tiles from each sequence's f
 token, query rows past a sequence's end masked, dK and dV stored from its first key;
 their lse and delta from common.packed_stats_start on, a multiple of 4 tokens (a TMA
 box along the tokens must start 16-byte aligned, and a sequence may start anywhere).
-At D 64 and 128 backward.py zeroes the fp32 dQ buffer (in its preprocess) and converts
-it to the output dtype.
+At D 64 and 128 the fp32 dQ buffer (dq_tiles) holds each tile in its registers' order
+(hopper.accumulator_order: its stores to shared memory without bank conflicts);
+backward.py's preprocess zeroes it and _dq_from_tiles_kernel converts it to the output.
 
 At wide head dims (D=256; Dqk=192 / Dv=128, SPLIT_HEAD_DIM_PAIRS) two
 other kernels run: _bwd_wide_kernel splits dK and dV's work the other way round (64
@@ -48,6 +49,8 @@ a bias, ALiBi, dropout and packed batches. Every other call runs backward.py.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -76,6 +79,7 @@ from .common import (
     visible,
 )
 from .forward import dense_strides
+from .hopper import accumulator_offset
 
 ROWS = gl.constexpr(64)  # query rows per warpgroup in the wide dQ kernel
 BLOCK_N = 128  # keys per program: two warpgroups x 64
@@ -124,6 +128,19 @@ def dq_add_turn(n, start_m, num_n, n_tiles, off, window_right, BLOCK_M: gl.const
             starter = num_n - 1
         turn = (starter - n + num_n) % num_n
     return turn
+
+
+@gluon.jit
+def _dq_tile_row(b, q_start, start_m, half, BLOCK_M: gl.constexpr, TILE_ROWS: gl.constexpr,
+                 IS_VARLEN: gl.constexpr):  # fmt: skip
+    """Where half ``half`` of the dQ tile of rows [start_m, + BLOCK_M) starts in its head's
+    fp32 buffer (dq_tiles: each tile's two halves, TILE_ROWS rows of 256 each, in their
+    registers' order); a packed sequence's tiles from q_start // BLOCK_M + b on, so that
+    no two sequences share one."""
+    tile = start_m // BLOCK_M
+    if IS_VARLEN:
+        tile += q_start // BLOCK_M + b
+    return (2 * tile + half) * TILE_ROWS
 
 
 @gluon.jit
@@ -223,6 +240,9 @@ def _bwd_compute_partition(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM_V, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_D, 16])
+    # dQ's tile goes to shared memory, and out, in its registers' order (dq_tiles)
+    dq_order: gl.constexpr = hopper.accumulator_order(BLOCK_M, HALF_D)
+    TILE_ROWS: gl.constexpr = dq_desc.block_type.shape[2]
     ds_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout,
                                                      k_width=2)
     p_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout,
@@ -314,7 +334,8 @@ def _bwd_compute_partition(
             # gradient by TMA reduce-add, as dQ is (several (b, h) add to each tile)
             tma.store_wait(0)  # this buffer's last reduce-add has read it
             gl.thread_barrier()
-            dsum = dsum_smem.index(HALF)
+            dsum = dsum_smem.index(HALF)._reinterpret(gl.float32, dbias_desc.block_type.shape,
+                                                      dbias_desc.layout)  # fmt: skip
             dsum.reshape([BLOCK_M, HALF_N]).permute((1, 0)).store(ds)
             fence_async_shared()
             hopper.tma_reduce_add(dbias_desc, [b % bias_batches, h % bias_heads, start_m, row0],
@@ -344,7 +365,8 @@ def _bwd_compute_partition(
         if DQ_BUFS > 0:  # into a buffer the writer warp has read, for it to send
             dq_slot = HALF * DQ_BUFS + i % DQ_BUFS
             mbarrier.wait(dq_empty.index(dq_slot), ((i // DQ_BUFS) & 1) ^ 1, pred=i >= DQ_BUFS)
-            dq_smem.index(dq_slot).reshape([BLOCK_M, HALF_D]).store(dq * scale)
+            dq_smem.index(dq_slot)._reinterpret(gl.float32, [BLOCK_M, HALF_D], dq_order).store(
+                dq * scale)
             fence_async_shared()
             mbarrier.arrive(dq_full.index(dq_slot))
         else:
@@ -353,10 +375,10 @@ def _bwd_compute_partition(
             tma.store_wait(OTHER_BULK)
             gl.thread_barrier()
             dq_buf = dq_smem.index(HALF)
-            dq_buf.reshape([BLOCK_M, HALF_D]).store(dq * scale)
+            dq_buf._reinterpret(gl.float32, [BLOCK_M, HALF_D], dq_order).store(dq * scale)
             fence_async_shared()
-            hopper.tma_reduce_add(dq_desc, [b_tma, h, q_start + start_m, HALF * HALF_D],
-                                  dq_buf)
+            dq_row = _dq_tile_row(b, q_start, start_m, HALF, BLOCK_M, TILE_ROWS, IS_VARLEN)
+            hopper.tma_reduce_add(dq_desc, [b_tma, h, dq_row, 0], dq_buf)
         dk, ds_op = warpgroup_mma_wait(0, deps=(dk, ds_op))
         mbarrier.arrive(q_empty.index(slot))
     tma.store_wait(0)
@@ -396,6 +418,7 @@ def _bwd_dq_writer_partition(
     dq_desc, dq_smem, dq_full, dq_empty, b_tma, hk, q_start, GROUP, lo, n_tiles, order,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DQ_BUFS: gl.constexpr,
     ORDERED: gl.constexpr, ROTATE: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    IS_VARLEN: gl.constexpr,
 ):  # fmt: skip
     """One warp (DQ_WRITER, ORDERED_DQ): each step's two dQ halves, left in dq_smem by
     the compute warpgroups, added into the fp32 buffer by TMA reduce-add; their buffers
@@ -403,7 +426,7 @@ def _bwd_dq_writer_partition(
     copies (FA4's dQ warp). ORDERED: each tile's adds wait for their turn (dq_add_turn)
     on the tile's counter in DqLocks, and count it on once they are done. ``order``:
     (DqLocks, b, heads, seqlen_q, start_n, num_n, off, window_right, rot)."""
-    HALF_D: gl.constexpr = dq_desc.block_type.shape[3]
+    TILE_ROWS: gl.constexpr = dq_desc.block_type.shape[2]
     DqLocks, b, heads, seqlen_q, start_n, num_n, off, window_right, rot = order
     for i in range(GROUP * n_tiles):
         h, start_m = _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M, rot, ROTATE)
@@ -415,8 +438,8 @@ def _bwd_dq_writer_partition(
         for half in gl.static_range(2):
             slot = half * DQ_BUFS + i % DQ_BUFS
             mbarrier.wait(dq_full.index(slot), (i // DQ_BUFS) & 1)
-            hopper.tma_reduce_add(dq_desc, [b_tma, h, q_start + start_m, half * HALF_D],
-                                  dq_smem.index(slot))
+            dq_row = _dq_tile_row(b, q_start, start_m, half, BLOCK_M, TILE_ROWS, IS_VARLEN)
+            hopper.tma_reduce_add(dq_desc, [b_tma, h, dq_row, 0], dq_smem.index(slot))
         tma.store_wait(0)
         if ORDERED:
             hopper.end_turn(lock)
@@ -609,7 +632,8 @@ def _bwd_sm90_kernel(
                 STAGES, HAS_BIAS, 0, rot, ROTATE)),
              (_bwd_dq_writer_partition, (dq_desc, dq_smem, dq_full, dq_empty, b_tma, hk,
                                          q_start, GROUP, lo, n_tiles, order, BLOCK_M,
-                                         BLOCK_N, DQ_BUFS, ORDERED, ROTATE, BOUNDED_RIGHT))],
+                                         BLOCK_N, DQ_BUFS, ORDERED, ROTATE, BOUNDED_RIGHT,
+                                         IS_VARLEN))],
             worker_num_warps=[4, 1, 1], worker_num_regs=[240, 24, 24])  # fmt: skip
     else:
         gl.warp_specialize(
@@ -1213,8 +1237,8 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
     k_strides, v_strides = dense_strides(dk, spec.varlen)[:3], dense_strides(dv, spec.varlen)[:3]
     dk_tma, dv_tma = dk, dv
     if spec.varlen:  # one batch of all tokens to TMA
-        q, k, v, grad_out, dq, dk_tma, dv_tma = (
-            t.unsqueeze(0) for t in (q, k, v, grad_out, dq, dk, dv))
+        q, k, v, grad_out, dk_tma, dv_tma = (
+            t.unsqueeze(0) for t in (q, k, v, grad_out, dk, dv))
     block_m = how.constexprs["BLOCK_M"]
     q_desc = hopper.descriptor(q, block_m)
     bias_desc = dbias_desc = q_desc  # stand-ins, never read without a bias (gradient)
@@ -1240,7 +1264,7 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
         (how.programs,),
         q_desc, hopper.descriptor(k, BLOCK_N, swizzle=k_swizzle),
         hopper.descriptor(v, BLOCK_N), hopper.descriptor(grad_out, block_m),
-        hopper.descriptor(dq, block_m, cols=half_d),
+        _dq_tiles_descriptor(dq, block_m * half_d // 256),
         _row_stats_descriptor(stats, stats.shape[-1] if spec.varlen else spec.seqlen_q,
                               block_m),
         bias_desc, dbias_desc, hopper.descriptor(dk_tma, BLOCK_N // 2),
@@ -1255,6 +1279,84 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
     )  # fmt: skip
 
 
+def block_m(spec: AttentionSpec, bias_row: bool) -> int:
+    """Query rows a step of the D 64/128 kernel: 128 at D=64 where they fit (not beside
+    bias tiles: shared memory; nor with dropout or ALiBi: their registers, 750-3400 bytes
+    of spills in the sm_90 compile), else 64. bias_row: hopper.bias_row's."""
+    bias_tiles = spec.has_bias and not bias_row
+    wide = (spec.head_dim_qk == 64 and not bias_tiles and spec.dropout_p == 0
+            and not spec.has_alibi)
+    return BLOCK_M_D64 if wide else BLOCK_M
+
+
+def dq_tiles(spec: AttentionSpec, tokens: int, rows: int, device: torch.device) -> torch.Tensor:
+    """The fp32 buffer the D 64/128 kernel adds dQ into (dq_in_fp32), uninitialised (the
+    preprocess zeroes it): per (batch, head), each ``rows``-row tile's (block_m's) two halves of
+    columns, each in its registers' order (hopper.accumulator_order: the tile's stores
+    to shared memory without bank conflicts), as rows of 256 floats for TMA. Packed
+    sequences (one batch): tiles for ``tokens`` // rows + sequences + 1 (_dq_tile_row).
+    _dq_from_tiles_kernel reads it back."""
+    tiles = (tokens // rows + spec.batch + 1 if spec.varlen
+             else cdiv(spec.seqlen_q, rows))  # fmt: skip
+    per_tile = rows * spec.head_dim_qk // 256
+    return torch.empty(1 if spec.varlen else spec.batch, spec.heads, tiles * per_tile, 256,
+                       dtype=torch.float32, device=device)  # fmt: skip
+
+
+def _dq_tiles_descriptor(dq: torch.Tensor, tile_rows: int) -> TensorDescriptor:
+    """dq_tiles' TMA descriptor: half a tile a copy, unswizzled (the tile's order is its
+    registers', hopper.accumulator_order)."""
+    block = [1, 1, tile_rows, 256]
+    return hopper.make_descriptor(dq, list(dq.shape), list(dq.stride()), block,
+                                  gl.NVMMASharedLayout(0, 32, rank=4))
+
+
+@triton.jit
+def _dq_from_tiles_kernel(
+    Tiles, DQ, CuSeqQ, stride_tb, stride_th, stride_qb, stride_qm, stride_qh, H, seqlen_q,
+    num_m, DQK: tl.constexpr, BLOCK_M: tl.constexpr, C_BITS: tl.constexpr,
+    R_BITS: tl.constexpr, IS_VARLEN: tl.constexpr,
+):  # fmt: skip
+    """dQ in its dtype from dq_tiles' fp32 tiles, one tile (BLOCK_M rows) a program."""
+    pid = tl.program_id(0)
+    bh = pid // num_m
+    start_m = (pid % num_m) * BLOCK_M
+    b = bh // H
+    h = bh % H
+    q_start, _, seqlen_q, _ = sequence_bounds(CuSeqQ, CuSeqQ, b, seqlen_q, seqlen_q, IS_VARLEN)
+    if start_m < seqlen_q:
+        tile = start_m // BLOCK_M
+        if IS_VARLEN:
+            tile += q_start // BLOCK_M + b
+        HALF: tl.constexpr = DQK // 2
+        rows = tl.arange(0, BLOCK_M)[:, None]
+        cols = tl.arange(0, DQK)[None, :]
+        off = ((2 * tile + cols // HALF) * (BLOCK_M * HALF)).to(tl.int64) + accumulator_offset(
+            rows, cols % HALF, C_BITS, R_BITS)
+        b64 = b.to(tl.int64)
+        h64 = h.to(tl.int64)
+        x = tl.load(Tiles + b64 * stride_tb + h64 * stride_th + off)
+        row64 = (q_start + start_m + rows).to(tl.int64)
+        tl.store(DQ + b64 * stride_qb + h64 * stride_qh + row64 * stride_qm + cols,
+                 x.to(DQ.dtype.element_ty), mask=rows < seqlen_q - start_m)
+
+
+_launch_dq_from_tiles = hopper.Launcher(_dq_from_tiles_kernel)
+
+
+def dq_from_tiles_launch(spec: AttentionSpec, buffer: torch.Tensor, rows: int,
+                         dq: torch.Tensor, cu_seqlens_q) -> tuple[tuple, tuple, dict]:  # fmt: skip
+    """_dq_from_tiles_kernel's (grid, arguments, constexprs): dq (the output) from
+    dq_tiles' ``buffer`` of ``rows``-row tiles."""
+    num_m = cdiv(spec.seqlen_q, rows)
+    half = spec.head_dim_qk // 2
+    args = (buffer, dq, cu_seqlens_q, 0 if spec.varlen else buffer.stride(0), buffer.stride(1),
+            *dense_strides(dq, spec.varlen)[:3], spec.heads, spec.seqlen_q, num_m)
+    constexprs = dict(DQK=spec.head_dim_qk, BLOCK_M=rows, C_BITS=(half // 8).bit_length() - 1,
+                      R_BITS=(rows // 64).bit_length() - 1, IS_VARLEN=spec.varlen)
+    return (spec.batch * spec.heads * num_m,), args, constexprs
+
+
 @hopper.plan_cache
 def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
           inner: tuple[bool, bool], device_index: int) -> hopper.Plan:  # fmt: skip
@@ -1265,14 +1367,10 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
     (SUMMED_BIAS_INNER). Counts: key blocks per head."""
     num_n = cdiv(spec.seqlen_k, BLOCK_N)
     bias_tiles = spec.has_bias and not bias_row
-    # 128 query rows at D=64 where they fit: not beside bias tiles (shared memory), nor
-    # with dropout or ALiBi (their registers: 750-3400 bytes of spills, sm_90 compile)
-    wide = (spec.head_dim_qk == 64 and not bias_tiles and spec.dropout_p == 0
-            and not spec.has_alibi)
     ordered = orders_dq(spec, dbias_kind)
     constexprs = dict(
         HEAD_DIM_QK=spec.head_dim_qk, HEAD_DIM_V=spec.head_dim_v,
-        BLOCK_M=BLOCK_M_D64 if wide else BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
+        BLOCK_M=block_m(spec, bias_row), BLOCK_N=BLOCK_N, STAGES=STAGES,
         HAS_BIAS=bias_tiles, HAS_DBIAS=dbias_kind == "full", DBIAS_SUM=dbias_kind == "summed",
         BIAS_ROW=bias_row, DBIAS_ROW=dbias_kind == "row", HAS_ALIBI=spec.has_alibi,
         HAS_DROPOUT=spec.dropout_p > 0, IS_VARLEN=spec.varlen,
@@ -1378,13 +1476,14 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
     stats = row_stats_buffer(spec, lse)
     # (B, H, Sq padded) planes, packed sequences' (H, padded): lse * log2(e), delta
     lse2, delta = stats[:, 0] if spec.varlen else stats.unbind(0)
-    dq_acc = None
-    if dq_in_fp32(spec):
-        dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    grid, args, constexprs = tiles.delta_launch(spec, out, grad_out, lse, grad_lse,
-                                                cu_seqlens_q, delta, lse2, dq_acc)  # fmt: skip
+    dq_acc, rows = None, 0
+    if dq_in_fp32(spec):  # dQ tiles in their registers' order (dq_tiles)
+        rows = block_m(spec, bias is not None and hopper.bias_row(spec, bias))
+        dq_acc = dq_tiles(spec, q.shape[0], rows, q.device)
+    grid, args, constexprs = tiles.delta_launch(
+        spec, out, grad_out, lse, grad_lse, cu_seqlens_q, delta, lse2, dq_acc, rows)
     # the stats and dq_acc fresh: what the spec does not fix is here
-    variant = (spec, *out.stride(), *grad_out.stride(), *lse.stride(),
+    variant = (spec, rows, *out.stride(), *grad_out.stride(), *lse.stride(),
                *map(hopper.aligned, (out, grad_out, lse, cu_seqlens_q)),
                None if grad_lse is None else (*grad_lse.stride(), hopper.aligned(grad_lse)))
     _launch_delta(grid, *args, variant=variant, **constexprs)
@@ -1406,7 +1505,10 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
     backward(spec, q, k, v, grad_out, bias, alibi_slopes, rng_state, cu_seqlens_q,
              cu_seqlens_k, stats, dq if dq_acc is None else dq_acc, dk, dv, dbias)
     if dq_acc is not None:
-        dq.copy_(dq_acc)
+        grid, args, constexprs = dq_from_tiles_launch(spec, dq_acc, rows, dq, cu_seqlens_q)
+        _launch_dq_from_tiles(grid, *args, variant=(spec, rows, *dq.stride(),
+                                                    hopper.aligned(cu_seqlens_q)),
+                              num_warps=4, **constexprs)  # fmt: skip
     if dbias_kind == "row":
         dbias = hopper.sum_to_bias(dbias, bias)
     elif dbias_kind == "summed":

@@ -466,6 +466,35 @@ def _pairs_layout(M, N):
                                       block_bases=[], shape=[M, N // 2])
 
 
+@gluon.constexpr_function
+def accumulator_order(M, N):
+    """A shared layout for an (M, N) fp32 wgmma accumulator of one 4-warp warpgroup
+    (NVMMADistributedLayout v3, instr [16, N, 16]; M = 64 or 128) in its registers'
+    order, so that a warp stores 512 contiguous bytes (st.shared.v4, no bank conflicts;
+    the NVMMA 128-byte swizzle took two wavefronts per half-warp's st.shared.v2, and the
+    dQ tiles' stores were 9 % of the backward's shared-memory wavefronts, half of them
+    conflicts). A thread's registers hold (r, c), (r, c + 1), (r + 8, c), (r + 8, c + 1),
+    then columns c + 8, 16, ... and rows r + 64; lanes 4r + c / 2; warps 16 rows each.
+    The offset's bits, lowest first: the first two registers', the lanes', the other
+    registers', the warps' (offset_bases: each bit's (row, column)). What TMA copies is
+    the tile in that order; accumulator_offset reads it back."""
+    regs_hi = [[0, 8 << i] for i in range((N // 8).bit_length() - 1)]
+    regs_hi += [[64 << i, 0] for i in range((M // 64).bit_length() - 1)]
+    lanes = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]
+    return gl.SharedLinearLayout(
+        offset_bases=[[0, 1], [8, 0]] + lanes + regs_hi + [[16, 0], [32, 0]])
+
+
+@triton.jit
+def accumulator_offset(rows, cols, C_BITS: tl.constexpr, R_BITS: tl.constexpr):
+    """Where accumulator_order puts element (rows, cols) of its tile; C_BITS, R_BITS:
+    log2(N / 8) and log2(M / 64), the register bits past the first two."""
+    off = (cols & 1) | (((rows >> 3) & 1) << 1) | (((cols >> 1) & 3) << 2) | ((rows & 7) << 4)
+    off |= ((cols >> 3) & ((1 << C_BITS) - 1)) << 7
+    off |= ((rows >> 6) & ((1 << R_BITS) - 1)) << (7 + C_BITS)
+    return off | (((rows >> 4) & 3) << (7 + C_BITS + R_BITS))
+
+
 @gl_core.builtin
 def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     """global[coord : coord + block] += src (cp.reduce.async.bulk.tensor, an L2-side
