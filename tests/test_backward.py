@@ -155,10 +155,13 @@ def _tiles_of(spec, cu, seqs, rows):
 @cpu_only
 @settings(max_examples=8, deadline=None)
 @given(**_TILE_CASES)
+@example(head_dim=64, rows=128, lengths=[130, 3], batch=1, seqlen=1)  # halves of the rows
+@example(head_dim=128, rows=64, lengths=[], batch=2, seqlen=77)  # halves of the columns
 def test_dq_tiles_read_back_cpu(head_dim, rows, lengths, batch, seqlen):
-    """_dq_from_tiles_kernel reads each dQ tile of dq_tiles' buffer, laid out in its
-    registers' order as hopper.accumulator_order's bases say, back into dQ's rows: every
-    row of every sequence exactly, and nothing from a tile's rows past its sequence."""
+    """_dq_from_tiles_kernel reads each dQ tile of dq_tiles' buffer, its two warpgroups'
+    parts (dq_split) each laid out in its registers' order as hopper.accumulator_order's
+    bases say, back into dQ's rows: every row of every sequence exactly, and nothing
+    from a tile's rows past its sequence."""
     from memattn.kernels import backward_sm90, hopper
 
     if head_dim == 128 and rows == 128:
@@ -166,9 +169,10 @@ def test_dq_tiles_read_back_cpu(head_dim, rows, lengths, batch, seqlen):
     spec, q, cu, seqs = _tile_spec(head_dim, lengths, batch, seqlen)
     buffer = backward_sm90.dq_tiles(spec, q.shape[0], rows, "cpu").fill_(float("nan"))
     want = torch.randn(q.shape)
-    half = head_dim // 2
-    bases = torch.tensor(hopper.accumulator_order.fn(rows, half).offset_bases)
-    bits = (torch.arange(rows * half)[:, None] >> torch.arange(len(bases))) & 1
+    part_rows, part_cols = backward_sm90.dq_split(head_dim, rows)  # a warpgroup's part
+    bases = torch.tensor(hopper.accumulator_order.fn(part_rows, part_cols).offset_bases)
+    size = part_rows * part_cols
+    bits = (torch.arange(size)[:, None] >> torch.arange(len(bases))) & 1
     at_row, at_col = (bits @ bases).unbind(1)  # the element each offset holds
     plane = buffer.flatten(2)
     for b, h, tile, first, count in _tiles_of(spec, cu, seqs, rows):
@@ -176,9 +180,10 @@ def test_dq_tiles_read_back_cpu(head_dim, rows, lengths, batch, seqlen):
         token = (b, slice(first, first + count), h) if cu is None else (
             slice(first, first + count), h)
         values[:count] = want[token]
-        for hf in range(2):
-            start = (2 * tile + hf) * rows * half
-            plane[b, h, start : start + rows * half] = values[at_row, hf * half + at_col]
+        for hf in range(2):  # the warpgroups' parts: halves of the columns or the rows
+            first_row, first_col = (hf * part_rows, 0) if part_rows < rows else (0, hf * part_cols)
+            start = (2 * tile + hf) * size
+            plane[b, h, start : start + size] = values[first_row + at_row, first_col + at_col]
     dq = torch.full_like(q, float("nan"))
     grid, args, constexprs = backward_sm90.dq_from_tiles_launch(spec, buffer, rows, dq, cu)
     backward_sm90._dq_from_tiles_kernel[grid](*args, **constexprs)
@@ -188,6 +193,7 @@ def test_dq_tiles_read_back_cpu(head_dim, rows, lengths, batch, seqlen):
 @cpu_only
 @settings(max_examples=8, deadline=None)
 @given(**_TILE_CASES)
+@example(head_dim=64, rows=128, lengths=[130, 3], batch=1, seqlen=1)
 def test_preprocess_zeroes_dq_tiles_cpu(head_dim, rows, lengths, batch, seqlen):
     """The preprocess zeroes every dQ tile the Gluon backward adds into (_tiles_of, as
     backward_sm90._dq_tile_row numbers them), in a buffer that held NaN."""

@@ -231,7 +231,11 @@ def _bwd_compute_partition(
      bias_heads, DBiasRow, stride_pb, stride_ph) = shared
     dtype: gl.constexpr = k_smem.dtype
     HALF_N: gl.constexpr = BLOCK_N // 2
-    HALF_D: gl.constexpr = HEAD_DIM_QK // 2  # dQ's columns a warpgroup makes
+    # The part of dQ's tile a warpgroup makes: half its columns, or at 128 query rows
+    # half its rows (DQ_ROWS_SPLIT: a wgmma 32 columns wide reads as much of dS from
+    # shared memory as one 64 wide, and shared memory bounds the kernel).
+    DQ_ROWS: gl.constexpr = BLOCK_M // 2 if BLOCK_M == 128 else BLOCK_M
+    DQ_COLS: gl.constexpr = HEAD_DIM_QK if BLOCK_M == 128 else HEAD_DIM_QK // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     dk_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -239,9 +243,9 @@ def _bwd_compute_partition(
     dv_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM_V, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_D, 16])
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_COLS, 16])
     # dQ's tile goes to shared memory, and out, in its registers' order (dq_tiles)
-    dq_order: gl.constexpr = hopper.accumulator_order(BLOCK_M, HALF_D)
+    dq_order: gl.constexpr = hopper.accumulator_order(DQ_ROWS, DQ_COLS)
     TILE_ROWS: gl.constexpr = dq_desc.block_type.shape[2]
     ds_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout,
                                                      k_width=2)
@@ -254,7 +258,7 @@ def _bwd_compute_partition(
     k_all = k_smem.reshape([BLOCK_N, HEAD_DIM_QK])
     k_half = k_all.slice(HALF * HALF_N, HALF_N, dim=0)
     v_half = v_smem.reshape([BLOCK_N, HEAD_DIM_V]).slice(HALF * HALF_N, HALF_N, dim=0)
-    k_cols = k_all.slice(HALF * HALF_D, HALF_D, dim=1)  # dQ's columns this warpgroup makes
+    k_cols = k_all.slice(HALF * DQ_COLS % HEAD_DIM_QK, DQ_COLS, dim=1)  # dQ's columns here
     dk = gl.zeros([HALF_N, HEAD_DIM_QK], gl.float32, layout=dk_layout)
     dv = gl.zeros([HALF_N, HEAD_DIM_V], gl.float32, layout=dv_layout)
     if DBIAS_ROW:  # this query head's dS summed over its query tiles so far
@@ -352,11 +356,12 @@ def _bwd_compute_partition(
             tma.async_copy_shared_to_global(dbias_desc, [b, h, start_m, row0], ds_own)
         mbarrier.arrive(ds_bar)
         mbarrier.wait(ds_bar, i & 1)
-        dq = gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=dq_layout)
+        dq = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, layout=dq_layout)
         for j in gl.static_range(2):
-            dq = warpgroup_mma(ds_smem.index(ds_pair + j).reshape([BLOCK_M, HALF_N]),
-                               k_cols.slice(j * HALF_N, HALF_N, dim=0), dq, use_acc=j > 0,
-                               is_async=True)
+            ds_rows = ds_smem.index(ds_pair + j).reshape([BLOCK_M, HALF_N]).slice(
+                HALF * DQ_ROWS % BLOCK_M, DQ_ROWS, dim=0)
+            dq = warpgroup_mma(ds_rows, k_cols.slice(j * HALF_N, HALF_N, dim=0), dq,
+                               use_acc=j > 0, is_async=True)
         # dK's wgmma last: it runs while dQ goes to shared memory and out (FA4's order)
         dk = warpgroup_mma(ds_op, q, dk, is_async=True)
         dv, dq, p_op = warpgroup_mma_wait(1, deps=(dv, dq, p_op))
@@ -365,7 +370,7 @@ def _bwd_compute_partition(
         if DQ_BUFS > 0:  # into a buffer the writer warp has read, for it to send
             dq_slot = HALF * DQ_BUFS + i % DQ_BUFS
             mbarrier.wait(dq_empty.index(dq_slot), ((i // DQ_BUFS) & 1) ^ 1, pred=i >= DQ_BUFS)
-            dq_smem.index(dq_slot)._reinterpret(gl.float32, [BLOCK_M, HALF_D], dq_order).store(
+            dq_smem.index(dq_slot)._reinterpret(gl.float32, [DQ_ROWS, DQ_COLS], dq_order).store(
                 dq * scale)
             fence_async_shared()
             mbarrier.arrive(dq_full.index(dq_slot))
@@ -375,7 +380,7 @@ def _bwd_compute_partition(
             tma.store_wait(OTHER_BULK)
             gl.thread_barrier()
             dq_buf = dq_smem.index(HALF)
-            dq_buf._reinterpret(gl.float32, [BLOCK_M, HALF_D], dq_order).store(dq * scale)
+            dq_buf._reinterpret(gl.float32, [DQ_ROWS, DQ_COLS], dq_order).store(dq * scale)
             fence_async_shared()
             dq_row = _dq_tile_row(b, q_start, start_m, HALF, BLOCK_M, TILE_ROWS, IS_VARLEN)
             hopper.tma_reduce_add(dq_desc, [b_tma, h, dq_row, 0], dq_buf)
@@ -1291,9 +1296,10 @@ def block_m(spec: AttentionSpec, bias_row: bool) -> int:
 
 def dq_tiles(spec: AttentionSpec, tokens: int, rows: int, device: torch.device) -> torch.Tensor:
     """The fp32 buffer the D 64/128 kernel adds dQ into (dq_in_fp32), uninitialised (the
-    preprocess zeroes it): per (batch, head), each ``rows``-row tile's (block_m's) two halves of
-    columns, each in its registers' order (hopper.accumulator_order: the tile's stores
-    to shared memory without bank conflicts), as rows of 256 floats for TMA. Packed
+    preprocess zeroes it): per (batch, head), each ``rows``-row tile's (block_m's) two
+    halves (dq_split: the compute warpgroups' parts), each in its registers' order
+    (hopper.accumulator_order: the stores to shared memory without bank conflicts), as
+    rows of 256 floats for TMA. Packed
     sequences (one batch): tiles for ``tokens`` // rows + sequences + 1 (_dq_tile_row).
     _dq_from_tiles_kernel reads it back."""
     tiles = (tokens // rows + spec.batch + 1 if spec.varlen
@@ -1301,6 +1307,12 @@ def dq_tiles(spec: AttentionSpec, tokens: int, rows: int, device: torch.device) 
     per_tile = rows * spec.head_dim_qk // 256
     return torch.empty(1 if spec.varlen else spec.batch, spec.heads, tiles * per_tile, 256,
                        dtype=torch.float32, device=device)  # fmt: skip
+
+
+def dq_split(head_dim_qk: int, rows: int) -> tuple[int, int]:
+    """(rows, columns) of a dQ tile of ``rows`` rows that each compute warpgroup makes:
+    half the columns, or at 128 rows half the rows (_bwd_compute_partition's DQ_ROWS)."""
+    return (rows // 2, head_dim_qk) if rows == 128 else (rows, head_dim_qk // 2)
 
 
 def _dq_tiles_descriptor(dq: torch.Tensor, tile_rows: int) -> TensorDescriptor:
@@ -1314,10 +1326,11 @@ def _dq_tiles_descriptor(dq: torch.Tensor, tile_rows: int) -> TensorDescriptor:
 @triton.jit
 def _dq_from_tiles_kernel(
     Tiles, DQ, CuSeqQ, stride_tb, stride_th, stride_qb, stride_qm, stride_qh, H, seqlen_q,
-    num_m, DQK: tl.constexpr, BLOCK_M: tl.constexpr, C_BITS: tl.constexpr,
-    R_BITS: tl.constexpr, IS_VARLEN: tl.constexpr,
+    num_m, DQK: tl.constexpr, BLOCK_M: tl.constexpr, ROWS_SPLIT: tl.constexpr,
+    C_BITS: tl.constexpr, R_BITS: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
-    """dQ in its dtype from dq_tiles' fp32 tiles, one tile (BLOCK_M rows) a program."""
+    """dQ in its dtype from dq_tiles' fp32 tiles, one tile (BLOCK_M rows) a program; its
+    halves hold half the columns each, or with ROWS_SPLIT half the rows."""
     pid = tl.program_id(0)
     bh = pid // num_m
     start_m = (pid % num_m) * BLOCK_M
@@ -1328,11 +1341,15 @@ def _dq_from_tiles_kernel(
         tile = start_m // BLOCK_M
         if IS_VARLEN:
             tile += q_start // BLOCK_M + b
-        HALF: tl.constexpr = DQK // 2
         rows = tl.arange(0, BLOCK_M)[:, None]
         cols = tl.arange(0, DQK)[None, :]
-        off = ((2 * tile + cols // HALF) * (BLOCK_M * HALF)).to(tl.int64) + accumulator_offset(
-            rows, cols % HALF, C_BITS, R_BITS)
+        if ROWS_SPLIT:
+            half = rows // (BLOCK_M // 2)
+            at = accumulator_offset(rows % (BLOCK_M // 2), cols, C_BITS, R_BITS)
+        else:
+            half = cols // (DQK // 2)
+            at = accumulator_offset(rows, cols % (DQK // 2), C_BITS, R_BITS)
+        off = ((2 * tile + half) * (BLOCK_M * DQK // 2)).to(tl.int64) + at
         b64 = b.to(tl.int64)
         h64 = h.to(tl.int64)
         x = tl.load(Tiles + b64 * stride_tb + h64 * stride_th + off)
@@ -1349,11 +1366,12 @@ def dq_from_tiles_launch(spec: AttentionSpec, buffer: torch.Tensor, rows: int,
     """_dq_from_tiles_kernel's (grid, arguments, constexprs): dq (the output) from
     dq_tiles' ``buffer`` of ``rows``-row tiles."""
     num_m = cdiv(spec.seqlen_q, rows)
-    half = spec.head_dim_qk // 2
+    split = dq_split(spec.head_dim_qk, rows)
     args = (buffer, dq, cu_seqlens_q, 0 if spec.varlen else buffer.stride(0), buffer.stride(1),
             *dense_strides(dq, spec.varlen)[:3], spec.heads, spec.seqlen_q, num_m)
-    constexprs = dict(DQK=spec.head_dim_qk, BLOCK_M=rows, C_BITS=(half // 8).bit_length() - 1,
-                      R_BITS=(rows // 64).bit_length() - 1, IS_VARLEN=spec.varlen)
+    constexprs = dict(DQK=spec.head_dim_qk, BLOCK_M=rows, ROWS_SPLIT=split[0] < rows,
+                      C_BITS=(split[1] // 8).bit_length() - 1,
+                      R_BITS=(split[0] // 64).bit_length() - 1, IS_VARLEN=spec.varlen)
     return (spec.batch * spec.heads * num_m,), args, constexprs
 
 
