@@ -34,12 +34,14 @@ from .common import (
     capped_score_log2,
     cdiv,
     diagonal_offset,
+    dq_tile,
     dropout_keep,
     key_range,
     new_output,
     packed_stats_start,
     philox_key,
     query_range,
+    row_block,
     sequence_bounds,
     tile_span,
     visible,
@@ -72,11 +74,8 @@ def _delta_kernel(
     stored beside delta (strides stride_d*), packed sequences' at packed_stats_start;
     with ZERO_DQ, zeros for the fp32 dQ accumulator (backward_sm90.dq_tiles: DQ_BLOCK_M
     rows a tile, each zeroed whole by the program at its first row)."""
-    pid = tl.program_id(0)
-    bh = pid // num_m_blocks
-    start_m = (pid % num_m_blocks) * BLOCK_M
-    b = bh // H
-    h = bh % H
+    b, h, _, m_block = row_block(num_m_blocks, H, False)
+    start_m = m_block * BLOCK_M
     q_start, _, seqlen_q, _ = sequence_bounds(CuSeqQ, CuSeqQ, b, seqlen_q, seqlen_q, IS_VARLEN)
     row0 = tl.cast(q_start + start_m, tl.int64)
     b64 = tl.cast(b, tl.int64)
@@ -105,9 +104,7 @@ def _delta_kernel(
                  mask=row_ok)
     if ZERO_DQ:
         if (start_m % DQ_BLOCK_M == 0) & (start_m < seqlen_q):
-            tile = start_m // DQ_BLOCK_M
-            if IS_VARLEN:  # as backward_sm90._dq_tile_row
-                tile += q_start // DQ_BLOCK_M + b
+            tile = dq_tile(start_m, q_start, b, DQ_BLOCK_M, IS_VARLEN)
             first = b64 * stride_ab + h64 * stride_ah + tl.cast(tile, tl.int64) * DQ_BLOCK_M * DQK
             tl.store(DQAcc + first + tl.arange(0, DQ_BLOCK_M * DQK),
                      tl.zeros([DQ_BLOCK_M * DQK], tl.float32))
@@ -465,11 +462,7 @@ def _dq_kernel(
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    bh = pid // num_m_blocks
-    m_block = num_m_blocks - 1 - pid % num_m_blocks
-    b = bh // H
-    h = bh % H
+    b, h, bh, m_block = row_block(num_m_blocks, H, True)
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
         CuSeqQ, CuSeqK, b, seqlen_q, seqlen_k, IS_VARLEN)
     start_m = m_block * BLOCK_M

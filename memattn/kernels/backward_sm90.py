@@ -71,10 +71,12 @@ from .common import (
     alibi_strides,
     cdiv,
     diagonal_offset,
+    dq_tile,
     new_output,
     packed_stats_start,
     philox_key,
     query_range,
+    row_block,
     sequence_bounds,
     visible,
 )
@@ -135,12 +137,8 @@ def _dq_tile_row(b, q_start, start_m, half, BLOCK_M: gl.constexpr, TILE_ROWS: gl
                  IS_VARLEN: gl.constexpr):  # fmt: skip
     """Where half ``half`` of the dQ tile of rows [start_m, + BLOCK_M) starts in its head's
     fp32 buffer (dq_tiles: each tile's two halves, TILE_ROWS rows of 256 each, in their
-    registers' order); a packed sequence's tiles from q_start // BLOCK_M + b on, so that
-    no two sequences share one."""
-    tile = start_m // BLOCK_M
-    if IS_VARLEN:
-        tile += q_start // BLOCK_M + b
-    return (2 * tile + half) * TILE_ROWS
+    registers' order; common.dq_tile numbers the tiles)."""
+    return (2 * dq_tile(start_m, q_start, b, BLOCK_M, IS_VARLEN) + half) * TILE_ROWS
 
 
 @gluon.jit
@@ -1331,16 +1329,11 @@ def _dq_from_tiles_kernel(
 ):  # fmt: skip
     """dQ in its dtype from dq_tiles' fp32 tiles, one tile (BLOCK_M rows) a program; its
     halves hold half the columns each, or with ROWS_SPLIT half the rows."""
-    pid = tl.program_id(0)
-    bh = pid // num_m
-    start_m = (pid % num_m) * BLOCK_M
-    b = bh // H
-    h = bh % H
+    b, h, _, m_block = row_block(num_m, H, False)
+    start_m = m_block * BLOCK_M
     q_start, _, seqlen_q, _ = sequence_bounds(CuSeqQ, CuSeqQ, b, seqlen_q, seqlen_q, IS_VARLEN)
     if start_m < seqlen_q:
-        tile = start_m // BLOCK_M
-        if IS_VARLEN:
-            tile += q_start // BLOCK_M + b
+        tile = dq_tile(start_m, q_start, b, BLOCK_M, IS_VARLEN)
         rows = tl.arange(0, BLOCK_M)[:, None]
         cols = tl.arange(0, DQK)[None, :]
         if ROWS_SPLIT:

@@ -60,6 +60,30 @@ def sequence_bounds(CuSeqQ, CuSeqK, b, seqlen_q, seqlen_k, IS_VARLEN: tl.constex
 
 
 @triton.jit
+def row_block(num_m_blocks, H, DESCENDING: tl.constexpr):
+    """(b, h, b * H + h, query block) of this program on a 1-D grid of (batch * head) x
+    num_m_blocks (no 65,535 limit on batch * heads): a head's blocks back to back,
+    DESCENDING last first."""
+    pid = tl.program_id(0)
+    bh = pid // num_m_blocks
+    m_block = pid % num_m_blocks
+    if DESCENDING:
+        m_block = num_m_blocks - 1 - m_block
+    return bh // H, bh % H, bh, m_block
+
+
+@triton.jit
+def dq_tile(start_m, q_start, b, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """The index, among its head's, of the BLOCK_M-row dQ tile from query row start_m
+    on (backward_sm90.dq_tiles): a packed sequence b's tiles from q_start // BLOCK_M + b
+    on, so that no two sequences share one."""
+    tile = start_m // BLOCK_M
+    if IS_VARLEN:
+        tile += q_start // BLOCK_M + b
+    return tile
+
+
+@triton.jit
 def philox_key(Rng, HAS_DROPOUT: tl.constexpr):
     """Dropout's Philox (seed, offset), Rng's two int64s; (0, 0), never read, without
     dropout."""

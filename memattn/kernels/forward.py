@@ -23,6 +23,7 @@ from .common import (
     dropout_keep,
     key_range,
     philox_key,
+    row_block,
     sequence_bounds,
     tile_span,
     visible,
@@ -137,11 +138,7 @@ def _fwd_kernel(
     # One program per (query block, batch * head), on a 1-D grid: no 65,535 limit on
     # batch * heads. Query blocks of one head run back to back, last block first: with
     # causal masks the last blocks are the longest.
-    pid = tl.program_id(0)
-    bh = pid // num_m_blocks
-    m_block = num_m_blocks - 1 - pid % num_m_blocks
-    b = bh // H
-    h = bh % H
+    b, h, bh, m_block = row_block(num_m_blocks, H, True)
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
         CuSeqQ, CuSeqK, b, seqlen_q, seqlen_k, IS_VARLEN)
     start_m = m_block * BLOCK_M
