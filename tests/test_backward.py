@@ -142,7 +142,7 @@ _TILE_CASES = dict(
 
 def _tiles_of(spec, cu, seqs, rows):
     """[(b, h, tile, first token, rows it holds)] of every dQ tile the kernel adds into,
-    tile numbered as backward_sm90._dq_tile_row numbers them."""
+    tile numbered as common.dq_tile numbers them."""
     out = []
     for index, (b, first, n) in enumerate(seqs):
         for m in range(math.ceil(n / rows)):
@@ -170,7 +170,7 @@ def test_dq_tiles_read_back_cpu(head_dim, rows, lengths, batch, seqlen):
     buffer = backward_sm90.dq_tiles(spec, q.shape[0], rows, "cpu").fill_(float("nan"))
     want = torch.randn(q.shape)
     part_rows, part_cols = backward_sm90.dq_split(head_dim, rows)  # a warpgroup's part
-    bases = torch.tensor(hopper.accumulator_order.fn(part_rows, part_cols).offset_bases)
+    bases = torch.tensor(hopper.accumulator_order(part_rows, part_cols).offset_bases)
     size = part_rows * part_cols
     bits = (torch.arange(size)[:, None] >> torch.arange(len(bases))) & 1
     at_row, at_col = (bits @ bases).unbind(1)  # the element each offset holds
@@ -196,7 +196,7 @@ def test_dq_tiles_read_back_cpu(head_dim, rows, lengths, batch, seqlen):
 @example(head_dim=64, rows=128, lengths=[130, 3], batch=1, seqlen=1)
 def test_preprocess_zeroes_dq_tiles_cpu(head_dim, rows, lengths, batch, seqlen):
     """The preprocess zeroes every dQ tile the Gluon backward adds into (_tiles_of, as
-    backward_sm90._dq_tile_row numbers them), in a buffer that held NaN."""
+    common.dq_tile numbers them), in a buffer that held NaN."""
     from memattn.kernels import backward_sm90
 
     if head_dim == 128 and rows == 128:

@@ -132,6 +132,14 @@ def dq_add_turn(n, start_m, num_n, n_tiles, off, window_right, BLOCK_M: gl.const
     return turn
 
 
+@gluon.constexpr_function
+def dq_split(head_dim_qk, rows):
+    """(rows, columns) of a ``rows``-row dQ tile that each compute warpgroup makes: half
+    the columns, or at 128 rows half the rows (a wgmma 32 columns wide reads as much of
+    dS from shared memory as one 64 wide, and shared memory bounds the kernel)."""
+    return (rows // 2, head_dim_qk) if rows == 128 else (rows, head_dim_qk // 2)
+
+
 @gluon.jit
 def _dq_tile_row(b, q_start, start_m, half, BLOCK_M: gl.constexpr, TILE_ROWS: gl.constexpr,
                  IS_VARLEN: gl.constexpr):  # fmt: skip
@@ -229,11 +237,8 @@ def _bwd_compute_partition(
      bias_heads, DBiasRow, stride_pb, stride_ph) = shared
     dtype: gl.constexpr = k_smem.dtype
     HALF_N: gl.constexpr = BLOCK_N // 2
-    # The part of dQ's tile a warpgroup makes: half its columns, or at 128 query rows
-    # half its rows (DQ_ROWS_SPLIT: a wgmma 32 columns wide reads as much of dS from
-    # shared memory as one 64 wide, and shared memory bounds the kernel).
-    DQ_ROWS: gl.constexpr = BLOCK_M // 2 if BLOCK_M == 128 else BLOCK_M
-    DQ_COLS: gl.constexpr = HEAD_DIM_QK if BLOCK_M == 128 else HEAD_DIM_QK // 2
+    DQ_ROWS: gl.constexpr = dq_split(HEAD_DIM_QK, BLOCK_M)[0]  # dQ's part made here
+    DQ_COLS: gl.constexpr = dq_split(HEAD_DIM_QK, BLOCK_M)[1]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     dk_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -1298,7 +1303,7 @@ def dq_tiles(spec: AttentionSpec, tokens: int, rows: int, device: torch.device) 
     halves (dq_split: the compute warpgroups' parts), each in its registers' order
     (hopper.accumulator_order: the stores to shared memory without bank conflicts), as
     rows of 256 floats for TMA. Packed
-    sequences (one batch): tiles for ``tokens`` // rows + sequences + 1 (_dq_tile_row).
+    sequences (one batch): tiles for ``tokens`` // rows + sequences + 1 (common.dq_tile).
     _dq_from_tiles_kernel reads it back."""
     tiles = (tokens // rows + spec.batch + 1 if spec.varlen
              else cdiv(spec.seqlen_q, rows))  # fmt: skip
@@ -1307,10 +1312,6 @@ def dq_tiles(spec: AttentionSpec, tokens: int, rows: int, device: torch.device) 
                        dtype=torch.float32, device=device)  # fmt: skip
 
 
-def dq_split(head_dim_qk: int, rows: int) -> tuple[int, int]:
-    """(rows, columns) of a dQ tile of ``rows`` rows that each compute warpgroup makes:
-    half the columns, or at 128 rows half the rows (_bwd_compute_partition's DQ_ROWS)."""
-    return (rows // 2, head_dim_qk) if rows == 128 else (rows, head_dim_qk // 2)
 
 
 def _dq_tiles_descriptor(dq: torch.Tensor, tile_rows: int) -> TensorDescriptor:
