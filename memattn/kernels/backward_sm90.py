@@ -1302,9 +1302,8 @@ def dq_tiles(spec: AttentionSpec, tokens: int, rows: int, device: torch.device) 
     preprocess zeroes it): per (batch, head), each ``rows``-row tile's (block_m's) two
     halves (dq_split: the compute warpgroups' parts), each in its registers' order
     (hopper.accumulator_order: the stores to shared memory without bank conflicts), as
-    rows of 256 floats for TMA. Packed
-    sequences (one batch): tiles for ``tokens`` // rows + sequences + 1 (common.dq_tile).
-    _dq_from_tiles_kernel reads it back."""
+    rows of 256 floats for TMA. Packed sequences (one batch): tiles for ``tokens`` //
+    rows + sequences + 1 (common.dq_tile). _dq_from_tiles_kernel reads it back."""
     tiles = (tokens // rows + spec.batch + 1 if spec.varlen
              else cdiv(spec.seqlen_q, rows))  # fmt: skip
     per_tile = rows * spec.head_dim_qk // 256
