@@ -11,7 +11,15 @@ import pytest
 import torch
 
 import memattn
-from memattn.check import FEATURE_CASES, Case, check_forward, gpu_sized
+from memattn.check import (
+    FEATURE_CASES,
+    FLOOR,
+    Case,
+    check_forward,
+    gpu_sized,
+    lse_error,
+    relative_error,
+)
 from memattn.kernels import forward_sm90, hopper
 
 from .conftest import DEVICE
@@ -188,6 +196,39 @@ def test_long_sequences_gpu(options, dtype):
     case = Case("S=8192", batch=1, heads=2, kv_heads=1, seqlen_q=8192, seqlen_k=8192,
                 dqk=128, dv=128, bias="1HQK", options=options)
     assert_results(check_forward(case, dtype, "cuda", seed=5))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("bias", [None, "BHQK", "B11K"], ids=["keys", "tile", "row"])
+@pytest.mark.parametrize("options", [{}, {"causal": True}], ids=["full", "causal"])
+def test_running_max_moves_gpu(options, bias, head_dim, dtype):
+    """Scores rising along the keys by 0.7, 4.3, 11.5 and 29 (log2 units) a 128-key tile,
+    one rate a head: a row's running max moves at some tiles and not at others
+    (forward_sm90.RESCALE_THRESHOLD), through the scores themselves, a bias tile
+    (natural units) or a key row (log2 units)."""
+    b, s, h = 2, 2048, 4
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (torch.randn(b, s, h, head_dim, device="cuda", generator=gen) for _ in range(3))
+    rise = torch.tensor([0.5, 3.0, 8.0, 20.0], device="cuda")[:, None] * (
+        torch.arange(s, device="cuda") / 128)  # natural units a head, along the keys
+    kwargs = dict(options)
+    if bias is None:  # q's first column 1, k's carries the rise (times sqrt(D): the scale)
+        q[..., 0] = 1.0
+        k[..., 0] = (rise * head_dim**0.5).T
+    elif bias == "BHQK":
+        kwargs["bias"] = rise[None, :, None, :].expand(b, h, s, s).to(dtype).contiguous()
+    else:  # one rate for all heads: the row is (B, 1, 1, Sk)
+        kwargs["bias"] = rise[2][None, None, None, :].expand(b, 1, 1, s).to(dtype).contiguous()
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    out, lse = memattn.attention(q, k, v, return_lse=True, **kwargs)
+    wide = {n: (t.double() if isinstance(t, torch.Tensor) else t) for n, t in kwargs.items()}
+    ref, ref_lse = memattn.reference.attention(q.double(), k.double(), v.double(),
+                                               return_lse=True, **wide)
+    low, low_lse = memattn.reference.attention(q, k, v, return_lse=True, **kwargs)
+    assert relative_error(out, ref) <= 2 * relative_error(low, ref) + FLOOR[dtype]
+    assert lse_error(lse, ref_lse) <= 2 * lse_error(low_lse, ref_lse) + 10 * FLOOR[dtype]
 
 
 def hopper_kernel_runs_here() -> bool:

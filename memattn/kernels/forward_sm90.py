@@ -77,6 +77,16 @@ BLOCK_M = 128
 BLOCK_M_D64 = 192
 MIN_SEQLEN_Q_D64 = 2048
 REGS_3 = gl.constexpr(160)  # per thread, for three softmax warpgroups beside the load warp
+# At D=256 (O: 128 accumulators a thread, against a 64-key tile's 32 scores) a row's
+# running max moves only when a tile's max passes it by more than this (log2 units): P
+# then stays below 2^8, exact all the same (l and O are kept against the same max), and
+# O's rescale, a multiply an accumulator, is skipped at the tiles where no row of the
+# warpgroup moved (FA4's Blackwell forward rescales so). Finding that out takes a
+# reduction across the warpgroup's warps through shared memory, which cost more than
+# the multiplies it saved at D=64 and 256/128 (H100: S16384 D64 499-523 -> 463, 256/128
+# S4096 causal -3 %) and as much at D=128. 0: O rescaled at every tile.
+RESCALE_THRESHOLD = 8.0
+LAZY_RESCALE_MIN_COLUMNS = 4  # O's columns per key of a tile from which it applies
 # Packed sequences' items go to the softmax warpgroups through a ring of INFO_STAGES
 # slots of INFO_FIELDS int32 (_hand_item, _taken_item): 128 bytes.
 INFO_STAGES = gl.constexpr(4)
@@ -272,11 +282,13 @@ def _softmax_tile(
     s, m_i, l_i, start_n, offs_m, bias, slope, seqlen_k, off, window_left, window_right,
     needs_mask, scale_log2, BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr,
     BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
-    BOUNDED_RIGHT: gl.constexpr,
+    BOUNDED_RIGHT: gl.constexpr, THRESHOLD: gl.constexpr,
 ):  # fmt: skip
     """Online-softmax step on raw scores s (with the bias: a tile in natural units, or
     a row in log2 units (BIAS_ROW), fp32; and ALiBi's slope for this head); m_i is kept
-    in scaled log2 units, with a bias tile in natural units (see below)."""
+    in scaled log2 units, with a bias tile in natural units (see below). THRESHOLD > 0:
+    m moves only where the tile's max passes it by more (RESCALE_THRESHOLD); alpha is
+    then exactly 1 where it did not."""
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
     if HAS_BIAS:
         # Natural units: one FMA a score adds the tile. In log2 units the bias is scaled
@@ -299,6 +311,9 @@ def _softmax_tile(
                        window_right, BOUNDED_LEFT, BOUNDED_RIGHT)
         s = gl.where(mask, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * scale_log2)
+    if THRESHOLD > 0:  # m moves only past the threshold (-inf + t stays -inf)
+        m_new = gl.where(m_new > m_i + (THRESHOLD * LN2 if HAS_BIAS else THRESHOLD), m_new,
+                         m_i)
     # Rows with no visible key yet keep m = -inf: subtract 0 there (no -inf - -inf).
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     if HAS_BIAS:  # the difference first: s and m may be near -FLT_MAX
@@ -385,7 +400,7 @@ def _softmax_partition(
     FOLD: gl.constexpr, O_IN_Q: gl.constexpr, HAS_BIAS: gl.constexpr,
     BIAS_STAGES: gl.constexpr, BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr,
     HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
-    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, THRESHOLD: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: query rows [start_m + PART * ROWS, + ROWS) of each of the
     program's query blocks, over every key tile. S(t) and P(t-1)·V(t-1) are in flight
@@ -414,7 +429,8 @@ def _softmax_partition(
                     shared, b, h, h // GROUP, start_m, q_start, seqlen_q, seqlen_k, off, lo,
                     full_lo, full_hi, n_tiles, kv, qi, PART, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
                     BLOCK_M, BLOCK_N, STAGES, Q_STAGES, O_IN_Q, HAS_BIAS, BIAS_STAGES, BIAS_ROW,
-                    HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+                    HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOUNDED_LEFT, BOUNDED_RIGHT,
+                    THRESHOLD)  # fmt: skip
     else:
         for j in range(n_items):
             (b, h, hk, start_m, q_start, _, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
@@ -426,7 +442,7 @@ def _softmax_partition(
                 shared, b, h, hk, start_m, q_start, seqlen_q, seqlen_k, off, lo, full_lo,
                 full_hi, n_tiles, kv, qi, PART, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M,
                 BLOCK_N, STAGES, Q_STAGES, O_IN_Q, HAS_BIAS, BIAS_STAGES, BIAS_ROW, HAS_ALIBI,
-                HAS_DROPOUT, IS_VARLEN, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+                HAS_DROPOUT, IS_VARLEN, BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD)  # fmt: skip
     tma.store_wait(0)
 
 
@@ -439,6 +455,7 @@ def _softmax_block(
     O_IN_Q: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr,
     BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
     IS_VARLEN: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    THRESHOLD: gl.constexpr,
 ):  # fmt: skip
     """_softmax_partition's work for one query block (hopper.query_block's values);
     returns the rings' running indices (key tiles, query blocks) after it."""
@@ -492,7 +509,7 @@ def _softmax_block(
         p_, m_i, l_i, alpha = _softmax_tile(
             s, m_i, l_i, lo, offs_m, bias, slope, seqlen_k, off, window_left,
             window_right, needs_mask, scale_log2, BLOCK_N, HAS_BIAS, BIAS_ROW,
-            HAS_ALIBI, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+            HAS_ALIBI, BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD)  # fmt: skip
         p_op = gl.convert_layout(_dropped(p_, keep, HAS_DROPOUT).to(dtype), p_layout)
         for t in range(1, n_tiles):
             start_n = lo + t * BLOCK_N
@@ -514,10 +531,16 @@ def _softmax_block(
             p_, m_i, l_i, alpha = _softmax_tile(
                 s, m_i, l_i, start_n, offs_m, bias, slope, seqlen_k, off, window_left,
                 window_right, needs_mask, scale_log2, BLOCK_N, HAS_BIAS, BIAS_ROW,
-                HAS_ALIBI, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+                HAS_ALIBI, BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD)  # fmt: skip
+            if THRESHOLD > 0:  # whether any of the warpgroup's rows moved its max
+                moved = gl.max((alpha != 1.0).to(gl.int32), 0)
             acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
             mbarrier.arrive(v_empty.index(v_slot))
-            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            if THRESHOLD > 0:
+                if moved != 0:
+                    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            else:
+                acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
             p_op = gl.convert_layout(_dropped(p_, keep, HAS_DROPOUT).to(dtype), p_layout)
         if not O_IN_Q:  # every S of this block is done: Q may be refilled
             mbarrier.arrive(q_empty.index(q_slot))
@@ -585,6 +608,7 @@ def _fwd_sm90_kernel(
     HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr, BIAS_ROW: gl.constexpr,
     HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    THRESHOLD: gl.constexpr,
 ):  # fmt: skip
     # The programs (one per SM at most, persistent) walk the num_items query blocks in
     # strides (hopper.work_item), folded under a mask: pairs of blocks whose work adds
@@ -654,11 +678,11 @@ def _fwd_sm90_kernel(
             (_softmax_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD)),
             (_softmax_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD)),
             (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, QK_SPLIT,
                                HAS_BIAS, BIAS_STAGES, BIAS_ROW, IS_VARLEN, BOTTOM_RIGHT,
                                BOUNDED_LEFT, BOUNDED_RIGHT)),
@@ -668,15 +692,15 @@ def _fwd_sm90_kernel(
             (_softmax_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD)),
             (_softmax_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD)),
             (_softmax_partition, (shared, 2, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD)),
             (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, QK_SPLIT,
                                HAS_BIAS, BIAS_STAGES, BIAS_ROW, IS_VARLEN, BOTTOM_RIGHT,
                                BOUNDED_LEFT, BOUNDED_RIGHT)),
@@ -764,7 +788,10 @@ def plan(spec: AttentionSpec, bias_row: bool, tokens_q: int, device_index: int) 
         HAS_ALIBI=spec.has_alibi,
         HAS_DROPOUT=spec.dropout_p > 0, IS_VARLEN=spec.varlen,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
-        BOUNDED_RIGHT=spec.window_right >= 0, num_warps=4,
+        BOUNDED_RIGHT=spec.window_right >= 0,
+        THRESHOLD=(float(RESCALE_THRESHOLD)
+                   if spec.head_dim_v >= LAZY_RESCALE_MIN_COLUMNS * block_n else 0.0),
+        num_warps=4,
     )  # fmt: skip
     return hopper.Plan(hopper.programs(num_items, fold, persistent, device_index), counts,
                        constexprs)
