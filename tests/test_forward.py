@@ -241,7 +241,7 @@ def hopper_kernel_runs_here() -> bool:
 HOPPER_CASES = [
     Case("D64 Sq=777 Sk=1030", seqlen_q=777, seqlen_k=1030, dqk=64, dv=64),
     # 192-row blocks (three warpgroups); the last block's third warpgroup has no row
-    Case("D64 Sq=2000 Sk=333", seqlen_q=2000, seqlen_k=333, dqk=64, dv=64),
+    Case("D64 Sq=2048 Sk=333", seqlen_q=2048, seqlen_k=333, dqk=64, dv=64),
     Case("D128 causal", seqlen_q=1531, seqlen_k=1531, dqk=128, dv=128,
          options=dict(causal=True)),
     Case("causal bottom-right Sq>Sk", seqlen_q=1000, seqlen_k=300, dqk=128, dv=128,
@@ -372,7 +372,7 @@ def test_hopper_kernel_gpu(case, dtype, monkeypatch):
 # head through its Q ring, folded (pairs of blocks, some across two heads) or not. Two
 # Q buffers at D 64/128 without a bias, one with a bias, ALiBi per (batch, head),
 # dropout, and O in Q's buffer at D=256 and 192/128.
-PERSISTENT_CASES = ["D64 Sq=777 Sk=1030", "D64 Sq=2000 Sk=333", "D128 causal",
+PERSISTENT_CASES = ["D64 Sq=777 Sk=1030", "D64 Sq=2048 Sk=333", "D128 causal",
                     "bias BHQK window GQA", "dropout causal GQA", "alibi BH bias D64 window",
                     "D256 Sq=1100 Sk=130", "D256 causal GQA", "varlen D128 causal",
                     "varlen D256", "bias B11K causal GQA",

@@ -43,11 +43,13 @@ VARIANTS = {
     "dq_writer": {"bwd.DQ_WRITER": True},  # dQ's reduce-adds from a warp of their own
     "no_split": {"bwd.SPLIT_HEAD_DIM_PAIRS": ()},  # 192/128 on the tile kernels
     "rescale_always": {"fwd.RESCALE_THRESHOLD": 0.0},  # O rescaled at every tile
+    "no_turns": {"fwd.TURNS_MAX_HEAD_DIM": 0},  # softmax warpgroups issue freely
     "dq32_at192": {"bwd.DQ_BLOCK_N": {256: 32, 192: 32}},  # 32-key tiles in 192's dQ kernel
 }
 MODULES = {"fwd": forward_sm90, "bwd": backward_sm90}
 DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
-    ("fwd", ("FOLD", "BLOCK_M_D64", "PERSISTENT", "MAX_Q_STAGES", "RESCALE_THRESHOLD")),
+    ("fwd", ("FOLD", "BLOCK_M_D64", "PERSISTENT", "MAX_Q_STAGES", "RESCALE_THRESHOLD",
+             "TURNS_MAX_HEAD_DIM")),
     ("bwd", ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "SKIP_EMPTY_KEY_BLOCKS",
              "SPLIT_HEAD_DIM_PAIRS", "DQ_BLOCK_N", "DQ_WRITER", "ORDERED_DQ")))
     for name in names}  # fmt: skip

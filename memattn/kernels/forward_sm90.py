@@ -8,8 +8,9 @@ warpgroups of 64 query rows each (a 128- or 192-row query block, `forward` says 
   memory, each slot refilled as soon as every consumer releases it (mbarriers);
 - each softmax warpgroup keeps S(t) = Q·K(t)ᵀ and O += P(t-1)·V(t-1) in flight
   together as asynchronous wgmmas and computes the softmax of S(t) while
-  P(t-1)·V(t-1) runs; the warpgroups drift apart freely, so one's softmax overlaps
-  the others' matmuls.
+  P(t-1)·V(t-1) runs; at Dqk <= 128 on dense batches they issue their wgmmas in
+  turns (named barriers), so that one's softmax overlaps the others' matmuls; else
+  they drift apart freely, to the same end.
 Programs run persistent: one per SM at most walks the query blocks in strides (under a
 mask in pairs of blocks of equal work), and with two Q buffers (where shared memory
 holds them) each block's Q and first tiles load while the previous block ends
@@ -86,6 +87,11 @@ REGS_3 = gl.constexpr(160)  # per thread, for three softmax warpgroups beside th
 # the multiplies it saved at D=64 and 256/128 (H100: S16384 D64 499-523 -> 463, 256/128
 # S4096 causal -3 %) and as much at D=128. 0: O rescaled at every tile.
 RESCALE_THRESHOLD = 8.0
+# The softmax warpgroups issue their wgmmas in turns (FA3's and FA4's warp scheduler
+# barriers: a named barrier each, waited on before a warpgroup's issues and handed to
+# the next after), on dense batches up to this head dim; 0: never.
+TURNS_MAX_HEAD_DIM = 128
+TURN_BARRIER = gl.constexpr(8)  # the first warpgroup's; Gluon's partitions use the low ids
 LAZY_RESCALE_MIN_COLUMNS = 4  # O's columns per key of a tile from which it applies
 # Packed sequences' items go to the softmax warpgroups through a ring of INFO_STAGES
 # slots of INFO_FIELDS int32 (_hand_item, _taken_item): 128 bytes.
@@ -401,6 +407,7 @@ def _softmax_partition(
     BIAS_STAGES: gl.constexpr, BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr,
     HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, THRESHOLD: gl.constexpr,
+    TURNS: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: query rows [start_m + PART * ROWS, + ROWS) of each of the
     program's query blocks, over every key tile. S(t) and P(t-1)·V(t-1) are in flight
@@ -413,8 +420,11 @@ def _softmax_partition(
      q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, info_smem,
      info_ready, info_empty, pid, programs, H, GROUP, num_m_blocks, n_items, max_seqlen_q,
      max_seqlen_k, scale_log2, window_left, window_right, seed, rng_offset, dropout_p) = shared
+    PARTS: gl.constexpr = BLOCK_M // ROWS
     kv = 0  # key tiles consumed so far: the ring's running index
     qi = 0  # query blocks taken so far: the Q ring's index
+    if PART == PARTS - 1:  # the first turn is the first warpgroup's
+        _turn_pass(PART, PARTS, TURNS)
     if IS_VARLEN:
         more = True
         while more:
@@ -430,7 +440,7 @@ def _softmax_partition(
                     full_lo, full_hi, n_tiles, kv, qi, PART, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
                     BLOCK_M, BLOCK_N, STAGES, Q_STAGES, O_IN_Q, HAS_BIAS, BIAS_STAGES, BIAS_ROW,
                     HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOUNDED_LEFT, BOUNDED_RIGHT,
-                    THRESHOLD)  # fmt: skip
+                    THRESHOLD, TURNS)  # fmt: skip
     else:
         for j in range(n_items):
             (b, h, hk, start_m, q_start, _, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
@@ -442,8 +452,23 @@ def _softmax_partition(
                 shared, b, h, hk, start_m, q_start, seqlen_q, seqlen_k, off, lo, full_lo,
                 full_hi, n_tiles, kv, qi, PART, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M,
                 BLOCK_N, STAGES, Q_STAGES, O_IN_Q, HAS_BIAS, BIAS_STAGES, BIAS_ROW, HAS_ALIBI,
-                HAS_DROPOUT, IS_VARLEN, BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD)  # fmt: skip
+                HAS_DROPOUT, IS_VARLEN, BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD,
+                TURNS)  # fmt: skip
     tma.store_wait(0)
+
+
+@gluon.jit
+def _turn_wait(PART: gl.constexpr, PARTS: gl.constexpr, TURNS: gl.constexpr):
+    """This warpgroup's turn to issue wgmmas (TURNS; the one before has passed it on)."""
+    if TURNS:
+        hopper.named_barrier(TURN_BARRIER + PART, 256, False)
+
+
+@gluon.jit
+def _turn_pass(PART: gl.constexpr, PARTS: gl.constexpr, TURNS: gl.constexpr):
+    """The next warpgroup's turn (TURNS)."""
+    if TURNS:
+        hopper.named_barrier(TURN_BARRIER + (PART + 1) % PARTS, 256, True)
 
 
 @gluon.jit
@@ -455,7 +480,7 @@ def _softmax_block(
     O_IN_Q: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr,
     BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
     IS_VARLEN: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
-    THRESHOLD: gl.constexpr,
+    THRESHOLD: gl.constexpr, TURNS: gl.constexpr,
 ):  # fmt: skip
     """_softmax_partition's work for one query block (hopper.query_block's values);
     returns the rings' running indices (key tiles, query blocks) after it."""
@@ -496,8 +521,10 @@ def _softmax_block(
     if n_tiles > 0:
         # Tile 0 alone: its softmax has no P·V to overlap with.
         slot = hopper.arrived(k_ready, kv, STAGES)
+        _turn_wait(PART, PARTS, TURNS)
         s = _scores(q_tile, q2_tile, k_smem, k2_smem, slot, s_init, BLOCK_N, QK_MAIN,
                     QK_SPLIT)
+        _turn_pass(PART, PARTS, TURNS)
         keep = _keep(seed, rng_offset, bh, row0, lo, dropout_p, BLOCK_N, s_layout,
                      HAS_DROPOUT)
         bias = _bias_row(bias_smem, slot, BLOCK_N, s_layout, BIAS_ROW)
@@ -514,11 +541,13 @@ def _softmax_block(
         for t in range(1, n_tiles):
             start_n = lo + t * BLOCK_N
             k_slot = hopper.arrived(k_ready, kv + t, STAGES)
+            _turn_wait(PART, PARTS, TURNS)
             s_tok = _scores(q_tile, q2_tile, k_smem, k2_smem, k_slot, s_init, BLOCK_N,
                             QK_MAIN, QK_SPLIT)
             v_slot = hopper.arrived(v_ready, kv + t - 1, STAGES)
             v = v_smem.index(v_slot).reshape([BLOCK_N, HEAD_DIM_V])
             acc_tok = warpgroup_mma(p_op, v, acc, is_async=True)
+            _turn_pass(PART, PARTS, TURNS)
             # Philox's integer work runs while the tensor cores do S(t) and P·V.
             keep = _keep(seed, rng_offset, bh, row0, start_n, dropout_p, BLOCK_N,
                          s_layout, HAS_DROPOUT)
@@ -546,7 +575,9 @@ def _softmax_block(
             mbarrier.arrive(q_empty.index(q_slot))
         v_slot = hopper.arrived(v_ready, kv + n_tiles - 1, STAGES)
         v = v_smem.index(v_slot).reshape([BLOCK_N, HEAD_DIM_V])
+        _turn_wait(PART, PARTS, TURNS)
         acc = warpgroup_mma(p_op, v, acc, is_async=True)
+        _turn_pass(PART, PARTS, TURNS)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(v_slot))
     elif not O_IN_Q:
@@ -608,7 +639,7 @@ def _fwd_sm90_kernel(
     HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr, BIAS_ROW: gl.constexpr,
     HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
-    THRESHOLD: gl.constexpr,
+    THRESHOLD: gl.constexpr, TURNS: gl.constexpr,
 ):  # fmt: skip
     # The programs (one per SM at most, persistent) walk the num_items query blocks in
     # strides (hopper.work_item), folded under a mask: pairs of blocks whose work adds
@@ -678,11 +709,11 @@ def _fwd_sm90_kernel(
             (_softmax_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD)),
+                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS)),
             (_softmax_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD)),
+                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS)),
             (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, QK_SPLIT,
                                HAS_BIAS, BIAS_STAGES, BIAS_ROW, IS_VARLEN, BOTTOM_RIGHT,
                                BOUNDED_LEFT, BOUNDED_RIGHT)),
@@ -692,15 +723,15 @@ def _fwd_sm90_kernel(
             (_softmax_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD)),
+                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS)),
             (_softmax_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD)),
+                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS)),
             (_softmax_partition, (shared, 2, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD)),
+                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS)),
             (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, QK_SPLIT,
                                HAS_BIAS, BIAS_STAGES, BIAS_ROW, IS_VARLEN, BOTTOM_RIGHT,
                                BOUNDED_LEFT, BOUNDED_RIGHT)),
@@ -791,7 +822,7 @@ def plan(spec: AttentionSpec, bias_row: bool, tokens_q: int, device_index: int) 
         BOUNDED_RIGHT=spec.window_right >= 0,
         THRESHOLD=(float(RESCALE_THRESHOLD)
                    if spec.head_dim_v >= LAZY_RESCALE_MIN_COLUMNS * block_n else 0.0),
-        num_warps=4,
+        TURNS=not spec.varlen and spec.head_dim_qk <= TURNS_MAX_HEAD_DIM, num_warps=4,
     )  # fmt: skip
     return hopper.Plan(hopper.programs(num_items, fold, persistent, device_index), counts,
                        constexprs)

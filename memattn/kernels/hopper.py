@@ -505,6 +505,19 @@ def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
                                               tensor_desc.handle, coord, src.handle)
 
 
+@gluon.constexpr_function
+def _bar_asm(op, bar_id, threads):
+    return f"{op} {bar_id}, {threads}; mov.b32 $0, 0;"
+
+
+@gluon.jit
+def named_barrier(bar_id: gl.constexpr, threads: gl.constexpr, ARRIVE: gl.constexpr):
+    """bar.sync (or, ARRIVE, bar.arrive) on hardware barrier bar_id for ``threads``
+    threads: warpgroups handing each other turns (Gluon's partitions use the low ids)."""
+    asm: gl.constexpr = _bar_asm("bar.arrive" if ARRIVE else "bar.sync", bar_id, threads)
+    gl.inline_asm_elementwise(asm, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
 @gluon.jit
 def wait_turn(lock, turn):
     """Spins until the int32 counter at ``lock`` reads ``turn`` (ld.acquire.gpu, every
