@@ -87,12 +87,13 @@ REGS_3 = gl.constexpr(160)  # per thread, for three softmax warpgroups beside th
 # the multiplies it saved at D=64 and 256/128 (H100: S16384 D64 499-523 -> 463, 256/128
 # S4096 causal -3 %) and as much at D=128. 0: O rescaled at every tile.
 RESCALE_THRESHOLD = 8.0
+LAZY_RESCALE_MIN_COLUMNS = 4  # O's columns per key of a tile from which it applies
 # The softmax warpgroups issue their wgmmas in turns (FA3's and FA4's warp scheduler
 # barriers: a named barrier each, waited on before a warpgroup's issues and handed to
-# the next after), on dense batches up to this head dim; 0: never.
+# the next after), on dense batches up to this head dim (H100: +1.6 % at D 64/128,
+# -2 % at D=256 and on packed batches); 0: never.
 TURNS_MAX_HEAD_DIM = 128
 TURN_BARRIER = gl.constexpr(8)  # the first warpgroup's; Gluon's partitions use the low ids
-LAZY_RESCALE_MIN_COLUMNS = 4  # O's columns per key of a tile from which it applies
 # Packed sequences' items go to the softmax warpgroups through a ring of INFO_STAGES
 # slots of INFO_FIELDS int32 (_hand_item, _taken_item): 128 bytes.
 INFO_STAGES = gl.constexpr(4)
