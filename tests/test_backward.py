@@ -657,7 +657,7 @@ def test_hopper_backward_query_rows_a_step(head_dim, options, rows):
     if options.pop("alibi", False):
         options["alibi_slopes"] = torch.ones(4)
     spec = check_call(q, k, k, bias=bias, **options)
-    bias_row = bias is not None and backward_sm90.hopper.bias_row(spec, bias)
+    bias_row = backward_sm90.hopper.bias_row(spec, bias)
     kind = None if bias is None else backward_sm90.dbias_kind_of(spec, bias)
     plan = backward_sm90._plan(spec, bias_row, kind, (False, False), 0)
     assert plan.constexprs["BLOCK_M"] == rows

@@ -162,7 +162,7 @@ def test_gluon_head_dims(dqk, dv, bias_shape, options, forward, backward):
     v = torch.randn(2, 16, 2, dv, dtype=torch.float16)
     bias = None if bias_shape is None else torch.randn(bias_shape, dtype=torch.float16)
     spec = check_call(q, q, v, bias=bias, **options)
-    bias_row = bias is not None and dispatch.hopper.bias_row(spec, bias)
+    bias_row = dispatch.hopper.bias_row(spec, bias)
     assert dispatch.forward_sm90.takes_head_dims(spec, bias_row) is forward
     assert dispatch.backward_sm90.takes_head_dims(spec) is backward
     assert dispatch.hopper.qk_split(dqk) == (64 if dqk == 192 else 32 if dqk == 96 else 0)
@@ -258,8 +258,7 @@ def test_ordered_dq_takes_deterministic_calls(options, varlen, bias_shape, order
     monkeypatch.setattr(bsm, "ORDERED_DQ", True)
     bsm.hopper.forget_plans()  # plans are made from the knobs
     try:
-        plan = bsm._plan(spec, bool(bias is not None and bsm.hopper.bias_row(spec, bias)),
-                         kind, (False, False), 0)  # fmt: skip
+        plan = bsm._plan(spec, bsm.hopper.bias_row(spec, bias), kind, (False, False), 0)
     finally:
         bsm.hopper.forget_plans()
     assert bsm.orders_dq(spec, kind) is ordered

@@ -376,6 +376,16 @@ def test_which_biases_tma_reads(make, readable, full):
     assert not hopper.bias_readable(spec, torch.empty(2, 4, 40, 24))  # not q's dtype
 
 
+def test_which_biases_are_key_rows():
+    """hopper.bias_row: constant along queries and spanning Sk; no bias is not one."""
+    spec = _spec(None)
+    assert not hopper.bias_row(spec, None)
+    for shape, row in [((2, 1, 1, 24), True), ((1, 4, 1, 24), True), ((24,), True),
+                       ((2, 4, 40, 24), False), ((2, 4, 1, 1), False)]:
+        bias = _empty(*shape)
+        assert hopper.bias_row(_spec(bias), bias) == row, shape
+
+
 def test_bias_descriptor_indexes_broadcast_dimensions_at_zero():
     """A broadcast dimension has size 1 (the kernels index it at 0) and a stride TMA
     accepts: a multiple of 16 bytes, whatever the tensor's own (here 0, from expand)."""

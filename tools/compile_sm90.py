@@ -143,8 +143,7 @@ def compile_hopper_forward() -> int:
     from memattn.kernels import forward_sm90
 
     def launch(spec, q, k, v, bias, alibi, cu_seqlens=(None, None)):
-        if not forward_sm90.takes_head_dims(spec, bias is not None
-                                            and forward_sm90.hopper.bias_row(spec, bias)):
+        if not forward_sm90.takes_head_dims(spec, forward_sm90.hopper.bias_row(spec, bias)):
             return  # forward.py's call: shared memory does not hold the buffers
         lse = torch.empty(*spec.bias_shape[1:3]) if spec.varlen else torch.empty(
             *spec.bias_shape[:3])
@@ -175,7 +174,7 @@ def compile_hopper_backward() -> int:
         rng = torch.zeros(2, dtype=torch.int64) if spec.dropout_p > 0 else None
         dq = torch.empty(q.shape, dtype=q.dtype)
         if backward_sm90.dq_in_fp32(spec):  # as backward_sm90.run makes it
-            rows = backward_sm90.block_m(spec, bias is not None and hopper.bias_row(spec, bias))
+            rows = backward_sm90.block_m(spec, hopper.bias_row(spec, bias))
             dq = backward_sm90.dq_tiles(spec, q.shape[0], rows, q.device)
         grad_out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
         backward_sm90.backward(spec, q, k, v, grad_out, bias, alibi, rng, *cu_seqlens, stats,

@@ -1225,7 +1225,7 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
     takes every (b, h)'s dS added in."""
     if spec.head_dim_qk > 128:
         return _backward_wide(spec, q, k, v, grad_out, stats, dq, dk, dv)
-    bias_row = bias is not None and hopper.bias_row(spec, bias)
+    bias_row = hopper.bias_row(spec, bias)
     dbias_kind = None if dbias is None else dbias_kind_of(spec, bias)
     how = _plan(spec, bias_row, dbias_kind, inner_dims(spec, bias, dbias_kind), q.device.index)
     if how.constexprs["ORDERED"]:  # a counter per dQ tile, in cu_seqlens_q's place (dense)
@@ -1309,8 +1309,6 @@ def dq_tiles(spec: AttentionSpec, tokens: int, rows: int, device: torch.device) 
     per_tile = rows * spec.head_dim_qk // 256
     return torch.empty(1 if spec.varlen else spec.batch, spec.heads, tiles * per_tile, 256,
                        dtype=torch.float32, device=device)  # fmt: skip
-
-
 
 
 def _dq_tiles_descriptor(dq: torch.Tensor, tile_rows: int) -> TensorDescriptor:
@@ -1489,7 +1487,7 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
     lse2, delta = stats[:, 0] if spec.varlen else stats.unbind(0)
     dq_acc, rows = None, 0
     if dq_in_fp32(spec):  # dQ tiles in their registers' order (dq_tiles)
-        rows = block_m(spec, bias is not None and hopper.bias_row(spec, bias))
+        rows = block_m(spec, hopper.bias_row(spec, bias))
         dq_acc = dq_tiles(spec, q.shape[0], rows, q.device)
     grid, args, constexprs = tiles.delta_launch(
         spec, out, grad_out, lse, grad_lse, cu_seqlens_q, delta, lse2, dq_acc, rows)

@@ -834,7 +834,7 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
     """Fills out (B, Sq, H, D), or (Tq, H, D) packed, and lse (B, H, Sq), or (H, Tq), for
     a call dispatch.gluon_forward took; rng_state: dropout's [seed, offset] (memattn.dropout),
     None without dropout."""
-    bias_row = bias is not None and hopper.bias_row(spec, bias)
+    bias_row = hopper.bias_row(spec, bias)
     how = plan(spec, bias_row, q.shape[0] if spec.varlen else 0, q.device.index)
     if bias_row:  # (B', H', Sk) fp32 in log2 units: what the kernel adds, by TMA
         bias = hopper.bias_row_log2(bias)

@@ -56,12 +56,14 @@ def bias_readable(spec: AttentionSpec, bias: torch.Tensor) -> bool:
     return all(s % 8 == 0 for n, s in zip(shape[:3], strides[:3]) if n > 1)
 
 
-def bias_row(spec: AttentionSpec, bias: torch.Tensor) -> bool:
+def bias_row(spec: AttentionSpec, bias: torch.Tensor | None) -> bool:
     """A bias constant along queries, (B or 1, H or 1, 1, Sk): key padding, per-key
-    offsets. The Gluon kernels read it as one row of keys per key tile, no bias tiles
-    (the forward by TMA from bias_row_log2's fp32 copy, the backward by pointer: any
-    floating dtype and strides), and reduce its gradient, dS summed over queries, in
-    registers."""
+    offsets (False without a bias). The Gluon kernels read it as one row of keys per key
+    tile, no bias tiles (the forward by TMA from bias_row_log2's fp32 copy, the backward
+    by pointer: any floating dtype and strides), and reduce its gradient, dS summed over
+    queries, in registers."""
+    if bias is None:
+        return False
     shape, _ = _bias_4d(bias)
     return shape[2] == 1 and shape[3] == spec.seqlen_k
 
