@@ -522,26 +522,29 @@ def test_launcher_refuses_grids_of_more_dimensions(launcher):
         launcher((4, 2), torch.zeros(4), 3, 0.5, BLOCK=16, FLAG=True)
 
 
+@pytest.mark.parametrize("scale", [0.125, 1.7])
 @pytest.mark.parametrize("shape", [(3, 1, 1, 70), (1, 2, 1, 1500), (70,)],
                          ids=["B11K", "1H1K", "K"])
-def test_bias_row_log2_is_what_the_kernels_add(shape, monkeypatch):
-    """The forward's key row (hopper.bias_row_log2), computed once per call: the bias
-    times log2(e) in fp32, -inf kept, finite values below -2e38 clamped (common's rule,
-    so a row of finfo.min averages), over every (batch, head) row and key block."""
+def test_bias_row_scores_is_what_the_kernels_start_from(shape, scale, monkeypatch):
+    """The forward's key row (hopper.bias_row_scores), computed once per call: the bias
+    divided by the scale in fp32, -inf kept, finite values clamped at -BIAS_ROW_FLOOR
+    (so a row of finfo.min averages), over every (batch, head) row and key block."""
     def launch(grid, *args, **kwargs):  # Triton's own launch (the interpreter on CPU)
-        hopper._bias_row_log2_kernel[grid](*args, **kwargs)
+        hopper._bias_row_scores_kernel[grid](*args, **kwargs)
 
-    monkeypatch.setattr(hopper, "_launch_bias_row_log2", launch)
+    monkeypatch.setattr(hopper, "_launch_bias_row_scores", launch)
     bias = torch.randn(shape).to(torch.bfloat16)
     flat = bias.view(-1)
     flat[::7] = float("-inf")
     flat[3::11] = torch.finfo(torch.bfloat16).min
-    row = hopper.bias_row_log2(bias)
+    row = hopper.bias_row_scores(bias, scale)
     assert row.stride(-1) == 1 and all(s * 4 % 16 == 0 for s in row.stride()[:-1]), (
         "rows start 16-byte aligned: the forward loads them by TMA")
-    b = bias.float().reshape(row.shape)
-    expected = torch.where(b == float("-inf"), b, b.clamp(min=-2.0e38) * 1.4426950408889634)
+    b = bias.double().reshape(row.shape)
+    floor = hopper.BIAS_ROW_FLOOR.value
+    expected = torch.where(b == float("-inf"), b, (b / scale).clamp(min=-floor)).float()
     torch.testing.assert_close(row, expected, rtol=1e-6, atol=0)
+    assert torch.isfinite(row[b > float("-inf")]).all()
 
 
 @pytest.mark.parametrize("shape", [(3, 4, 1, 9), (3, 1, 1, 9), (1, 4, 1, 9), (4, 1, 9), (9,)],

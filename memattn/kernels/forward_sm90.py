@@ -24,9 +24,9 @@ not the sequence's).
 
 A bias comes by TMA: the load warp puts each key tile's BLOCK_M x BLOCK_N bias tile in
 a ring beside K's, each warpgroup reads its rows. A bias constant along queries (key
-padding) instead comes as one row per key tile, fp32 in log2 units from
-hopper.bias_row_log2, by TMA beside its K tile (on K's barrier), read by each warpgroup
-while its matmuls run and added with one FMA a score. (Loaded by pointer, its latency
+padding) instead comes as one row per key tile, fp32 divided by the scale from
+hopper.bias_row_scores, by TMA beside its K tile (on K's barrier): each warpgroup's S
+wgmma starts from it, so the softmax is the unbiased one. (Loaded by pointer, its latency
 showed wherever the row changed from one query block to the next: a row per head ran
 at 310 TFLOP/s against 465 for one per batch.) Dropout's keep bits come from
 hopper.dropout_keep, drawn while the warpgroup's matmuls run; P·V takes the kept
@@ -288,12 +288,13 @@ def _taken_item(info_smem, info_ready, info_empty, i):
 def _softmax_tile(
     s, m_i, l_i, start_n, offs_m, bias, slope, seqlen_k, off, window_left, window_right,
     needs_mask, scale_log2, BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr,
-    BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
-    BOUNDED_RIGHT: gl.constexpr, THRESHOLD: gl.constexpr,
+    HAS_ALIBI: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    THRESHOLD: gl.constexpr,
 ):  # fmt: skip
-    """Online-softmax step on raw scores s (with the bias: a tile in natural units, or
-    a row in log2 units (BIAS_ROW), fp32; and ALiBi's slope for this head); m_i is kept
-    in scaled log2 units, with a bias tile in natural units (see below). THRESHOLD > 0:
+    """Online-softmax step on raw scores s (a key row's bias already in them: _scores;
+    with a bias tile, the tile in natural units, fp32; and ALiBi's slope for this head);
+    m_i is kept in scaled log2 units, with a bias tile in natural units (see below).
+    THRESHOLD > 0:
     m moves only where the tile's max passes it by more (RESCALE_THRESHOLD); alpha is
     then exactly 1 where it did not."""
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
@@ -305,9 +306,6 @@ def _softmax_tile(
         s = s * (scale_log2 * LN2) + bias
         if HAS_ALIBI:
             s -= slope * alibi_distance(offs_m[:, None], offs_n[None, :], off)
-        scale_log2 = 1.0
-    elif BIAS_ROW:  # one FMA a score
-        s = s * scale_log2 + bias
         scale_log2 = 1.0
     if HAS_ALIBI and not HAS_BIAS:  # the scale goes in first here, not folded into exp2's
         s = add_bias_alibi_log2(s * scale_log2, offs_m[:, None], offs_n[None, :], off, slope,
@@ -335,16 +333,13 @@ def _softmax_tile(
 
 @gluon.jit
 def _bias(
-    row, bias_smem, bias_ready, bias_empty, i, layout: gl.constexpr, PART: gl.constexpr,
+    bias_smem, bias_ready, bias_empty, i, layout: gl.constexpr, PART: gl.constexpr,
     PARTS: gl.constexpr, BLOCK_N: gl.constexpr, BIAS_STAGES: gl.constexpr,
-    HAS_BIAS: gl.constexpr, BIAS_ROW: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
 ):  # fmt: skip
-    """The bias of this warpgroup's rows and key tile i, fp32, in the scores' layout:
-    the row _bias_row loaded, or the TMA tile (its slot released at once); 0.0 without
-    a bias."""
+    """The bias tile of this warpgroup's rows and key tile i, fp32, in the scores'
+    layout (its TMA slot released at once); 0.0 without one."""
     bias = 0.0
-    if BIAS_ROW:
-        bias = row
     if HAS_BIAS:
         slot = hopper.arrived(bias_ready, i, BIAS_STAGES)
         tile = bias_smem.index(slot * PARTS + PART).reshape([ROWS, BLOCK_N])
@@ -354,26 +349,20 @@ def _bias(
 
 
 @gluon.jit
-def _bias_row(bias_smem, k_slot, BLOCK_N: gl.constexpr, layout: gl.constexpr,
-              BIAS_ROW: gl.constexpr):
-    """The keys of K's slot k_slot of a bias constant along queries, as
-    hopper.bias_row_log2 made it (fp32, log2 units), a (1, BLOCK_N) row in the scores'
-    layout (TMA's zeros past Sk). Read while the matmuls run, before K's slot is
-    released; 0.0 without such a bias."""
-    row = 0.0
-    if BIAS_ROW:
-        row = bias_smem.index(k_slot).reshape([BLOCK_N]).load(gl.SliceLayout(0, layout))
-        row = row[None, :]
-    return row
-
-
-@gluon.jit
-def _scores(q_tile, q2_tile, k_smem, k2_smem, slot, s_init, BLOCK_N: gl.constexpr,
-            QK_MAIN: gl.constexpr, QK_SPLIT: gl.constexpr):
+def _scores(q_tile, q2_tile, k_smem, k2_smem, bias_smem, slot, s_init, BLOCK_N: gl.constexpr,
+            QK_MAIN: gl.constexpr, QK_SPLIT: gl.constexpr, BIAS_ROW: gl.constexpr):
     """S = Q K(slot)^T as asynchronous wgmmas: one, or with QK_SPLIT a second one
-    adding Q's and K's last QK_SPLIT columns (shapes are powers of 2: 192 = 128 + 64)."""
+    adding Q's and K's last QK_SPLIT columns (shapes are powers of 2: 192 = 128 + 64).
+    With a bias constant along queries (BIAS_ROW), S starts from the keys of K's slot in
+    it, as hopper.bias_row_scores made them (fp32, in Q K^T's units; TMA's zeros past
+    Sk): the softmax is then the unbiased one, where adding them cost an FMA a score."""
     k = k_smem.index(slot).reshape([BLOCK_N, QK_MAIN]).permute((1, 0))
-    s = warpgroup_mma(q_tile, k, s_init, use_acc=False, is_async=True)
+    if BIAS_ROW:
+        row = bias_smem.index(slot).reshape([BLOCK_N]).load(
+            gl.SliceLayout(0, s_init.type.layout))
+        s = warpgroup_mma(q_tile, k, gl.broadcast(row[None, :], s_init)[0], is_async=True)
+    else:
+        s = warpgroup_mma(q_tile, k, s_init, use_acc=False, is_async=True)
     if QK_SPLIT > 0:
         k2 = k2_smem.index(slot).reshape([BLOCK_N, QK_SPLIT]).permute((1, 0))
         s = warpgroup_mma(q2_tile, k2, s, is_async=True)
@@ -523,28 +512,27 @@ def _softmax_block(
         # Tile 0 alone: its softmax has no P·V to overlap with.
         slot = hopper.arrived(k_ready, kv, STAGES)
         _turn_wait(PART, PARTS, TURNS)
-        s = _scores(q_tile, q2_tile, k_smem, k2_smem, slot, s_init, BLOCK_N, QK_MAIN,
-                    QK_SPLIT)
+        s = _scores(q_tile, q2_tile, k_smem, k2_smem, bias_smem, slot, s_init, BLOCK_N,
+                    QK_MAIN, QK_SPLIT, BIAS_ROW)
         _turn_pass(PART, PARTS, TURNS)
         keep = _keep(seed, rng_offset, bh, row0, lo, dropout_p, BLOCK_N, s_layout,
                      HAS_DROPOUT)
-        bias = _bias_row(bias_smem, slot, BLOCK_N, s_layout, BIAS_ROW)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(slot))
-        bias = _bias(bias, bias_smem, bias_ready, bias_empty, kv, s_layout, PART, PARTS,
-                     BLOCK_N, BIAS_STAGES, HAS_BIAS, BIAS_ROW)
+        bias = _bias(bias_smem, bias_ready, bias_empty, kv, s_layout, PART, PARTS, BLOCK_N,
+                     BIAS_STAGES, HAS_BIAS)
         needs_mask = (lo < full_lo) | (lo >= full_hi)
         p_, m_i, l_i, alpha = _softmax_tile(
             s, m_i, l_i, lo, offs_m, bias, slope, seqlen_k, off, window_left,
-            window_right, needs_mask, scale_log2, BLOCK_N, HAS_BIAS, BIAS_ROW,
-            HAS_ALIBI, BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD)  # fmt: skip
+            window_right, needs_mask, scale_log2, BLOCK_N, HAS_BIAS, HAS_ALIBI,
+            BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD)  # fmt: skip
         p_op = gl.convert_layout(_dropped(p_, keep, HAS_DROPOUT).to(dtype), p_layout)
         for t in range(1, n_tiles):
             start_n = lo + t * BLOCK_N
             k_slot = hopper.arrived(k_ready, kv + t, STAGES)
             _turn_wait(PART, PARTS, TURNS)
-            s_tok = _scores(q_tile, q2_tile, k_smem, k2_smem, k_slot, s_init, BLOCK_N,
-                            QK_MAIN, QK_SPLIT)
+            s_tok = _scores(q_tile, q2_tile, k_smem, k2_smem, bias_smem, k_slot, s_init,
+                            BLOCK_N, QK_MAIN, QK_SPLIT, BIAS_ROW)
             v_slot = hopper.arrived(v_ready, kv + t - 1, STAGES)
             v = v_smem.index(v_slot).reshape([BLOCK_N, HEAD_DIM_V])
             acc_tok = warpgroup_mma(p_op, v, acc, is_async=True)
@@ -552,16 +540,15 @@ def _softmax_block(
             # Philox's integer work runs while the tensor cores do S(t) and P·V.
             keep = _keep(seed, rng_offset, bh, row0, start_n, dropout_p, BLOCK_N,
                          s_layout, HAS_DROPOUT)
-            bias = _bias_row(bias_smem, k_slot, BLOCK_N, s_layout, BIAS_ROW)
             s = warpgroup_mma_wait(1, deps=(s_tok,))  # S(t) done; P(t-1)·V(t-1) runs on
             mbarrier.arrive(k_empty.index(k_slot))
-            bias = _bias(bias, bias_smem, bias_ready, bias_empty, kv + t, s_layout, PART,
-                         PARTS, BLOCK_N, BIAS_STAGES, HAS_BIAS, BIAS_ROW)
+            bias = _bias(bias_smem, bias_ready, bias_empty, kv + t, s_layout, PART, PARTS,
+                         BLOCK_N, BIAS_STAGES, HAS_BIAS)
             needs_mask = (start_n < full_lo) | (start_n >= full_hi)
             p_, m_i, l_i, alpha = _softmax_tile(
                 s, m_i, l_i, start_n, offs_m, bias, slope, seqlen_k, off, window_left,
-                window_right, needs_mask, scale_log2, BLOCK_N, HAS_BIAS, BIAS_ROW,
-                HAS_ALIBI, BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD)  # fmt: skip
+                window_right, needs_mask, scale_log2, BLOCK_N, HAS_BIAS, HAS_ALIBI,
+                BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD)  # fmt: skip
             if THRESHOLD > 0:  # whether any of the warpgroup's rows moved its max
                 moved = gl.max((alpha != 1.0).to(gl.int32), 0)
             acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
@@ -595,6 +582,9 @@ def _softmax_block(
         # bias clamped at -2e38 (add_bias_alibi_log2), and so the lse
         lse = gl.where(empty, float("-inf"), gl.maximum(m_i + log2_l * LN2, -2.0e38))
     else:
+        if BIAS_ROW:  # rows that saw only keys at the row's floor (finfo.min biases:
+            # hopper.bias_row_scores) leave the lse the backwards' clamped scores give
+            m_i = gl.where(m_i <= -hopper.BIAS_ROW_FLOOR * scale_log2, -2.0e38 * LOG2E, m_i)
         lse = gl.where(empty, float("-inf"), (m_i + log2_l) * LN2)
     out = acc * gl.convert_layout(inv_l, o_rows)[:, None]
     if IS_VARLEN and row0 + ROWS > seqlen_q:
@@ -836,8 +826,8 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
     None without dropout."""
     bias_row = hopper.bias_row(spec, bias)
     how = plan(spec, bias_row, q.shape[0] if spec.varlen else 0, q.device.index)
-    if bias_row:  # (B', H', Sk) fp32 in log2 units: what the kernel adds, by TMA
-        bias = hopper.bias_row_log2(bias)
+    if bias_row:  # (B', H', Sk) fp32 in Q K^T's units: S starts from it, by TMA
+        bias = hopper.bias_row_scores(bias, spec.scale)
     # What the launch's arguments are made of beside the plan, shapes included (the
     # spec does not fix packed sequences' token counts, which the descriptors hold):
     # once launched, a call of the same key skips making them

@@ -23,7 +23,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime import driver
 
 from ..spec import AttentionSpec
-from .common import add_bias_alibi_log2, cdiv, diagonal_offset, key_range, sequence_bounds
+from .common import cdiv, diagonal_offset, key_range, sequence_bounds
 
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
@@ -59,7 +59,7 @@ def bias_readable(spec: AttentionSpec, bias: torch.Tensor) -> bool:
 def bias_row(spec: AttentionSpec, bias: torch.Tensor | None) -> bool:
     """A bias constant along queries, (B or 1, H or 1, 1, Sk): key padding, per-key
     offsets (False without a bias). The Gluon kernels read it as one row of keys per key
-    tile, no bias tiles (the forward by TMA from bias_row_log2's fp32 copy, the backward
+    tile, no bias tiles (the forward by TMA from bias_row_scores's fp32 copy, the backward
     by pointer: any floating dtype and strides), and reduce its gradient, dS summed over
     queries, in registers."""
     if bias is None:
@@ -744,30 +744,33 @@ def _tensor_map_args(desc: TensorDescriptor, meta) -> list:
     return found
 
 
+# The least a key row's value may be in Q K^T's units (bias_row_scores): finite biases
+# below it (eager masks' finfo.min, divided by a scale < 1) would overflow to -inf and
+# turn a row the reference averages into an empty one.
+BIAS_ROW_FLOOR = tl.constexpr(3.0e38)
+
+
 @triton.jit
-def _bias_row_log2_kernel(Bias, Out, stride_b, stride_h, stride_n, heads, seqlen_k,
-                          out_row, blocks, BLOCK: tl.constexpr):  # fmt: skip
+def _bias_row_scores_kernel(Bias, Out, stride_b, stride_h, stride_n, heads, seqlen_k,
+                            out_row, blocks, inv_scale, BLOCK: tl.constexpr):  # fmt: skip
     bh = tl.program_id(0) // blocks  # a 1-D grid, as Launcher launches
     offs = (tl.program_id(0) % blocks) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < seqlen_k
     x = tl.load(Bias + (bh // heads).to(tl.int64) * stride_b + (bh % heads).to(tl.int64)
-                * stride_h + offs.to(tl.int64) * stride_n, mask=ok, other=0.0)
-    # exactly what the kernels add to a score: common.add_bias_alibi_log2's rule
-    row = add_bias_alibi_log2(tl.zeros([BLOCK], tl.float32), 0, 0, 0, 0.0, x.to(tl.float32),
-                              True, False)  # fmt: skip
+                * stride_h + offs.to(tl.int64) * stride_n, mask=ok, other=0.0).to(tl.float32)
+    row = tl.where(x == float("-inf"), x, tl.maximum(x * inv_scale, -BIAS_ROW_FLOOR))
     tl.store(Out + bh.to(tl.int64) * out_row + offs, row, mask=ok)
 
 
-_launch_bias_row_log2 = Launcher(_bias_row_log2_kernel)
+_launch_bias_row_scores = Launcher(_bias_row_scores_kernel)
 
 
-def bias_row_log2(bias: torch.Tensor) -> torch.Tensor:
-    """A bias `bias_row` accepted, as the forward adds it to a log2-domain score: fp32
-    (B', H', Sk), times log2(e), finite values clamped as common.add_bias_alibi_log2
-    does. Worked out once per call here, the forward's softmax adds it with one FMA a
-    score: converting and clamping in the kernel, 32 values a thread for each key
-    tile, weighed as much as the rest of the softmax. Rows padded to 16 bytes: the
-    forward loads them by TMA."""
+def bias_row_scores(bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """A bias `bias_row` accepted, in Q K^T's units for a softmax scale > 0: fp32
+    (B', H', Sk), bias / scale, -inf kept, finite values at least -BIAS_ROW_FLOOR. The
+    Gluon forward's S wgmma starts from it, so the softmax adds nothing (an FMA a score
+    was a fifth of its arithmetic); worked out once per call here. Rows padded to 16
+    bytes: the forward loads them by TMA."""
     shape, _ = _bias_4d(bias)
     batches, heads, _, seqlen_k = shape
     padded = cdiv(seqlen_k, 4) * 4
@@ -775,6 +778,7 @@ def bias_row_log2(bias: torch.Tensor) -> torch.Tensor:
     out = out[..., :seqlen_k]
     block = 1024
     blocks = cdiv(seqlen_k, block)
-    _launch_bias_row_log2((blocks * batches * heads,), bias, out, *bias_row_strides(bias),
-                          heads, seqlen_k, padded, blocks, BLOCK=block)  # fmt: skip
+    _launch_bias_row_scores((blocks * batches * heads,), bias, out, *bias_row_strides(bias),
+                            heads, seqlen_k, padded, blocks, 1.0 / scale,
+                            BLOCK=block)  # fmt: skip
     return out
