@@ -561,3 +561,73 @@ def test_sum_to_bias_reduces_the_kernels_rows_to_the_bias(shape):
     got = hopper.sum_to_bias(partial, bias)
     assert got.shape == bias.shape and got.dtype == bias.dtype
     torch.testing.assert_close(got, expected.reshape(shape).to(torch.bfloat16))
+
+
+BIAS_GRAD_CALLS = {  # name: (lengths q, lengths k (None: packed, the same tensor), options)
+    "dense causal": ((70,), (90,), dict(causal=True)),
+    "dense causal bottom-right": ((70,), (90,), dict(causal=True, align="bottom_right")),
+    "dense window": ((100,), (100,), dict(window=(9, 3))),
+    "dense, no mask": ((40,), (150,), {}),
+    "packed causal": ((70, 5, 129), None, dict(causal=True)),
+    "packed causal bottom-right, other key lengths": ((70, 5, 129), (90, 33, 100),
+                                                      dict(causal=True, align="bottom_right")),
+    "packed window": ((70, 5, 129), None, dict(window=(20, 0))),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("per_sequence", [False, True], ids=["shared bias", "a plane each"])
+@pytest.mark.parametrize("name", list(BIAS_GRAD_CALLS))
+def test_bias_grad_tiles_zero_convert_and_fill_what_no_query_sees(name, per_sequence,
+                                                                   monkeypatch):  # fmt: skip
+    """backward_sm90.bias_grad_tiles, run through Triton (the interpreter on CPU): the
+    fp32 buffer of a summed bias gradient is zeroed wherever a pair is seen, and its
+    conversion leaves the adds there and zeros everywhere else; a full gradient gets
+    zeros at every pair no query sees and nothing else is written. Seen: the reference's
+    mask, each sequence's for a plane of its own, their union for a shared bias."""
+    def launch(grid, *args, variant, **kwargs):
+        backward_sm90._bias_grad_tiles_kernel[grid](*args, **kwargs)
+
+    monkeypatch.setattr(backward_sm90, "_launch_bias_grad_tiles", launch)
+    lens_q, lens_k, options = BIAS_GRAD_CALLS[name]
+    packed = len(lens_q) > 1
+    same = lens_k is None
+    lens_k = lens_q if same else lens_k
+    if packed:
+        cu_q = torch.tensor([0, *itertools.accumulate(lens_q)], dtype=torch.int32)
+        cu_k = cu_q if same else torch.tensor([0, *itertools.accumulate(lens_k)],
+                                              dtype=torch.int32)  # fmt: skip
+        q = torch.zeros(int(cu_q[-1]), 2, 16)
+        k = torch.zeros(int(cu_k[-1]), 2, 16)
+        varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
+                      max_seqlen_k=max(lens_k))
+    else:
+        cu_q = cu_k = None
+        q, k = torch.zeros(1, lens_q[0], 2, 16), torch.zeros(1, lens_k[0], 2, 16)
+        varlen = {}
+    spec = memattn.spec.check_call(q, k, k, **options, **varlen)
+    sq, sk = spec.seqlen_q, spec.seqlen_k
+    planes = len(lens_q) if per_sequence else 1
+    seen = torch.zeros(planes, 2, sq, sk, dtype=torch.bool)
+    for b, (n_q, n_k) in enumerate(zip(lens_q, lens_k)):
+        mask = memattn.reference.visible_mask(spec, n_q, n_k, "cpu")
+        if not per_sequence and packed and spec.bottom_right and not same:
+            mask = torch.ones(n_q, n_k, dtype=torch.bool)  # diagonals differ: all count
+        seen[b if per_sequence else 0, :, :n_q, :n_k] |= mask
+    if not packed:
+        seen = seen.expand(planes, 2, sq, sk)
+
+    full = torch.full((planes, 2, sq, sk), float("nan"), dtype=torch.bfloat16)
+    backward_sm90.bias_grad_tiles(backward_sm90.ZERO_UNSEEN, spec, None, full, cu_q, cu_k)
+    assert torch.equal(full.isnan(), seen), "zeros exactly where no query sees"
+    assert (full[~seen] == 0).all()
+
+    buf = torch.full((planes, 2, sq, sk), float("nan"))
+    backward_sm90.bias_grad_tiles(backward_sm90.ZERO_SEEN, spec, buf, None, cu_q, cu_k)
+    assert (buf[seen] == 0).all()
+    adds = torch.randn(buf.shape)
+    buf[seen] += adds[seen]
+    out = torch.full(buf.shape, float("nan"), dtype=torch.bfloat16)
+    backward_sm90.bias_grad_tiles(backward_sm90.CONVERT, spec, buf, out, cu_q, cu_k)
+    # one rounding to bf16, one ulp at most (the interpreter truncates; the GPU rounds)
+    torch.testing.assert_close(out.float(), torch.where(seen, adds, 0.0), rtol=2**-7, atol=0)
+    assert (out[~seen] == 0).all()

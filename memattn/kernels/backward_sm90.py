@@ -1473,6 +1473,82 @@ def _plans_wide(spec: AttentionSpec, device_index: int) -> tuple[hopper.Plan, ho
 _launch_delta = hopper.Launcher(tiles._delta_kernel)
 
 
+@triton.jit
+def _bias_grad_tiles_kernel(
+    Buf, Out, CuSeqQ, CuSeqK, batches, heads, seqlen_q, seqlen_k, tiles_k, window_left,
+    window_right, MODE: tl.constexpr, IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    SAME_LENGTHS: tl.constexpr, BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One (query, key) tile of one (batch, head) plane of a contiguous bias gradient
+    (B', H', Sq, Sk). Seen: the (query, key) pairs some call's batch that the plane
+    serves sees (the causal or window band; with packed sequences and a bias plane a
+    sequence, that sequence's own lengths). MODE 0 zeroes the fp32 buffer Buf where a
+    tile holds a seen pair, 1 converts those tiles into Out and writes zeros in the
+    others, 2 writes zeros in Out wherever a pair is not seen."""
+    pid = tl.program_id(0)
+    tiles = pid // tiles_k
+    tiles_q = tl.cdiv(seqlen_q, BLOCK_Q)
+    bh = tiles // tiles_q
+    rows = (tiles % tiles_q) * BLOCK_Q + tl.arange(0, BLOCK_Q)[:, None]
+    cols = (pid % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+    inside = (rows < seqlen_q) & (cols < seqlen_k)
+    n_q, n_k = seqlen_q, seqlen_k
+    if IS_VARLEN and batches > 1:  # plane b serves sequence b alone
+        _, _, n_q, n_k = sequence_bounds(CuSeqQ, CuSeqK, bh // heads, seqlen_q, seqlen_k,
+                                         True)  # fmt: skip
+    seen = inside & (rows < n_q) & (cols < n_k)
+    if not (IS_VARLEN and batches == 1 and BOTTOM_RIGHT and not SAME_LENGTHS):
+        # (else the sequences' diagonals differ, each by its lengths: all pairs count)
+        seen = seen & visible(rows, cols, n_k, diagonal_offset(n_q, n_k, BOTTOM_RIGHT),
+                              window_left, window_right, BOUNDED_LEFT, BOUNDED_RIGHT)
+    offs = bh.to(tl.int64) * seqlen_q * seqlen_k + rows.to(tl.int64) * seqlen_k + cols
+    seen_pairs = tl.sum(tl.sum(seen.to(tl.int32), 1), 0)
+    # Stores masked by `inside` alone are vectorised (Sk a multiple of 16); by `seen`,
+    # element by element: only the tiles the band's edges cross take those.
+    if MODE == 0:
+        if seen_pairs > 0:
+            tl.store(Buf + offs, tl.zeros([BLOCK_Q, BLOCK_K], tl.float32), mask=inside)
+    elif MODE == 1:
+        x = tl.zeros([BLOCK_Q, BLOCK_K], tl.float32)
+        if seen_pairs > 0:
+            x = tl.load(Buf + offs, mask=inside, other=0.0)
+        tl.store(Out + offs, x.to(Out.dtype.element_ty), mask=inside)
+    else:
+        zeros = tl.zeros([BLOCK_Q, BLOCK_K], Out.dtype.element_ty)
+        if seen_pairs == 0:
+            tl.store(Out + offs, zeros, mask=inside)
+        elif seen_pairs < tl.sum(tl.sum(inside.to(tl.int32), 1), 0):
+            tl.store(Out + offs, zeros, mask=inside & ~seen)
+
+
+_launch_bias_grad_tiles = hopper.Launcher(_bias_grad_tiles_kernel)
+ZERO_SEEN, CONVERT, ZERO_UNSEEN = 0, 1, 2  # _bias_grad_tiles_kernel's modes
+
+
+def bias_grad_tiles(mode: int, spec: AttentionSpec, buf, out, cu_seqlens_q,
+                    cu_seqlens_k) -> None:  # fmt: skip
+    """_bias_grad_tiles_kernel over a bias gradient in the bias's shape (buf: the fp32
+    buffer a summed gradient is added into, out: the gradient; None where the mode
+    takes none), so that the pairs no query sees are neither zeroed, read nor written
+    twice."""
+    t = out if buf is None else buf
+    shape = [1] * (4 - t.dim()) + list(t.shape)
+    block_q, block_k = 32, 128
+    tiles_k = cdiv(shape[3], block_k)
+    constexprs = dict(MODE=mode, IS_VARLEN=spec.varlen, BOTTOM_RIGHT=spec.bottom_right,
+                      SAME_LENGTHS=cu_seqlens_q is cu_seqlens_k,
+                      BOUNDED_LEFT=spec.window_left >= 0, BOUNDED_RIGHT=spec.window_right >= 0,
+                      BLOCK_Q=block_q, BLOCK_K=block_k)  # fmt: skip
+    ints = (*shape, tiles_k, spec.window_left, spec.window_right)
+    _launch_bias_grad_tiles(
+        (shape[0] * shape[1] * cdiv(shape[2], block_q) * tiles_k,), t,
+        t if out is None else out, cu_seqlens_q, cu_seqlens_k, *ints,
+        variant=(tuple(constexprs.items()), ints, t.dtype, None if out is None else out.dtype,
+                 hopper.aligned(cu_seqlens_q), hopper.aligned(cu_seqlens_k)),
+        num_warps=4, **constexprs)  # fmt: skip
+
+
 def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes,
         cu_seqlens_q, cu_seqlens_k, rng_state, needs) -> tuple:  # fmt: skip
     """The backward through this module's kernels, for a call dispatch.gluon_backward
@@ -1506,11 +1582,12 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
         dbias = torch.zeros(spec.batch, spec.heads, spec.seqlen_k, dtype=torch.float32,
                             device=bias.device)
     elif dbias_kind == "summed":  # every (b, h)'s dS added in, converted at the end
-        dbias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+        dbias = torch.empty(bias.shape, dtype=torch.float32, device=bias.device)
+        bias_grad_tiles(ZERO_SEEN, spec, dbias, None, cu_seqlens_q, cu_seqlens_k)
     elif dbias_kind == "full":  # tiles no query sees are never written: zeros under a mask
-        masked = spec.window_left >= 0 or spec.window_right >= 0 or spec.varlen
-        dbias = (torch.zeros if masked else new_output)(bias.shape, dtype=bias.dtype,
-                                                        device=bias.device)
+        dbias = new_output(bias.shape, bias.dtype, bias.device)
+        if spec.window_left >= 0 or spec.window_right >= 0 or spec.varlen:
+            bias_grad_tiles(ZERO_UNSEEN, spec, None, dbias, cu_seqlens_q, cu_seqlens_k)
     backward(spec, q, k, v, grad_out, bias, alibi_slopes, rng_state, cu_seqlens_q,
              cu_seqlens_k, stats, dq if dq_acc is None else dq_acc, dk, dv, dbias)
     if dq_acc is not None:
@@ -1521,5 +1598,6 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
     if dbias_kind == "row":
         dbias = hopper.sum_to_bias(dbias, bias)
     elif dbias_kind == "summed":
-        dbias = dbias.to(bias.dtype)
+        summed, dbias = dbias, new_output(bias.shape, bias.dtype, bias.device)
+        bias_grad_tiles(CONVERT, spec, summed, dbias, cu_seqlens_q, cu_seqlens_k)
     return dq, dk if need_dk else None, dv if need_dv else None, dbias

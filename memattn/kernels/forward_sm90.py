@@ -782,10 +782,9 @@ def plan(spec: AttentionSpec, bias_row: bool, tokens_q: int, device_index: int) 
     items."""
     masked = spec.window_left >= 0 or spec.window_right >= 0
     tile_bias = spec.has_bias and not bias_row
-    # Three warpgroups have 160 registers a thread: no room for dropout, ALiBi or the
-    # bias row's 32 values a thread.
+    # Three warpgroups have 160 registers a thread: no room for dropout or ALiBi.
     three_parts = (spec.head_dim_qk == spec.head_dim_v == 64 and not masked
-                   and spec.dropout_p == 0 and not spec.has_alibi and not bias_row
+                   and spec.dropout_p == 0 and not spec.has_alibi
                    and spec.seqlen_q >= MIN_SEQLEN_Q_D64)
     block_m = BLOCK_M_D64 if three_parts else BLOCK_M
     block_n = BLOCK_N[spec.head_dim_qk]
