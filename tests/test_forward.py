@@ -406,6 +406,38 @@ def test_hopper_kernel_persistent_gpu(name, fold, dtype, monkeypatch):
     assert grids and all(g == (5,) for g in grids), grids
 
 
+# Three softmax warpgroups (192-row blocks) under masks, which take them from
+# MIN_SEQLEN_Q_D64_MASKED on: the diagonal tiles' mask arithmetic spills there.
+MASKED_THREE_PART_CASES = [
+    Case("window (700, 0) Sq=2100", seqlen_q=2100, seqlen_k=2100, dqk=64, dv=64,
+         options=dict(window=(700, 0))),
+    Case("causal bottom-right Sq=2000 Sk=2500, key row", seqlen_q=2000, seqlen_k=2500,
+         dqk=64, dv=64, bias="B11K", options=dict(causal=True, align="bottom_right")),
+]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("case", MASKED_THREE_PART_CASES, ids=lambda c: c.name)
+def test_hopper_kernel_three_parts_under_masks_gpu(case, dtype, monkeypatch):
+    if not hopper_kernel_runs_here():
+        pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
+    monkeypatch.setattr(forward_sm90, "MIN_SEQLEN_Q_D64_MASKED", 0)
+    blocks = []
+    launch = forward_sm90._launch_forward
+
+    class Recording:  # the launcher, keeping the blocks' rows
+        launch_prepared = staticmethod(launch.launch_prepared)  # False in the suite
+
+        def __call__(self, grid, *args, **kwargs):
+            blocks.append(kwargs["BLOCK_M"])
+            launch(grid, *args, **kwargs)
+
+    monkeypatch.setattr(forward_sm90, "_launch_forward", Recording())
+    assert_results(check_forward(case, dtype, "cuda", seed=5))
+    assert blocks and all(b == forward_sm90.BLOCK_M_D64 for b in blocks), blocks
+
+
 @pytest.mark.parametrize(
     "dqk, dv, parts, bias, row, dropout, stages",
     [(64, 64, 2, False, False, False, 2), (64, 64, 3, True, False, False, 1),

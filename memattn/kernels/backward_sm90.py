@@ -1477,49 +1477,61 @@ _launch_delta = hopper.Launcher(tiles._delta_kernel)
 def _bias_grad_tiles_kernel(
     Buf, Out, CuSeqQ, CuSeqK, batches, heads, seqlen_q, seqlen_k, tiles_k, window_left,
     window_right, MODE: tl.constexpr, IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
-    SAME_LENGTHS: tl.constexpr, BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
+    BAND: tl.constexpr, BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One (query, key) tile of one (batch, head) plane of a contiguous bias gradient
     (B', H', Sq, Sk). Seen: the (query, key) pairs some call's batch that the plane
-    serves sees (the causal or window band; with packed sequences and a bias plane a
-    sequence, that sequence's own lengths). MODE 0 zeroes the fp32 buffer Buf where a
+    serves sees (the causal or window band, BAND; with packed sequences and a bias plane
+    a sequence, that sequence's own lengths). MODE 0 zeroes the fp32 buffer Buf where a
     tile holds a seen pair, 1 converts those tiles into Out and writes zeros in the
     others, 2 writes zeros in Out wherever a pair is not seen."""
     pid = tl.program_id(0)
     tiles = pid // tiles_k
     tiles_q = tl.cdiv(seqlen_q, BLOCK_Q)
     bh = tiles // tiles_q
-    rows = (tiles % tiles_q) * BLOCK_Q + tl.arange(0, BLOCK_Q)[:, None]
-    cols = (pid % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
-    inside = (rows < seqlen_q) & (cols < seqlen_k)
+    r0 = (tiles % tiles_q) * BLOCK_Q
+    c0 = (pid % tiles_k) * BLOCK_K
     n_q, n_k = seqlen_q, seqlen_k
-    if IS_VARLEN and batches > 1:  # plane b serves sequence b alone
-        _, _, n_q, n_k = sequence_bounds(CuSeqQ, CuSeqK, bh // heads, seqlen_q, seqlen_k,
-                                         True)  # fmt: skip
-    seen = inside & (rows < n_q) & (cols < n_k)
-    if not (IS_VARLEN and batches == 1 and BOTTOM_RIGHT and not SAME_LENGTHS):
-        # (else the sequences' diagonals differ, each by its lengths: all pairs count)
-        seen = seen & visible(rows, cols, n_k, diagonal_offset(n_q, n_k, BOTTOM_RIGHT),
-                              window_left, window_right, BOUNDED_LEFT, BOUNDED_RIGHT)
-    offs = bh.to(tl.int64) * seqlen_q * seqlen_k + rows.to(tl.int64) * seqlen_k + cols
-    seen_pairs = tl.sum(tl.sum(seen.to(tl.int32), 1), 0)
-    # Stores masked by `inside` alone are vectorised (Sk a multiple of 16); by `seen`,
-    # element by element: only the tiles the band's edges cross take those.
+    if IS_VARLEN:
+        if batches > 1:  # plane b serves sequence b alone
+            _, _, n_q, n_k = sequence_bounds(CuSeqQ, CuSeqK, bh // heads, seqlen_q, seqlen_k,
+                                             True)  # fmt: skip
+    off = diagonal_offset(n_q, n_k, BOTTOM_RIGHT)
+    # The tile's pairs inside the plane, and those inside the plane's sequence; with
+    # their key - query differences' range, whether some pair is seen and all are.
+    end_q, end_k = tl.minimum(r0 + BLOCK_Q, seqlen_q), tl.minimum(c0 + BLOCK_K, seqlen_k)
+    seq_q, seq_k = tl.minimum(end_q, n_q), tl.minimum(end_k, n_k)
+    some = (r0 < seq_q) & (c0 < seq_k)
+    every = (seq_q == end_q) & (seq_k == end_k)
+    if BAND and BOUNDED_RIGHT:
+        some = some & (c0 - (seq_q - 1) <= off + window_right)
+        every = every & (end_k - 1 - r0 <= off + window_right)
+    if BAND and BOUNDED_LEFT:
+        some = some & (seq_k - 1 - r0 >= off - window_left)
+        every = every & (c0 - (end_q - 1) >= off - window_left)
+    rows = tl.arange(0, BLOCK_Q)[:, None]
+    cols = tl.arange(0, BLOCK_K)[None, :]
+    inside = (r0 + rows < seqlen_q) & (c0 + cols < seqlen_k)
+    start = (bh.to(tl.int64) * seqlen_q + r0) * seqlen_k + c0
+    offs = rows * seqlen_k + cols
     if MODE == 0:
-        if seen_pairs > 0:
-            tl.store(Buf + offs, tl.zeros([BLOCK_Q, BLOCK_K], tl.float32), mask=inside)
+        if some:
+            tl.store(Buf + start + offs, tl.zeros([BLOCK_Q, BLOCK_K], tl.float32), mask=inside)
     elif MODE == 1:
         x = tl.zeros([BLOCK_Q, BLOCK_K], tl.float32)
-        if seen_pairs > 0:
-            x = tl.load(Buf + offs, mask=inside, other=0.0)
-        tl.store(Out + offs, x.to(Out.dtype.element_ty), mask=inside)
+        if some:
+            x = tl.load(Buf + start + offs, mask=inside, other=0.0)
+        tl.store(Out + start + offs, x.to(Out.dtype.element_ty), mask=inside)
     else:
         zeros = tl.zeros([BLOCK_Q, BLOCK_K], Out.dtype.element_ty)
-        if seen_pairs == 0:
-            tl.store(Out + offs, zeros, mask=inside)
-        elif seen_pairs < tl.sum(tl.sum(inside.to(tl.int32), 1), 0):
-            tl.store(Out + offs, zeros, mask=inside & ~seen)
+        if not some:  # stores masked by `inside` alone are vectorised (Sk % 16 == 0)
+            tl.store(Out + start + offs, zeros, mask=inside)
+        elif not every:  # a tile the band's edge or a sequence's end crosses
+            seen = (r0 + rows < n_q) & visible(r0 + rows, c0 + cols, n_k, off, window_left,
+                                                window_right, BOUNDED_LEFT and BAND,
+                                                BOUNDED_RIGHT and BAND)  # fmt: skip
+            tl.store(Out + start + offs, zeros, mask=inside & ~seen)
 
 
 _launch_bias_grad_tiles = hopper.Launcher(_bias_grad_tiles_kernel)
@@ -1536,10 +1548,16 @@ def bias_grad_tiles(mode: int, spec: AttentionSpec, buf, out, cu_seqlens_q,
     shape = [1] * (4 - t.dim()) + list(t.shape)
     block_q, block_k = 32, 128
     tiles_k = cdiv(shape[3], block_k)
+    # Packed sequences sharing a plane: bottom-right diagonals differ by each's lengths,
+    # unless their queries and keys are one count (one cu_seqlens): all pairs count.
+    shared = spec.varlen and shape[0] == 1
+    band = not (shared and spec.bottom_right and (
+        cu_seqlens_q.data_ptr() != cu_seqlens_k.data_ptr()
+        or cu_seqlens_q.shape != cu_seqlens_k.shape))
     constexprs = dict(MODE=mode, IS_VARLEN=spec.varlen, BOTTOM_RIGHT=spec.bottom_right,
-                      SAME_LENGTHS=cu_seqlens_q is cu_seqlens_k,
-                      BOUNDED_LEFT=spec.window_left >= 0, BOUNDED_RIGHT=spec.window_right >= 0,
-                      BLOCK_Q=block_q, BLOCK_K=block_k)  # fmt: skip
+                      BAND=band, BOUNDED_LEFT=spec.window_left >= 0,
+                      BOUNDED_RIGHT=spec.window_right >= 0, BLOCK_Q=block_q,
+                      BLOCK_K=block_k)  # fmt: skip
     ints = (*shape, tiles_k, spec.window_left, spec.window_right)
     _launch_bias_grad_tiles(
         (shape[0] * shape[1] * cdiv(shape[2], block_q) * tiles_k,), t,

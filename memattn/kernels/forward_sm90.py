@@ -72,11 +72,15 @@ ROWS = gl.constexpr(64)  # query rows per softmax warpgroup
 # op per score against 4·64 flops), and a third warpgroup gives the tensor cores two
 # others' matmuls to run while one computes its softmax (FA3 takes 192 rows at D=64):
 # 440 -> 465 TFLOP/s at S=4096, 464 -> 505 at S=16384. At Sq=1024 a sixth block of
-# 192 rows is two-thirds padding (384 -> 367); masked calls' mask arithmetic spills at
-# three warpgroups' 160 registers. Tools set BLOCK_M_D64 to A/B.
+# 192 rows is two-thirds padding (384 -> 367). Under masks (causal, windows) the
+# diagonal tiles' mask arithmetic spills at three warpgroups' 160 registers (6-16
+# values there, not in the unmasked loop), and the blocks' work is uneven: causal
+# S16384 445-459 -> 490-493, S8192 421-445 -> 435-439, S4096 419-423 -> 381-385,
+# S2048 376 -> 243; so from MIN_SEQLEN_Q_D64_MASKED. Tools set BLOCK_M_D64 to A/B.
 BLOCK_M = 128
 BLOCK_M_D64 = 192
 MIN_SEQLEN_Q_D64 = 2048
+MIN_SEQLEN_Q_D64_MASKED = 16384
 REGS_3 = gl.constexpr(160)  # per thread, for three softmax warpgroups beside the load warp
 # At D=256 (O: 128 accumulators a thread, against a 64-key tile's 32 scores) a row's
 # running max moves only when a tile's max passes it by more than this (log2 units): P
@@ -783,9 +787,10 @@ def plan(spec: AttentionSpec, bias_row: bool, tokens_q: int, device_index: int) 
     masked = spec.window_left >= 0 or spec.window_right >= 0
     tile_bias = spec.has_bias and not bias_row
     # Three warpgroups have 160 registers a thread: no room for dropout or ALiBi.
-    three_parts = (spec.head_dim_qk == spec.head_dim_v == 64 and not masked
+    three_parts = (spec.head_dim_qk == spec.head_dim_v == 64
                    and spec.dropout_p == 0 and not spec.has_alibi
-                   and spec.seqlen_q >= MIN_SEQLEN_Q_D64)
+                   and spec.seqlen_q >= (MIN_SEQLEN_Q_D64_MASKED if masked
+                                         else MIN_SEQLEN_Q_D64))
     block_m = BLOCK_M_D64 if three_parts else BLOCK_M
     block_n = BLOCK_N[spec.head_dim_qk]
     num_m_blocks = cdiv(spec.seqlen_q, block_m)
