@@ -93,6 +93,24 @@ def test_summed_bias_gradient_puts_its_broadcast_dim_inner(bias_shape, inner, mo
 
 @gluon
 @pytest.mark.parametrize(
+    "scale, bias_shape, takes",
+    [(0.125, (2, 1, 1, 16), True), (2.0, (1, 2, 1, 16), True),
+     (0.0, (2, 1, 1, 16), False),  # a key row goes in as bias / scale
+     (0.0, (2, 2, 16, 16), True)],  # bias tiles: any scale
+)  # fmt: skip
+def test_gluon_forward_takes_key_rows_at_positive_scales(scale, bias_shape, takes,
+                                                         monkeypatch):  # fmt: skip
+    """The Gluon forward's S wgmma starts from a key row in Q K^T's units, bias / scale
+    (hopper.bias_row_scores): a softmax scale of 0 with one runs the tile forward."""
+    monkeypatch.setattr(dispatch, "_gluon_takes", lambda *args: True)  # a Hopper GPU's call
+    monkeypatch.setattr(dispatch.forward_sm90, "MIN_KEYS_PER_QUERY",
+                        dict.fromkeys(dispatch.forward_sm90.HEAD_DIMS, 0))
+    spec, q, k, v, bias = spec_and_inputs(d=128, bias_shape=bias_shape, scale=scale)
+    assert dispatch.gluon_forward(spec, q, k, v, bias) is takes
+
+
+@gluon
+@pytest.mark.parametrize(
     "knob, options, dbias_kind, constexpr, value",
     [("DQ_WRITER", {}, None, "DQ_BUFS", 2),
      ("DQ_WRITER", dict(dropout_p=0.1), None, "DQ_BUFS", 1),  # dropout's scratch: one

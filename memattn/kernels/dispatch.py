@@ -71,7 +71,7 @@ def _gluon_takes(spec: AttentionSpec, q, k, v, bias) -> bool:
 def gluon_forward(spec: AttentionSpec, q, k, v, bias) -> bool:
     """Whether the Gluon forward runs this call (else forward.py's tile kernel)."""
     bias_row = hopper.bias_row(spec, bias)
-    if bias_row and not spec.scale > 0:  # the key row goes in Q K^T's units: b / scale
+    if bias_row and spec.scale == 0:  # the key row goes in Q K^T's units: b / scale
         return False
     return (_gluon_takes(spec, q, k, v, bias) and forward_sm90.takes_head_dims(spec, bias_row)
             and hopper.keys_per_query(spec) >= forward_sm90.MIN_KEYS_PER_QUERY[spec.head_dim_qk])
