@@ -600,21 +600,20 @@ def test_bias_grad_tiles_zero_convert_and_fill_what_no_query_sees(name, per_sequ
         k = torch.zeros(int(cu_k[-1]), 2, 16)
         varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
                       max_seqlen_k=max(lens_k))
-    else:
+    else:  # a batch of two, one plane each or one shared: the same mask either way
         cu_q = cu_k = None
-        q, k = torch.zeros(1, lens_q[0], 2, 16), torch.zeros(1, lens_k[0], 2, 16)
+        q, k = torch.zeros(2, lens_q[0], 2, 16), torch.zeros(2, lens_k[0], 2, 16)
         varlen = {}
     spec = memattn.spec.check_call(q, k, k, **options, **varlen)
     sq, sk = spec.seqlen_q, spec.seqlen_k
-    planes = len(lens_q) if per_sequence else 1
+    planes = spec.batch if per_sequence else 1
     seen = torch.zeros(planes, 2, sq, sk, dtype=torch.bool)
-    for b, (n_q, n_k) in enumerate(zip(lens_q, lens_k)):
+    for b in range(spec.batch):
+        n_q, n_k = (lens_q[b], lens_k[b]) if packed else (sq, sk)
         mask = memattn.reference.visible_mask(spec, n_q, n_k, "cpu")
         if not per_sequence and packed and spec.bottom_right and not same:
             mask = torch.ones(n_q, n_k, dtype=torch.bool)  # diagonals differ: all count
         seen[b if per_sequence else 0, :, :n_q, :n_k] |= mask
-    if not packed:
-        seen = seen.expand(planes, 2, sq, sk)
 
     full = torch.full((planes, 2, sq, sk), float("nan"), dtype=torch.bfloat16)
     backward_sm90.bias_grad_tiles(backward_sm90.ZERO_UNSEEN, spec, None, full, cu_q, cu_k)

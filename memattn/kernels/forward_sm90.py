@@ -298,9 +298,8 @@ def _softmax_tile(
     """Online-softmax step on raw scores s (a key row's bias already in them: _scores;
     with a bias tile, the tile in natural units, fp32; and ALiBi's slope for this head);
     m_i is kept in scaled log2 units, with a bias tile in natural units (see below).
-    THRESHOLD > 0:
-    m moves only where the tile's max passes it by more (RESCALE_THRESHOLD); alpha is
-    then exactly 1 where it did not."""
+    THRESHOLD > 0: m moves only where the tile's max passes it by more
+    (RESCALE_THRESHOLD); alpha is then exactly 1 where it did not."""
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
     if HAS_BIAS:
         # Natural units: one FMA a score adds the tile. In log2 units the bias is scaled

@@ -766,12 +766,11 @@ _launch_bias_row_scores = Launcher(_bias_row_scores_kernel)
 
 
 def bias_row_scores(bias: torch.Tensor, scale: float) -> torch.Tensor:
-    """A bias `bias_row` accepted, in Q K^T's units for a softmax scale > 0 (spec.py
-    admits none below 0; dispatch sends 0 to the tile forward): fp32
-    (B', H', Sk), bias / scale, -inf kept, finite values at least -BIAS_ROW_FLOOR. The
-    Gluon forward's S wgmma starts from it, so the softmax adds nothing (an FMA a score
-    was a fifth of its arithmetic); worked out once per call here. Rows padded to 16
-    bytes: the forward loads them by TMA."""
+    """A bias `bias_row` accepted, in Q K^T's units: fp32 (B', H', Sk), bias / scale
+    (a scale > 0: dispatch sends 0 to the tile forward), -inf kept, finite values at
+    least -BIAS_ROW_FLOOR. The Gluon forward's S wgmma starts from it, so the softmax
+    adds nothing (an FMA a score was a fifth of its arithmetic); worked out once per
+    call here. Rows padded to 16 bytes: the forward loads them by TMA."""
     shape, _ = _bias_4d(bias)
     batches, heads, _, seqlen_k = shape
     padded = cdiv(seqlen_k, 4) * 4
