@@ -444,6 +444,47 @@ def test_hopper_backward_gpu(case, dtype, hopper_backward_launches):
         "the Gluon backward runs the bias gradients (rows of whole 16 bytes), and 128/64")
 
 
+# Persistent backward programs (PERSISTENT_BLOCKS): with five of them, each walks key
+# blocks of every batch and kv head, its rings, dS and dQ buffers running on from block
+# to block, each block's K and V loading while the last one's dK and dV leave through
+# the dQ buffers (both at once at D=64's 128-row steps, one after the other elsewhere);
+# paired by work under a right bound. D 64 (128 and 64 rows a step) and 128, Sq far
+# from Sk, GQA, a full bias's gradient, a key row's, dropout, ALiBi, Dqk != Dv.
+PERSISTENT_BACKWARD_CASES = [
+    "D64 Sq=777 Sk=1030", "D64 Sq=2048 Sk=333", "D128 causal", "causal bottom-right Sq>Sk",
+    "window (200, 0)", "GQA 8:2 transposed causal", "bias BHQK window GQA",
+    "dropout causal GQA", "alibi BH bias D64 window", "bias B11K causal GQA",
+    "bias 1H1K D64 window dropout", "Dqk128 Dv64 window"]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("name", PERSISTENT_BACKWARD_CASES)
+def test_hopper_backward_persistent_gpu(name, dtype, hopper_backward_launches, monkeypatch):
+    from memattn.kernels import backward_sm90
+
+    monkeypatch.setattr(backward_sm90, "PERSISTENT_BLOCKS", True)
+    monkeypatch.setattr(backward_sm90.hopper, "sm_count", lambda device_index: 5)
+    backward_sm90.hopper.forget_plans()  # plans are made from sm_count
+    grids = []
+    launch = backward_sm90._launch_backward
+
+    class Recording:  # the launcher, keeping its grids
+        launch_prepared = staticmethod(launch.launch_prepared)  # False in the suite
+
+        def __call__(self, grid, *args, **kwargs):
+            grids.append((grid, kwargs["PERSISTENT"]))
+            launch(grid, *args, **kwargs)
+
+    monkeypatch.setattr(backward_sm90, "_launch_backward", Recording())
+    try:
+        case = next(c for c in HOPPER_CASES if c.name == name)
+        assert_results(check_backward(case, dtype, "cuda", seed=19))
+    finally:
+        backward_sm90.hopper.forget_plans()
+    assert grids and all(g == ((5,), True) for g in grids), grids
+
+
 # Dqk=192 / Dv=128 on the D=256 kernels, Q and K split into 128 + 64 columns
 # (backward_sm90.SPLIT_HEAD_DIM_PAIRS): dense calls without bias, ALiBi or dropout, as
 # at D=256.
@@ -641,13 +682,14 @@ def test_gradients_float32_follow_allow_tf32_gpu(case):
      (64, dict(dropout_p=0.1), 64), (64, dict(alibi=True), 64), (128, {}, 64),
      (128, dict(bias="row"), 64)],
 )  # fmt: skip
-def test_hopper_backward_query_rows_a_step(head_dim, options, rows):
+def test_hopper_backward_query_rows_a_step(head_dim, options, rows, monkeypatch):
     """The Gluon backward walks 128 query rows a step at D=64 (FA4's step), 64 where the
     buffers or registers do not allow it: beside bias tiles (shared memory), with dropout
     or ALiBi (spills), and at D=128 (dK and dV take 128 registers a thread)."""
     from memattn.kernels import backward_sm90
     from memattn.spec import check_call
 
+    monkeypatch.setattr(backward_sm90.hopper, "sm_count", lambda device_index: 132)
     options = dict(options)
     q = torch.empty(2, 1024, 4, head_dim, dtype=torch.bfloat16)
     k = torch.empty(2, 1024, 2, head_dim, dtype=torch.bfloat16)

@@ -123,6 +123,7 @@ def test_backward_options_reach_the_plan_only_when_on(knob, options, dbias_kind,
     """Backward options off until their GPU tests have run reach the kernel's plan."""
     spec = spec_and_inputs(d=64, **options)[0]
     backward_sm90 = dispatch.backward_sm90
+    monkeypatch.setattr(backward_sm90.hopper, "sm_count", lambda device_index: 132)
     plan = backward_sm90._plan(spec, False, dbias_kind, (False, False), 0)
     assert not plan.constexprs[constexpr]
     monkeypatch.setattr(backward_sm90, knob, True)
@@ -135,12 +136,53 @@ def test_backward_options_reach_the_plan_only_when_on(knob, options, dbias_kind,
 
 
 @gluon
+@pytest.mark.parametrize(
+    "options, varlen, inner, persistent, fold",
+    [({}, False, (False, False), True, False),
+     (dict(causal=True), False, (False, False), True, True),  # blocks paired by work
+     (dict(window=(100, 0)), False, (False, False), True, True),
+     (dict(window=(100, -1)), False, (False, False), True, False),
+     ({}, True, (False, False), False, False),  # blocks past a sequence's end
+     ({}, False, (True, False), False, False),  # a summed bias gradient's order
+     (dict(causal=True, deterministic=True), False, (False, False), False, False)],
+)  # fmt: skip
+def test_backward_programs_persistent_where_the_blocks_order_is_free(
+        options, varlen, inner, persistent, fold, monkeypatch):  # fmt: skip
+    """The D 64/128 backward runs a program per SM at most, each walking key blocks in
+    hopper.work_item's strides (paired by work under a right bound), except where the
+    blocks' order is not free: packed sequences, a summed bias gradient's programs side
+    by side, ORDERED_DQ's turns."""
+    bsm = dispatch.backward_sm90
+    monkeypatch.setattr(bsm.hopper, "sm_count", lambda device_index: 5)
+    spec = spec_and_inputs(b=3, sq=1024, sk=1024, h=2, d=64, varlen=varlen, **options)[0]
+    bsm.hopper.forget_plans()
+    try:
+        plan = bsm._plan(spec, False, None, inner, 0)
+    finally:
+        bsm.hopper.forget_plans()
+    blocks = 3 * 2 * (1024 // bsm.BLOCK_N)
+    assert plan.constexprs["PERSISTENT"] is persistent
+    assert plan.constexprs["FOLD"] is fold
+    assert plan.counts == (1024 // bsm.BLOCK_N, blocks)
+    assert plan.programs == (5 if persistent else blocks)
+    if persistent:  # the programs' strides cover every block once
+        walked = sorted(
+            head * plan.counts[0] + rank
+            for pid in range(plan.programs)
+            for j in range(bsm.hopper.work_items.fn(pid, plan.programs, blocks, fold))
+            for head, rank in [bsm.hopper.work_item.fn(pid, j, plan.programs, plan.counts[0],
+                                                       fold)])
+        assert walked == list(range(blocks))
+
+
+@gluon
 @pytest.mark.parametrize("varlen", [False, True])
 def test_only_packed_programs_past_their_end_may_return_first(varlen, monkeypatch):
     """SKIP_EMPTY_KEY_BLOCKS lets the backward's programs past a packed sequence's end
     return first; a dense call's (no query under a mask) must still store zeros."""
     spec = spec_and_inputs(d=128, varlen=varlen)[0]
     backward_sm90 = dispatch.backward_sm90
+    monkeypatch.setattr(backward_sm90.hopper, "sm_count", lambda device_index: 132)
     plan = backward_sm90._plan(spec, False, None, (False, False), 0)
     assert plan.constexprs["SKIP_PAST_END"] is varlen
     monkeypatch.setattr(backward_sm90, "SKIP_EMPTY_KEY_BLOCKS", False)

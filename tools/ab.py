@@ -41,6 +41,7 @@ VARIANTS = {
     "summed_outer": {"bwd.SUMMED_BIAS_INNER": False},  # summed biases in the shipped order
     "no_skip_empty": {"bwd.SKIP_EMPTY_KEY_BLOCKS": False},  # packed: blocks past the end run
     "dq_writer": {"bwd.DQ_WRITER": True},  # dQ's reduce-adds from a warp of their own
+    "bwd_grid": {"bwd.PERSISTENT_BLOCKS": False},  # a backward program per key block
     "no_split": {"bwd.SPLIT_HEAD_DIM_PAIRS": ()},  # 192/128 on the tile kernels
     "rescale_always": {"fwd.RESCALE_THRESHOLD": 0.0},  # O rescaled at every tile
     "no_turns": {"fwd.TURNS_MAX_HEAD_DIM": 0},  # softmax warpgroups issue freely
@@ -51,7 +52,8 @@ DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
     ("fwd", ("FOLD", "BLOCK_M_D64", "PERSISTENT", "MAX_Q_STAGES", "RESCALE_THRESHOLD",
              "TURNS_MAX_HEAD_DIM")),
     ("bwd", ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "SKIP_EMPTY_KEY_BLOCKS",
-             "SPLIT_HEAD_DIM_PAIRS", "DQ_BLOCK_N", "DQ_WRITER", "ORDERED_DQ")))
+             "SPLIT_HEAD_DIM_PAIRS", "DQ_BLOCK_N", "DQ_WRITER", "ORDERED_DQ",
+             "PERSISTENT_BLOCKS")))
     for name in names}  # fmt: skip
 
 

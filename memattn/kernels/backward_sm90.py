@@ -170,13 +170,15 @@ def _bwd_load_partition(
     hk, q_start, k_start, stats_start, GROUP, bias_b, bias_heads, start_n, lo, n_tiles,
     q2_desc, k2_desc, q2_smem, k2_smem, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     HAS_BIAS: gl.constexpr, QK_SPLIT: gl.constexpr, rot=0, ROTATE: gl.constexpr = False,
+    step=0,
 ):  # fmt: skip
     """One warp: K and V once, then Q (with its rows' lse and the bias tile) and dO
     (with delta) tiles of every query head of the group. b_tma: the batch's index to
     TMA, 0 for packed sequences (one batch of all tokens), whose tiles start at their
     sequence's first token (q_start, k_start; 0 dense) and their row statistics at
     stats_start (common.packed_stats_start; 0 dense). With QK_SPLIT, Q's and K's last
-    QK_SPLIT columns go to buffers of their own (q2, k2) on the same barriers."""
+    QK_SPLIT columns go to buffers of their own (q2, k2) on the same barriers. step: the
+    rings' count of tiles before this block's (a persistent program's earlier blocks)."""
     split_col: gl.constexpr = q_desc.block_type.shape[3]  # where Q's and K's split starts
     kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes + (
         k2_desc.block_type.nbytes if QK_SPLIT > 0 else 0)
@@ -186,8 +188,9 @@ def _bwd_load_partition(
         tma.async_copy_global_to_shared(k2_desc, [b_tma, hk, k_start + start_n, split_col],
                                         kv_bar, k2_smem)
     tma.async_copy_global_to_shared(v_desc, [b_tma, hk, k_start + start_n, 0], kv_bar, v_smem)
-    for i in range(GROUP * n_tiles):
-        h, start_m = _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M, rot, ROTATE)
+    for t in range(GROUP * n_tiles):
+        h, start_m = _query_tile(t, hk, GROUP, lo, n_tiles, BLOCK_M, rot, ROTATE)
+        i = step + t
         row = q_start + start_m
         # Q's and dO's tiles differ where Dqk != Dv: each barrier expects its own bytes.
         q_bytes: gl.constexpr = q_desc.block_type.nbytes + stats_desc.block_type.nbytes + (
@@ -212,6 +215,72 @@ def _bwd_load_partition(
                                         do_ready.index(slot), delta_smem.index(slot))
 
 
+
+@gluon.jit
+def _bwd_blocks_load_partition(
+    loads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    HAS_BIAS: gl.constexpr, IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, BATCH_INNER: gl.constexpr,
+    HEAD_INNER: gl.constexpr, ORDERED: gl.constexpr, ROTATE: gl.constexpr,
+    PERSISTENT: gl.constexpr, FOLD: gl.constexpr,
+):  # fmt: skip
+    """_bwd_sm90_kernel's load warp: _bwd_load_partition's loads for each of the
+    program's key blocks (_program_block), each block's K and V once the compute
+    warpgroups are done with the last block's (kv_empty), while they store its dK and
+    dV; the Q and dO rings run on from block to block. ``loads``: its runtime
+    arguments."""
+    (q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem, v_smem,
+     lse_smem, delta_smem, bias_smem, kv_bar, kv_empty, q_ready, do_ready, q_empty, do_empty,
+     GROUP, bias_batches, bias_heads, pid, programs, n_items, HKV, CuSeqQ, CuSeqK, seqlen_q,
+     seqlen_k, num_n_blocks, window_left, window_right) = loads
+    blocks = (pid, programs, HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks,
+              window_left, window_right)
+    step = gl.to_tensor(0)
+    for j in range(n_items):
+        b, hk, start_n, q_start, k_start, _, _, _, lo, _, _, n_tiles = _program_block(
+            j, blocks, BLOCK_M, BLOCK_N, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
+            BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD)  # fmt: skip
+        b_tma = b
+        stats_start = 0
+        if IS_VARLEN:  # one batch of all tokens; row statistics from packed_stats_start
+            b_tma = 0
+            stats_start = packed_stats_start(q_start, b)
+        rot = 0
+        if ROTATE:  # program n's walk starts at query tile n * n_tiles // num_n
+            rot = (start_n // BLOCK_N) * n_tiles // num_n_blocks
+        mbarrier.wait(kv_empty, (j & 1) ^ 1, pred=j > 0)
+        _bwd_load_partition(
+            q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem,
+            v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready, q_empty,
+            do_empty, b_tma, hk, q_start, k_start, stats_start, GROUP, b % bias_batches,
+            bias_heads, start_n, lo, n_tiles, q_desc, k_desc, q_smem, k_smem, BLOCK_M, STAGES,
+            HAS_BIAS, 0, rot, ROTATE, step)  # fmt: skip
+        step += GROUP * n_tiles
+
+
+@gluon.jit
+def _program_block(
+    j, blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr,
+    BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    BATCH_INNER: gl.constexpr, HEAD_INNER: gl.constexpr, DESCENDING: gl.constexpr,
+    PERSISTENT: gl.constexpr, FOLD: gl.constexpr,
+):  # fmt: skip
+    """_key_block's tuple for this program's j-th key block: the grid item of its own,
+    or PERSISTENT, the j-th of hopper.work_item's strides over (batch, kv head) x key
+    blocks (rank 0 a head's first block, the most work under a causal mask; FOLD: in
+    pairs of equal work). ``blocks``: (pid, programs, HKV, CuSeqQ, CuSeqK, seqlen_q,
+    seqlen_k, num_n_blocks, window_left, window_right). Every partition walks the same
+    blocks."""
+    (pid, programs, HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left,
+     window_right) = blocks
+    item = pid
+    if PERSISTENT:
+        head, rank = hopper.work_item(pid, j, programs, num_n_blocks, FOLD)
+        item = head * num_n_blocks + rank
+    return _key_block(item, HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left,
+                      window_right, BLOCK_M, BLOCK_N, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
+                      BOUNDED_RIGHT, BATCH_INNER, HEAD_INNER, DESCENDING)
+
 @gluon.jit
 def _bwd_compute_partition(
     shared, HALF: gl.constexpr, HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr,
@@ -219,22 +288,28 @@ def _bwd_compute_partition(
     HAS_DBIAS: gl.constexpr, DBIAS_SUM: gl.constexpr, BIAS_ROW: gl.constexpr,
     DBIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
     BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, DQ_BUFS: gl.constexpr,
-    ROTATE: gl.constexpr, IS_VARLEN: gl.constexpr,
+    ROTATE: gl.constexpr, IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+    BATCH_INNER: gl.constexpr, HEAD_INNER: gl.constexpr, ORDERED: gl.constexpr,
+    PERSISTENT: gl.constexpr, FOLD: gl.constexpr,
 ):  # fmt: skip
-    """One warpgroup: keys [start_n + HALF * 64, + 64) against every query tile.
-    ``shared``: the runtime arguments both take (_bwd_sm90_kernel builds the tuple).
-    DQ_BUFS: 0, this warpgroup sends its dQ tiles itself; else it leaves them in that
-    many buffers for the dQ writer warp. ROTATE: _query_tile's. dK and dV leave by TMA
-    store through the Q and dO rings' slot HALF, once both warpgroups are done with them;
-    a packed sequence's block that ends past the sequence's keys by plain stores (a TMA
-    store clips at the packed tensor's end, not the sequence's)."""
+    """One warpgroup, for each of its program's key blocks (_program_block): keys
+    [start_n + HALF * 64, + 64) against every query tile. ``shared``: the runtime
+    arguments both take (_bwd_sm90_kernel builds the tuple). DQ_BUFS: 0, this warpgroup
+    sends its dQ tiles itself; else it leaves them in that many buffers for the dQ
+    writer warp. ROTATE: _query_tile's. Once a block's last tile is done, K and V go
+    back to the load warp (the next block's load while this one's dK and dV leave), and
+    dK and dV leave by TMA store through this warpgroup's dQ buffer; a packed
+    sequence's block that ends past the sequence's keys by plain stores (a TMA store
+    clips at the packed tensor's end, not the sequence's)."""
     (dq_desc, dbias_desc, dk_desc, dv_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb,
      stride_vn, stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bias_smem,
-     ds_smem, dq_smem, dsum_smem, dq_full, dq_empty, kv_bar, q_ready, do_ready, q_empty, do_empty,
-     ds_bar, b, b_tma, hk, q_start, k_start, GROUP, start_n, lo, full_lo, full_hi, n_tiles,
-     seqlen_q, seqlen_k, off, scale, window_left, window_right, seed, rng_offset, heads, dropout_p,
-     Alibi, stride_ab, stride_ah, BiasRow, stride_rb, stride_rh, stride_rn, bias_batches,
-     bias_heads, DBiasRow, stride_pb, stride_ph) = shared
+     ds_smem, dq_smem, dsum_smem, dq_full, dq_empty, kv_bar, kv_empty, q_ready, do_ready,
+     q_empty, do_empty, ds_bar, pid, programs, n_items, HKV, CuSeqQ, CuSeqK, seqlen_q_all,
+     seqlen_k_all, num_n_blocks, GROUP, scale, window_left, window_right, seed, rng_offset,
+     heads, dropout_p, Alibi, stride_ab, stride_ah, BiasRow, stride_rb, stride_rh, stride_rn,
+     bias_batches, bias_heads, DBiasRow, stride_pb, stride_ph) = shared
+    blocks = (pid, programs, HKV, CuSeqQ, CuSeqK, seqlen_q_all, seqlen_k_all, num_n_blocks,
+              window_left, window_right)
     dtype: gl.constexpr = k_smem.dtype
     HALF_N: gl.constexpr = BLOCK_N // 2
     DQ_ROWS: gl.constexpr = dq_split(HEAD_DIM_QK, BLOCK_M)[0]  # dQ's part made here
@@ -256,169 +331,204 @@ def _bwd_compute_partition(
                                                     k_width=2)
     cols_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-    row0 = start_n + HALF * HALF_N
-    offs_n = row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
     k_all = k_smem.reshape([BLOCK_N, HEAD_DIM_QK])
     k_half = k_all.slice(HALF * HALF_N, HALF_N, dim=0)
     v_half = v_smem.reshape([BLOCK_N, HEAD_DIM_V]).slice(HALF * HALF_N, HALF_N, dim=0)
     k_cols = k_all.slice(HALF * DQ_COLS % HEAD_DIM_QK, DQ_COLS, dim=1)  # dQ's columns here
-    dk = gl.zeros([HALF_N, HEAD_DIM_QK], gl.float32, layout=dk_layout)
-    dv = gl.zeros([HALF_N, HEAD_DIM_V], gl.float32, layout=dv_layout)
-    if DBIAS_ROW:  # this query head's dS summed over its query tiles so far
-        db_row = gl.zeros([HALF_N], gl.float32, layout=gl.SliceLayout(1, s_layout))
-    bias_b = (b % bias_batches).to(gl.int64)  # 0 where the bias broadcasts over batches
     scale_log2 = scale * LOG2E
     # Bulk copies (TMA) a step may leave in flight when dQ's tile is written: the full
     # bias gradient's store, or the summed one's reduce-add from a buffer of its own.
     OTHER_BULK: gl.constexpr = 1 if HAS_DBIAS or (DBIAS_SUM and HEAD_DIM_QK != BLOCK_N) else 0
-    rot = 0
-    if ROTATE:  # as _bwd_sm90_kernel's (dense batches: seqlen_k is Sk)
-        rot = (start_n // BLOCK_N) * n_tiles // gl.cdiv(seqlen_k, BLOCK_N)
-    mbarrier.wait(kv_bar, 0)
+    # dK and dV leave through this warpgroup's (first) dQ buffer: both at once where
+    # they fit (D=64 at 128 rows), else one after the other.
+    STAGE_SLOT: gl.constexpr = HALF * DQ_BUFS if DQ_BUFS > 0 else HALF
+    TOGETHER: gl.constexpr = (HEAD_DIM_QK == HEAD_DIM_V and 2 * dk_desc.block_type.nbytes
+                              <= dq_desc.block_type.nbytes)  # fmt: skip
+    # The rings' tiles before this block's (dS's and dQ's buffers go by them too)
+    step = gl.to_tensor(0)
 
-    for i in range(GROUP * n_tiles):
-        h, start_m = _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M, rot, ROTATE)
-        offs_m = start_m + gl.arange(0, BLOCK_M, layout=cols_layout)
-        slot = hopper.arrived(q_ready, i, STAGES)
-        q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_QK])
-        # Zero accumulators made here, not held across the loop: registers are short.
-        s_init = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
-        s = warpgroup_mma(k_half, q.permute((1, 0)), s_init, use_acc=False, is_async=True)
-        hopper.arrived(do_ready, i, STAGES)
-        do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_V])
-        dp = warpgroup_mma(v_half, do.permute((1, 0)), s_init, use_acc=False, is_async=True)
-        if HAS_DROPOUT:  # Philox's integer work runs while the tensor cores do S and dP
-            keep = hopper.dropout_keep(seed, rng_offset, b * heads + h, start_m, row0,
-                                       dropout_p, BLOCK_M, HALF_N, True, s_layout)
-        if BIAS_ROW:  # this half's keys of a bias constant along queries, this head's
-            row_ptrs = (BiasRow + bias_b * stride_rb + (h % bias_heads).to(gl.int64) * stride_rh
-                        + offs_n.to(gl.int64) * stride_rn)
-            bias_row = gl.load(row_ptrs, mask=offs_n < seqlen_k, other=0.0)
-        s = warpgroup_mma_wait(1, deps=(s,))
+    for blk in range(n_items):
+        (b, hk, start_n, q_start, k_start, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
+         n_tiles) = _program_block(
+            blk, blocks, BLOCK_M, BLOCK_N, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
+            BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD)  # fmt: skip
+        b_tma = b
+        if IS_VARLEN:  # packed sequences: one batch of all tokens to TMA
+            b_tma = 0
+        row0 = start_n + HALF * HALF_N
+        offs_n = row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
+        dk = gl.zeros([HALF_N, HEAD_DIM_QK], gl.float32, layout=dk_layout)
+        dv = gl.zeros([HALF_N, HEAD_DIM_V], gl.float32, layout=dv_layout)
+        if DBIAS_ROW:  # this query head's dS summed over its query tiles so far
+            db_row = gl.zeros([HALF_N], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        bias_b = (b % bias_batches).to(gl.int64)  # 0 where the bias broadcasts over batches
+        rot = 0
+        if ROTATE:  # as _bwd_sm90_kernel's (dense batches: seqlen_k is Sk)
+            rot = (start_n // BLOCK_N) * n_tiles // gl.cdiv(seqlen_k, BLOCK_N)
+        mbarrier.wait(kv_bar, blk & 1)
 
-        p_scale = scale_log2
-        if HAS_BIAS or BIAS_ROW or HAS_ALIBI:  # the scale goes in first, as in the forward
-            bias = 0.0
-            if HAS_BIAS:  # this half's keys of the (queries, keys) tile, transposed
-                bias = (bias_smem.index(slot).reshape([BLOCK_M, BLOCK_N])
-                        .slice(HALF * HALF_N, HALF_N, dim=1).permute((1, 0)).load(s_layout))
-                bias = bias.to(gl.float32)
-            if BIAS_ROW:
-                bias = bias_row.to(gl.float32)[:, None]
-            slope = 0.0
-            if HAS_ALIBI:  # this query head's
-                slope = gl.load(Alibi + b.to(gl.int64) * stride_ab + h.to(gl.int64) * stride_ah)
-            s = add_bias_alibi_log2(s * scale_log2, offs_m[None, :], offs_n[:, None], off, slope,
-                                    bias, HAS_BIAS or BIAS_ROW, HAS_ALIBI)
-            p_scale = 1.0
-        lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
-        if (start_m < full_lo) | (start_m >= full_hi):
-            # Rows past Sq: zeros by TMA in a dense batch, the next sequence's in a
-            # packed one; either way no query.
-            mask = visible(offs_m[None, :], offs_n[:, None], seqlen_k, off, window_left,
-                           window_right, BOUNDED_LEFT, BOUNDED_RIGHT)
-            s = gl.where(mask & (offs_m < seqlen_q)[None, :], s, float("-inf"))
-        p = gl.exp2(s * p_scale - lse2[None, :])
-        dp = warpgroup_mma_wait(0, deps=(dp,))
-        delta = delta_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
-        p_kept = p
-        if HAS_DROPOUT:  # dP Z / (1 - p); dV takes its 1 / (1 - p) at the end
-            dp = gl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
-            p_kept = gl.where(keep, p, 0.0)
-        ds = p * (dp - delta[None, :])  # the bias gradient; dK, dQ take the scale later
-        if DBIAS_ROW:  # summed over queries; stored once per query head, its last tile
-            db_row += gl.sum(ds, 1)
-            head_done = i % n_tiles == n_tiles - 1
-            if head_done:
-                gl.store(DBiasRow + b.to(gl.int64) * stride_pb + h.to(gl.int64) * stride_ph
-                         + offs_n, db_row, mask=offs_n < seqlen_k)
-            db_row = gl.where(head_done, 0.0, db_row)
+        for t in range(GROUP * n_tiles):
+            i = step + t  # the rings' count
+            h, start_m = _query_tile(t, hk, GROUP, lo, n_tiles, BLOCK_M, rot, ROTATE)
+            offs_m = start_m + gl.arange(0, BLOCK_M, layout=cols_layout)
+            slot = hopper.arrived(q_ready, i, STAGES)
+            q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_QK])
+            # Zero accumulators made here, not held across the loop: registers are short.
+            s_init = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
+            s = warpgroup_mma(k_half, q.permute((1, 0)), s_init, use_acc=False, is_async=True)
+            hopper.arrived(do_ready, i, STAGES)
+            do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_V])
+            dp = warpgroup_mma(v_half, do.permute((1, 0)), s_init, use_acc=False, is_async=True)
+            if HAS_DROPOUT:  # Philox's integer work runs while the tensor cores do S and dP
+                keep = hopper.dropout_keep(seed, rng_offset, b * heads + h, start_m, row0,
+                                           dropout_p, BLOCK_M, HALF_N, True, s_layout)
+            if BIAS_ROW:  # this half's keys of a bias constant along queries, this head's
+                row_ptrs = (BiasRow + bias_b * stride_rb + (h % bias_heads).to(gl.int64) * stride_rh
+                            + offs_n.to(gl.int64) * stride_rn)
+                bias_row = gl.load(row_ptrs, mask=offs_n < seqlen_k, other=0.0)
+            s = warpgroup_mma_wait(1, deps=(s,))
 
-        p_op = gl.convert_layout(p_kept.to(dtype), p_op_layout)
-        dv = warpgroup_mma(p_op, do, dv, is_async=True)
-        ds_lo = ds.to(dtype)
-        if DBIAS_SUM:  # a bias broadcast over batch or heads: dS added into its fp32
-            # gradient by TMA reduce-add, as dQ is (several (b, h) add to each tile)
-            tma.store_wait(0)  # this buffer's last reduce-add has read it
-            gl.thread_barrier()
-            dsum = dsum_smem.index(HALF)._reinterpret(gl.float32, dbias_desc.block_type.shape,
-                                                      dbias_desc.layout)  # fmt: skip
-            dsum.reshape([BLOCK_M, HALF_N]).permute((1, 0)).store(ds)
+            p_scale = scale_log2
+            if HAS_BIAS or BIAS_ROW or HAS_ALIBI:  # the scale goes in first, as in the forward
+                bias = 0.0
+                if HAS_BIAS:  # this half's keys of the (queries, keys) tile, transposed
+                    bias = (bias_smem.index(slot).reshape([BLOCK_M, BLOCK_N])
+                            .slice(HALF * HALF_N, HALF_N, dim=1).permute((1, 0)).load(s_layout))
+                    bias = bias.to(gl.float32)
+                if BIAS_ROW:
+                    bias = bias_row.to(gl.float32)[:, None]
+                slope = 0.0
+                if HAS_ALIBI:  # this query head's
+                    slope = gl.load(Alibi + b.to(gl.int64) * stride_ab + h.to(gl.int64) * stride_ah)
+                s = add_bias_alibi_log2(s * scale_log2, offs_m[None, :], offs_n[:, None], off,
+                                        slope, bias, HAS_BIAS or BIAS_ROW, HAS_ALIBI)
+                p_scale = 1.0
+            lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
+            if (start_m < full_lo) | (start_m >= full_hi):
+                # Rows past Sq: zeros by TMA in a dense batch, the next sequence's in a
+                # packed one; either way no query.
+                mask = visible(offs_m[None, :], offs_n[:, None], seqlen_k, off, window_left,
+                               window_right, BOUNDED_LEFT, BOUNDED_RIGHT)
+                s = gl.where(mask & (offs_m < seqlen_q)[None, :], s, float("-inf"))
+            p = gl.exp2(s * p_scale - lse2[None, :])
+            dp = warpgroup_mma_wait(0, deps=(dp,))
+            delta = delta_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
+            p_kept = p
+            if HAS_DROPOUT:  # dP Z / (1 - p); dV takes its 1 / (1 - p) at the end
+                dp = gl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+                p_kept = gl.where(keep, p, 0.0)
+            ds = p * (dp - delta[None, :])  # the bias gradient; dK, dQ take the scale later
+            if DBIAS_ROW:  # summed over queries; stored once per query head, its last tile
+                db_row += gl.sum(ds, 1)
+                head_done = t % n_tiles == n_tiles - 1
+                if head_done:
+                    gl.store(DBiasRow + b.to(gl.int64) * stride_pb + h.to(gl.int64) * stride_ph
+                             + offs_n, db_row, mask=offs_n < seqlen_k)
+                db_row = gl.where(head_done, 0.0, db_row)
+
+            p_op = gl.convert_layout(p_kept.to(dtype), p_op_layout)
+            dv = warpgroup_mma(p_op, do, dv, is_async=True)
+            ds_lo = ds.to(dtype)
+            if DBIAS_SUM:  # a bias broadcast over batch or heads: dS added into its fp32
+                # gradient by TMA reduce-add, as dQ is (several (b, h) add to each tile)
+                tma.store_wait(0)  # this buffer's last reduce-add has read it
+                gl.thread_barrier()
+                dsum = dsum_smem.index(HALF)._reinterpret(gl.float32, dbias_desc.block_type.shape,
+                                                          dbias_desc.layout)  # fmt: skip
+                dsum.reshape([BLOCK_M, HALF_N]).permute((1, 0)).store(ds)
+                fence_async_shared()
+                hopper.tma_reduce_add(dbias_desc, [b % bias_batches, h % bias_heads, start_m, row0],
+                                      dsum)
+            ds_op = gl.convert_layout(ds_lo, ds_op_layout)
+
+            # dS to shared memory as (queries, keys), each warpgroup its half of the keys;
+            # once both halves are there, dQ's columns of this half: dS K summed over halves.
+            ds_pair = (i % 2) * 2
+            ds_own = ds_smem.index(ds_pair + HALF)
+            ds_own.reshape([BLOCK_M, HALF_N]).permute((1, 0)).store(ds_lo)
             fence_async_shared()
-            hopper.tma_reduce_add(dbias_desc, [b % bias_batches, h % bias_heads, start_m, row0],
-                                  dsum)
-        ds_op = gl.convert_layout(ds_lo, ds_op_layout)
+            if HAS_DBIAS:  # the bias gradient is dS: this half's tile goes straight out
+                tma.async_copy_shared_to_global(dbias_desc, [b, h, start_m, row0], ds_own)
+            mbarrier.arrive(ds_bar)
+            mbarrier.wait(ds_bar, i & 1)
+            dq = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, layout=dq_layout)
+            for j in gl.static_range(2):
+                ds_rows = ds_smem.index(ds_pair + j).reshape([BLOCK_M, HALF_N]).slice(
+                    HALF * DQ_ROWS % BLOCK_M, DQ_ROWS, dim=0)
+                dq = warpgroup_mma(ds_rows, k_cols.slice(j * HALF_N, HALF_N, dim=0), dq,
+                                   use_acc=j > 0, is_async=True)
+            # dK's wgmma last: it runs while dQ goes to shared memory and out (FA4's order)
+            dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+            dv, dq, p_op = warpgroup_mma_wait(1, deps=(dv, dq, p_op))
+            mbarrier.arrive(do_empty.index(slot))
 
-        # dS to shared memory as (queries, keys), each warpgroup its half of the keys;
-        # once both halves are there, dQ's columns of this half: dS K summed over halves.
-        ds_pair = (i % 2) * 2
-        ds_own = ds_smem.index(ds_pair + HALF)
-        ds_own.reshape([BLOCK_M, HALF_N]).permute((1, 0)).store(ds_lo)
-        fence_async_shared()
-        if HAS_DBIAS:  # the bias gradient is dS: this half's tile goes straight out
-            tma.async_copy_shared_to_global(dbias_desc, [b, h, start_m, row0], ds_own)
-        mbarrier.arrive(ds_bar)
-        mbarrier.wait(ds_bar, i & 1)
-        dq = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, layout=dq_layout)
-        for j in gl.static_range(2):
-            ds_rows = ds_smem.index(ds_pair + j).reshape([BLOCK_M, HALF_N]).slice(
-                HALF * DQ_ROWS % BLOCK_M, DQ_ROWS, dim=0)
-            dq = warpgroup_mma(ds_rows, k_cols.slice(j * HALF_N, HALF_N, dim=0), dq,
-                               use_acc=j > 0, is_async=True)
-        # dK's wgmma last: it runs while dQ goes to shared memory and out (FA4's order)
-        dk = warpgroup_mma(ds_op, q, dk, is_async=True)
-        dv, dq, p_op = warpgroup_mma_wait(1, deps=(dv, dq, p_op))
-        mbarrier.arrive(do_empty.index(slot))
+            if DQ_BUFS > 0:  # into a buffer the writer warp has read, for it to send
+                dq_slot = HALF * DQ_BUFS + i % DQ_BUFS
+                mbarrier.wait(dq_empty.index(dq_slot), ((i // DQ_BUFS) & 1) ^ 1, pred=i >= DQ_BUFS)
+                dq_smem.index(dq_slot)._reinterpret(gl.float32, [DQ_ROWS, DQ_COLS], dq_order).store(
+                    dq * scale)
+                fence_async_shared()
+                mbarrier.arrive(dq_full.index(dq_slot))
+            else:
+                # The last dQ reduce has read dq_smem (one thread issued it; this step's bias
+                # gradient copy, issued after it, may still run where it reads another buffer).
+                tma.store_wait(OTHER_BULK)
+                gl.thread_barrier()
+                dq_buf = dq_smem.index(HALF)
+                dq_buf._reinterpret(gl.float32, [DQ_ROWS, DQ_COLS], dq_order).store(dq * scale)
+                fence_async_shared()
+                dq_row = _dq_tile_row(b, q_start, start_m, HALF, BLOCK_M, TILE_ROWS, IS_VARLEN)
+                hopper.tma_reduce_add(dq_desc, [b_tma, h, dq_row, 0], dq_buf)
+            dk, ds_op = warpgroup_mma_wait(0, deps=(dk, ds_op))
+            mbarrier.arrive(q_empty.index(slot))
 
-        if DQ_BUFS > 0:  # into a buffer the writer warp has read, for it to send
-            dq_slot = HALF * DQ_BUFS + i % DQ_BUFS
-            mbarrier.wait(dq_empty.index(dq_slot), ((i // DQ_BUFS) & 1) ^ 1, pred=i >= DQ_BUFS)
-            dq_smem.index(dq_slot)._reinterpret(gl.float32, [DQ_ROWS, DQ_COLS], dq_order).store(
-                dq * scale)
-            fence_async_shared()
-            mbarrier.arrive(dq_full.index(dq_slot))
-        else:
-            # The last dQ reduce has read dq_smem (one thread issued it; this step's bias
-            # gradient copy, issued after it, may still run where it reads another buffer).
-            tma.store_wait(OTHER_BULK)
-            gl.thread_barrier()
-            dq_buf = dq_smem.index(HALF)
-            dq_buf._reinterpret(gl.float32, [DQ_ROWS, DQ_COLS], dq_order).store(dq * scale)
-            fence_async_shared()
-            dq_row = _dq_tile_row(b, q_start, start_m, HALF, BLOCK_M, TILE_ROWS, IS_VARLEN)
-            hopper.tma_reduce_add(dq_desc, [b_tma, h, dq_row, 0], dq_buf)
-        dk, ds_op = warpgroup_mma_wait(0, deps=(dk, ds_op))
-        mbarrier.arrive(q_empty.index(slot))
-    tma.store_wait(0)
+        step += GROUP * n_tiles
+        mbarrier.arrive(kv_empty)  # done with K and V: the next block's may load
+        tma.store_wait(0)  # the last dQ (and bias gradient) copies have read their buffers
 
-    if HAS_DROPOUT:
-        dv = dv * (1.0 / (1.0 - dropout_p))
-    dk_out = (dk * scale).to(dtype)
-    dv_out = dv.to(dtype)
-    # Both warpgroups are done with the Q and dO rings (the load warp has no more to
-    # bring): slot HALF of each takes this warpgroup's dK and dV.
-    mbarrier.arrive(ds_bar)
-    mbarrier.wait(ds_bar, (GROUP * n_tiles) & 1)
-    if IS_VARLEN and row0 + HALF_N > seqlen_k:
-        _store_key_rows(dk_out, DK, b, hk, stride_kb, stride_kn, stride_kh, seqlen_k,
-                        row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dk_layout)),
-                        gl.arange(0, HEAD_DIM_QK, layout=gl.SliceLayout(0, dk_layout)),
-                        HEAD_DIM_QK)  # fmt: skip
-        _store_key_rows(dv_out, DV, b, hk, stride_vb, stride_vn, stride_vh, seqlen_k,
-                        row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dv_layout)),
-                        gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, dv_layout)),
-                        HEAD_DIM_V)  # fmt: skip
-    else:  # the TMA store clips a dense batch's keys past Sk
-        dk_buf = q_smem.index(HALF)._reinterpret(dtype, dk_desc.block_type.shape,
-                                                 dk_desc.layout)
-        dv_buf = do_smem.index(HALF)._reinterpret(dtype, dv_desc.block_type.shape,
-                                                  dv_desc.layout)
-        dk_buf.reshape([HALF_N, HEAD_DIM_QK]).store(dk_out)
-        dv_buf.reshape([HALF_N, HEAD_DIM_V]).store(dv_out)
-        fence_async_shared()
-        tma.async_copy_shared_to_global(dk_desc, [b_tma, hk, k_start + row0, 0], dk_buf)
-        tma.async_copy_shared_to_global(dv_desc, [b_tma, hk, k_start + row0, 0], dv_buf)
-        tma.store_wait(0)
+        if HAS_DROPOUT:
+            dv = dv * (1.0 / (1.0 - dropout_p))
+        dk_out = (dk * scale).to(dtype)
+        dv_out = dv.to(dtype)
+        if IS_VARLEN and row0 + HALF_N > seqlen_k:
+            _store_key_rows(dk_out, DK + k_start.to(gl.int64) * stride_kn, b, hk, stride_kb,
+                            stride_kn, stride_kh, seqlen_k,
+                            row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dk_layout)),
+                            gl.arange(0, HEAD_DIM_QK, layout=gl.SliceLayout(0, dk_layout)),
+                            HEAD_DIM_QK)  # fmt: skip
+            _store_key_rows(dv_out, DV + k_start.to(gl.int64) * stride_vn, b, hk, stride_vb,
+                            stride_vn, stride_vh, seqlen_k,
+                            row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dv_layout)),
+                            gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, dv_layout)),
+                            HEAD_DIM_V)  # fmt: skip
+        else:  # the TMA store clips a dense batch's keys past Sk
+            if DQ_BUFS > 0:  # the writer warp's last reduce-adds have read this half's buffers
+                last = step - 1
+                mbarrier.wait(dq_empty.index(HALF * DQ_BUFS + last % DQ_BUFS),
+                              (last // DQ_BUFS) & 1, pred=last >= 0)
+            stage = dq_smem.index(STAGE_SLOT)
+            rows = [b_tma, hk, k_start + row0, 0]
+            if TOGETHER:
+                pair = stage._reinterpret(dtype, [2] + dk_desc.block_type.shape, dk_desc.layout)
+                _store_by_tma(dk_out, pair.index(0), dk_desc, rows)
+                _store_by_tma(dv_out, pair.index(1), dv_desc, rows)
+            else:
+                _store_by_tma(dk_out, stage._reinterpret(dtype, dk_desc.block_type.shape,
+                                                         dk_desc.layout), dk_desc, rows)
+                tma.store_wait(0)
+                gl.thread_barrier()
+                _store_by_tma(dv_out, stage._reinterpret(dtype, dv_desc.block_type.shape,
+                                                         dv_desc.layout), dv_desc, rows)
+            tma.store_wait(0)  # before the buffer's next dQ tile
+
+
+@gluon.jit
+def _store_by_tma(x, buf, desc, coords):
+    """x (2-D, registers) into the shared buffer buf (desc's block), then out by TMA store
+    at coords; the store is left in flight."""
+    buf.reshape([x.shape[0], x.shape[1]]).store(x)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc, coords, buf)
 
 
 @gluon.jit
@@ -457,25 +567,26 @@ def _bwd_dq_writer_partition(
 
 @gluon.jit
 def _key_block(
-    HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right,
+    item, HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
     BATCH_INNER: gl.constexpr = False, HEAD_INNER: gl.constexpr = False,
     DESCENDING: gl.constexpr = False,
 ):  # fmt: skip
-    """This program's keys: (b, kv head, first key, the sequence's first query and key
-    token and lengths, the diagonal's offset, the query range common.query_range gives,
-    its count of query tiles). Key blocks of one head run back to back, first first:
+    """Grid item ``item``'s keys: (b, kv head, first key, the sequence's first query and
+    key token and lengths, the diagonal's offset, the query range common.query_range
+    gives, its count of query tiles). Key blocks of one head run back to back, first first:
     with a causal mask (top-left) they see the most queries, so the longest programs
     start earliest; and they read the same Q and dO tiles, which stay in L2 (taking
     each (sequence, head)'s first block first instead, for packed sequences, halved the
     backward's speed: 427 -> 231 TFLOP/s on 13 documents, H100). Varlen (packed
     sequences, cu_seqlens): blocks count to the longest sequence, and a block past its
     own sequence's end has no query tile. BATCH_INNER, HEAD_INNER: the batch (sequence),
-    then the kv head, vary fastest instead (SUMMED_BIAS_INNER). DESCENDING (ORDERED_DQ): each
-    head's key blocks last first, so that a program's dQ adds wait only on programs
-    started before it."""
-    pid = gl.program_id(0)
+    then the kv head, vary fastest instead (SUMMED_BIAS_INNER; a program per item, so
+    the grid's size counts the batches). DESCENDING (ORDERED_DQ): each head's key
+    blocks last first, so that a program's dQ adds wait only on programs started
+    before it."""
+    pid = item
     if BATCH_INNER or HEAD_INNER:
         rest = pid
         if BATCH_INNER:
@@ -546,7 +657,7 @@ def _bwd_sm90_kernel(
     dv_desc, DK, DV, Rng, Alibi, CuSeqQ, CuSeqK, BiasRow, DBiasRow, stride_kb,
     stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ab, stride_ah, stride_rb,
     stride_rh, stride_rn, stride_pb, stride_ph, HKV, GROUP, bias_batches, bias_heads, seqlen_q,
-    seqlen_k, num_n_blocks, scale, window_left, window_right, dropout_p,
+    seqlen_k, num_n_blocks, num_items, scale, window_left, window_right, dropout_p,
     HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_DBIAS: gl.constexpr,
@@ -555,22 +666,24 @@ def _bwd_sm90_kernel(
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
     BATCH_INNER: gl.constexpr, HEAD_INNER: gl.constexpr, SKIP_PAST_END: gl.constexpr,
     DQ_BUFS: gl.constexpr, ORDERED: gl.constexpr,
-    ROTATE: gl.constexpr,
+    ROTATE: gl.constexpr, PERSISTENT: gl.constexpr, FOLD: gl.constexpr,
 ):  # fmt: skip
-    (b, hk, start_n, q_start, k_start, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
-     n_tiles) = _key_block(
-        HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right,
-        BLOCK_M, BLOCK_N, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT, BATCH_INNER,
-        HEAD_INNER, ORDERED)  # fmt: skip
+    # A program per key block, or PERSISTENT (PERSISTENT_BLOCKS) one per SM at most,
+    # walking num_items blocks in hopper.work_item's strides (_program_block).
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    n_items = gl.to_tensor(1)
+    if PERSISTENT:
+        n_items = hopper.work_items(pid, programs, num_items, FOLD)
+    # The first block here: a program of its own (not PERSISTENT) is done at once past
+    # its packed sequence's end, and the dQ writer warp takes its bounds from here.
+    (b, hk, start_n, q_start, _, seqlen_q_b, seqlen_k_b, off, lo, _, _, n_tiles) = _program_block(
+        0, (pid, programs, HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left,
+            window_right), BLOCK_M, BLOCK_N, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
+        BOUNDED_RIGHT, BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD)  # fmt: skip
     if SKIP_PAST_END:  # a key block past its packed sequence's end: nothing to do
-        if start_n >= seqlen_k:
+        if start_n >= seqlen_k_b:
             return
-    b_tma = 0 if IS_VARLEN else b  # packed sequences: one batch of all tokens to TMA
-    stats_start = 0
-    if IS_VARLEN:  # dK and dV rows from the sequence's first key on
-        stats_start = packed_stats_start(q_start, b)
-        DK += k_start.to(gl.int64) * stride_kn
-        DV += k_start.to(gl.int64) * stride_vn
 
     dtype: gl.constexpr = q_desc.dtype
     (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, ds_bar, q_ready, q_empty,
@@ -581,9 +694,15 @@ def _bwd_sm90_kernel(
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(ds_block, dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [4] + ds_block, ds_layout)
     # dQ's halves: one buffer each, or DQ_BUFS each for the writer warp ([half, buffer])
+    # (allocated in a swizzled layout for its 1024-byte alignment: the buffers take dK and
+    # dV's swizzled tiles at the end of each block)
     DQ_SLOTS: gl.constexpr = 2 * DQ_BUFS if DQ_BUFS > 0 else 2
-    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_SLOTS] + dq_desc.block_type.shape,
-                                        dq_desc.layout)
+    dq_shape: gl.constexpr = [DQ_SLOTS] + dq_desc.block_type.shape
+    dq_smem = gl.allocate_shared_memory(
+        gl.float32, dq_shape, gl.NVMMASharedLayout(128, 32, rank=4))._reinterpret(
+            gl.float32, dq_shape, dq_desc.layout)  # fmt: skip
+    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_empty, count=2)  # both compute warpgroups done with a block's K, V
     if DQ_BUFS > 0:
         dq_full, dq_empty = hopper.ring(2 * DQ_BUFS, 1)
     else:  # stand-ins, never touched
@@ -602,42 +721,47 @@ def _bwd_sm90_kernel(
     else:
         dsum_smem = dq_smem
 
-    bias_b = b % bias_batches  # 0 where the bias broadcasts over batches
     seed, rng_offset = philox_key(Rng, HAS_DROPOUT)
     heads = HKV * GROUP
-    # ORDERED_DQ (dense batches only): the dQ tiles' counters come in CuSeqQ's place,
-    # and without a mask each program walks its query tiles from its own one on.
+    # ORDERED_DQ (dense batches only, a program per block): the dQ tiles' counters come
+    # in CuSeqQ's place, and without a mask each program walks its query tiles from its
+    # own one on.
     rot = 0
     if ROTATE:  # program n's walk starts at query tile n * n_tiles // num_n
         rot = (start_n // BLOCK_N) * n_tiles // num_n_blocks
-    order = (CuSeqQ, b, heads, seqlen_q, start_n, num_n_blocks, off, window_right, rot)
+    order = (CuSeqQ, b, heads, seqlen_q_b, start_n, num_n_blocks, off, window_right, rot)
 
     # Runtime values only: a constexpr stored in a variable would turn into a tensor, so
     # the constexprs go into each partition's arguments inline.
     shared = (dq_desc, dbias_desc, dk_desc, dv_desc, DK, DV, stride_kb, stride_kn, stride_kh,
               stride_vb, stride_vn, stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem,
               delta_smem, bias_smem, ds_smem, dq_smem, dsum_smem, dq_full, dq_empty, kv_bar,
-              q_ready, do_ready, q_empty, do_empty, ds_bar, b, b_tma, hk, q_start, k_start, GROUP,
-              start_n, lo, full_lo, full_hi, n_tiles, seqlen_q, seqlen_k, off, scale, window_left,
+              kv_empty, q_ready, do_ready, q_empty, do_empty, ds_bar, pid, programs, n_items,
+              HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, GROUP, scale, window_left,
               window_right, seed, rng_offset, heads, dropout_p, Alibi, stride_ab, stride_ah,
               BiasRow, stride_rb, stride_rh, stride_rn, bias_batches, bias_heads, DBiasRow,
               stride_pb, stride_ph)
-    if DQ_BUFS > 0:  # a fourth partition, the dQ writer warp
+    loads = (q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem,
+             v_smem, lse_smem, delta_smem, bias_smem, kv_bar, kv_empty, q_ready, do_ready,
+             q_empty, do_empty, GROUP, bias_batches, bias_heads, pid, programs, n_items, HKV,
+             CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right)
+    if DQ_BUFS > 0:  # a fourth partition, the dQ writer warp (a program per block)
+        b_tma = 0 if IS_VARLEN else b
         gl.warp_specialize(
             [(_bwd_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, HAS_DBIAS, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
-                                       BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN)),
+                                       BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
+                                       BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD)),
              (_bwd_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, HAS_DBIAS, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
-                                       BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN)),
-             (_bwd_load_partition, (
-                q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem,
-                k_smem, v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready,
-                q_empty, do_empty, b_tma, hk, q_start, k_start, stats_start, GROUP, bias_b,
-                bias_heads, start_n, lo, n_tiles, q_desc, k_desc, q_smem, k_smem, BLOCK_M,
-                STAGES, HAS_BIAS, 0, rot, ROTATE)),
+                                       BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
+                                       BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD)),
+             (_bwd_blocks_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, IS_VARLEN,
+                                           BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
+                                           BATCH_INNER, HEAD_INNER, ORDERED, ROTATE,
+                                           PERSISTENT, FOLD)),
              (_bwd_dq_writer_partition, (dq_desc, dq_smem, dq_full, dq_empty, b_tma, hk,
                                          q_start, GROUP, lo, n_tiles, order, BLOCK_M,
                                          BLOCK_N, DQ_BUFS, ORDERED, ROTATE, BOUNDED_RIGHT,
@@ -648,17 +772,17 @@ def _bwd_sm90_kernel(
             [(_bwd_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, HAS_DBIAS, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
-                                       BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN)),
+                                       BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
+                                       BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD)),
              (_bwd_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, HAS_DBIAS, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
-                                       BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN)),
-             (_bwd_load_partition, (
-                q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem,
-                k_smem, v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready,
-                q_empty, do_empty, b_tma, hk, q_start, k_start, stats_start, GROUP, bias_b,
-                bias_heads, start_n, lo, n_tiles, q_desc, k_desc, q_smem, k_smem, BLOCK_M,
-                STAGES, HAS_BIAS, 0))],
+                                       BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
+                                       BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD)),
+             (_bwd_blocks_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, IS_VARLEN,
+                                           BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
+                                           BATCH_INNER, HEAD_INNER, ORDERED, ROTATE,
+                                           PERSISTENT, FOLD))],
             worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
 
 
@@ -802,8 +926,9 @@ def _bwd_wide_kernel(
 ):  # fmt: skip
     # Dense batches only: no cu_seqlens (the 0s), IS_VARLEN off.
     b, hk, start_n, _, _, _, seqlen_k, off, lo, full_lo, full_hi, n_tiles = _key_block(
-        HKV, 0, 0, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right, BLOCK_M,
-        BLOCK_N, False, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+        gl.program_id(0), HKV, 0, 0, seqlen_q, seqlen_k, num_n_blocks, window_left,
+        window_right, BLOCK_M, BLOCK_N, False, BOTTOM_RIGHT, BOUNDED_LEFT,
+        BOUNDED_RIGHT)  # fmt: skip
 
     dtype: gl.constexpr = q_desc.dtype
     (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, ds_bar, q_ready, q_empty,
@@ -1125,6 +1250,13 @@ ORDERED_DQ = True
 # in 16k tokens, H16: 4480 of 6656 programs). H100, the bench's docs row, backward
 # 358 -> 381 TFLOP/s.
 SKIP_EMPTY_KEY_BLOCKS = True
+# Programs persistent (one per SM at most, the forward's strides: hopper.work_item,
+# blocks of equal work paired under a right bound), so that a block's K and V, and its
+# first Q and dO tiles, load while the last block's dK and dV leave, and no program
+# starts per block: what a program's start and end cost weighs most where it has few
+# query tiles (short and causal rows, D=64's 128-row steps). Not where the order of the
+# blocks is not free (_plan).
+PERSISTENT_BLOCKS = True
 
 
 def dq_buffers(spec: AttentionSpec, bias_tiles: bool, dbias_kind: str | None) -> int:
@@ -1373,10 +1505,17 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
     head (packed sequences: blocks of the longest). bias_row: the bias is one row of
     keys (hopper.bias_row), read by pointer. dbias_kind: dbias_kind_of's, None without
     a bias gradient. inner: batch and kv head innermost in the programs' order
-    (SUMMED_BIAS_INNER). Counts: key blocks per head."""
+    (SUMMED_BIAS_INNER). Counts: key blocks per head, and in all."""
     num_n = cdiv(spec.seqlen_k, BLOCK_N)
     bias_tiles = spec.has_bias and not bias_row
     ordered = orders_dq(spec, dbias_kind)
+    dq_bufs = dq_buffers(spec, bias_tiles, dbias_kind)
+    items = num_n * spec.batch * spec.kv_heads
+    # Persistent where the order of the blocks is free: not packed sequences (blocks
+    # past a sequence's end), nor a summed bias gradient's or ORDERED_DQ's order.
+    persistent = (PERSISTENT_BLOCKS and not spec.varlen and not ordered and dq_bufs == 0
+                  and not any(inner))  # fmt: skip
+    fold = persistent and spec.window_right >= 0
     constexprs = dict(
         HEAD_DIM_QK=spec.head_dim_qk, HEAD_DIM_V=spec.head_dim_v,
         BLOCK_M=block_m(spec, bias_row), BLOCK_N=BLOCK_N, STAGES=STAGES,
@@ -1386,11 +1525,11 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
         BOUNDED_RIGHT=spec.window_right >= 0, BATCH_INNER=inner[0], HEAD_INNER=inner[1],
         SKIP_PAST_END=spec.varlen and SKIP_EMPTY_KEY_BLOCKS,
-        DQ_BUFS=dq_buffers(spec, bias_tiles, dbias_kind),
-        ORDERED=ordered, ROTATE=ordered and spec.window_right < 0,
-        num_warps=4,
+        DQ_BUFS=dq_bufs, ORDERED=ordered, ROTATE=ordered and spec.window_right < 0,
+        PERSISTENT=persistent, FOLD=fold, num_warps=4,
     )  # fmt: skip
-    return hopper.Plan(num_n * spec.batch * spec.kv_heads, (num_n,), constexprs)
+    return hopper.Plan(hopper.programs(items, fold, persistent, device_index), (num_n, items),
+                       constexprs)
 
 
 def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, stats, dq, dk, dv) -> None:
