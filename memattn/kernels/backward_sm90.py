@@ -1,12 +1,14 @@
 """Hopper backward kernel in Gluon, warp-specialised (FlashAttention-3's structure).
 
 backward.py's tile kernels compute dQ in a second kernel that recomputes S and dP:
-7 matmuls per (query tile, key tile) pair where the gradient needs 5. Here one program
-owns a block of 128 keys of one (batch, kv head), keeps dK and dV in registers, walks
+7 matmuls per (query tile, key tile) pair where the gradient needs 5. Here a program
+takes a block of 128 keys of one (batch, kv head) at a time (persistent: one program
+per SM at most walks many, PERSISTENT_BLOCKS), keeps dK and dV in registers, walks
 every query tile of its GQA group once, and adds each tile's dQ into an fp32 buffer by
 TMA reduce-add (an L2-side atomic of a whole tile). Three partitions:
-- a load warp: K and V once, then Q and dO tiles by TMA into two-stage rings, each slot
-  refilled as soon as both consumers release it (mbarriers);
+- a load warp: a block's K and V (once the last block's are released), then Q and dO
+  tiles by TMA into two-stage rings, each slot refilled as soon as both consumers
+  release it (mbarriers);
 - two compute warpgroups, 64 keys each. Per query tile (64 rows, 128 at D=64) each
   computes, in the transposed (keys, queries) orientation, S^T = K Q^T and
   dP^T = V dO^T (asynchronous wgmmas), P^T and dS^T from them, dV += P^T dO with the
