@@ -30,7 +30,12 @@ from memattn.kernels import backward as backward_kernels
 from memattn.kernels import tuning
 
 from .conftest import DEVICE
-from .test_forward import HOPPER_CASES, assert_results, hopper_kernel_runs_here
+from .test_forward import (
+    HOPPER_CASES,
+    assert_results,
+    hopper_kernel_runs_here,
+    record_launches,
+)
 
 cpu_only = pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes; the GPU has its own")
 
@@ -466,22 +471,13 @@ def test_hopper_backward_persistent_gpu(name, dtype, hopper_backward_launches, m
     monkeypatch.setattr(backward_sm90, "PERSISTENT_BLOCKS", True)
     monkeypatch.setattr(backward_sm90.hopper, "sm_count", lambda device_index: 5)
     backward_sm90.hopper.forget_plans()  # plans are made from sm_count
-    grids = []
-    launch = backward_sm90._launch_backward
-
-    class Recording:  # the launcher, keeping its grids
-        launch_prepared = staticmethod(launch.launch_prepared)  # False in the suite
-
-        def __call__(self, grid, *args, **kwargs):
-            grids.append((grid, kwargs["PERSISTENT"]))
-            launch(grid, *args, **kwargs)
-
-    monkeypatch.setattr(backward_sm90, "_launch_backward", Recording())
+    launches = record_launches(monkeypatch, backward_sm90, "_launch_backward")
     try:
         case = next(c for c in HOPPER_CASES if c.name == name)
         assert_results(check_backward(case, dtype, "cuda", seed=19))
     finally:
         backward_sm90.hopper.forget_plans()
+    grids = [(grid, constexprs["PERSISTENT"]) for grid, constexprs in launches]
     assert grids and all(g == ((5,), True) for g in grids), grids
 
 

@@ -363,6 +363,24 @@ def test_hopper_kernel_gpu(case, dtype, monkeypatch):
     assert launched, "the call fell back to forward.py"
 
 
+def record_launches(monkeypatch, module, name: str) -> list:
+    """Wraps ``module.name``, a hopper.Launcher, to keep each launch's (grid, keyword
+    arguments: the constexprs); its fast path (launch_prepared, off in the suite) is
+    left as it is."""
+    launches = []
+    launch = getattr(module, name)
+
+    class Recording:
+        launch_prepared = staticmethod(launch.launch_prepared)
+
+        def __call__(self, grid, *args, **kwargs):
+            launches.append((grid, kwargs))
+            launch(grid, *args, **kwargs)
+
+    monkeypatch.setattr(module, name, Recording())
+    return launches
+
+
 # Persistent programs: with five of them, each walks query blocks of every batch and
 # head through its Q ring, folded (pairs of blocks, some across two heads) or not. Two
 # Q buffers at D 64/128 without a bias, one with a bias, ALiBi per (batch, head),
@@ -391,18 +409,9 @@ def test_hopper_kernel_persistent_gpu(name, fold, dtype, monkeypatch):
     monkeypatch.setattr(forward_sm90, "MIN_BLOCKS_TO_FOLD",
                         dict.fromkeys(forward_sm90.HEAD_DIMS, 0))
     monkeypatch.setattr(hopper, "sm_count", lambda device_index: 5)
-    grids = []
-    launch = forward_sm90._launch_forward
-
-    class Recording:  # the launcher, keeping its grids
-        launch_prepared = staticmethod(launch.launch_prepared)  # False in the suite
-
-        def __call__(self, grid, *args, **kwargs):
-            grids.append(grid)
-            launch(grid, *args, **kwargs)
-
-    monkeypatch.setattr(forward_sm90, "_launch_forward", Recording())
+    launches = record_launches(monkeypatch, forward_sm90, "_launch_forward")
     assert_results(check_forward(case, dtype, "cuda", seed=11))
+    grids = [grid for grid, _ in launches]
     assert grids and all(g == (5,) for g in grids), grids
 
 
@@ -423,18 +432,9 @@ def test_hopper_kernel_three_parts_under_masks_gpu(case, dtype, monkeypatch):
     if not hopper_kernel_runs_here():
         pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
     monkeypatch.setattr(forward_sm90, "MIN_SEQLEN_Q_D64_MASKED", 0)
-    blocks = []
-    launch = forward_sm90._launch_forward
-
-    class Recording:  # the launcher, keeping the blocks' rows
-        launch_prepared = staticmethod(launch.launch_prepared)  # False in the suite
-
-        def __call__(self, grid, *args, **kwargs):
-            blocks.append(kwargs["BLOCK_M"])
-            launch(grid, *args, **kwargs)
-
-    monkeypatch.setattr(forward_sm90, "_launch_forward", Recording())
+    launches = record_launches(monkeypatch, forward_sm90, "_launch_forward")
     assert_results(check_forward(case, dtype, "cuda", seed=5))
+    blocks = [constexprs["BLOCK_M"] for _, constexprs in launches]
     assert blocks and all(b == forward_sm90.BLOCK_M_D64 for b in blocks), blocks
 
 
