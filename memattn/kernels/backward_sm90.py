@@ -217,7 +217,6 @@ def _bwd_load_partition(
                                         do_ready.index(slot), delta_smem.index(slot))
 
 
-
 @gluon.jit
 def _bwd_blocks_load_partition(
     loads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -282,6 +281,7 @@ def _program_block(
     return _key_block(item, HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left,
                       window_right, BLOCK_M, BLOCK_N, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
                       BOUNDED_RIGHT, BATCH_INNER, HEAD_INNER, DESCENDING)
+
 
 @gluon.jit
 def _bwd_compute_partition(
