@@ -1503,8 +1503,9 @@ def dq_from_tiles_launch(spec: AttentionSpec, buffer: torch.Tensor, rows: int,
 @hopper.plan_cache
 def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
           inner: tuple[bool, bool], device_index: int) -> hopper.Plan:  # fmt: skip
-    """The D 64/128 kernel's launch (hopper.Plan): a program per key block and key
-    head (packed sequences: blocks of the longest). bias_row: the bias is one row of
+    """The D 64/128 kernel's launch (hopper.Plan): key blocks of each (batch, kv head)
+    (packed sequences: blocks of the longest), persistent programs walking them where
+    PERSISTENT_BLOCKS allows, else a program per block. bias_row: the bias is one row of
     keys (hopper.bias_row), read by pointer. dbias_kind: dbias_kind_of's, None without
     a bias gradient. inner: batch and kv head innermost in the programs' order
     (SUMMED_BIAS_INNER). Counts: key blocks per head, and in all."""
