@@ -588,9 +588,8 @@ def _key_block(
     the grid's size counts the batches). DESCENDING (ORDERED_DQ): each head's key
     blocks last first, so that a program's dQ adds wait only on programs started
     before it."""
-    pid = item
     if BATCH_INNER or HEAD_INNER:
-        rest = pid
+        rest = item
         if BATCH_INNER:
             batches = gl.num_programs(0) // (num_n_blocks * HKV)
             b = rest % batches
@@ -606,10 +605,10 @@ def _key_block(
         if not BATCH_INNER:
             b = rest
     else:
-        bhk = pid // num_n_blocks
-        start_n = (pid % num_n_blocks) * BLOCK_N
+        bhk = item // num_n_blocks
+        start_n = (item % num_n_blocks) * BLOCK_N
         if DESCENDING:
-            start_n = (num_n_blocks - 1 - pid % num_n_blocks) * BLOCK_N
+            start_n = (num_n_blocks - 1 - item % num_n_blocks) * BLOCK_N
         b = bhk // HKV
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(CuSeqQ, CuSeqK, b, seqlen_q,
                                                            seqlen_k, IS_VARLEN)
