@@ -453,8 +453,9 @@ def test_hopper_backward_gpu(case, dtype, hopper_backward_launches):
 # blocks of every batch and kv head, its rings, dS and dQ buffers running on from block
 # to block, each block's K and V loading while the last one's dK and dV leave through
 # the dQ buffers (both at once at D=64's 128-row steps, one after the other elsewhere);
-# paired by work under a right bound. D 64 (128 and 64 rows a step) and 128, Sq far
-# from Sk, GQA, a full bias's gradient, a key row's, dropout, ALiBi, Dqk != Dv.
+# paired by work under a right bound; dQ's adds from the compute warpgroups and from
+# the dQ writer warp (DQ_WRITER) at every Dqk. D 64 (128 and 64 rows a step) and 128,
+# Sq far from Sk, GQA, a full bias's gradient, a key row's, dropout, ALiBi, Dqk != Dv.
 PERSISTENT_BACKWARD_CASES = [
     "D64 Sq=777 Sk=1030", "D64 Sq=2048 Sk=333", "D128 causal", "causal bottom-right Sq>Sk",
     "window (200, 0)", "GQA 8:2 transposed causal", "bias BHQK window GQA",
@@ -463,12 +464,15 @@ PERSISTENT_BACKWARD_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("writer", [False, True], ids=["dq_by_warpgroups", "dq_writer"])
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("name", PERSISTENT_BACKWARD_CASES)
-def test_hopper_backward_persistent_gpu(name, dtype, hopper_backward_launches, monkeypatch):
+def test_hopper_backward_persistent_gpu(name, dtype, writer, hopper_backward_launches,
+                                        monkeypatch):  # fmt: skip
     from memattn.kernels import backward_sm90
 
     monkeypatch.setattr(backward_sm90, "PERSISTENT_BLOCKS", True)
+    monkeypatch.setattr(backward_sm90, "DQ_WRITER", {64: writer, 128: writer})
     monkeypatch.setattr(backward_sm90.hopper, "sm_count", lambda device_index: 5)
     backward_sm90.hopper.forget_plans()  # plans are made from sm_count
     launches = record_launches(monkeypatch, backward_sm90, "_launch_backward")
@@ -477,8 +481,12 @@ def test_hopper_backward_persistent_gpu(name, dtype, hopper_backward_launches, m
         assert_results(check_backward(case, dtype, "cuda", seed=19))
     finally:
         backward_sm90.hopper.forget_plans()
-    grids = [(grid, constexprs["PERSISTENT"]) for grid, constexprs in launches]
-    assert grids and all(g == ((5,), True) for g in grids), grids
+    # No writer beside a (queries, keys) bias's gradient: it leaves by TMA from the
+    # compute warpgroups.
+    with_writer = writer and (case.bias is None or _bias_row(case))
+    grids = [(grid, constexprs["PERSISTENT"], constexprs["DQ_BUFS"] > 0)
+             for grid, constexprs in launches]  # fmt: skip
+    assert grids and all(g == ((5,), True, with_writer) for g in grids), grids
 
 
 # Dqk=192 / Dv=128 on the D=256 kernels, Q and K split into 128 + 64 columns
@@ -510,26 +518,28 @@ def test_split_head_dims_backward_gpu(case, dtype, hopper_backward_launches):
         assert torch.equal(a, b)
 
 
-# Gluon backward options built but off (backward_sm90's knobs): DQ_WRITER, dQ sent by a
-# warp of its own (two buffers a warpgroup, or one beside dropout; GQA, packed rows).
-OFF_BY_DEFAULT = {
-    "DQ_WRITER": ["D64 Sq=777 Sk=1030", "D128 causal", "GQA 8:2 transposed causal",
-                  "dropout causal GQA", "bias K Sq=2100 Sk=333", "varlen D128 causal",
-                  "Dqk128 Dv64 window"],
-}  # fmt: skip
+# The dQ writer warp where DQ_WRITER leaves it off (Dqk=128), for calls a program per
+# key block (packed sequences) as well as persistent: two buffers a warpgroup, or one
+# beside dropout or bias tiles; GQA, packed rows.
+DQ_WRITER_CASES = ["D64 Sq=777 Sk=1030", "D128 causal", "GQA 8:2 transposed causal",
+                   "dropout causal GQA", "bias K Sq=2100 Sk=333", "varlen D128 causal",
+                   "Dqk128 Dv64 window"]  # fmt: skip
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("knob, name", [(k, n) for k, names in OFF_BY_DEFAULT.items()
-                                        for n in names])  # fmt: skip
-def test_backward_options_off_by_default_gpu(knob, name, hopper_backward_launches,
-                                             monkeypatch):  # fmt: skip
+@pytest.mark.parametrize("name", DQ_WRITER_CASES)
+def test_backward_dq_writer_at_every_dqk_gpu(name, hopper_backward_launches, monkeypatch):
     from memattn.kernels import backward_sm90
 
-    monkeypatch.setattr(backward_sm90, knob, True)
-    case = next(c for c in HOPPER_CASES if c.name == name)
-    assert_results(check_backward(case, torch.bfloat16, "cuda", seed=13))
-    assert hopper_backward_launches, "the call fell back to backward.py"
+    monkeypatch.setattr(backward_sm90, "DQ_WRITER", {64: True, 128: True})
+    backward_sm90.hopper.forget_plans()  # plans are made from the knobs
+    launches = record_launches(monkeypatch, backward_sm90, "_launch_backward")
+    try:
+        case = next(c for c in HOPPER_CASES if c.name == name)
+        assert_results(check_backward(case, torch.bfloat16, "cuda", seed=13))
+    finally:
+        backward_sm90.hopper.forget_plans()
+    assert launches and all(constexprs["DQ_BUFS"] > 0 for _, constexprs in launches)
 
 
 # ORDERED_DQ: deterministic calls on the Gluon backward, each dQ tile's adds in a fixed

@@ -111,28 +111,33 @@ def test_gluon_forward_takes_key_rows_at_positive_scales(scale, bias_shape, take
 
 @gluon
 @pytest.mark.parametrize(
-    "knob, options, dbias_kind, constexpr, value",
-    [("DQ_WRITER", {}, None, "DQ_BUFS", 2),
-     ("DQ_WRITER", dict(dropout_p=0.1), None, "DQ_BUFS", 1),  # dropout's scratch: one
-     ("DQ_WRITER", {}, "full", "DQ_BUFS", 0),  # dS leaves by TMA from the warpgroups
-     ("DQ_WRITER", {}, "summed", "DQ_BUFS", 0),
-     ("DQ_WRITER", {}, "row", "DQ_BUFS", 2)],
+    "d, options, dbias_kind, buffers",
+    [(64, {}, None, 2),
+     (64, dict(dropout_p=0.1), None, 1),  # dropout's scratch: one
+     (64, {}, "full", 0),  # dS leaves by TMA from the warpgroups
+     (64, {}, "summed", 0),
+     (64, {}, "row", 2),
+     (128, {}, None, 0),  # DQ_WRITER: off at Dqk=128
+     (128, dict(causal=True, deterministic=True), None, 2)],  # ORDERED_DQ's turns
 )  # fmt: skip
-def test_backward_options_reach_the_plan_only_when_on(knob, options, dbias_kind, constexpr,
-                                                      value, monkeypatch):  # fmt: skip
-    """Backward options off until their GPU tests have run reach the kernel's plan."""
-    spec = spec_and_inputs(d=64, **options)[0]
+def test_backward_dq_writer_where_dqk_and_the_bias_gradient_allow(d, options, dbias_kind,
+                                                                 buffers, monkeypatch):  # fmt: skip
+    """The dQ writer warp's buffers (DQ_BUFS) in the plan: at the Dqk DQ_WRITER names
+    and for ORDERED_DQ's calls, not beside a bias gradient sent by TMA; and at Dqk=128
+    too once DQ_WRITER says so."""
+    spec = spec_and_inputs(d=d, sq=256, sk=256, **options)[0]
     backward_sm90 = dispatch.backward_sm90
     monkeypatch.setattr(backward_sm90.hopper, "sm_count", lambda device_index: 132)
-    plan = backward_sm90._plan(spec, False, dbias_kind, (False, False), 0)
-    assert not plan.constexprs[constexpr]
-    monkeypatch.setattr(backward_sm90, knob, True)
     backward_sm90.hopper.forget_plans()  # plans are made from the knobs
     try:
-        plan = backward_sm90._plan(spec, False, dbias_kind, (False, False), 0)
+        assert backward_sm90._plan(spec, False, dbias_kind, (False, False), 0).constexprs[
+            "DQ_BUFS"] == buffers
+        monkeypatch.setattr(backward_sm90, "DQ_WRITER", {64: True, 128: True})
+        backward_sm90.hopper.forget_plans()
+        on = backward_sm90._plan(spec, False, dbias_kind, (False, False), 0).constexprs
     finally:
         backward_sm90.hopper.forget_plans()
-    assert plan.constexprs[constexpr] == value
+    assert on["DQ_BUFS"] == (buffers or (0 if dbias_kind in ("full", "summed") else 2))
 
 
 @gluon

@@ -5,17 +5,21 @@ first batch), TFLOP/s as `memattn bench` times it (do_bench, autograd recording,
 included), TFLOP/s of the GPU alone (CUDA graph replay) and host µs per call in a loop;
 --kernels adds torch.profiler's table of GPU time per kernel. bf16, 16k tokens a shape
 (B = 16384 / S, H = 2048 / Dqk): "DxS", "c" for causal, then "d" for deterministic,
-"Dqk/DvxS" for a narrower V, "+BHQK"-style letters for a bias of that shape (1 where
+"Dqk/DvxS" for a narrower V, "wN" for a window of N keys ending at the query (the
+bench's window row: "128x4096w1024"), "+BHQK"-style letters for a bias of that shape (1 where
 it broadcasts; no gradient asked of it, but with ".grad": "+1HQK.grad"; the error
 column then covers dQ, dK and dV only); the shapes "docs" and "docs-full" are the
 bench's packed documents (causal and not, H=16, D=128), "docs/N" and "docs/N-full"
 16384 tokens of documents N long; "docs+1HQK.grad" adds a bias the documents share.
 
+--rounds N times the variants N times more, in turn, and prints each one's median.
+
     python tools/ab.py [--pass fwd|bwd] [--shapes 128x4096c,192/128x4096c,128x4096+1H1K,docs]
-                       [--variants tile,default]
+                       [--variants tile,default] [--rounds 5]
 """
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -40,7 +44,8 @@ VARIANTS = {
     "bwd_rows64": {"bwd.BLOCK_M_D64": 64},  # 64 query rows a backward step at D=64
     "summed_outer": {"bwd.SUMMED_BIAS_INNER": False},  # summed biases in the shipped order
     "no_skip_empty": {"bwd.SKIP_EMPTY_KEY_BLOCKS": False},  # packed: blocks past the end run
-    "dq_writer": {"bwd.DQ_WRITER": True},  # dQ's reduce-adds from a warp of their own
+    "dq_writer": {"bwd.DQ_WRITER": {64: True, 128: True}},  # dQ's adds from a warp of their own
+    "no_dq_writer": {"bwd.DQ_WRITER": {64: False, 128: False}},  # ... from the warpgroups
     "bwd_grid": {"bwd.PERSISTENT_BLOCKS": False},  # a backward program per key block
     "no_split": {"bwd.SPLIT_HEAD_DIM_PAIRS": ()},  # 192/128 on the tile kernels
     "rescale_always": {"fwd.RESCALE_THRESHOLD": 0.0},  # O rescaled at every tile
@@ -85,6 +90,7 @@ def inputs(shape: str, device: str = "cuda"):
         pairs = (n * (n + 1) / 2 if causal else n * n for n in lengths)
         return q, k, v, do, kw, sum(4 * 16 * 128 * p for p in pairs)
     shape, _, bias = shape.partition("+")
+    shape, _, window = shape.partition("w")
     deterministic = shape.endswith("d")
     shape = shape.removesuffix("d")
     causal = shape.endswith("c")
@@ -95,9 +101,13 @@ def inputs(shape: str, device: str = "cuda"):
     q, k = new(b, s, h, d), new(b, s, h, d)
     v, do = new(b, s, h, dv), new(b, s, h, dv)
     kw = dict(causal=causal, deterministic=deterministic)
+    pairs = s * s / (2 if causal else 1)
+    if window:  # the bench's window row: each query sees itself and the N - 1 keys before
+        kw.update(causal=True, window=(int(window) - 1, 0))
+        pairs = bench.visible_pairs(s, True, kw["window"])
     if bias:
         kw["bias"] = _bias(bias, new, B=b, H=h, Q=s, K=s)
-    return q, k, v, do, kw, 2 * b * h * s * s * (d + dv) / (2 if causal else 1)
+    return q, k, v, do, kw, 2 * b * h * pairs * (d + dv)
 
 
 def _bias(spec: str, new, **sizes):
@@ -112,6 +122,10 @@ def main():
     ap.add_argument("--shapes", default="64x1024,64x4096c,128x1024,128x4096c,256x4096c,docs")
     ap.add_argument("--variants", default="tile,default")
     ap.add_argument("--kernels", action="store_true", help="GPU time per kernel (profiler)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time the variants this many times each, in turn (the order rotated "
+                         "each round), and print the median with the range: a device's clock "
+                         "drifts within a call, so a single pass favours whichever runs first")
     args = ap.parse_args()
     names = args.variants.split(",")
     is_bwd = args.which == "bwd"
@@ -136,6 +150,7 @@ def main():
             expect = reference.attention(*first, **first_kw)
             if is_bwd:
                 expect = torch.autograd.grad(expect, first, do[:1].double())
+        calls = {}
         for name in names:
             use(VARIANTS[name])
             if is_bwd:  # the backward alone, through one recorded graph
@@ -143,6 +158,7 @@ def main():
                 call = lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)  # noqa: E731
             else:
                 call = lambda: memattn.attention(*leaves[:3], **kw)  # noqa: E731
+            calls[name] = call
             result = call()
             error = "-"
             if expect is not None:
@@ -169,7 +185,22 @@ def main():
                     torch.cuda.synchronize()
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8,
                                                 max_name_column_width=60))  # fmt: skip
+        if args.rounds > 1:
+            _rounds(args, shape, names, calls, flops)
         use({})
+
+
+def _rounds(args, shape, names, calls, flops) -> None:
+    """Each variant timed args.rounds times, in turn, the first of each round rotating."""
+    speeds = {name: [] for name in names}
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            use(VARIANTS[name])
+            speeds[name].append(flops / do_bench(calls[name]) / 1e9)
+    for name in names:
+        runs = sorted(speeds[name])
+        print(f"{args.which}: {shape:12s} {name:10s} median of {args.rounds}: "
+              f"{statistics.median(runs):6.0f} ({runs[0]:.0f}-{runs[-1]:.0f})", flush=True)
 
 
 if __name__ == "__main__":

@@ -535,36 +535,51 @@ def _store_by_tma(x, buf, desc, coords):
 
 @gluon.jit
 def _bwd_dq_writer_partition(
-    dq_desc, dq_smem, dq_full, dq_empty, b_tma, hk, q_start, GROUP, lo, n_tiles, order,
+    dq_desc, dq_smem, dq_full, dq_empty, blocks, n_items, GROUP, DqLocks, heads,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DQ_BUFS: gl.constexpr,
-    ORDERED: gl.constexpr, ROTATE: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
-    IS_VARLEN: gl.constexpr,
+    IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
+    BOUNDED_RIGHT: gl.constexpr, BATCH_INNER: gl.constexpr, HEAD_INNER: gl.constexpr,
+    ORDERED: gl.constexpr, ROTATE: gl.constexpr, PERSISTENT: gl.constexpr,
+    FOLD: gl.constexpr,
 ):  # fmt: skip
-    """One warp (DQ_WRITER, ORDERED_DQ): each step's two dQ halves, left in dq_smem by
-    the compute warpgroups, added into the fp32 buffer by TMA reduce-add; their buffers
-    released once read. The compute warpgroups then neither issue nor wait for these
-    copies (FA4's dQ warp). ORDERED: each tile's adds wait for their turn (dq_add_turn)
-    on the tile's counter in DqLocks, and count it on once they are done. ``order``:
-    (DqLocks, b, heads, seqlen_q, start_n, num_n, off, window_right, rot)."""
+    """One warp (DQ_WRITER, ORDERED_DQ): for each of its program's key blocks
+    (_program_block), each step's two dQ halves, left in dq_smem by the compute
+    warpgroups, added into the fp32 buffer by TMA reduce-add; their buffers released
+    once read. The compute warpgroups then neither issue nor wait for these copies
+    (FA4's dQ warp). ORDERED: each tile's adds wait for their turn (dq_add_turn) on the
+    tile's counter in DqLocks, and count it on once they are done. ``blocks``: as
+    _program_block takes them."""
     TILE_ROWS: gl.constexpr = dq_desc.block_type.shape[2]
-    DqLocks, b, heads, seqlen_q, start_n, num_n, off, window_right, rot = order
-    for i in range(GROUP * n_tiles):
-        h, start_m = _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M, rot, ROTATE)
-        if ORDERED:
-            lock = DqLocks + (b * heads + h) * gl.cdiv(seqlen_q, BLOCK_M) + start_m // BLOCK_M
-            turn = dq_add_turn(start_n // BLOCK_N, start_m, num_n, n_tiles, off, window_right,
-                               BLOCK_M, BLOCK_N, BOUNDED_RIGHT)
-            hopper.wait_turn(lock, turn)
-        for half in gl.static_range(2):
-            slot = half * DQ_BUFS + i % DQ_BUFS
-            mbarrier.wait(dq_full.index(slot), (i // DQ_BUFS) & 1)
-            dq_row = _dq_tile_row(b, q_start, start_m, half, BLOCK_M, TILE_ROWS, IS_VARLEN)
-            hopper.tma_reduce_add(dq_desc, [b_tma, h, dq_row, 0], dq_smem.index(slot))
-        tma.store_wait(0)
-        if ORDERED:
-            hopper.end_turn(lock)
-        for half in gl.static_range(2):
-            mbarrier.arrive(dq_empty.index(half * DQ_BUFS + i % DQ_BUFS))
+    num_n = blocks[7]
+    window_right = blocks[9]
+    step = gl.to_tensor(0)  # the rings' count of tiles before this block's
+    for blk in range(n_items):
+        b, hk, start_n, q_start, _, seqlen_q, _, off, lo, _, _, n_tiles = _program_block(
+            blk, blocks, BLOCK_M, BLOCK_N, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
+            BOUNDED_RIGHT, BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD)  # fmt: skip
+        b_tma = 0 if IS_VARLEN else b
+        rot = 0
+        if ROTATE:  # as the load warp's
+            rot = (start_n // BLOCK_N) * n_tiles // num_n
+        for t in range(GROUP * n_tiles):
+            i = step + t
+            h, start_m = _query_tile(t, hk, GROUP, lo, n_tiles, BLOCK_M, rot, ROTATE)
+            if ORDERED:
+                lock = DqLocks + (b * heads + h) * gl.cdiv(seqlen_q, BLOCK_M) + start_m // BLOCK_M
+                turn = dq_add_turn(start_n // BLOCK_N, start_m, num_n, n_tiles, off,
+                                   window_right, BLOCK_M, BLOCK_N, BOUNDED_RIGHT)
+                hopper.wait_turn(lock, turn)
+            for half in gl.static_range(2):
+                slot = half * DQ_BUFS + i % DQ_BUFS
+                mbarrier.wait(dq_full.index(slot), (i // DQ_BUFS) & 1)
+                dq_row = _dq_tile_row(b, q_start, start_m, half, BLOCK_M, TILE_ROWS, IS_VARLEN)
+                hopper.tma_reduce_add(dq_desc, [b_tma, h, dq_row, 0], dq_smem.index(slot))
+            tma.store_wait(0)
+            if ORDERED:
+                hopper.end_turn(lock)
+            for half in gl.static_range(2):
+                mbarrier.arrive(dq_empty.index(half * DQ_BUFS + i % DQ_BUFS))
+        step += GROUP * n_tiles
 
 
 @gluon.jit
@@ -676,12 +691,12 @@ def _bwd_sm90_kernel(
     n_items = gl.to_tensor(1)
     if PERSISTENT:
         n_items = hopper.work_items(pid, programs, num_items, FOLD)
-    # The first block here: a program of its own (not PERSISTENT) is done at once past
-    # its packed sequence's end, and the dQ writer warp takes its bounds from here.
-    (b, hk, start_n, q_start, _, seqlen_q_b, seqlen_k_b, off, lo, _, _, n_tiles) = _program_block(
-        0, (pid, programs, HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left,
-            window_right), BLOCK_M, BLOCK_N, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
-        BOUNDED_RIGHT, BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD)  # fmt: skip
+    blocks = (pid, programs, HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left,
+              window_right)
+    # A program of its own (not PERSISTENT) is done at once past its packed sequence's end.
+    _, _, start_n, _, _, _, seqlen_k_b, _, _, _, _, _ = _program_block(
+        0, blocks, BLOCK_M, BLOCK_N, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
+        BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD)  # fmt: skip
     if SKIP_PAST_END:  # a key block past its packed sequence's end: nothing to do
         if start_n >= seqlen_k_b:
             return
@@ -724,14 +739,6 @@ def _bwd_sm90_kernel(
 
     seed, rng_offset = philox_key(Rng, HAS_DROPOUT)
     heads = HKV * GROUP
-    # ORDERED_DQ (dense batches only, a program per block): the dQ tiles' counters come
-    # in CuSeqQ's place, and without a mask each program walks its query tiles from its
-    # own one on.
-    rot = 0
-    if ROTATE:  # program n's walk starts at query tile n * n_tiles // num_n
-        rot = (start_n // BLOCK_N) * n_tiles // num_n_blocks
-    order = (CuSeqQ, b, heads, seqlen_q_b, start_n, num_n_blocks, off, window_right, rot)
-
     # Runtime values only: a constexpr stored in a variable would turn into a tensor, so
     # the constexprs go into each partition's arguments inline.
     shared = (dq_desc, dbias_desc, dk_desc, dv_desc, DK, DV, stride_kb, stride_kn, stride_kh,
@@ -746,8 +753,8 @@ def _bwd_sm90_kernel(
              v_smem, lse_smem, delta_smem, bias_smem, kv_bar, kv_empty, q_ready, do_ready,
              q_empty, do_empty, GROUP, bias_batches, bias_heads, pid, programs, n_items, HKV,
              CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right)
-    if DQ_BUFS > 0:  # a fourth partition, the dQ writer warp (a program per block)
-        b_tma = 0 if IS_VARLEN else b
+    if DQ_BUFS > 0:  # a fourth partition, the dQ writer warp (ORDERED: dQ's counters
+        # come in CuSeqQ's place)
         gl.warp_specialize(
             [(_bwd_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, HAS_DBIAS, DBIAS_SUM, BIAS_ROW,
@@ -763,10 +770,11 @@ def _bwd_sm90_kernel(
                                            BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
                                            BATCH_INNER, HEAD_INNER, ORDERED, ROTATE,
                                            PERSISTENT, FOLD)),
-             (_bwd_dq_writer_partition, (dq_desc, dq_smem, dq_full, dq_empty, b_tma, hk,
-                                         q_start, GROUP, lo, n_tiles, order, BLOCK_M,
-                                         BLOCK_N, DQ_BUFS, ORDERED, ROTATE, BOUNDED_RIGHT,
-                                         IS_VARLEN))],
+             (_bwd_dq_writer_partition, (dq_desc, dq_smem, dq_full, dq_empty, blocks,
+                                         n_items, GROUP, CuSeqQ, heads, BLOCK_M, BLOCK_N,
+                                         DQ_BUFS, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
+                                         BOUNDED_RIGHT, BATCH_INNER, HEAD_INNER, ORDERED,
+                                         ROTATE, PERSISTENT, FOLD))],
             worker_num_warps=[4, 1, 1], worker_num_regs=[240, 24, 24])  # fmt: skip
     else:
         gl.warp_specialize(
@@ -1223,16 +1231,16 @@ def takes_head_dims(spec: AttentionSpec) -> bool:
 # there all B*H programs of a key block add into one tile at once, so a bias summed
 # over both keeps the shipped order (key blocks of one head side by side).
 SUMMED_BIAS_INNER = True
-# dQ through a warp of its own (FA4's dQ warp): the compute warpgroups leave each step's
-# dQ halves in shared memory (two buffers each where they fit) and go on; a fifth warp
-# issues the TMA reduce-adds and releases the buffers once read. Today each warpgroup
-# waits for its previous reduce to have read its buffer, with a warpgroup barrier,
-# and issues the next itself. Correct (its GPU test), but no faster: tools/ab.py
-# (variant "dq_writer", H100, bf16 16k tokens) 441 -> 450 D=64 S4096, 480 -> 478 causal
-# S16384, 535 -> 537 D=128 S4096, 560 -> 550 causal S16384 (predicted +1-3 %). Kept
-# off as the place where a deterministic order of the adds (a semaphore per dQ tile)
-# would go.
-DQ_WRITER = False
+# dQ through a warp of its own (FA4's dQ warp), by Dqk: the compute warpgroups leave
+# each step's dQ halves in shared memory (two buffers each where they fit) and go on; a
+# fifth warp issues the TMA reduce-adds and releases the buffers once read. Without it
+# each warpgroup waits for its previous reduce to have read its buffer, with a
+# warpgroup barrier, and issues the next itself. H100, persistent programs, tools/ab.py
+# --rounds 6 (medians; variants "dq_writer", "no_dq_writer"): D=64 S1024 379 -> 383,
+# causal 271 -> 276, S4096 459 -> 457, causal 409 -> 417, S16384 478 -> 488, causal 471
+# -> 483; D=128 S1024 425 -> 425, S4096 539 -> 534, causal 473 -> 467, S16384 causal
+# 550 -> 543. Deterministic calls (ORDERED_DQ) take it at every Dqk.
+DQ_WRITER = {64: True, 128: False}
 # Deterministic calls at D 64/128 on this kernel (FA3's scheme): a counter per dQ tile
 # (b, h, query tile), zeroed per call, and the dQ writer warp adds a tile's halves only
 # at its program's turn (dq_add_turn), counting the turn on once the adds completed
@@ -1261,12 +1269,13 @@ PERSISTENT_BLOCKS = True
 
 
 def dq_buffers(spec: AttentionSpec, bias_tiles: bool, dbias_kind: str | None) -> int:
-    """The kernel's DQ_BUFS: 0 (each compute warpgroup sends its dQ tiles), or with
-    DQ_WRITER (and for ORDERED_DQ's calls) the dQ writer warp's buffers a warpgroup:
+    """The kernel's DQ_BUFS: 0 (each compute warpgroup sends its dQ tiles), or where
+    DQ_WRITER says (and for ORDERED_DQ's calls) the dQ writer warp's buffers a warpgroup:
     two where shared memory holds them (no bias tiles, no dropout), else one. Not
     beside a bias gradient that leaves by TMA from the compute warpgroups (full, or
     summed through dQ's buffers)."""
-    if not (DQ_WRITER or orders_dq(spec, dbias_kind)) or dbias_kind in ("full", "summed"):
+    writer = DQ_WRITER[spec.head_dim_qk] or orders_dq(spec, dbias_kind)
+    if not writer or dbias_kind in ("full", "summed"):
         return 0
     return 1 if bias_tiles or spec.dropout_p > 0 else 2
 
@@ -1515,8 +1524,7 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
     items = num_n * spec.batch * spec.kv_heads
     # Persistent where the order of the blocks is free: not packed sequences (blocks
     # past a sequence's end), nor a summed bias gradient's or ORDERED_DQ's order.
-    persistent = (PERSISTENT_BLOCKS and not spec.varlen and not ordered and dq_bufs == 0
-                  and not any(inner))  # fmt: skip
+    persistent = PERSISTENT_BLOCKS and not spec.varlen and not ordered and not any(inner)
     fold = persistent and spec.window_right >= 0
     constexprs = dict(
         HEAD_DIM_QK=spec.head_dim_qk, HEAD_DIM_V=spec.head_dim_v,
