@@ -229,13 +229,11 @@ def _bwd_blocks_load_partition(
     program's key blocks (_program_block), each block's K and V once the compute
     warpgroups are done with the last block's (kv_empty), while they store its dK and
     dV; the Q and dO rings run on from block to block. ``loads``: its runtime
-    arguments."""
+    arguments (``blocks``: _program_block's)."""
     (q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem, v_smem,
      lse_smem, delta_smem, bias_smem, kv_bar, kv_empty, q_ready, do_ready, q_empty, do_empty,
-     GROUP, bias_batches, bias_heads, pid, programs, n_items, HKV, CuSeqQ, CuSeqK, seqlen_q,
-     seqlen_k, num_n_blocks, window_left, window_right) = loads
-    blocks = (pid, programs, HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks,
-              window_left, window_right)
+     GROUP, bias_batches, bias_heads, blocks, n_items) = loads
+    num_n_blocks = blocks[7]
     step = gl.to_tensor(0)
     for j in range(n_items):
         b, hk, start_n, q_start, k_start, _, _, _, lo, _, _, n_tiles = _program_block(
@@ -335,12 +333,9 @@ def _bwd_compute_partition(
     (dq_desc, dbias_desc, dk_desc, dv_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb,
      stride_vn, stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bias_smem,
      ds_smem, dq_smem, dsum_smem, dq_full, dq_empty, kv_bar, kv_empty, q_ready, do_ready,
-     q_empty, do_empty, ds_bar, pid, programs, n_items, HKV, CuSeqQ, CuSeqK, seqlen_q_all,
-     seqlen_k_all, num_n_blocks, GROUP, scale, window_left, window_right, seed, rng_offset,
-     heads, dropout_p, Alibi, stride_ab, stride_ah, BiasRow, stride_rb, stride_rh, stride_rn,
-     bias_batches, bias_heads, DBiasRow, stride_pb, stride_ph) = shared
-    blocks = (pid, programs, HKV, CuSeqQ, CuSeqK, seqlen_q_all, seqlen_k_all, num_n_blocks,
-              window_left, window_right)
+     q_empty, do_empty, ds_bar, blocks, n_items, GROUP, scale, window_left, window_right,
+     seed, rng_offset, heads, dropout_p, Alibi, stride_ab, stride_ah, BiasRow, stride_rb,
+     stride_rh, stride_rn, bias_batches, bias_heads, DBiasRow, stride_pb, stride_ph) = shared
     dtype: gl.constexpr = k_smem.dtype
     HALF_N: gl.constexpr = BLOCK_N // 2
     DQ_ROWS: gl.constexpr = dq_split(HEAD_DIM_QK, BLOCK_M)[0]  # dQ's part made here
@@ -580,8 +575,7 @@ def _bwd_dq_writer_partition(
     tile's counter in DqLocks, and count it on once they are done. ``blocks``: as
     _program_block takes them."""
     TILE_ROWS: gl.constexpr = dq_desc.block_type.shape[2]
-    num_n = blocks[7]
-    window_right = blocks[9]
+    num_n, window_right = blocks[7], blocks[9]
     step = gl.to_tensor(0)  # the rings' count of tiles before this block's
     for blk in range(n_items):
         b, hk, start_n, q_start, _, seqlen_q, _, off, lo, _, _, n_tiles = _program_block(
@@ -774,15 +768,13 @@ def _bwd_sm90_kernel(
     shared = (dq_desc, dbias_desc, dk_desc, dv_desc, DK, DV, stride_kb, stride_kn, stride_kh,
               stride_vb, stride_vn, stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem,
               delta_smem, bias_smem, ds_smem, dq_smem, dsum_smem, dq_full, dq_empty, kv_bar,
-              kv_empty, q_ready, do_ready, q_empty, do_empty, ds_bar, pid, programs, n_items,
-              HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, GROUP, scale, window_left,
-              window_right, seed, rng_offset, heads, dropout_p, Alibi, stride_ab, stride_ah,
-              BiasRow, stride_rb, stride_rh, stride_rn, bias_batches, bias_heads, DBiasRow,
-              stride_pb, stride_ph)
+              kv_empty, q_ready, do_ready, q_empty, do_empty, ds_bar, blocks, n_items, GROUP,
+              scale, window_left, window_right, seed, rng_offset, heads, dropout_p, Alibi,
+              stride_ab, stride_ah, BiasRow, stride_rb, stride_rh, stride_rn, bias_batches,
+              bias_heads, DBiasRow, stride_pb, stride_ph)
     loads = (q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem,
              v_smem, lse_smem, delta_smem, bias_smem, kv_bar, kv_empty, q_ready, do_ready,
-             q_empty, do_empty, GROUP, bias_batches, bias_heads, pid, programs, n_items, HKV,
-             CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right)
+             q_empty, do_empty, GROUP, bias_batches, bias_heads, blocks, n_items)
     if DQ_BUFS > 0:  # a fourth partition, the dQ writer warp (ORDERED: dQ's counters
         # come in CuSeqQ's place)
         gl.warp_specialize(
