@@ -489,6 +489,38 @@ def test_hopper_backward_persistent_gpu(name, dtype, writer, hopper_backward_lau
     assert grids and all(g == ((5,), True, with_writer) for g in grids), grids
 
 
+# A bias plane per head that packed sequences share (backward_sm90.PACKED_BIAS_ADDS):
+# each sequence's dS tiles added into the 16-bit gradient ("added"), or, past the
+# sequence count, into the fp32 buffer ("summed"); 20 sequences of mixed lengths (empty
+# ones too), causal, D 64 and 128.
+_PACKED_LENGTHS = (300, 0, 517, 64, 129, 1, 704, 33, 256, 90, 411, 5, 128, 640, 77, 200, 3,
+                   380, 150, 600)  # the longest's keys in rows of whole 16 bytes (TMA)
+PACKED_SHARED_BIAS = Case("packed shared bias", heads=4, kv_heads=2, bias="1HQK",
+                          lengths_q=_PACKED_LENGTHS, lengths_k=_PACKED_LENGTHS,
+                          options=dict(causal=True))  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kind", ["added", "summed"])
+def test_packed_shared_bias_gradient_gpu(kind, head_dim, dtype, hopper_backward_launches,
+                                         monkeypatch):  # fmt: skip
+    from memattn.kernels import backward_sm90
+
+    monkeypatch.setattr(backward_sm90, "PACKED_BIAS_ADDS", 32 if kind == "added" else 19)
+    backward_sm90.hopper.forget_plans()  # plans are made from the knobs
+    launches = record_launches(monkeypatch, backward_sm90, "_launch_backward")
+    case = PACKED_SHARED_BIAS.scaled(dqk=head_dim, dv=head_dim)
+    try:
+        assert_results(check_backward(case, dtype, "cuda", seed=23))
+    finally:
+        backward_sm90.hopper.forget_plans()
+    tiles = {"added": 2, "summed": 0}[kind]
+    assert launches and all(c["DBIAS_TILES"] == tiles and c["DBIAS_SUM"] == (kind == "summed")
+                            for _, c in launches)  # fmt: skip
+
+
 # Dqk=192 / Dv=128 on the D=256 kernels, Q and K split into 128 + 64 columns
 # (backward_sm90.SPLIT_HEAD_DIM_PAIRS): dense calls without bias, ALiBi or dropout, as
 # at D=256.

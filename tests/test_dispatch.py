@@ -73,6 +73,26 @@ def test_gluon_backward_computes(d, bias_shape, options, need_dbias, computes):
 
 @gluon
 @pytest.mark.parametrize(
+    "bias_shape, varlen, sequences, kind",
+    [((2, 2, 16, 16), False, 2, "full"),  # dS is the gradient
+     ((2, 2, 16, 16), True, 2, "full"),  # a plane each sequence
+     ((1, 2, 16, 16), False, 2, "summed"),  # over a dense batch: the fp32 buffer
+     ((1, 2, 16, 16), True, 2, "added"),  # a plane per head the sequences share
+     ((1, 2, 16, 16), True, 3, "summed"),  # more sequences than PACKED_BIAS_ADDS
+     ((1, 1, 16, 16), True, 2, "summed"),  # shared by the heads too
+     ((2, 1, 1, 16), True, 2, "row")],  # summed over queries in registers
+)  # fmt: skip
+def test_bias_gradient_kinds(bias_shape, varlen, sequences, kind, monkeypatch):
+    """dbias_kind_of: a plane per head shared by at most PACKED_BIAS_ADDS packed
+    sequences takes their dS added into the gradient itself; any other broadcast, the
+    fp32 buffer."""
+    monkeypatch.setattr(dispatch.backward_sm90, "PACKED_BIAS_ADDS", 2)
+    spec, _, _, _, bias = spec_and_inputs(b=sequences, bias_shape=bias_shape, varlen=varlen)
+    assert dispatch.backward_sm90.dbias_kind_of(spec, bias) == kind
+
+
+@gluon
+@pytest.mark.parametrize(
     "bias_shape, inner",
     [((2, 2, 16, 16), (False, False)),  # a full bias: nothing summed
      ((1, 2, 16, 16), (True, False)),  # over the batch
@@ -116,6 +136,7 @@ def test_gluon_forward_takes_key_rows_at_positive_scales(scale, bias_shape, take
      (64, dict(dropout_p=0.1), None, 1),  # dropout's scratch: one
      (64, {}, "full", 0),  # dS leaves by TMA from the warpgroups
      (64, {}, "summed", 0),
+     (64, {}, "added", 0),
      (64, {}, "row", 2),
      (128, {}, None, 0),  # DQ_WRITER: off at Dqk=128
      (128, dict(causal=True, deterministic=True), None, 2)],  # ORDERED_DQ's turns
@@ -137,7 +158,7 @@ def test_backward_dq_writer_where_dqk_and_the_bias_gradient_allow(d, options, db
         on = backward_sm90._plan(spec, False, dbias_kind, (False, False), 0).constexprs
     finally:
         backward_sm90.hopper.forget_plans()
-    assert on["DQ_BUFS"] == (buffers or (0 if dbias_kind in ("full", "summed") else 2))
+    assert on["DQ_BUFS"] == (buffers or (0 if dbias_kind in ("full", "added", "summed") else 2))
 
 
 @gluon

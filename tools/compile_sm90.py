@@ -170,7 +170,8 @@ def compile_hopper_backward() -> int:
         if kind == "row":
             dbias = torch.empty(*spec.bias_shape[:2], spec.seqlen_k)
         elif kind is not None:
-            dbias = torch.empty(bias.shape, dtype=bias.dtype if kind == "full" else torch.float32)
+            fp32 = kind == "summed"  # the buffer it is added into
+            dbias = torch.empty(bias.shape, dtype=torch.float32 if fp32 else bias.dtype)
         rng = torch.zeros(2, dtype=torch.int64) if spec.dropout_p > 0 else None
         dq = torch.empty(q.shape, dtype=q.dtype)
         if backward_sm90.dq_in_fp32(spec):  # as backward_sm90.run makes it
@@ -189,7 +190,8 @@ def _compile_hopper(name, launch) -> int:
     every mask of HOPPER_MASKS, no bias, a full one, one broadcast over the batch
     (sumbias: its gradient summed), a key-padding row (B, 1, 1, Sk), dropout, ALiBi,
     packed sequences (varlen: 2100 and 704 tokens, cu_seqlens given; varlen_bias with a
-    full bias, varlen_sumbias with one shared by the sequences, varlen_all with a key
+    full bias, varlen_addbias with a plane per head the sequences share (its gradient
+    added in bf16), varlen_sumbias with one plane for all, varlen_all with a key
     row, dropout and ALiBi), GQA 4:2, Sq=2100 (D=64's three warpgroups), Sk=704; returns
     the number of failures. MEMATTN_HOPPER_FEATURES=dropout (comma-separated from those
     names) and MEMATTN_HOPPER_DIMS=256 compile a subset."""
@@ -199,7 +201,7 @@ def _compile_hopper(name, launch) -> int:
     hopper.sm_count = lambda device_index: 132  # an H100's; no GPU here to ask
     features = os.environ.get("MEMATTN_HOPPER_FEATURES",
                               "none,bias,sumbias,rowbias,dropout,alibi,varlen,varlen_bias,"
-                              "varlen_sumbias,varlen_all").split(",")
+                              "varlen_addbias,varlen_sumbias,varlen_all").split(",")
     dims = [(int(d.split("/")[0]), int(d.split("/")[-1]))
             for d in os.environ.get("MEMATTN_HOPPER_DIMS", "64,128,256").split(",")]
     failures = 0
@@ -216,9 +218,9 @@ def _compile_hopper(name, launch) -> int:
                     bias = torch.randn(1, 4, 2100, 704, dtype=torch.bfloat16)
                 elif feature == "rowbias":
                     bias = torch.randn(2, 1, 1, 704, dtype=torch.bfloat16)
-                elif feature in ("varlen_bias", "varlen_sumbias"):
-                    bias = torch.randn(2 if feature == "varlen_bias" else 1, 4, 1500, 504,
-                                       dtype=torch.bfloat16)  # fmt: skip
+                elif feature in ("varlen_bias", "varlen_addbias", "varlen_sumbias"):
+                    planes = {"varlen_bias": (2, 4), "varlen_addbias": (1, 4)}.get(feature, (1, 1))
+                    bias = torch.randn(*planes, 1500, 504, dtype=torch.bfloat16)
                 elif feature == "varlen_all":
                     bias = torch.randn(2, 1, 1, 504, dtype=torch.bfloat16)
                 dropout_p = 0.1 if feature in ("dropout", "varlen_all") else 0.0

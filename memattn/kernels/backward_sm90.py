@@ -19,12 +19,13 @@ TMA reduce-add (an L2-side atomic of a whole tile). Three partitions:
 dS stays unscaled in shared memory, as (queries, keys) tiles of rows x 64: it is the
 gradient of a bias, and for a full bias each warpgroup's tile leaves by TMA store as
 it is; for one broadcast over batch or heads each tile is added, in fp32, into the
-gradient by TMA reduce-add as dQ is. dK and dQ take the softmax scale in fp32. A bias
-tile loads beside each Q tile; a bias constant along queries (key padding) is read by
-pointer, 64 keys a warpgroup, and its gradient is dS summed over each query head's
-tiles in registers, stored once per (b, h, keys) into an fp32 buffer that run() sums
-over the dimensions the bias broadcasts over: no atomics, no expanded buffer, the same
-bits every run.
+gradient by TMA reduce-add as dQ is (a plane per head shared by packed sequences: into
+the gradient itself, in its dtype, PACKED_BIAS_ADDS). dK and dQ take the softmax scale
+in fp32. A bias tile loads beside each Q tile; a bias constant along queries (key
+padding) is read by pointer, 64 keys a warpgroup, and its gradient is dS summed over
+each query head's tiles in registers, stored once per (b, h, keys) into an fp32 buffer
+that run() sums over the dimensions the bias broadcasts over: no atomics, no expanded
+buffer, the same bits every run.
 Dropout's keep bits come from hopper.dropout_keep in the transposed layout. Packed
 sequences (varlen): one batch of all tokens to TMA, tiles from each sequence's first
 token, query rows past a sequence's end masked, dK and dV stored from its first key;
@@ -314,7 +315,7 @@ def _visible_t(keys, start_m, seqlen_q, seqlen_k, off, window_left, window_right
 def _bwd_compute_partition(
     shared, HALF: gl.constexpr, HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-    HAS_DBIAS: gl.constexpr, DBIAS_SUM: gl.constexpr, BIAS_ROW: gl.constexpr,
+    DBIAS_TILES: gl.constexpr, DBIAS_SUM: gl.constexpr, BIAS_ROW: gl.constexpr,
     DBIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
     BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, DQ_BUFS: gl.constexpr,
     ROTATE: gl.constexpr, IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
@@ -362,9 +363,10 @@ def _bwd_compute_partition(
     v_half = v_smem.reshape([BLOCK_N, HEAD_DIM_V]).slice(HALF * HALF_N, HALF_N, dim=0)
     k_cols = k_all.slice(HALF * DQ_COLS % HEAD_DIM_QK, DQ_COLS, dim=1)  # dQ's columns here
     scale_log2 = scale * LOG2E
-    # Bulk copies (TMA) a step may leave in flight when dQ's tile is written: the full
-    # bias gradient's store, or the summed one's reduce-add from a buffer of its own.
-    OTHER_BULK: gl.constexpr = 1 if HAS_DBIAS or (DBIAS_SUM and HEAD_DIM_QK != BLOCK_N) else 0
+    # Bulk copies (TMA) a step may leave in flight when dQ's tile is written: the bias
+    # gradient's store or reduce-add from dS's tile (DBIAS_TILES: 1 stored, 2 added), or
+    # the fp32 reduce-add from a buffer of its own.
+    OTHER_BULK: gl.constexpr = 1 if DBIAS_TILES > 0 or (DBIAS_SUM and HEAD_DIM_QK != BLOCK_N) else 0
     # dK and dV leave through this warpgroup's (first) dQ buffer: both at once where
     # they fit (D=64 at 128 rows), else one after the other.
     STAGE_SLOT: gl.constexpr = HALF * DQ_BUFS if DQ_BUFS > 0 else HALF
@@ -474,8 +476,10 @@ def _bwd_compute_partition(
             ds_own = ds_smem.index(ds_pair + HALF)
             ds_own.reshape([BLOCK_M, HALF_N]).permute((1, 0)).store(ds_lo)
             fence_async_shared()
-            if HAS_DBIAS:  # the bias gradient is dS: this half's tile goes straight out
+            if DBIAS_TILES == 1:  # the bias gradient is dS: this half's tile goes straight out
                 tma.async_copy_shared_to_global(dbias_desc, [b, h, start_m, row0], ds_own)
+            if DBIAS_TILES == 2:  # a bias the packed sequences share: added in, as it is
+                hopper.tma_reduce_add(dbias_desc, [0, h, start_m, row0], ds_own)
             mbarrier.arrive(ds_bar)
             mbarrier.wait(ds_bar, i & 1)
             dq = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, layout=dq_layout)
@@ -700,7 +704,7 @@ def _bwd_sm90_kernel(
     seqlen_k, num_n_blocks, num_items, scale, window_left, window_right, dropout_p,
     HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_DBIAS: gl.constexpr,
+    STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, DBIAS_TILES: gl.constexpr,
     DBIAS_SUM: gl.constexpr, BIAS_ROW: gl.constexpr, DBIAS_ROW: gl.constexpr,
     HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
@@ -779,12 +783,12 @@ def _bwd_sm90_kernel(
         # come in CuSeqQ's place)
         gl.warp_specialize(
             [(_bwd_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
-                                       STAGES, HAS_BIAS, HAS_DBIAS, DBIAS_SUM, BIAS_ROW,
+                                       STAGES, HAS_BIAS, DBIAS_TILES, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
                                        BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD)),
              (_bwd_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
-                                       STAGES, HAS_BIAS, HAS_DBIAS, DBIAS_SUM, BIAS_ROW,
+                                       STAGES, HAS_BIAS, DBIAS_TILES, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
                                        BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD)),
@@ -801,12 +805,12 @@ def _bwd_sm90_kernel(
     else:
         gl.warp_specialize(
             [(_bwd_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
-                                       STAGES, HAS_BIAS, HAS_DBIAS, DBIAS_SUM, BIAS_ROW,
+                                       STAGES, HAS_BIAS, DBIAS_TILES, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
                                        BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD)),
              (_bwd_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
-                                       STAGES, HAS_BIAS, HAS_DBIAS, DBIAS_SUM, BIAS_ROW,
+                                       STAGES, HAS_BIAS, DBIAS_TILES, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
                                        BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD)),
@@ -1253,6 +1257,14 @@ def takes_head_dims(spec: AttentionSpec) -> bool:
 # there all B*H programs of a key block add into one tile at once, so a bias summed
 # over both keeps the shipped order (key blocks of one head side by side).
 SUMMED_BIAS_INNER = True
+# A bias the packed sequences share, a plane per head (dbias_kind_of's "added"): each
+# sequence's dS tiles are added by TMA reduce-add straight into the gradient, in its
+# 16-bit dtype, as they are in shared memory (zeroed beforehand), one rounding a
+# sequence: the sums autograd makes over a loop of per-sequence calls. Through the fp32
+# buffer ("summed"), each step staged its dS in fp32 for adds of twice the bytes, and
+# the buffer took a zeroing pass and a conversion. Up to PACKED_BIAS_ADDS sequences a
+# call; past that the roundings add up, and the fp32 buffer takes over.
+PACKED_BIAS_ADDS = 32
 # dQ through a warp of its own (FA4's dQ warp), by Dqk: the compute warpgroups leave
 # each step's dQ halves in shared memory (two buffers each where they fit) and go on; a
 # fifth warp issues the TMA reduce-adds and releases the buffers once read. Without it
@@ -1294,10 +1306,10 @@ def dq_buffers(spec: AttentionSpec, bias_tiles: bool, dbias_kind: str | None) ->
     """The kernel's DQ_BUFS: 0 (each compute warpgroup sends its dQ tiles), or where
     DQ_WRITER says (and for ORDERED_DQ's calls) the dQ writer warp's buffers a warpgroup:
     two where shared memory holds them (no bias tiles, no dropout), else one. Not
-    beside a bias gradient that leaves by TMA from the compute warpgroups (full, or
-    summed through dQ's buffers)."""
+    beside a bias gradient that leaves by TMA from the compute warpgroups (full, added,
+    or summed through dQ's buffers)."""
     writer = DQ_WRITER[spec.head_dim_qk] or orders_dq(spec, dbias_kind)
-    if not writer or dbias_kind in ("full", "summed"):
+    if not writer or dbias_kind in ("full", "added", "summed"):
         return 0
     return 1 if bias_tiles or spec.dropout_p > 0 else 2
 
@@ -1308,7 +1320,7 @@ def orders_dq(spec: AttentionSpec, dbias_kind: str | None) -> bool:
     warpgroups (dQ's writer warp has no room beside it), and no window bounded on the
     left alone (dq_add_turn's two orders need a right bound or none)."""
     if not (ORDERED_DQ and spec.deterministic and dq_in_fp32(spec) and not spec.varlen
-            and dbias_kind not in ("full", "summed")):
+            and dbias_kind not in ("full", "added", "summed")):
         return False
     if spec.window_right >= 0:  # adds last block first, waiting on earlier programs only
         return True
@@ -1322,7 +1334,7 @@ def inner_dims(spec: AttentionSpec, bias, dbias_kind: str | None) -> tuple[bool,
     """Whether the batch or the kv head varies fastest in the programs' order: the one
     dimension a summed bias gradient broadcasts over (SUMMED_BIAS_INNER), neither when
     it broadcasts over both."""
-    if dbias_kind != "summed" or not SUMMED_BIAS_INNER:
+    if dbias_kind not in ("added", "summed") or not SUMMED_BIAS_INNER:
         return (False, False)
     batches, heads = hopper.bias_dims(bias)
     inner = (batches == 1 and spec.batch > 1, heads == 1 and spec.kv_heads > 1)
@@ -1333,11 +1345,18 @@ def dbias_kind_of(spec: AttentionSpec, bias: torch.Tensor) -> str:
     """How the D 64/128 kernel makes a bias's gradient: "row" for one constant along
     queries (hopper.bias_row: dS summed over each head's queries in registers), "full"
     for one with an element per (b, h, i, j) (dS is the gradient: each tile stored as it
-    is), "summed" for one broadcast over batch or heads (dS added into an fp32 buffer by
-    TMA reduce-adds, as dQ is)."""
+    is), "added" for a plane per head that up to PACKED_BIAS_ADDS packed sequences share
+    (each tile added into the gradient by TMA reduce-add), "summed" for any other
+    broadcast over batch or heads (dS added into an fp32 buffer by TMA reduce-adds, as
+    dQ is)."""
     if hopper.bias_row(spec, bias):
         return "row"
-    return "full" if hopper.bias_full(spec, bias) else "summed"
+    if hopper.bias_full(spec, bias):
+        return "full"
+    if spec.varlen and spec.batch <= PACKED_BIAS_ADDS and hopper.bias_dims(bias) == (
+            1, spec.heads):
+        return "added"
+    return "summed"
 
 
 def row_stats_buffer(spec: AttentionSpec, lse: torch.Tensor) -> torch.Tensor:
@@ -1386,7 +1405,8 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
     None without dropout. For a bias constant along queries (hopper.bias_row), dbias is
     a zeroed (B, H, Sk) fp32 buffer that takes dS summed over each head's queries; for
     one broadcast over batch or heads, a zeroed fp32 buffer of the bias's shape that
-    takes every (b, h)'s dS added in."""
+    takes every (b, h)'s dS added in, or for dbias_kind_of's "added" the zeroed gradient
+    itself."""
     if spec.head_dim_qk > 128:
         return _backward_wide(spec, q, k, v, grad_out, stats, dq, dk, dv)
     bias_row = hopper.bias_row(spec, bias)
@@ -1420,7 +1440,7 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
     elif bias is not None:
         bias_desc = hopper.bias_descriptor(bias, block_m, BLOCK_N)
         bias_batches, bias_heads = bias_desc.shape[:2]
-    if dbias_kind in ("full", "summed"):  # a (queries, 64 keys) tile a warpgroup
+    if dbias_kind in ("full", "added", "summed"):  # a (queries, 64 keys) tile a warpgroup
         dbias_desc = hopper.bias_descriptor(dbias, block_m, BLOCK_N // 2)
     row_strides = hopper.bias_row_strides(bias if bias_row else None)
     partial_strides = dbias.stride()[:2] if dbias_kind == "row" else (0, 0)
@@ -1551,7 +1571,8 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
     constexprs = dict(
         HEAD_DIM_QK=spec.head_dim_qk, HEAD_DIM_V=spec.head_dim_v,
         BLOCK_M=block_m(spec, bias_row), BLOCK_N=BLOCK_N, STAGES=STAGES,
-        HAS_BIAS=bias_tiles, HAS_DBIAS=dbias_kind == "full", DBIAS_SUM=dbias_kind == "summed",
+        HAS_BIAS=bias_tiles, DBIAS_TILES={"full": 1, "added": 2}.get(dbias_kind, 0),
+        DBIAS_SUM=dbias_kind == "summed",
         BIAS_ROW=bias_row, DBIAS_ROW=dbias_kind == "row", HAS_ALIBI=spec.has_alibi,
         HAS_DROPOUT=spec.dropout_p > 0, IS_VARLEN=spec.varlen,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
@@ -1773,6 +1794,8 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
     elif dbias_kind == "summed":  # every (b, h)'s dS added in, converted at the end
         dbias = torch.empty(bias.shape, dtype=torch.float32, device=bias.device)
         bias_grad_tiles(ZERO_SEEN, spec, dbias, None, cu_seqlens_q, cu_seqlens_k)
+    elif dbias_kind == "added":  # every sequence's dS added in
+        dbias = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device)
     elif dbias_kind == "full":  # tiles no query sees are never written: zeros under a mask
         dbias = new_output(bias.shape, bias.dtype, bias.device)
         if spec.window_left >= 0 or spec.window_right >= 0 or spec.varlen:
