@@ -13,7 +13,7 @@ feature names follow the peer measurements in ``shared/peers-*.json``:
   its gradient) and the bias broadcast five ways (bias_1HQK, bias_B1QK, bias_11QK and the
   key-only bias_B11K, bias_1H1K), dropout0.1, window1024_causal, alibi, softcap30, gqa8,
   packed documents (13 in 16384 tokens: varlen_docs, varlen_causal_docs, with a (1, H,
-  S, S) bias or dropout), dqk192_dv128_causal, dqk128_dv64_causal, deterministic (the
+  S, S) bias (both) or dropout), dqk192_dv128_causal, dqk128_dv64_causal, deterministic (the
   backward's deterministic mode; its ratio to D128_S4096 is what it costs);
 - decode rows (few queries against a long KV cache, H=32, Hkv=8, D=128): the forward
   only, without autograd (inference), rated in GB/s of K and V read once.
@@ -146,6 +146,7 @@ FEATURE_ROWS = [
     replace(_BASE, feature="gqa8", kv_heads=2, quick=True),
     replace(_DOCS, feature="varlen_docs"),
     replace(_DOCS, feature="varlen_causal_docs", causal=True),
+    replace(_DOCS, feature="varlen_docs_bias", bias="1HQK"),
     replace(_DOCS, feature="varlen_causal_docs_bias", causal=True, bias="1HQK"),
     replace(_DOCS, feature="varlen_causal_docs_dropout0.1", causal=True, dropout=0.1),
     replace(_BASE, feature="dqk192_dv128_causal", dqk=192, causal=True),

@@ -33,7 +33,8 @@ def fresh_import():
 
 FEATURES = {"bias_grad", "bias_1HQK", "bias_B1QK", "bias_11QK", "bias_B11K", "bias_1H1K",
             "dropout0.1", "window1024_causal", "alibi", "softcap30", "gqa8", "varlen_docs",
-            "varlen_causal_docs", "varlen_causal_docs_bias", "varlen_causal_docs_dropout0.1",
+            "varlen_causal_docs", "varlen_docs_bias", "varlen_causal_docs_bias",
+            "varlen_causal_docs_dropout0.1",
             "dqk192_dv128_causal", "dqk128_dv64_causal", "deterministic"}  # fmt: skip
 QUICK = {"D128_S1024", "D128_S1024_causal", "D128_S4096", "D128_S4096_causal", "bias_grad",
          "gqa8", "decode_B8_Sq1_Sk32768"}  # fmt: skip
