@@ -72,10 +72,11 @@ def test_feature_rows_match_the_peers_features():
     assert docs.batch == 1 and docs.seqlen == sum(docs.docs) == 16384 and len(docs.docs) == 13
     assert len(set(docs.docs)) > 5  # mixed lengths
     assert rows["bias_grad"].bias == "BHQK" and rows["dropout0.1"].dropout == 0.1
-    assert rows["varlen_causal_docs_bias"].bias == "1HQK" and rows["bias_B11K"].bias == "B11K"
+    assert rows["varlen_causal_docs_bias"].bias == rows["varlen_docs_bias"].bias == "1HQK"
+    assert not rows["varlen_docs_bias"].causal and rows["bias_B11K"].bias == "B11K"
     assert rows["softcap30"].softcap == 30.0 and rows["alibi"].alibi
     names = [r.name for r in bench.all_rows()]
-    assert len(names) == len(set(names)) == 36 + 18 + 4
+    assert len(names) == len(set(names)) == 36 + 19 + 4
     det = rows["deterministic"]
     assert det.deterministic and (det.batch, det.seqlen, det.dqk) == (4, 4096, 128)
     assert bench.memattn_kwargs(det, bench.make_inputs(det, "meta"))["deterministic"]
