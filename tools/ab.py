@@ -44,6 +44,7 @@ VARIANTS = {
     "bwd_rows64": {"bwd.BLOCK_M_D64": 64},  # 64 query rows a backward step at D=64
     "summed_outer": {"bwd.SUMMED_BIAS_INNER": False},  # summed biases in the shipped order
     "dbias_fp32": {"bwd.PACKED_BIAS_ADDS": 0},  # packed sequences' shared bias: fp32 buffer
+    "three_parts8k": {"fwd.MIN_SEQLEN_Q_D64_MASKED": 8192},  # D=64 masked: 3 warpgroups
     "no_skip_empty": {"bwd.SKIP_EMPTY_KEY_BLOCKS": False},  # packed: blocks past the end run
     "dq_writer": {"bwd.DQ_WRITER": {64: True, 128: True}},  # dQ's adds from a warp of their own
     "no_dq_writer": {"bwd.DQ_WRITER": {64: False, 128: False}},  # ... from the warpgroups
@@ -56,7 +57,7 @@ VARIANTS = {
 MODULES = {"fwd": forward_sm90, "bwd": backward_sm90}
 DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
     ("fwd", ("FOLD", "BLOCK_M_D64", "PERSISTENT", "MAX_Q_STAGES", "RESCALE_THRESHOLD",
-             "TURNS_MAX_HEAD_DIM")),
+             "TURNS_MAX_HEAD_DIM", "MIN_SEQLEN_Q_D64_MASKED")),
     ("bwd", ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "PACKED_BIAS_ADDS", "SKIP_EMPTY_KEY_BLOCKS",
              "SPLIT_HEAD_DIM_PAIRS", "DQ_BLOCK_N", "DQ_WRITER", "ORDERED_DQ",
              "PERSISTENT_BLOCKS")))

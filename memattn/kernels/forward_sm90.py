@@ -75,12 +75,14 @@ ROWS = gl.constexpr(64)  # query rows per softmax warpgroup
 # 192 rows is two-thirds padding (384 -> 367). Under masks (causal, windows) the
 # diagonal tiles' mask arithmetic spills at three warpgroups' 160 registers (6-16
 # values there, not in the unmasked loop), and the blocks' work is uneven: causal
-# S16384 445-459 -> 490-493, S8192 421-445 -> 435-439, S4096 419-423 -> 381-385,
-# S2048 376 -> 243; so from MIN_SEQLEN_Q_D64_MASKED. Tools set BLOCK_M_D64 to A/B.
+# S16384 445-459 -> 490-493, S8192 421-445 -> 435-439 (after the masks by query
+# bounds, tools/ab.py --rounds 4 in three calls: 430 / 438 / 440 -> 444 / 454 / 449),
+# S4096 419-423 -> 381-385 (419 -> 408), S2048 376 -> 243; so from
+# MIN_SEQLEN_Q_D64_MASKED. Tools set BLOCK_M_D64 to A/B.
 BLOCK_M = 128
 BLOCK_M_D64 = 192
 MIN_SEQLEN_Q_D64 = 2048
-MIN_SEQLEN_Q_D64_MASKED = 16384
+MIN_SEQLEN_Q_D64_MASKED = 8192
 REGS_3 = gl.constexpr(160)  # per thread, for three softmax warpgroups beside the load warp
 # At D=256 (O: 128 accumulators a thread, against a 64-key tile's 32 scores) a row's
 # running max moves only when a tile's max passes it by more than this (log2 units): P
