@@ -99,7 +99,6 @@ def info(args) -> int:
             return ", ".join(f">= {n} at D={d}" for d, n in table.items())
 
         hopper = (f"on: bf16/fp16, D 64/128/256, keys per query "
-                  f"{at_least(forward_sm90.MIN_KEYS_PER_QUERY)} (forward), "
                   f"{at_least(backward_sm90.MIN_KEYS_PER_QUERY)} (backward); "
                   "memattn/kernels/dispatch.py says which calls; the rest run the tile "
                   "kernels")

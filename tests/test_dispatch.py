@@ -73,6 +73,25 @@ def test_gluon_backward_computes(d, bias_shape, options, need_dbias, computes):
 
 @gluon
 @pytest.mark.parametrize(
+    "d, seqlen, options, gluon_backward",
+    [(64, 512, dict(causal=True), True),  # 256 keys a query
+     (64, 256, dict(causal=True), False),  # 128: the tile backward
+     (64, 4096, dict(window=(63, 0)), False),  # 64
+     (128, 256, dict(causal=True), True),  # D=128: at every count
+     (128, 4096, dict(window=(31, 0)), True)],
+)  # fmt: skip
+def test_gluon_kernels_at_few_keys_per_query(d, seqlen, options, gluon_backward, monkeypatch):
+    """The Gluon forward at any count of keys a query; the Gluon backward too but at
+    D=64 below backward_sm90.MIN_KEYS_PER_QUERY."""
+    monkeypatch.setattr(dispatch, "_gluon_takes", lambda *args: True)  # a Hopper GPU's call
+    spec, q, k, v, bias = spec_and_inputs(d=d, sq=seqlen, sk=seqlen, **options)
+    assert dispatch.gluon_forward(spec, q, k, v, bias)
+    needs = (True, True, True, False)
+    assert dispatch.gluon_backward(spec, q, k, v, q, bias, None, needs) is gluon_backward
+
+
+@gluon
+@pytest.mark.parametrize(
     "bias_shape, varlen, sequences, kind",
     [((2, 2, 16, 16), False, 2, "full"),  # dS is the gradient
      ((2, 2, 16, 16), True, 2, "full"),  # a plane each sequence
@@ -123,8 +142,6 @@ def test_gluon_forward_takes_key_rows_at_positive_scales(scale, bias_shape, take
     """The Gluon forward's S wgmma starts from a key row in Q K^T's units, bias / scale
     (hopper.bias_row_scores): a softmax scale of 0 with one runs the tile forward."""
     monkeypatch.setattr(dispatch, "_gluon_takes", lambda *args: True)  # a Hopper GPU's call
-    monkeypatch.setattr(dispatch.forward_sm90, "MIN_KEYS_PER_QUERY",
-                        dict.fromkeys(dispatch.forward_sm90.HEAD_DIMS, 0))
     spec, q, k, v, bias = spec_and_inputs(d=128, bias_shape=bias_shape, scale=scale)
     assert dispatch.gluon_forward(spec, q, k, v, bias) is takes
 

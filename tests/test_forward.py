@@ -354,8 +354,6 @@ def test_keys_per_query_estimate(seqlen_q, seqlen_k, options, keys):
 def test_hopper_kernel_gpu(case, dtype, monkeypatch):
     if not hopper_kernel_runs_here():
         pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
-    monkeypatch.setattr(forward_sm90, "MIN_KEYS_PER_QUERY",
-                        dict.fromkeys(forward_sm90.HEAD_DIMS, 0))  # small sizes too
     launched = []
     run = forward_sm90.forward
     monkeypatch.setattr(forward_sm90, "forward", lambda *a: launched.append(1) or run(*a))
@@ -400,8 +398,6 @@ def test_hopper_kernel_persistent_gpu(name, fold, dtype, monkeypatch):
     if not hopper_kernel_runs_here():
         pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
     case = next(c for c in HOPPER_CASES if c.name == name)
-    monkeypatch.setattr(forward_sm90, "MIN_KEYS_PER_QUERY",
-                        dict.fromkeys(forward_sm90.HEAD_DIMS, 0))
     monkeypatch.setattr(forward_sm90, "FOLD", fold)
     monkeypatch.setattr(forward_sm90, "PERSISTENT", True)
     monkeypatch.setattr(forward_sm90, "MASKED_PERSISTENT",

@@ -407,8 +407,8 @@ def test_prepared_launches_see_packed_token_counts_gpu(monkeypatch):
     if not hopper_kernel_runs_here():
         pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
     monkeypatch.setattr(hopper, "CHECK_VARIANTS", False)
-    for module in (forward_sm90, backward_sm90):
-        monkeypatch.setattr(module, "MIN_KEYS_PER_QUERY", dict.fromkeys(module.HEAD_DIMS, 0))
+    monkeypatch.setattr(backward_sm90, "MIN_KEYS_PER_QUERY",
+                        dict.fromkeys(backward_sm90.HEAD_DIMS, 0))
     buffers = torch.randn(4, 1100, 2, 128, device="cuda", dtype=torch.bfloat16)
     for tokens in (300, 700, 1100):  # the longest sequence stays 300: one spec
         q, k, v = (t[:tokens].requires_grad_(True) for t in buffers[:3])
@@ -434,8 +434,6 @@ def test_minus_inf_bias_rows_in_the_gluon_kernels_gpu(monkeypatch):
         pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
     from memattn.kernels import backward_sm90
 
-    monkeypatch.setattr(forward_sm90, "MIN_KEYS_PER_QUERY",
-                        dict.fromkeys(forward_sm90.HEAD_DIMS, 0))
     monkeypatch.setattr(backward_sm90, "MIN_KEYS_PER_QUERY",
                         dict.fromkeys(backward_sm90.HEAD_DIMS, 0))
     launched = []

@@ -1,5 +1,6 @@
 """A/B kernel variants on the same inputs, on the device: the tile kernels ("tile"),
-the Gluon kernels as shipped ("default"), and Gluon forward knob settings (VARIANTS).
+the Gluon kernels as shipped ("default", but at every size: "shipped_keys" runs the
+tile backward where dispatch does), and Gluon knob settings (VARIANTS).
 Per shape and variant: the relative error against the float64 reference (S <= 4096,
 first batch), TFLOP/s as `memattn bench` times it (do_bench, autograd recording, host
 included), TFLOP/s of the GPU alone (CUDA graph replay) and host µs per call in a loop;
@@ -44,7 +45,10 @@ VARIANTS = {
     "bwd_rows64": {"bwd.BLOCK_M_D64": 64},  # 64 query rows a backward step at D=64
     "summed_outer": {"bwd.SUMMED_BIAS_INNER": False},  # summed biases in the shipped order
     "dbias_fp32": {"bwd.PACKED_BIAS_ADDS": 0},  # packed sequences' shared bias: fp32 buffer
-    "three_parts8k": {"fwd.MIN_SEQLEN_Q_D64_MASKED": 8192},  # D=64 masked: 3 warpgroups
+    "two_parts8k": {"fwd.MIN_SEQLEN_Q_D64_MASKED": 16384},  # D=64 masked S8192: 2 warpgroups
+    # the backward's shipped MIN_KEYS_PER_QUERY (the tile kernels below it; elsewhere the
+    # Gluon kernels run at every size)
+    "shipped_keys": {"bwd.MIN_KEYS_PER_QUERY": backward_sm90.MIN_KEYS_PER_QUERY},
     "no_skip_empty": {"bwd.SKIP_EMPTY_KEY_BLOCKS": False},  # packed: blocks past the end run
     "dq_writer": {"bwd.DQ_WRITER": {64: True, 128: True}},  # dQ's adds from a warp of their own
     "no_dq_writer": {"bwd.DQ_WRITER": {64: False, 128: False}},  # ... from the warpgroups
@@ -62,6 +66,8 @@ DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
              "SPLIT_HEAD_DIM_PAIRS", "DQ_BLOCK_N", "DQ_WRITER", "ORDERED_DQ",
              "PERSISTENT_BLOCKS")))
     for name in names}  # fmt: skip
+# A/B the kernels themselves, at every size
+DEFAULTS["bwd.MIN_KEYS_PER_QUERY"] = dict.fromkeys(backward_sm90.HEAD_DIMS, 0)
 
 
 def use(knobs) -> None:
@@ -131,9 +137,6 @@ def main():
     args = ap.parse_args()
     names = args.variants.split(",")
     is_bwd = args.which == "bwd"
-    # A/B the kernels themselves, at every size
-    forward_sm90.MIN_KEYS_PER_QUERY = dict.fromkeys(forward_sm90.HEAD_DIMS, 0)
-    backward_sm90.MIN_KEYS_PER_QUERY = dict.fromkeys(backward_sm90.HEAD_DIMS, 0)
     torch.manual_seed(0)
     print(f"{args.which}: {'shape':12s} {'variant':10s} {'error':>26s} {'bench':>6s} "
           f"{'GPU':>6s} {'host us':>8s}  (TFLOP/s)")

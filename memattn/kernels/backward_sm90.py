@@ -1226,12 +1226,13 @@ def _bwd_dq_wide_kernel(
         worker_num_warps=[4, 1], worker_num_regs=[256, 24])  # fmt: skip
 
 
-# Below this many keys per query backward.py's kernels may win: each program then has
-# few query tiles to spread its start-up (K and V loads, the partitions) and its dK/dV
-# stores over. tools/ab.py had the Gluon kernel ahead down to causal S=1024 (512 keys:
-# 220 vs 210 TFLOP/s at D=128, 231 vs 214 at D=64); S=512 causal was not measured. At
-# D=256 it wins everywhere: S=512 causal (256 keys) 144 vs 104.
-MIN_KEYS_PER_QUERY = {64: 512, 128: 512, 192: 0, 256: 0}
+# Below this many keys per query backward.py's kernels win: each program then has few
+# query tiles to spread its start-up (K and V loads, the partitions) and its dK/dV
+# stores over. H100, tools/ab.py (bench timing, host included), tile -> Gluon: D=64
+# S512 causal (256 keys) 159 -> 171 TFLOP/s, S256 causal (128 keys) 99 -> 94, a window
+# of 64 keys 48 -> 42; D=128 S512 causal 145 -> 173, windows of 256 and 32 keys 107 ->
+# 150 and 16 -> 22; D=256 S512 causal 104 -> 144.
+MIN_KEYS_PER_QUERY = {64: 256, 128: 0, 192: 0, 256: 0}
 HEAD_DIMS = (64, 128, 192, 256)  # q·k
 # (q·k, v) head dims these kernels take: the D 64/128 kernel sizes dK and dV apart. At
 # Dqk=192 dK would take 96 registers a thread beside dV's 64, so 192/128 goes to the

@@ -5,8 +5,9 @@ backward alike.
   Triton 3.6's Gluon, bf16/fp16, head dims the kernel is built for (the backward: 64,
   128 or 256 for q·k and v, 128/64 and 192/128: backward_sm90.takes_head_dims; the forward
   also other V's narrower than q·k's, such as 192/128, where shared memory holds the
-  buffers: forward_sm90.takes_head_dims), no softcap, tensors TMA can read, and enough
-  keys per query to beat the tile kernels (their MIN_KEYS_PER_QUERY). Options: causal
+  buffers: forward_sm90.takes_head_dims), no softcap, tensors TMA can read, and for the
+  backward at D=64 enough keys per query to beat the tile kernels
+  (backward_sm90.MIN_KEYS_PER_QUERY). Options: causal
   masks either way, windows, GQA, ALiBi, dropout, packed (varlen) batches, and a bias:
   one constant along queries ((B or 1, H or 1, 1, Sk): key padding) as a row of keys,
   any other by TMA tiles (not together with dropout). The backward computes a bias
@@ -73,8 +74,7 @@ def gluon_forward(spec: AttentionSpec, q, k, v, bias) -> bool:
     bias_row = hopper.bias_row(spec, bias)
     if bias_row and spec.scale == 0:  # the key row goes in Q K^T's units: b / scale
         return False
-    return (_gluon_takes(spec, q, k, v, bias) and forward_sm90.takes_head_dims(spec, bias_row)
-            and hopper.keys_per_query(spec) >= forward_sm90.MIN_KEYS_PER_QUERY[spec.head_dim_qk])
+    return _gluon_takes(spec, q, k, v, bias) and forward_sm90.takes_head_dims(spec, bias_row)
 
 
 def gluon_backward_computes(spec: AttentionSpec, bias, alibi_slopes, need_dbias: bool) -> bool:

@@ -763,10 +763,6 @@ def _fwd_sm90_kernel(
         ], worker_num_warps=[4, 4, 1], worker_num_regs=[REGS_3, REGS_3, 24])  # fmt: skip
 
 
-# Where this kernel beats forward.py, by head dim, in keys per query (an A/B on the
-# H100, GPU time alone): at D=128 at every size (S=512 causal: 276 against 171
-# TFLOP/s); at D=64 from 512 (S=512 causal, 256 keys: 194 against 196).
-MIN_KEYS_PER_QUERY = {64: 512, 128: 0, 192: 0, 256: 0}
 HEAD_DIMS = (64, 128, 192, 256)  # q·k
 HEAD_DIMS_V = (64, 128, 256)
 
