@@ -94,9 +94,9 @@ def info(args) -> int:
     if forward_sm90 is None or not forward_sm90.hopper.enabled:
         hopper = "off (built for Triton 3.6's Gluon)"
     elif device == "cuda" and torch.cuda.get_device_capability(0)[0] == 9:
-        fewest = ", ".join(f"{n} at D={d}" for d, n in backward_sm90.MIN_KEYS_PER_QUERY.items()
+        fewest = ", ".join(f"at D={d} from {n}" for d, n in backward_sm90.MIN_KEYS_PER_QUERY.items()
                            if n > 0)  # fmt: skip
-        hopper = (f"on: bf16/fp16, D 64/128/256 (the backward from {fewest} keys a query); "
+        hopper = (f"on: bf16/fp16, D 64/128/256 (the backward {fewest} keys a query); "
                   "memattn/kernels/dispatch.py says which calls; the rest run the tile "
                   "kernels")
     else:
