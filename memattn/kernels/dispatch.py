@@ -7,8 +7,8 @@ backward alike.
   also other V's narrower than q·k's, such as 192/128, where shared memory holds the
   buffers: forward_sm90.takes_head_dims), no softcap, tensors TMA can read, and for the
   backward at D=64 enough keys per query to beat the tile kernels
-  (backward_sm90.MIN_KEYS_PER_QUERY). Options: causal
-  masks either way, windows, GQA, ALiBi, dropout, packed (varlen) batches, and a bias:
+  (backward_sm90.MIN_KEYS_PER_QUERY). Options: causal masks either way, windows, GQA,
+  ALiBi, dropout, packed (varlen) batches, and a bias:
   one constant along queries ((B or 1, H or 1, 1, Sk): key padding) as a row of keys,
   any other by TMA tiles (not together with dropout). The backward computes a bias
   gradient of a key row (summed in registers) or of a bias read by tiles (dS stored,
