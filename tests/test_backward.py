@@ -521,12 +521,14 @@ def test_packed_shared_bias_gradient_gpu(kind, head_dim, dtype, hopper_backward_
                             for _, c in launches)  # fmt: skip
 
 
-# Dqk=192 / Dv=128 on the D=256 kernels, Q and K split into 128 + 64 columns
-# (backward_sm90.SPLIT_HEAD_DIM_PAIRS): dense calls without bias, ALiBi or dropout, as
-# at D=256.
+# Dqk=192 / Dv=128, Q and K split into 128 + 64 columns (backward_sm90.SPLIT_HEAD_DIM_PAIRS):
+# dense calls without bias, ALiBi or dropout, as at D=256; _bwd_split_kernel, or the D=256
+# kernels for deterministic calls.
 SPLIT_CASES = [
     Case("Dqk192 Dv128", batch=2, heads=2, kv_heads=2, seqlen_q=333, seqlen_k=1000, dqk=192,
          dv=128),
+    Case("Dqk192 Dv128 S=1500 GQA 4:1", batch=1, heads=4, kv_heads=1, seqlen_q=1500,
+         seqlen_k=1500, dqk=192, dv=128),
     Case("Dqk192 Dv128 causal GQA", heads=4, kv_heads=2, seqlen_q=700, seqlen_k=901, dqk=192,
          dv=128, options=dict(causal=True)),
     Case("Dqk192 Dv128 window bottom-right", batch=1, seqlen_q=1100, seqlen_k=650, dqk=192,
@@ -537,13 +539,21 @@ SPLIT_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c.name)
-def test_split_head_dims_backward_gpu(case, dtype, hopper_backward_launches):
-    """The gradients against the reference; and, since dQ comes from a kernel of its own
-    adding in a fixed order, deterministic calls run there too, two runs bit for bit."""
+def test_split_head_dims_backward_gpu(case, dtype, hopper_backward_launches, monkeypatch):
+    """The gradients against the reference from _bwd_split_kernel; and deterministic
+    calls on the D=256 kernels (dQ from a kernel of its own, adding in a fixed order),
+    against the reference and two runs bit for bit."""
+    from memattn.kernels import backward_sm90
+
+    fused = record_launches(monkeypatch, backward_sm90, "_launch_split")
+    wide = record_launches(monkeypatch, backward_sm90, "_launch_backward_wide")
     assert_results(check_backward(case, dtype, "cuda", seed=11))
-    assert hopper_backward_launches, "the call fell back to backward.py"
-    hopper_backward_launches.clear()
+    assert fused and not wide, "the call did not run _bwd_split_kernel"
+    fused.clear()
     det = dataclasses.replace(case, options=dict(case.options, deterministic=True))
+    assert_results(check_backward(det, dtype, "cuda", seed=12))
+    assert wide and not fused, "the deterministic call did not run the D=256 kernels"
+    hopper_backward_launches.clear()
     runs = [_gradients(det, dtype, "cuda") for _ in range(2)]
     assert len(hopper_backward_launches) == 2, "deterministic calls fell back to backward.py"
     for a, b in zip(*runs):

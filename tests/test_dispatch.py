@@ -263,17 +263,23 @@ def test_gluon_head_dims(dqk, dv, bias_shape, options, forward, backward):
     assert dispatch.hopper.qk_split(dqk) == (64 if dqk == 192 else 32 if dqk == 96 else 0)
 
 
-def test_split_head_dims_take_the_wide_backward():
-    """Dqk=192 / Dv=128 runs the D=256 backward kernels with Q and K split
-    (SPLIT_HEAD_DIM_PAIRS), with their limits: no bias, ALiBi, dropout or packed
-    sequences; dQ written in the output dtype, so deterministic calls take it too."""
+def test_split_head_dims_take_the_split_backward():
+    """Dqk=192 / Dv=128 (SPLIT_HEAD_DIM_PAIRS), Q and K split, with the D=256 kernels'
+    limits: no bias, ALiBi, dropout or packed sequences. _bwd_split_kernel adds dQ into
+    the fp32 buffer; deterministic calls take the D=256 kernels, whose dQ is written in
+    the output dtype in one order."""
     backward_sm90 = dispatch.backward_sm90
     q = torch.randn(2, 16, 2, 192, dtype=torch.float16)
     v = torch.randn(2, 16, 2, 128, dtype=torch.float16)
     spec = check_call(q, q, v, causal=True)
     assert (192, 128) in backward_sm90.SPLIT_HEAD_DIM_PAIRS
     assert backward_sm90.takes_head_dims(spec)
-    assert not backward_sm90.dq_in_fp32(spec)
+    assert backward_sm90.fuses_split_dq(spec) and backward_sm90.dq_in_fp32(spec)
+    assert backward_sm90.dq_split(192, 64) == (64, 64)
+    deterministic = check_call(q, q, v, causal=True, deterministic=True)
+    assert not backward_sm90.fuses_split_dq(deterministic)
+    assert not backward_sm90.dq_in_fp32(deterministic)
+    assert dispatch._gluon_deterministic(deterministic, None, False)
     assert dispatch.gluon_backward_computes(spec, None, None, False)
     dropout = check_call(q, q, v, dropout_p=0.1)
     assert not dispatch.gluon_backward_computes(dropout, None, None, False)

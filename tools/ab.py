@@ -57,6 +57,8 @@ VARIANTS = {
     "rescale_always": {"fwd.RESCALE_THRESHOLD": 0.0},  # O rescaled at every tile
     "no_turns": {"fwd.TURNS_MAX_HEAD_DIM": 0},  # softmax warpgroups issue freely
     "dq32_at192": {"bwd.DQ_BLOCK_N": {256: 32, 192: 32}},  # 32-key tiles in 192's dQ kernel
+    "wide192": {"bwd.FUSED_SPLIT": False},  # 192/128 on the wide kernels, dQ's apart
+    "split_heads1": {"bwd.SPLIT_HEADS_TOGETHER": 1},  # 192/128: each head's blocks in turn
 }
 MODULES = {"fwd": forward_sm90, "bwd": backward_sm90}
 DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
@@ -64,7 +66,7 @@ DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
              "TURNS_MAX_HEAD_DIM", "MIN_SEQLEN_Q_D64_MASKED")),
     ("bwd", ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "PACKED_BIAS_ADDS", "SKIP_EMPTY_KEY_BLOCKS",
              "SPLIT_HEAD_DIM_PAIRS", "DQ_BLOCK_N", "DQ_WRITER", "ORDERED_DQ",
-             "PERSISTENT_BLOCKS")))
+             "PERSISTENT_BLOCKS", "FUSED_SPLIT", "SPLIT_HEADS_TOGETHER")))
     for name in names}  # fmt: skip
 # A/B the kernels themselves, at every size
 DEFAULTS["bwd.MIN_KEYS_PER_QUERY"] = dict.fromkeys(backward_sm90.HEAD_DIMS, 0)

@@ -106,8 +106,11 @@ def _delta_kernel(
         if (start_m % DQ_BLOCK_M == 0) & (start_m < seqlen_q):
             tile = dq_tile(start_m, q_start, b, DQ_BLOCK_M, IS_VARLEN)
             first = b64 * stride_ab + h64 * stride_ah + tl.cast(tile, tl.int64) * DQ_BLOCK_M * DQK
-            tl.store(DQAcc + first + tl.arange(0, DQ_BLOCK_M * DQK),
-                     tl.zeros([DQ_BLOCK_M * DQK], tl.float32))
+            # in pieces of a power of 2 (DQK's largest factor that is one: 192 -> 64)
+            PIECE: tl.constexpr = DQ_BLOCK_M * (DQK & -DQK)
+            for piece in tl.static_range(DQK // (DQK & -DQK)):
+                tl.store(DQAcc + first + piece * PIECE + tl.arange(0, PIECE),
+                         tl.zeros([PIECE], tl.float32))
 
 
 _DELTA_BLOCK_M = 64

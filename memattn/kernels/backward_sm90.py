@@ -35,11 +35,13 @@ At D 64 and 128 the fp32 dQ buffer (dq_tiles) holds each tile in its registers' 
 (hopper.accumulator_order: its stores to shared memory without bank conflicts);
 backward.py's preprocess zeroes it and _dq_from_tiles_kernel converts it to the output.
 
-At wide head dims (D=256; Dqk=192 / Dv=128, SPLIT_HEAD_DIM_PAIRS) two
-other kernels run: _bwd_wide_kernel splits dK and dV's work the other way round (64
-keys a program, each warpgroup part of the head dims, see BLOCK_N_WIDE), and
-_bwd_dq_wide_kernel computes dQ apart, a program per block of queries (see DQ_BLOCK_N),
-writing it in the output dtype: no fp32 buffer, and no atomics.
+At Dqk=192 / Dv=128 (SPLIT_HEAD_DIM_PAIRS) _bwd_split_kernel runs, the same dQ
+buffer and reduce-adds in FlashAttention-4's orientation for these head dims (see
+FUSED_SPLIT). At D=256, and for deterministic calls at 192/128, two other kernels
+run: _bwd_wide_kernel splits dK and dV's work the other way round (64 keys a program,
+each warpgroup part of the head dims, see BLOCK_N_WIDE), and _bwd_dq_wide_kernel
+computes dQ apart, a program per block of queries (see DQ_BLOCK_N), writing it in the
+output dtype: no fp32 buffer, and no atomics.
 
 Covers what forward_sm90 covers (bf16/fp16, head dims 64, 128 and 256, GQA, causal
 masks either way, sliding windows, a bias, ALiBi, dropout, dense and packed batches)
@@ -137,19 +139,22 @@ def dq_add_turn(n, start_m, num_n, n_tiles, off, window_right, BLOCK_M: gl.const
 
 @gluon.constexpr_function
 def dq_split(head_dim_qk, rows):
-    """(rows, columns) of a ``rows``-row dQ tile that each compute warpgroup makes: half
-    the columns, or at 128 rows half the rows (a wgmma 32 columns wide reads as much of
-    dS from shared memory as one 64 wide, and shared memory bounds the kernel)."""
-    return (rows // 2, head_dim_qk) if rows == 128 else (rows, head_dim_qk // 2)
+    """(rows, columns) of a part of a ``rows``-row dQ tile, the unit a compute warpgroup
+    makes and adds: half the columns, or at 128 rows half the rows (a wgmma 32 columns
+    wide reads as much of dS from shared memory as one 64 wide, and shared memory bounds
+    the kernel); at Dqk=192 a third, 64 columns (_bwd_split_kernel)."""
+    if rows == 128:
+        return (rows // 2, head_dim_qk)
+    return (rows, 64) if head_dim_qk == 192 else (rows, head_dim_qk // 2)
 
 
 @gluon.jit
-def _dq_tile_row(b, q_start, start_m, half, BLOCK_M: gl.constexpr, TILE_ROWS: gl.constexpr,
-                 IS_VARLEN: gl.constexpr):  # fmt: skip
-    """Where half ``half`` of the dQ tile of rows [start_m, + BLOCK_M) starts in its head's
-    fp32 buffer (dq_tiles: each tile's two halves, TILE_ROWS rows of 256 each, in their
-    registers' order; common.dq_tile numbers the tiles)."""
-    return (2 * dq_tile(start_m, q_start, b, BLOCK_M, IS_VARLEN) + half) * TILE_ROWS
+def _dq_tile_row(b, q_start, start_m, part, BLOCK_M: gl.constexpr, TILE_ROWS: gl.constexpr,
+                 PARTS: gl.constexpr, IS_VARLEN: gl.constexpr):  # fmt: skip
+    """Where part ``part`` of the dQ tile of rows [start_m, + BLOCK_M) starts in its head's
+    fp32 buffer (dq_tiles: each tile's PARTS parts, dq_split's, TILE_ROWS rows of 256
+    each, in their registers' order; common.dq_tile numbers the tiles)."""
+    return (PARTS * dq_tile(start_m, q_start, b, BLOCK_M, IS_VARLEN) + part) * TILE_ROWS
 
 
 @gluon.jit
@@ -508,7 +513,7 @@ def _bwd_compute_partition(
                 dq_buf = dq_smem.index(HALF)
                 dq_buf._reinterpret(gl.float32, [DQ_ROWS, DQ_COLS], dq_order).store(dq * scale)
                 fence_async_shared()
-                dq_row = _dq_tile_row(b, q_start, start_m, HALF, BLOCK_M, TILE_ROWS, IS_VARLEN)
+                dq_row = _dq_tile_row(b, q_start, start_m, HALF, BLOCK_M, TILE_ROWS, 2, IS_VARLEN)
                 hopper.tma_reduce_add(dq_desc, [b_tma, h, dq_row, 0], dq_buf)
             dk, ds_op = warpgroup_mma_wait(0, deps=(dk, ds_op))
             mbarrier.arrive(q_empty.index(slot))
@@ -600,7 +605,8 @@ def _bwd_dq_writer_partition(
             for half in gl.static_range(2):
                 slot = half * DQ_BUFS + i % DQ_BUFS
                 mbarrier.wait(dq_full.index(slot), (i // DQ_BUFS) & 1)
-                dq_row = _dq_tile_row(b, q_start, start_m, half, BLOCK_M, TILE_ROWS, IS_VARLEN)
+                dq_row = _dq_tile_row(b, q_start, start_m, half, BLOCK_M, TILE_ROWS, 2,
+                                      IS_VARLEN)
                 hopper.tma_reduce_add(dq_desc, [b_tma, h, dq_row, 0], dq_smem.index(slot))
             tma.store_wait(0)
             if ORDERED:
@@ -1226,6 +1232,239 @@ def _bwd_dq_wide_kernel(
         worker_num_warps=[4, 1], worker_num_regs=[256, 24])  # fmt: skip
 
 
+# Dqk=192 / Dv=128 (MLA's), calls that need not be deterministic: one kernel, dQ fused,
+# in FlashAttention-4's orientation for these head dims (interface.py
+# _tile_size_bwd_sm90): S = Q Kᵀ and dP = dO Vᵀ with the queries on the wgmma's M, dK
+# and dV transposed (the head dim on M), P and dS through shared memory. In ours (keys
+# on M) dK and dV over 64 keys take 160 registers a thread and leave too few for S, dP
+# and their 16 query columns of lse and delta. A program owns 128 keys, a warpgroup 64
+# (FA4 96, a tile Gluon has none for): dKᵀ 192 x 64 (two accumulators, 128 + 64
+# rows), dVᵀ 128 x 64, S and dP 64 x 64, lse and delta two rows a thread. dQ = dS K
+# over both warpgroups' dS, in 64-column parts (dq_split): the first warpgroup makes
+# parts 0 and 1 from K's first buffer, the second part 2 from its last 64 columns, each
+# added into dq_tiles' fp32 buffer by TMA reduce-add as at D 64/128. Shared memory: K
+# 48 KiB, V 32, Q and dO rings of two 48 + 32, P and dS 16 each, a 16 KiB fp32 dQ
+# buffer a warpgroup (dK and dV leave through it): 225 of the 227 KiB. Matmul work is
+# 832 units per 832 useful, against the wide kernels' 1152 (dQ's kernel recomputes S
+# and dP). Deterministic calls keep the wide kernels (their dQ is added in one order).
+FUSED_SPLIT = True
+BLOCK_N_SPLIT = 128
+# The programs of this many (batch, kv head)s at a time take their key blocks by rank
+# (first blocks first): under a causal mask the longest first, so that the grid's end
+# waits on short blocks; a few heads' at a time, so that what they read and add stays
+# in L2.
+SPLIT_HEADS_TOGETHER = 4
+
+
+@gluon.jit
+def _bwd_split_compute_partition(
+    shared, HALF: gl.constexpr, HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+    QK_SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+):  # fmt: skip
+    """One warpgroup of _bwd_split_kernel: keys [start_n + HALF * 64, + 64) against
+    every query tile. Per tile: S, P into shared memory, then dP and dVᵀ += dOᵀ P
+    (asynchronous wgmmas), dS into shared memory and dKᵀ += Qᵀ dS from this half;
+    once both halves are there, this warpgroup's parts of dQ (dq_split), each out by
+    TMA reduce-add."""
+    (dq_desc, dk_desc, dk2_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, q2_smem, k2_smem,
+     lse_smem, delta_smem, p_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty,
+     do_empty, ds_bar, ds_free, b, hk, GROUP, start_n, lo, full_lo, full_hi, n_tiles,
+     seqlen_k, off, scale, window_left, window_right) = shared
+    dtype: gl.constexpr = k_smem.dtype
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    QK_MAIN: gl.constexpr = HEAD_DIM_QK - QK_SPLIT  # Q's and K's columns in q_smem, k_smem
+    PART: gl.constexpr = dq_split(HEAD_DIM_QK, BLOCK_M)[1]  # dQ's columns a part
+    # Every accumulator here is 64 wide (keys, or a part of dQ's columns): one layout.
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_N, 16])
+    rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    dq_order: gl.constexpr = hopper.accumulator_order(BLOCK_M, PART)
+    TILE_ROWS: gl.constexpr = dq_desc.block_type.shape[2]
+
+    k_main = k_smem.reshape([BLOCK_N, QK_MAIN])
+    k_last = k2_smem.reshape([BLOCK_N, QK_SPLIT])
+    k_own = k_main.slice(HALF * HALF_N, HALF_N, dim=0).permute((1, 0))  # as Kᵀ
+    k2_own = k_last.slice(HALF * HALF_N, HALF_N, dim=0).permute((1, 0))
+    v_own = v_smem.reshape([BLOCK_N, HEAD_DIM_V]).slice(HALF * HALF_N, HALF_N,
+                                                          dim=0).permute((1, 0))
+    p_own = p_smem.index(HALF)  # (queries, keys)
+    ds_own = ds_smem.index(HALF)
+    dq_buf = dq_smem.index(HALF)
+    dkt = gl.zeros([QK_MAIN, HALF_N], gl.float32, layout=acc_layout)
+    dk2t = gl.zeros([QK_SPLIT, HALF_N], gl.float32, layout=acc_layout)
+    dvt = gl.zeros([HEAD_DIM_V, HALF_N], gl.float32, layout=acc_layout)
+    scale_log2 = scale * LOG2E
+    mbarrier.wait(kv_bar, 0)
+
+    for i in range(GROUP * n_tiles):
+        h, start_m = _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M)
+        offs_m = start_m + gl.arange(0, BLOCK_M, layout=rows_layout)
+        slot = hopper.arrived(q_ready, i, STAGES)
+        q = q_smem.index(slot).reshape([BLOCK_M, QK_MAIN])
+        q2 = q2_smem.index(slot).reshape([BLOCK_M, QK_SPLIT])
+        # Zero accumulators made here, not held across the loop: registers are short.
+        s_init = gl.zeros([BLOCK_M, HALF_N], gl.float32, layout=acc_layout)
+        s = warpgroup_mma(q, k_own, s_init, use_acc=False, is_async=True)
+        s = warpgroup_mma(q2, k2_own, s, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(rows_layout)
+        if (start_m < full_lo) | (start_m >= full_hi):
+            # the keys made here, not held across the loop (16 registers a thread)
+            offs_n = start_n + HALF * HALF_N + gl.arange(0, HALF_N,
+                                                         layout=gl.SliceLayout(0, acc_layout))
+            mask = visible(offs_m[:, None], offs_n[None, :], seqlen_k, off, window_left,
+                           window_right, BOUNDED_LEFT, BOUNDED_RIGHT)
+            s = gl.where(mask, s, float("-inf"))
+        p = gl.exp2(s * scale_log2 - lse2[:, None])
+        # P to shared memory for dV (this warpgroup's last dV wgmma, its one reader, is
+        # done), and kept for dS in fp16: dP's 32 registers a thread are not free
+        # beside it in fp32 (a P rounded to 11 bits, where dS is then rounded to the
+        # inputs' 8 or 11)
+        p_own.store(p.to(dtype))
+        p16 = p.to(gl.float16)
+        fence_async_shared()
+        gl.thread_barrier()
+        # dP only now, in S's registers (beside S it spilled: 345 -> 237 TFLOP/s)
+        hopper.arrived(do_ready, i, STAGES)
+        do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_V])
+        dp = warpgroup_mma(do, v_own, s_init, use_acc=False, is_async=True)
+        dvt = warpgroup_mma(do.permute((1, 0)), p_own, dvt, is_async=True)
+        dp = warpgroup_mma_wait(1, deps=(dp,))
+        delta = delta_smem.index(slot).reshape([BLOCK_M]).load(rows_layout)
+        ds = (p16.to(gl.float32) * (dp - delta[:, None])).to(dtype)
+
+        # dS to shared memory once both warpgroups' dQ wgmmas have read the last step's
+        # (ds_free), then both halves there (ds_bar)
+        mbarrier.wait(ds_free, (i & 1) ^ 1, pred=i > 0)
+        ds_own.store(ds)
+        fence_async_shared()
+        # dK reads this warpgroup's half of dS alone: its wgmmas before the wait
+        gl.thread_barrier()
+        dkt = warpgroup_mma(q.permute((1, 0)), ds_own, dkt, is_async=True)
+        dk2t = warpgroup_mma(q2.permute((1, 0)), ds_own, dk2t, is_async=True)
+        mbarrier.arrive(ds_bar)
+        mbarrier.wait(ds_bar, i & 1)
+        # dQ's parts here: K's first buffer's two (HALF 0, one after the other: registers)
+        # or its last columns (HALF 1)
+        if HALF == 0:
+            dq = _dq_part(ds_smem, k_main.slice(0, PART, dim=1), BLOCK_M, HALF_N, PART,
+                          acc_layout)
+        else:
+            dq = _dq_part(ds_smem, k_last, BLOCK_M, HALF_N, PART, acc_layout)
+        dvt, dkt, dk2t, dq = warpgroup_mma_wait(0, deps=(dvt, dkt, dk2t, dq))
+        mbarrier.arrive(do_empty.index(slot))  # dP and dV done with dO
+        part_row = _dq_tile_row(b, 0, start_m, 2 * HALF, BLOCK_M, TILE_ROWS, 3, False)
+        if HALF == 0:  # part 1 once part 0 is out of its registers
+            _dq_add(dq * scale, dq_buf, dq_desc, [b, h, part_row, 0], dq_order, BLOCK_M, PART)
+            dq = _dq_part(ds_smem, k_main.slice(PART, PART, dim=1), BLOCK_M, HALF_N, PART,
+                          acc_layout)
+            dq = warpgroup_mma_wait(0, deps=(dq,))
+            part_row += TILE_ROWS
+        mbarrier.arrive(ds_free)  # both halves of dS read here
+        _dq_add(dq * scale, dq_buf, dq_desc, [b, h, part_row, 0], dq_order, BLOCK_M, PART)
+        mbarrier.arrive(q_empty.index(slot))
+
+    # dK and dV, transposed, leave through this warpgroup's dQ buffer one after another
+    # (the TMA stores clip keys past Sk; dense batches only here)
+    tma.store_wait(0)
+    gl.thread_barrier()
+    row = start_n + HALF * HALF_N
+    _store_transposed(dvt, dq_buf, dv_desc, [b, hk, row, 0])
+    _store_transposed(dkt * scale, dq_buf, dk_desc, [b, hk, row, 0])
+    _store_transposed(dk2t * scale, dq_buf, dk2_desc, [b, hk, row, QK_MAIN])
+
+
+@gluon.jit
+def _dq_part(ds_smem, k_cols, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, COLS: gl.constexpr,
+             layout: gl.constexpr):  # fmt: skip
+    """dS K[:, cols] over both halves of the keys (asynchronous: two wgmma groups)."""
+    acc = gl.zeros([BLOCK_M, COLS], gl.float32, layout=layout)
+    for j in gl.static_range(2):
+        acc = warpgroup_mma(ds_smem.index(j), k_cols.slice(j * HALF_N, HALF_N, dim=0), acc,
+                            use_acc=j > 0, is_async=True)
+    return acc
+
+
+@gluon.jit
+def _dq_add(dq, buf, desc, coords, order: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
+    """dq (fp32, registers) added into dq_tiles by TMA reduce-add through buf, in its
+    registers' order, once buf's last copy has read it."""
+    tma.store_wait(0)
+    gl.thread_barrier()
+    buf._reinterpret(gl.float32, [ROWS, COLS], order).store(dq)
+    fence_async_shared()
+    hopper.tma_reduce_add(desc, coords, buf)
+
+
+@gluon.jit
+def _store_transposed(xt, buf, desc, coords):
+    """xt (fp32, registers, transposed) out in desc's dtype by TMA store through buf,
+    once buf's last copy has read it."""
+    tma.store_wait(0)
+    gl.thread_barrier()
+    stage = buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+    stage.reshape([xt.shape[1], xt.shape[0]]).permute((1, 0)).store(xt.to(desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc, coords, stage)
+
+
+@gluon.jit
+def _bwd_split_kernel(
+    q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, q2_desc, k2_desc, dk_desc, dk2_desc,
+    dv_desc, HKV, GROUP, seqlen_q, seqlen_k, num_n_blocks, scale, window_left, window_right,
+    HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, HEADS_TOGETHER: gl.constexpr,
+):  # fmt: skip
+    # Dense batches only: no cu_seqlens (the 0s), IS_VARLEN off. The programs of
+    # HEADS_TOGETHER (batch, kv head)s take their key blocks by rank (SPLIT_HEADS_TOGETHER).
+    pid = gl.program_id(0)
+    group_size = HEADS_TOGETHER * num_n_blocks
+    first = pid // group_size * HEADS_TOGETHER
+    heads = gl.minimum(HEADS_TOGETHER, gl.num_programs(0) // num_n_blocks - first)
+    rank = pid % group_size
+    item = (first + rank % heads) * num_n_blocks + rank // heads
+    b, hk, start_n, _, _, _, seqlen_k, off, lo, full_lo, full_hi, n_tiles = _key_block(
+        item, HKV, 0, 0, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right, BLOCK_M,
+        BLOCK_N, False, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+
+    dtype: gl.constexpr = q_desc.dtype
+    (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, ds_bar, q_ready, q_empty,
+     do_ready, do_empty) = _operand_buffers(q_desc, do_desc, k_desc, v_desc, stats_desc, STAGES)
+    q2_smem = gl.allocate_shared_memory(dtype, [STAGES] + q2_desc.block_type.shape,
+                                        q2_desc.layout)
+    k2_smem = gl.allocate_shared_memory(dtype, k2_desc.block_type.shape, k2_desc.layout)
+    pds_block: gl.constexpr = [BLOCK_M, BLOCK_N // 2]  # (queries, keys), a warpgroup's
+    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(pds_block, dtype)
+    p_smem = gl.allocate_shared_memory(dtype, [2] + pds_block, pds_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2] + pds_block, pds_layout)
+    # A dQ buffer a warpgroup (allocated swizzled for its 1024-byte alignment: dK and
+    # dV leave through it at the end)
+    dq_shape: gl.constexpr = [2] + dq_desc.block_type.shape
+    dq_smem = gl.allocate_shared_memory(
+        gl.float32, dq_shape, gl.NVMMASharedLayout(128, 32, rank=4))._reinterpret(
+            gl.float32, dq_shape, dq_desc.layout)  # fmt: skip
+    ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(ds_free, count=2)  # both warpgroups' dQ wgmmas have read dS
+
+    shared = (dq_desc, dk_desc, dk2_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, q2_smem,
+              k2_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, kv_bar, q_ready,
+              do_ready, q_empty, do_empty, ds_bar, ds_free, b, hk, GROUP, start_n, lo,
+              full_lo, full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right)
+    gl.warp_specialize(
+        [(_bwd_split_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M,
+                                         BLOCK_N, STAGES, BOUNDED_LEFT, BOUNDED_RIGHT)),
+         (_bwd_split_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M,
+                                         BLOCK_N, STAGES, BOUNDED_LEFT, BOUNDED_RIGHT)),
+         (_bwd_load_partition, (
+            q_desc, do_desc, k_desc, v_desc, stats_desc, q_desc, q_smem, do_smem, k_smem,
+            v_smem, lse_smem, delta_smem, q_smem, kv_bar, q_ready, do_ready, q_empty,
+            do_empty, b, hk, 0, 0, 0, GROUP, 0, 1, start_n, lo, n_tiles, q2_desc, k2_desc,
+            q2_smem, k2_smem, BLOCK_M, STAGES, False, QK_SPLIT))],
+        worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
+
+
 # Below this many keys per query backward.py's kernels win: each program then has few
 # query tiles to spread its start-up (K and V loads, the partitions) and its dK/dV
 # stores over. H100, tools/ab.py (bench timing, host included), tile -> Gluon: D=64
@@ -1235,10 +1474,9 @@ def _bwd_dq_wide_kernel(
 MIN_KEYS_PER_QUERY = {64: 256, 128: 0, 192: 0, 256: 0}
 HEAD_DIMS = (64, 128, 192, 256)  # q·k
 # (q·k, v) head dims these kernels take: the D 64/128 kernel sizes dK and dV apart. At
-# Dqk=192 dK would take 96 registers a thread beside dV's 64, so 192/128 goes to the
-# wide kernels with Q and K split (BLOCK_N_WIDE): SPLIT_HEAD_DIM_PAIRS. tools/ab.py on
-# an H100 (bf16, 16k tokens), against the tile kernels: causal S=4096 151 -> 343 TFLOP/s,
-# S=16384 199 -> 388.
+# Dqk=192 dK would take 96 registers a thread beside dV's 64, so 192/128 goes to a
+# kernel of its own with Q and K split (FUSED_SPLIT), or for deterministic calls to
+# the wide kernels (BLOCK_N_WIDE): SPLIT_HEAD_DIM_PAIRS.
 HEAD_DIM_PAIRS = ((64, 64), (128, 128), (128, 64), (256, 256))
 SPLIT_HEAD_DIM_PAIRS: tuple[tuple[int, int], ...] = ((192, 128),)
 
@@ -1393,11 +1631,20 @@ def _row_stats_descriptor(stats: torch.Tensor, rows: int,
 _launch_backward = hopper.Launcher(_bwd_sm90_kernel)
 _launch_backward_wide = hopper.Launcher(_bwd_wide_kernel)
 _launch_dq_wide = hopper.Launcher(_bwd_dq_wide_kernel)
+_launch_split = hopper.Launcher(_bwd_split_kernel)
+
+def fuses_split_dq(spec: AttentionSpec) -> bool:
+    """Whether the call runs _bwd_split_kernel (FUSED_SPLIT): Dqk=192 / Dv=128, not
+    deterministic."""
+    return (FUSED_SPLIT and (spec.head_dim_qk, spec.head_dim_v) in SPLIT_HEAD_DIM_PAIRS
+            and not spec.deterministic)
+
 
 def dq_in_fp32(spec: AttentionSpec) -> bool:
     """Whether `backward` adds dQ into an fp32 buffer (zeroed beforehand, converted
-    after: D 64 and 128) rather than writing the output itself (D=256, Dqk=192)."""
-    return spec.head_dim_qk <= 128
+    after: D 64 and 128, fuses_split_dq's) rather than writing the output itself (D=256,
+    deterministic Dqk=192)."""
+    return spec.head_dim_qk <= 128 or fuses_split_dq(spec)
 
 
 def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_state,
@@ -1411,6 +1658,8 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
     one broadcast over batch or heads, a zeroed fp32 buffer of the bias's shape that
     takes every (b, h)'s dS added in, or for dbias_kind_of's "added" the zeroed gradient
     itself."""
+    if fuses_split_dq(spec):
+        return _backward_split(spec, q, k, v, grad_out, stats, dq, dk, dv)
     if spec.head_dim_qk > 128:
         return _backward_wide(spec, q, k, v, grad_out, stats, dq, dk, dv)
     bias_row = hopper.bias_row(spec, bias)
@@ -1511,30 +1760,32 @@ def _dq_tiles_descriptor(dq: torch.Tensor, tile_rows: int) -> TensorDescriptor:
 def _dq_from_tiles_kernel(
     Tiles, DQ, CuSeqQ, stride_tb, stride_th, stride_qb, stride_qm, stride_qh, H, seqlen_q,
     num_m, DQK: tl.constexpr, BLOCK_M: tl.constexpr, ROWS_SPLIT: tl.constexpr,
-    C_BITS: tl.constexpr, R_BITS: tl.constexpr, IS_VARLEN: tl.constexpr,
+    BLOCK_D: tl.constexpr, PART_COLS: tl.constexpr, C_BITS: tl.constexpr,
+    R_BITS: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
     """dQ in its dtype from dq_tiles' fp32 tiles, one tile (BLOCK_M rows) a program; its
-    halves hold half the columns each, or with ROWS_SPLIT half the rows."""
+    parts (dq_split) hold PART_COLS columns each, or with ROWS_SPLIT half the rows."""
     b, h, _, m_block = row_block(num_m, H, False)
     start_m = m_block * BLOCK_M
     q_start, _, seqlen_q, _ = sequence_bounds(CuSeqQ, CuSeqQ, b, seqlen_q, seqlen_q, IS_VARLEN)
     if start_m < seqlen_q:
         tile = dq_tile(start_m, q_start, b, BLOCK_M, IS_VARLEN)
         rows = tl.arange(0, BLOCK_M)[:, None]
-        cols = tl.arange(0, DQK)[None, :]
+        cols = tl.arange(0, BLOCK_D)[None, :]  # DQK's next power of 2
         if ROWS_SPLIT:
-            half = rows // (BLOCK_M // 2)
+            part = rows // (BLOCK_M // 2)
             at = accumulator_offset(rows % (BLOCK_M // 2), cols, C_BITS, R_BITS)
         else:
-            half = cols // (DQK // 2)
-            at = accumulator_offset(rows, cols % (DQK // 2), C_BITS, R_BITS)
-        off = ((2 * tile + half) * (BLOCK_M * DQK // 2)).to(tl.int64) + at
+            part = cols // PART_COLS
+            at = accumulator_offset(rows, cols % PART_COLS, C_BITS, R_BITS)
+        parts: tl.constexpr = 2 if ROWS_SPLIT else DQK // PART_COLS
+        off = ((parts * tile + part) * (BLOCK_M * DQK // parts)).to(tl.int64) + at
         b64 = b.to(tl.int64)
         h64 = h.to(tl.int64)
-        x = tl.load(Tiles + b64 * stride_tb + h64 * stride_th + off)
+        x = tl.load(Tiles + b64 * stride_tb + h64 * stride_th + off, mask=cols < DQK)
         row64 = (q_start + start_m + rows).to(tl.int64)
         tl.store(DQ + b64 * stride_qb + h64 * stride_qh + row64 * stride_qm + cols,
-                 x.to(DQ.dtype.element_ty), mask=rows < seqlen_q - start_m)
+                 x.to(DQ.dtype.element_ty), mask=(rows < seqlen_q - start_m) & (cols < DQK))
 
 
 _launch_dq_from_tiles = hopper.Launcher(_dq_from_tiles_kernel)
@@ -1549,6 +1800,7 @@ def dq_from_tiles_launch(spec: AttentionSpec, buffer: torch.Tensor, rows: int,
     args = (buffer, dq, cu_seqlens_q, 0 if spec.varlen else buffer.stride(0), buffer.stride(1),
             *dense_strides(dq, spec.varlen)[:3], spec.heads, spec.seqlen_q, num_m)
     constexprs = dict(DQK=spec.head_dim_qk, BLOCK_M=rows, ROWS_SPLIT=split[0] < rows,
+                      BLOCK_D=triton.next_power_of_2(spec.head_dim_qk), PART_COLS=split[1],
                       C_BITS=(split[1] // 8).bit_length() - 1,
                       R_BITS=(split[0] // 64).bit_length() - 1, IS_VARLEN=spec.varlen)
     return (spec.batch * spec.heads * num_m,), args, constexprs
@@ -1602,14 +1854,10 @@ def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, stats, dq, dk, dv) ->
     dq_launched = _launch_dq_wide.launch_prepared(dq_plan.programs, dq_call)
     if dkdv_launched and dq_launched:
         return
-    # With a split (Dqk=192), Q's, K's and dQ's first 128 columns and their last 64
-    # have descriptors of their own; without, the second ones are stand-ins, never read.
     split = hopper.qk_split(spec.head_dim_qk)
-    main = spec.head_dim_qk - split
 
     def parts(t, rows):
-        first = hopper.descriptor(t, rows, main)
-        return first, hopper.descriptor(t, rows, split) if split else first
+        return _split_descriptors(t, rows, split)
 
     q_desc, q2_desc = parts(q, BLOCK_M)
     do_desc = hopper.descriptor(grad_out, BLOCK_M)
@@ -1638,6 +1886,53 @@ def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, stats, dq, dk, dv) ->
             spec.seqlen_q, spec.seqlen_k, *dq_plan.counts, spec.scale, spec.window_left,
             spec.window_right, variant=dq_plan, prepare=dq_call, **dq_plan.constexprs,
         )  # fmt: skip
+
+
+def _split_descriptors(t: torch.Tensor, rows: int, split: int) -> tuple:
+    """With a split (Dqk=192: hopper.qk_split's 64), descriptors of Q's, K's or dQ's
+    first columns and of their last ``split``; without, the second is a stand-in, never
+    read."""
+    first = hopper.descriptor(t, rows, t.shape[-1] - split)
+    return first, hopper.descriptor(t, rows, split) if split else first
+
+
+def _backward_split(spec: AttentionSpec, q, k, v, grad_out, stats, dq, dk, dv) -> None:
+    """`backward` for fuses_split_dq's calls: _bwd_split_kernel, dQ added into dq
+    (dq_tiles' fp32 buffer)."""
+    how = _plan_split(spec, q.device.index)
+    # What the arguments are made of beside the plan: hopper.Launcher.launch_prepared.
+    call = (how, *map(hopper.tensor_key, (q, k, v, grad_out, stats, dq, dk, dv)))
+    if _launch_split.launch_prepared(how.programs, call):
+        return
+    split = how.constexprs["QK_SPLIT"]
+    block_n, rows = how.constexprs["BLOCK_N"], how.constexprs["BLOCK_M"]
+    q_desc, q2_desc = _split_descriptors(q, rows, split)
+    k_desc, k2_desc = _split_descriptors(k, block_n, split)
+    part = dq_split(spec.head_dim_qk, rows)
+    _launch_split(
+        (how.programs,),
+        q_desc, k_desc, hopper.descriptor(v, block_n), hopper.descriptor(grad_out, rows),
+        _dq_tiles_descriptor(dq, part[0] * part[1] // 256),
+        _row_stats_descriptor(stats, spec.seqlen_q), q2_desc, k2_desc,
+        *_split_descriptors(dk, block_n // 2, split), hopper.descriptor(dv, block_n // 2),
+        spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k, *how.counts, spec.scale,
+        spec.window_left, spec.window_right, variant=how, prepare=call, **how.constexprs,
+    )  # fmt: skip
+
+
+@hopper.plan_cache
+def _plan_split(spec: AttentionSpec, device_index: int) -> hopper.Plan:
+    """_bwd_split_kernel's launch (hopper.Plan): a program per key block and key head
+    (counts: key blocks per head)."""
+    num_n = cdiv(spec.seqlen_k, BLOCK_N_SPLIT)
+    return hopper.Plan(
+        num_n * spec.batch * spec.kv_heads, (num_n,),
+        dict(HEAD_DIM_QK=spec.head_dim_qk, HEAD_DIM_V=spec.head_dim_v,
+             QK_SPLIT=hopper.qk_split(spec.head_dim_qk), BLOCK_M=BLOCK_M,
+             BLOCK_N=BLOCK_N_SPLIT, STAGES=STAGES, BOTTOM_RIGHT=spec.bottom_right,
+             BOUNDED_LEFT=spec.window_left >= 0, BOUNDED_RIGHT=spec.window_right >= 0,
+             HEADS_TOGETHER=SPLIT_HEADS_TOGETHER,
+             num_warps=4))  # fmt: skip
 
 
 @hopper.plan_cache

@@ -82,7 +82,8 @@ def gluon_backward_computes(spec: AttentionSpec, bias, alibi_slopes, need_dbias:
     device: a bias gradient of a bias constant along queries (summed in registers), or
     of one read by tiles (every query and key; dS stored, or added up by TMA where the
     bias broadcasts over batch or heads) with rows of whole 16 bytes for those copies;
-    at D=256 (and Dqk=192, the same kernels) no bias, ALiBi, dropout or packed sequences."""
+    at D=256 and Dqk=192 (kernels of the same limits) no bias, ALiBi, dropout or packed
+    sequences."""
     if spec.head_dim_qk > 128 and (bias is not None or alibi_slopes is not None
                                     or spec.dropout_p > 0 or spec.varlen):  # fmt: skip
         return False
