@@ -539,17 +539,38 @@ SPLIT_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c.name)
-def test_split_head_dims_backward_gpu(case, dtype, hopper_backward_launches, monkeypatch):
-    """The gradients against the reference from _bwd_split_kernel; and deterministic
-    calls on the D=256 kernels (dQ from a kernel of its own, adding in a fixed order),
-    against the reference and two runs bit for bit."""
+@pytest.mark.parametrize("warpgroups", [2, 3])
+def test_split_head_dims_backward_gpu(case, dtype, warpgroups, hopper_backward_launches,
+                                      monkeypatch):  # fmt: skip
+    """The gradients against the reference from _bwd_split_kernel, with two warpgroups
+    and with three (whichever its mask would not take)."""
+    from memattn.kernels import backward_sm90
+
+    monkeypatch.setattr(backward_sm90, "SPLIT_WARPGROUPS", dict.fromkeys(
+        backward_sm90.SPLIT_WARPGROUPS, warpgroups))
+    backward_sm90.hopper.forget_plans()  # plans are made from the knobs
+    fused = record_launches(monkeypatch, backward_sm90, "_launch_split")
+    wide = record_launches(monkeypatch, backward_sm90, "_launch_backward_wide")
+    try:
+        assert_results(check_backward(case, dtype, "cuda", seed=11))
+    finally:
+        backward_sm90.hopper.forget_plans()
+    assert fused and not wide, "the call did not run _bwd_split_kernel"
+    assert all(constexprs["WARPGROUPS"] == warpgroups for _, constexprs in fused)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c.name)
+def test_split_head_dims_deterministic_gpu(case, dtype, hopper_backward_launches,
+                                           monkeypatch):  # fmt: skip
+    """Deterministic calls at Dqk=192 / Dv=128 on the D=256 kernels (dQ from a kernel
+    of its own, adding in a fixed order): against the reference, and two runs bit for
+    bit."""
     from memattn.kernels import backward_sm90
 
     fused = record_launches(monkeypatch, backward_sm90, "_launch_split")
     wide = record_launches(monkeypatch, backward_sm90, "_launch_backward_wide")
-    assert_results(check_backward(case, dtype, "cuda", seed=11))
-    assert fused and not wide, "the call did not run _bwd_split_kernel"
-    fused.clear()
     det = dataclasses.replace(case, options=dict(case.options, deterministic=True))
     assert_results(check_backward(det, dtype, "cuda", seed=12))
     assert wide and not fused, "the deterministic call did not run the D=256 kernels"

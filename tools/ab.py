@@ -59,6 +59,9 @@ VARIANTS = {
     "dq32_at192": {"bwd.DQ_BLOCK_N": {256: 32, 192: 32}},  # 32-key tiles in 192's dQ kernel
     "wide192": {"bwd.FUSED_SPLIT": False},  # 192/128 on the wide kernels, dQ's apart
     "split_heads1": {"bwd.SPLIT_HEADS_TOGETHER": 1},  # 192/128: each head's blocks in turn
+    # 192/128: two warpgroups of 64 keys, or three of 32, masked or not
+    "split2": {"bwd.SPLIT_WARPGROUPS": {"masked": 2, "unmasked": 2}},
+    "split3": {"bwd.SPLIT_WARPGROUPS": {"masked": 3, "unmasked": 3}},
 }
 MODULES = {"fwd": forward_sm90, "bwd": backward_sm90}
 DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
@@ -66,7 +69,7 @@ DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
              "TURNS_MAX_HEAD_DIM", "MIN_SEQLEN_Q_D64_MASKED")),
     ("bwd", ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "PACKED_BIAS_ADDS", "SKIP_EMPTY_KEY_BLOCKS",
              "SPLIT_HEAD_DIM_PAIRS", "DQ_BLOCK_N", "DQ_WRITER", "ORDERED_DQ",
-             "PERSISTENT_BLOCKS", "FUSED_SPLIT", "SPLIT_HEADS_TOGETHER")))
+             "PERSISTENT_BLOCKS", "FUSED_SPLIT", "SPLIT_HEADS_TOGETHER", "SPLIT_WARPGROUPS")))
     for name in names}  # fmt: skip
 # A/B the kernels themselves, at every size
 DEFAULTS["bwd.MIN_KEYS_PER_QUERY"] = dict.fromkeys(backward_sm90.HEAD_DIMS, 0)

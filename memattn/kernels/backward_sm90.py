@@ -196,6 +196,25 @@ def _bwd_load_partition(
         tma.async_copy_global_to_shared(k2_desc, [b_tma, hk, k_start + start_n, split_col],
                                         kv_bar, k2_smem)
     tma.async_copy_global_to_shared(v_desc, [b_tma, hk, k_start + start_n, 0], kv_bar, v_smem)
+    _query_tile_loads(
+        q_desc, do_desc, stats_desc, bias_desc, q_smem, do_smem, lse_smem, delta_smem,
+        bias_smem, q_ready, do_ready, q_empty, do_empty, b_tma, hk, q_start, stats_start,
+        GROUP, bias_b, bias_heads, start_n, lo, n_tiles, q2_desc, q2_smem, BLOCK_M, STAGES,
+        HAS_BIAS, QK_SPLIT, rot, ROTATE, step)  # fmt: skip
+
+
+@gluon.jit
+def _query_tile_loads(
+    q_desc, do_desc, stats_desc, bias_desc, q_smem, do_smem, lse_smem, delta_smem, bias_smem,
+    q_ready, do_ready, q_empty, do_empty, b_tma, hk, q_start, stats_start, GROUP, bias_b,
+    bias_heads, start_n, lo, n_tiles, q2_desc, q2_smem, BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, QK_SPLIT: gl.constexpr, rot=0,
+    ROTATE: gl.constexpr = False, step=0,
+):  # fmt: skip
+    """The load warp's Q (with its rows' lse, the bias tile and Q's last QK_SPLIT
+    columns) and dO (with delta) tiles for one key block, every query head of the group,
+    into their rings (_bwd_load_partition's arguments)."""
+    split_col: gl.constexpr = q_desc.block_type.shape[3]
     for t in range(GROUP * n_tiles):
         h, start_m = _query_tile(t, hk, GROUP, lo, n_tiles, BLOCK_M, rot, ROTATE)
         i = step + t
@@ -1237,18 +1256,28 @@ def _bwd_dq_wide_kernel(
 # _tile_size_bwd_sm90): S = Q Kᵀ and dP = dO Vᵀ with the queries on the wgmma's M, dK
 # and dV transposed (the head dim on M), P and dS through shared memory. In ours (keys
 # on M) dK and dV over 64 keys take 160 registers a thread and leave too few for S, dP
-# and their 16 query columns of lse and delta. A program owns 128 keys, a warpgroup 64
-# (FA4 96, a tile Gluon has none for): dKᵀ 192 x 64 (two accumulators, 128 + 64
-# rows), dVᵀ 128 x 64, S and dP 64 x 64, lse and delta two rows a thread. dQ = dS K
-# over both warpgroups' dS, in 64-column parts (dq_split): the first warpgroup makes
-# parts 0 and 1 from K's first buffer, the second part 2 from its last 64 columns, each
-# added into dq_tiles' fp32 buffer by TMA reduce-add as at D 64/128. Shared memory: K
-# 48 KiB, V 32, Q and dO rings of two 48 + 32, P and dS 16 each, a 16 KiB fp32 dQ
-# buffer a warpgroup (dK and dV leave through it): 225 of the 227 KiB. Matmul work is
-# 832 units per 832 useful, against the wide kernels' 1152 (dQ's kernel recomputes S
-# and dP). Deterministic calls keep the wide kernels (their dQ is added in one order).
+# and their 16 query columns of lse and delta. Each compute warpgroup owns KEYS keys of
+# the program's block (FA4: two of 48, a tile Gluon has none for; here two of 64 or
+# three of 32, SPLIT_WARPGROUPS): dKᵀ 192 x KEYS (two accumulators, 128 + 64 rows),
+# dVᵀ 128 x KEYS, S and dP 64 x KEYS, lse and delta two rows a thread. dQ = dS K over
+# every warpgroup's dS, in three 64-column parts (dq_split, split_parts), each added
+# into dq_tiles' fp32 buffer by TMA reduce-add as at D 64/128. Shared memory, two
+# warpgroups: K 48 KiB, V 32, Q and dO rings of two 48 + 32, P and dS 16 each, a 16 KiB
+# fp32 dQ buffer a warpgroup (dK and dV leave through it): 226 of the 227 KiB; three:
+# 214. Matmul work is 832 units per 832 useful, against the wide kernels' 1152 (dQ's
+# kernel recomputes S and dP). Deterministic calls keep the wide kernels (their dQ is
+# added in one order). H100, tools/ab.py, wide -> this kernel (two warpgroups):
+# S4096 364 -> 404, S16384 causal 366 -> 399, S4096 causal 344 -> 345; with three under
+# a mask S4096 causal 348 -> 363.
 FUSED_SPLIT = True
-BLOCK_N_SPLIT = 128
+# Compute warpgroups a program: 2 of 64 keys, or 3 of 32 (96 keys, FA4's count), by
+# whether a mask bounds the keys (causal, windows) or not. Three take dP's wgmma beside
+# S's (their registers allow it) and finer blocks under a mask, two read less shared
+# memory a flop (wgmmas 64 keys wide). H100, tools/ab.py --rounds 4, two -> three:
+# causal S1024 215 -> 231 TFLOP/s, S4096 348 -> 363 (S16384 402 -> 400); unmasked S4096
+# 404 -> 371, S8192 419 -> 388.
+SPLIT_WARPGROUPS = {"masked": 3, "unmasked": 2}
+SPLIT_KEYS = {2: 64, 3: 32}
 # The programs of this many (batch, kv head)s at a time take their key blocks by rank
 # (first blocks first): under a causal mask the longest first, so that the grid's end
 # waits on short blocks; a few heads' at a time, so that what they read and add stays
@@ -1256,44 +1285,55 @@ BLOCK_N_SPLIT = 128
 SPLIT_HEADS_TOGETHER = 4
 
 
+@gluon.constexpr_function
+def split_parts(warpgroup, warpgroups):
+    """dQ's 64-column parts (dq_split) warpgroup ``warpgroup`` of _bwd_split_kernel makes:
+    one each of three, or of two the first makes two (K's first buffer's columns)."""
+    if warpgroups == 3:
+        return (warpgroup,)
+    return (0, 1) if warpgroup == 0 else (2,)
+
+
 @gluon.jit
 def _bwd_split_compute_partition(
-    shared, HALF: gl.constexpr, HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr,
-    QK_SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    shared, WG: gl.constexpr, WARPGROUPS: gl.constexpr, HEAD_DIM_QK: gl.constexpr,
+    HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
+    KEYS: gl.constexpr, STAGES: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
+    BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
-    """One warpgroup of _bwd_split_kernel: keys [start_n + HALF * 64, + 64) against
-    every query tile. Per tile: S, P into shared memory, then dP and dVᵀ += dOᵀ P
-    (asynchronous wgmmas), dS into shared memory and dKᵀ += Qᵀ dS from this half;
-    once both halves are there, this warpgroup's parts of dQ (dq_split), each out by
-    TMA reduce-add."""
+    """Warpgroup WG of _bwd_split_kernel: keys [start_n + WG * KEYS, + KEYS) against
+    every query tile. Per tile: S (and dP, with three warpgroups), P into shared memory,
+    dVᵀ += dOᵀ P, dS into shared memory and dKᵀ += Qᵀ dS from this warpgroup's keys
+    (asynchronous wgmmas); once every warpgroup's dS is there, this warpgroup's parts
+    of dQ (split_parts) over all the keys, each out by TMA reduce-add."""
     (dq_desc, dk_desc, dk2_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, q2_smem, k2_smem,
      lse_smem, delta_smem, p_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty,
      do_empty, ds_bar, ds_free, b, hk, GROUP, start_n, lo, full_lo, full_hi, n_tiles,
      seqlen_k, off, scale, window_left, window_right) = shared
     dtype: gl.constexpr = k_smem.dtype
-    HALF_N: gl.constexpr = BLOCK_N // 2
     QK_MAIN: gl.constexpr = HEAD_DIM_QK - QK_SPLIT  # Q's and K's columns in q_smem, k_smem
     PART: gl.constexpr = dq_split(HEAD_DIM_QK, BLOCK_M)[1]  # dQ's columns a part
-    # Every accumulator here is 64 wide (keys, or a part of dQ's columns): one layout.
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_N, 16])
-    rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    PARTS: gl.constexpr = split_parts(WG, WARPGROUPS)
+    # With 32 keys a warpgroup dP's wgmma goes beside S's: its registers are free.
+    DP_EARLY: gl.constexpr = WARPGROUPS == 3
+    # S, dP, dKᵀ and dVᵀ: KEYS wide; dQ's parts: PART wide
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KEYS, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, PART, 16])
+    rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     dq_order: gl.constexpr = hopper.accumulator_order(BLOCK_M, PART)
     TILE_ROWS: gl.constexpr = dq_desc.block_type.shape[2]
 
-    k_main = k_smem.reshape([BLOCK_N, QK_MAIN])
-    k_last = k2_smem.reshape([BLOCK_N, QK_SPLIT])
-    k_own = k_main.slice(HALF * HALF_N, HALF_N, dim=0).permute((1, 0))  # as Kᵀ
-    k2_own = k_last.slice(HALF * HALF_N, HALF_N, dim=0).permute((1, 0))
-    v_own = v_smem.reshape([BLOCK_N, HEAD_DIM_V]).slice(HALF * HALF_N, HALF_N,
-                                                          dim=0).permute((1, 0))
-    p_own = p_smem.index(HALF)  # (queries, keys)
-    ds_own = ds_smem.index(HALF)
-    dq_buf = dq_smem.index(HALF)
-    dkt = gl.zeros([QK_MAIN, HALF_N], gl.float32, layout=acc_layout)
-    dk2t = gl.zeros([QK_SPLIT, HALF_N], gl.float32, layout=acc_layout)
-    dvt = gl.zeros([HEAD_DIM_V, HALF_N], gl.float32, layout=acc_layout)
+    k_own = k_smem.index(WG).reshape([KEYS, QK_MAIN]).permute((1, 0))  # as Kᵀ
+    k2_own = k2_smem.index(WG).reshape([KEYS, QK_SPLIT]).permute((1, 0))
+    v_own = v_smem.index(WG).reshape([KEYS, HEAD_DIM_V]).permute((1, 0))
+    p_own = p_smem.index(WG)  # (queries, keys)
+    ds_own = ds_smem.index(WG)
+    dq_buf = dq_smem.index(WG)
+    dkt = gl.zeros([QK_MAIN, KEYS], gl.float32, layout=s_layout)
+    dk2t = gl.zeros([QK_SPLIT, KEYS], gl.float32, layout=s_layout)
+    dvt = gl.zeros([HEAD_DIM_V, KEYS], gl.float32, layout=s_layout)
     scale_log2 = scale * LOG2E
     mbarrier.wait(kv_bar, 0)
 
@@ -1304,86 +1344,78 @@ def _bwd_split_compute_partition(
         q = q_smem.index(slot).reshape([BLOCK_M, QK_MAIN])
         q2 = q2_smem.index(slot).reshape([BLOCK_M, QK_SPLIT])
         # Zero accumulators made here, not held across the loop: registers are short.
-        s_init = gl.zeros([BLOCK_M, HALF_N], gl.float32, layout=acc_layout)
+        s_init = gl.zeros([BLOCK_M, KEYS], gl.float32, layout=s_layout)
         s = warpgroup_mma(q, k_own, s_init, use_acc=False, is_async=True)
         s = warpgroup_mma(q2, k2_own, s, is_async=True)
-        s = warpgroup_mma_wait(0, deps=(s,))
+        if DP_EARLY:
+            hopper.arrived(do_ready, i, STAGES)
+            do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_V])
+            dp = warpgroup_mma(do, v_own, s_init, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s,))
+        else:
+            s = warpgroup_mma_wait(0, deps=(s,))
         lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(rows_layout)
         if (start_m < full_lo) | (start_m >= full_hi):
-            # the keys made here, not held across the loop (16 registers a thread)
-            offs_n = start_n + HALF * HALF_N + gl.arange(0, HALF_N,
-                                                         layout=gl.SliceLayout(0, acc_layout))
+            # the keys made here, not held across the loop (KEYS / 4 registers a thread)
+            offs_n = start_n + WG * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
             mask = visible(offs_m[:, None], offs_n[None, :], seqlen_k, off, window_left,
                            window_right, BOUNDED_LEFT, BOUNDED_RIGHT)
             s = gl.where(mask, s, float("-inf"))
         p = gl.exp2(s * scale_log2 - lse2[:, None])
         # P to shared memory for dV (this warpgroup's last dV wgmma, its one reader, is
-        # done), and kept for dS in fp16: dP's 32 registers a thread are not free
-        # beside it in fp32 (a P rounded to 11 bits, where dS is then rounded to the
-        # inputs' 8 or 11)
+        # done). With 64 keys a warpgroup P is kept for dS in fp16: dP's registers are
+        # not free beside it in fp32 (a P rounded to 11 bits, where dS is then rounded
+        # to the inputs' 8 or 11).
         p_own.store(p.to(dtype))
-        p16 = p.to(gl.float16)
+        if not DP_EARLY:
+            p = p.to(gl.float16)
         fence_async_shared()
         gl.thread_barrier()
-        # dP only now, in S's registers (beside S it spilled: 345 -> 237 TFLOP/s)
-        hopper.arrived(do_ready, i, STAGES)
-        do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_V])
-        dp = warpgroup_mma(do, v_own, s_init, use_acc=False, is_async=True)
+        if not DP_EARLY:  # dP only now, in S's registers
+            hopper.arrived(do_ready, i, STAGES)
+            do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_V])
+            dp = warpgroup_mma(do, v_own, s_init, use_acc=False, is_async=True)
         dvt = warpgroup_mma(do.permute((1, 0)), p_own, dvt, is_async=True)
         dp = warpgroup_mma_wait(1, deps=(dp,))
         delta = delta_smem.index(slot).reshape([BLOCK_M]).load(rows_layout)
-        ds = (p16.to(gl.float32) * (dp - delta[:, None])).to(dtype)
+        ds = (p.to(gl.float32) * (dp - delta[:, None])).to(dtype)
 
-        # dS to shared memory once both warpgroups' dQ wgmmas have read the last step's
-        # (ds_free), then both halves there (ds_bar)
+        # dS to shared memory once every warpgroup's dQ wgmmas have read the last step's
+        # (ds_free); dK reads this warpgroup's alone, dQ all of them (ds_bar)
         mbarrier.wait(ds_free, (i & 1) ^ 1, pred=i > 0)
         ds_own.store(ds)
         fence_async_shared()
-        # dK reads this warpgroup's half of dS alone: its wgmmas before the wait
         gl.thread_barrier()
         dkt = warpgroup_mma(q.permute((1, 0)), ds_own, dkt, is_async=True)
         dk2t = warpgroup_mma(q2.permute((1, 0)), ds_own, dk2t, is_async=True)
         mbarrier.arrive(ds_bar)
         mbarrier.wait(ds_bar, i & 1)
-        # dQ's parts here: K's first buffer's two (HALF 0, one after the other: registers)
-        # or its last columns (HALF 1)
-        if HALF == 0:
-            dq = _dq_part(ds_smem, k_main.slice(0, PART, dim=1), BLOCK_M, HALF_N, PART,
-                          acc_layout)
-        else:
-            dq = _dq_part(ds_smem, k_last, BLOCK_M, HALF_N, PART, acc_layout)
-        dvt, dkt, dk2t, dq = warpgroup_mma_wait(0, deps=(dvt, dkt, dk2t, dq))
-        mbarrier.arrive(do_empty.index(slot))  # dP and dV done with dO
-        part_row = _dq_tile_row(b, 0, start_m, 2 * HALF, BLOCK_M, TILE_ROWS, 3, False)
-        if HALF == 0:  # part 1 once part 0 is out of its registers
-            _dq_add(dq * scale, dq_buf, dq_desc, [b, h, part_row, 0], dq_order, BLOCK_M, PART)
-            dq = _dq_part(ds_smem, k_main.slice(PART, PART, dim=1), BLOCK_M, HALF_N, PART,
-                          acc_layout)
-            dq = warpgroup_mma_wait(0, deps=(dq,))
-            part_row += TILE_ROWS
-        mbarrier.arrive(ds_free)  # both halves of dS read here
-        _dq_add(dq * scale, dq_buf, dq_desc, [b, h, part_row, 0], dq_order, BLOCK_M, PART)
+        for n in gl.static_range(len(PARTS)):  # one after the other: registers
+            dq = gl.zeros([BLOCK_M, PART], gl.float32, layout=dq_layout)
+            for j in gl.static_range(WARPGROUPS):
+                if PARTS[n] < 2:
+                    k_cols = k_smem.index(j).reshape([KEYS, QK_MAIN]).slice(PARTS[n] * PART,
+                                                                             PART, dim=1)
+                else:
+                    k_cols = k2_smem.index(j).reshape([KEYS, QK_SPLIT])
+                dq = warpgroup_mma(ds_smem.index(j), k_cols, dq, use_acc=j > 0, is_async=True)
+            if n == 0:
+                dvt, dkt, dk2t, dq = warpgroup_mma_wait(0, deps=(dvt, dkt, dk2t, dq))
+                mbarrier.arrive(do_empty.index(slot))  # dP and dV done with dO
+            else:
+                dq = warpgroup_mma_wait(0, deps=(dq,))
+            if n == len(PARTS) - 1:
+                mbarrier.arrive(ds_free)  # every dS read here
+            row = _dq_tile_row(b, 0, start_m, PARTS[n], BLOCK_M, TILE_ROWS, 3, False)
+            _dq_add(dq * scale, dq_buf, dq_desc, [b, h, row, 0], dq_order, BLOCK_M, PART)
         mbarrier.arrive(q_empty.index(slot))
 
     # dK and dV, transposed, leave through this warpgroup's dQ buffer one after another
     # (the TMA stores clip keys past Sk; dense batches only here)
-    tma.store_wait(0)
-    gl.thread_barrier()
-    row = start_n + HALF * HALF_N
+    row = start_n + WG * KEYS
     _store_transposed(dvt, dq_buf, dv_desc, [b, hk, row, 0])
     _store_transposed(dkt * scale, dq_buf, dk_desc, [b, hk, row, 0])
     _store_transposed(dk2t * scale, dq_buf, dk2_desc, [b, hk, row, QK_MAIN])
-
-
-@gluon.jit
-def _dq_part(ds_smem, k_cols, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, COLS: gl.constexpr,
-             layout: gl.constexpr):  # fmt: skip
-    """dS K[:, cols] over both halves of the keys (asynchronous: two wgmma groups)."""
-    acc = gl.zeros([BLOCK_M, COLS], gl.float32, layout=layout)
-    for j in gl.static_range(2):
-        acc = warpgroup_mma(ds_smem.index(j), k_cols.slice(j * HALF_N, HALF_N, dim=0), acc,
-                            use_acc=j > 0, is_async=True)
-    return acc
 
 
 @gluon.jit
@@ -1410,15 +1442,42 @@ def _store_transposed(xt, buf, desc, coords):
 
 
 @gluon.jit
+def _bwd_split_load_partition(loads, WARPGROUPS: gl.constexpr, BLOCK_M: gl.constexpr,
+                              STAGES: gl.constexpr):  # fmt: skip
+    """One warp: each warpgroup's keys of K (both buffers) and V, then the Q and dO
+    tiles (_query_tile_loads)."""
+    (q_desc, do_desc, k_desc, k2_desc, v_desc, stats_desc, q2_desc, q_smem, do_smem, k_smem,
+     k2_smem, v_smem, q2_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, q_empty,
+     do_empty, b, hk, GROUP, start_n, lo, n_tiles) = loads
+    keys: gl.constexpr = k_desc.block_type.shape[2]
+    split_col: gl.constexpr = q_desc.block_type.shape[3]
+    kv_bytes: gl.constexpr = WARPGROUPS * (k_desc.block_type.nbytes + k2_desc.block_type.nbytes
+                                           + v_desc.block_type.nbytes)
+    mbarrier.expect(kv_bar, kv_bytes)
+    for j in gl.static_range(WARPGROUPS):
+        row = start_n + j * keys
+        tma.async_copy_global_to_shared(k_desc, [b, hk, row, 0], kv_bar, k_smem.index(j))
+        tma.async_copy_global_to_shared(k2_desc, [b, hk, row, split_col], kv_bar,
+                                        k2_smem.index(j))
+        tma.async_copy_global_to_shared(v_desc, [b, hk, row, 0], kv_bar, v_smem.index(j))
+    _query_tile_loads(
+        q_desc, do_desc, stats_desc, q_desc, q_smem, do_smem, lse_smem, delta_smem, q_smem,
+        q_ready, do_ready, q_empty, do_empty, b, hk, 0, 0, GROUP, 0, 1, start_n, lo, n_tiles,
+        q2_desc, q2_smem, BLOCK_M, STAGES, False, q2_desc.block_type.shape[3])  # fmt: skip
+
+
+@gluon.jit
 def _bwd_split_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, q2_desc, k2_desc, dk_desc, dk2_desc,
     dv_desc, HKV, GROUP, seqlen_q, seqlen_k, num_n_blocks, scale, window_left, window_right,
     HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
-    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, HEADS_TOGETHER: gl.constexpr,
+    BLOCK_M: gl.constexpr, WARPGROUPS: gl.constexpr, STAGES: gl.constexpr,
+    BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    HEADS_TOGETHER: gl.constexpr,
 ):  # fmt: skip
     # Dense batches only: no cu_seqlens (the 0s), IS_VARLEN off. The programs of
     # HEADS_TOGETHER (batch, kv head)s take their key blocks by rank (SPLIT_HEADS_TOGETHER).
+    KEYS: gl.constexpr = k_desc.block_type.shape[2]  # a warpgroup's
     pid = gl.program_id(0)
     group_size = HEADS_TOGETHER * num_n_blocks
     first = pid // group_size * HEADS_TOGETHER
@@ -1427,43 +1486,73 @@ def _bwd_split_kernel(
     item = (first + rank % heads) * num_n_blocks + rank // heads
     b, hk, start_n, _, _, _, seqlen_k, off, lo, full_lo, full_hi, n_tiles = _key_block(
         item, HKV, 0, 0, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right, BLOCK_M,
-        BLOCK_N, False, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+        WARPGROUPS * KEYS, False, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
 
     dtype: gl.constexpr = q_desc.dtype
-    (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, ds_bar, q_ready, q_empty,
-     do_ready, do_empty) = _operand_buffers(q_desc, do_desc, k_desc, v_desc, stats_desc, STAGES)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     q2_smem = gl.allocate_shared_memory(dtype, [STAGES] + q2_desc.block_type.shape,
                                         q2_desc.layout)
-    k2_smem = gl.allocate_shared_memory(dtype, k2_desc.block_type.shape, k2_desc.layout)
-    pds_block: gl.constexpr = [BLOCK_M, BLOCK_N // 2]  # (queries, keys), a warpgroup's
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape,
+                                        do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [WARPGROUPS] + k_desc.block_type.shape,
+                                       k_desc.layout)
+    k2_smem = gl.allocate_shared_memory(dtype, [WARPGROUPS] + k2_desc.block_type.shape,
+                                        k2_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [WARPGROUPS] + v_desc.block_type.shape,
+                                       v_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape,
+                                         stats_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape,
+                                           stats_desc.layout)
+    pds_block: gl.constexpr = [BLOCK_M, KEYS]  # (queries, keys), a warpgroup's
     pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(pds_block, dtype)
-    p_smem = gl.allocate_shared_memory(dtype, [2] + pds_block, pds_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [2] + pds_block, pds_layout)
+    p_smem = gl.allocate_shared_memory(dtype, [WARPGROUPS] + pds_block, pds_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [WARPGROUPS] + pds_block, pds_layout)
     # A dQ buffer a warpgroup (allocated swizzled for its 1024-byte alignment: dK and
     # dV leave through it at the end)
-    dq_shape: gl.constexpr = [2] + dq_desc.block_type.shape
+    dq_shape: gl.constexpr = [WARPGROUPS] + dq_desc.block_type.shape
     dq_smem = gl.allocate_shared_memory(
         gl.float32, dq_shape, gl.NVMMASharedLayout(128, 32, rank=4))._reinterpret(
             gl.float32, dq_shape, dq_desc.layout)  # fmt: skip
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(ds_free, count=2)  # both warpgroups' dQ wgmmas have read dS
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(ds_bar, count=WARPGROUPS)  # every warpgroup's dS stored
+    mbarrier.init(ds_free, count=WARPGROUPS)  # every warpgroup's dQ wgmmas have read dS
+    q_ready, q_empty = hopper.ring(STAGES, WARPGROUPS)
+    do_ready, do_empty = hopper.ring(STAGES, WARPGROUPS)
 
     shared = (dq_desc, dk_desc, dk2_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, q2_smem,
               k2_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, kv_bar, q_ready,
               do_ready, q_empty, do_empty, ds_bar, ds_free, b, hk, GROUP, start_n, lo,
               full_lo, full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right)
-    gl.warp_specialize(
-        [(_bwd_split_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M,
-                                         BLOCK_N, STAGES, BOUNDED_LEFT, BOUNDED_RIGHT)),
-         (_bwd_split_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M,
-                                         BLOCK_N, STAGES, BOUNDED_LEFT, BOUNDED_RIGHT)),
-         (_bwd_load_partition, (
-            q_desc, do_desc, k_desc, v_desc, stats_desc, q_desc, q_smem, do_smem, k_smem,
-            v_smem, lse_smem, delta_smem, q_smem, kv_bar, q_ready, do_ready, q_empty,
-            do_empty, b, hk, 0, 0, 0, GROUP, 0, 1, start_n, lo, n_tiles, q2_desc, k2_desc,
-            q2_smem, k2_smem, BLOCK_M, STAGES, False, QK_SPLIT))],
-        worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
-
+    loads = (q_desc, do_desc, k_desc, k2_desc, v_desc, stats_desc, q2_desc, q_smem, do_smem,
+             k_smem, k2_smem, v_smem, q2_smem, lse_smem, delta_smem, kv_bar, q_ready,
+             do_ready, q_empty, do_empty, b, hk, GROUP, start_n, lo, n_tiles)
+    if WARPGROUPS == 3:
+        gl.warp_specialize(
+            [(_bwd_split_compute_partition, (shared, 0, 3, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
+                                             BLOCK_M, KEYS, STAGES, BOUNDED_LEFT,
+                                             BOUNDED_RIGHT)),
+             (_bwd_split_compute_partition, (shared, 1, 3, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
+                                             BLOCK_M, KEYS, STAGES, BOUNDED_LEFT,
+                                             BOUNDED_RIGHT)),
+             (_bwd_split_compute_partition, (shared, 2, 3, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
+                                             BLOCK_M, KEYS, STAGES, BOUNDED_LEFT,
+                                             BOUNDED_RIGHT)),
+             (_bwd_split_load_partition, (loads, 3, BLOCK_M, STAGES))],
+            worker_num_warps=[4, 4, 1], worker_num_regs=[160, 160, 24])  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [(_bwd_split_compute_partition, (shared, 0, 2, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
+                                             BLOCK_M, KEYS, STAGES, BOUNDED_LEFT,
+                                             BOUNDED_RIGHT)),
+             (_bwd_split_compute_partition, (shared, 1, 2, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
+                                             BLOCK_M, KEYS, STAGES, BOUNDED_LEFT,
+                                             BOUNDED_RIGHT)),
+             (_bwd_split_load_partition, (loads, 2, BLOCK_M, STAGES))],
+            worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
 
 # Below this many keys per query backward.py's kernels win: each program then has few
 # query tiles to spread its start-up (K and V loads, the partitions) and its dK/dV
@@ -1905,16 +1994,17 @@ def _backward_split(spec: AttentionSpec, q, k, v, grad_out, stats, dq, dk, dv) -
     if _launch_split.launch_prepared(how.programs, call):
         return
     split = how.constexprs["QK_SPLIT"]
-    block_n, rows = how.constexprs["BLOCK_N"], how.constexprs["BLOCK_M"]
+    rows = how.constexprs["BLOCK_M"]
+    keys = SPLIT_KEYS[how.constexprs["WARPGROUPS"]]  # a warpgroup's, a TMA box of K, V, dK, dV
     q_desc, q2_desc = _split_descriptors(q, rows, split)
-    k_desc, k2_desc = _split_descriptors(k, block_n, split)
+    k_desc, k2_desc = _split_descriptors(k, keys, split)
     part = dq_split(spec.head_dim_qk, rows)
     _launch_split(
         (how.programs,),
-        q_desc, k_desc, hopper.descriptor(v, block_n), hopper.descriptor(grad_out, rows),
+        q_desc, k_desc, hopper.descriptor(v, keys), hopper.descriptor(grad_out, rows),
         _dq_tiles_descriptor(dq, part[0] * part[1] // 256),
         _row_stats_descriptor(stats, spec.seqlen_q), q2_desc, k2_desc,
-        *_split_descriptors(dk, block_n // 2, split), hopper.descriptor(dv, block_n // 2),
+        *_split_descriptors(dk, keys, split), hopper.descriptor(dv, keys),
         spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k, *how.counts, spec.scale,
         spec.window_left, spec.window_right, variant=how, prepare=call, **how.constexprs,
     )  # fmt: skip
@@ -1924,15 +2014,16 @@ def _backward_split(spec: AttentionSpec, q, k, v, grad_out, stats, dq, dk, dv) -
 def _plan_split(spec: AttentionSpec, device_index: int) -> hopper.Plan:
     """_bwd_split_kernel's launch (hopper.Plan): a program per key block and key head
     (counts: key blocks per head)."""
-    num_n = cdiv(spec.seqlen_k, BLOCK_N_SPLIT)
+    masked = spec.window_left >= 0 or spec.window_right >= 0
+    warpgroups = SPLIT_WARPGROUPS["masked" if masked else "unmasked"]
+    num_n = cdiv(spec.seqlen_k, warpgroups * SPLIT_KEYS[warpgroups])
     return hopper.Plan(
         num_n * spec.batch * spec.kv_heads, (num_n,),
         dict(HEAD_DIM_QK=spec.head_dim_qk, HEAD_DIM_V=spec.head_dim_v,
              QK_SPLIT=hopper.qk_split(spec.head_dim_qk), BLOCK_M=BLOCK_M,
-             BLOCK_N=BLOCK_N_SPLIT, STAGES=STAGES, BOTTOM_RIGHT=spec.bottom_right,
+             WARPGROUPS=warpgroups, STAGES=STAGES, BOTTOM_RIGHT=spec.bottom_right,
              BOUNDED_LEFT=spec.window_left >= 0, BOUNDED_RIGHT=spec.window_right >= 0,
-             HEADS_TOGETHER=SPLIT_HEADS_TOGETHER,
-             num_warps=4))  # fmt: skip
+             HEADS_TOGETHER=SPLIT_HEADS_TOGETHER, num_warps=4))  # fmt: skip
 
 
 @hopper.plan_cache
