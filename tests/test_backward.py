@@ -140,7 +140,7 @@ def _tile_spec(head_dim, lengths, batch, seqlen):
 
 
 _TILE_CASES = dict(
-    head_dim=st.sampled_from([64, 128]), rows=st.sampled_from([64, 128]),
+    head_dim=st.sampled_from([64, 128, 192]), rows=st.sampled_from([64, 128]),
     lengths=st.one_of(st.just(()), st.lists(st.integers(1, 300), min_size=1, max_size=4)),
     batch=st.integers(1, 2), seqlen=st.integers(1, 300))
 
@@ -162,15 +162,16 @@ def _tiles_of(spec, cu, seqs, rows):
 @given(**_TILE_CASES)
 @example(head_dim=64, rows=128, lengths=[130, 3], batch=1, seqlen=1)  # halves of the rows
 @example(head_dim=128, rows=64, lengths=[], batch=2, seqlen=77)  # halves of the columns
+@example(head_dim=192, rows=64, lengths=[], batch=2, seqlen=77)  # thirds of the columns
 def test_dq_tiles_read_back_cpu(head_dim, rows, lengths, batch, seqlen):
-    """_dq_from_tiles_kernel reads each dQ tile of dq_tiles' buffer, its two warpgroups'
+    """_dq_from_tiles_kernel reads each dQ tile of dq_tiles' buffer, its warpgroups'
     parts (dq_split) each laid out in its registers' order as hopper.accumulator_order's
     bases say, back into dQ's rows: every row of every sequence exactly, and nothing
     from a tile's rows past its sequence."""
     from memattn.kernels import backward_sm90, hopper
 
-    if head_dim == 128 and rows == 128:
-        rows = 64  # D=128 takes 64 rows a step
+    if head_dim > 64 and rows == 128:
+        rows = 64  # D 128 and 192 take 64 rows a step
     spec, q, cu, seqs = _tile_spec(head_dim, lengths, batch, seqlen)
     buffer = backward_sm90.dq_tiles(spec, q.shape[0], rows, "cpu").fill_(float("nan"))
     want = torch.randn(q.shape)
@@ -185,9 +186,11 @@ def test_dq_tiles_read_back_cpu(head_dim, rows, lengths, batch, seqlen):
         token = (b, slice(first, first + count), h) if cu is None else (
             slice(first, first + count), h)
         values[:count] = want[token]
-        for hf in range(2):  # the warpgroups' parts: halves of the columns or the rows
-            first_row, first_col = (hf * part_rows, 0) if part_rows < rows else (0, hf * part_cols)
-            start = (2 * tile + hf) * size
+        parts = rows * head_dim // size  # of the columns, or halves of the rows
+        for part in range(parts):
+            first_row, first_col = ((part * part_rows, 0) if part_rows < rows
+                                    else (0, part * part_cols))
+            start = (parts * tile + part) * size
             plane[b, h, start : start + size] = values[first_row + at_row, first_col + at_col]
     dq = torch.full_like(q, float("nan"))
     grid, args, constexprs = backward_sm90.dq_from_tiles_launch(spec, buffer, rows, dq, cu)
@@ -199,12 +202,13 @@ def test_dq_tiles_read_back_cpu(head_dim, rows, lengths, batch, seqlen):
 @settings(max_examples=8, deadline=None)
 @given(**_TILE_CASES)
 @example(head_dim=64, rows=128, lengths=[130, 3], batch=1, seqlen=1)
+@example(head_dim=192, rows=64, lengths=[], batch=2, seqlen=77)  # zeroed in three pieces
 def test_preprocess_zeroes_dq_tiles_cpu(head_dim, rows, lengths, batch, seqlen):
     """The preprocess zeroes every dQ tile the Gluon backward adds into (_tiles_of, as
     common.dq_tile numbers them), in a buffer that held NaN."""
     from memattn.kernels import backward_sm90
 
-    if head_dim == 128 and rows == 128:
+    if head_dim > 64 and rows == 128:
         rows = 64
     spec, q, cu, seqs = _tile_spec(head_dim, lengths, batch, seqlen)
     out, grad_out = torch.randn_like(q), torch.randn_like(q)

@@ -1281,7 +1281,8 @@ SPLIT_KEYS = {2: 64, 3: 32}
 # The programs of this many (batch, kv head)s at a time take their key blocks by rank
 # (first blocks first): under a causal mask the longest first, so that the grid's end
 # waits on short blocks; a few heads' at a time, so that what they read and add stays
-# in L2.
+# in L2. H100, causal S4096, each head's blocks in turn -> 4 heads' by rank: 329 -> 345
+# (8: as 4).
 SPLIT_HEADS_TOGETHER = 4
 
 
