@@ -526,8 +526,8 @@ def test_packed_shared_bias_gradient_gpu(kind, head_dim, dtype, hopper_backward_
 
 
 # Dqk=192 / Dv=128, Q and K split into 128 + 64 columns (backward_sm90.SPLIT_HEAD_DIM_PAIRS):
-# dense calls without bias, ALiBi or dropout, as at D=256; _bwd_split_kernel, or the D=256
-# kernels for deterministic calls.
+# calls without bias, ALiBi or dropout, as at D=256; _bwd_split_kernel, or the D=256
+# kernels for deterministic calls (dense batches; packed ones run backward.py there).
 SPLIT_CASES = [
     Case("Dqk192 Dv128", batch=2, heads=2, kv_heads=2, seqlen_q=333, seqlen_k=1000, dqk=192,
          dv=128),
@@ -540,9 +540,22 @@ SPLIT_CASES = [
 ]  # fmt: skip
 
 
+# Packed sequences on _bwd_split_kernel: empty and one-token sequences, a sequence
+# ending inside a warpgroup's keys (dK and dV by plain stores), Sq != Sk per sequence.
+SPLIT_VARLEN_CASES = [
+    Case("Dqk192 Dv128 varlen causal GQA", heads=4, kv_heads=2, lengths_q=(300, 0, 777, 1),
+         lengths_k=(300, 0, 777, 1), dqk=192, dv=128, options=dict(causal=True)),
+    Case("Dqk192 Dv128 varlen", heads=2, kv_heads=2, lengths_q=(129, 640, 33),
+         lengths_k=(500, 96, 1000), dqk=192, dv=128),
+    Case("Dqk192 Dv128 varlen window bottom-right", heads=2, kv_heads=1, lengths_q=(700, 50),
+         lengths_k=(300, 901), dqk=192, dv=128,
+         options=dict(window=(200, 30), align="bottom_right")),
+]  # fmt: skip
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
-@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", SPLIT_CASES + SPLIT_VARLEN_CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("warpgroups", [2, 3])
 def test_split_head_dims_backward_gpu(case, dtype, warpgroups, hopper_backward_launches,
                                       monkeypatch):  # fmt: skip

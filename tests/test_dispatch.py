@@ -264,10 +264,10 @@ def test_gluon_head_dims(dqk, dv, bias_shape, options, forward, backward):
 
 
 def test_split_head_dims_take_the_split_backward():
-    """Dqk=192 / Dv=128 (SPLIT_HEAD_DIM_PAIRS), Q and K split, with the D=256 kernels'
-    limits: no bias, ALiBi, dropout or packed sequences. _bwd_split_kernel adds dQ into
-    the fp32 buffer; deterministic calls take the D=256 kernels, whose dQ is written in
-    the output dtype in one order."""
+    """Dqk=192 / Dv=128 (SPLIT_HEAD_DIM_PAIRS), Q and K split: no bias, ALiBi or
+    dropout. _bwd_split_kernel adds dQ into the fp32 buffer, packed sequences too;
+    deterministic calls take the D=256 kernels, whose dQ is written in the output dtype
+    in one order (dense batches only)."""
     backward_sm90 = dispatch.backward_sm90
     q = torch.randn(2, 16, 2, 192, dtype=torch.float16)
     v = torch.randn(2, 16, 2, 128, dtype=torch.float16)
@@ -284,6 +284,13 @@ def test_split_head_dims_take_the_split_backward():
     dropout = check_call(q, q, v, dropout_p=0.1)
     assert not dispatch.gluon_backward_computes(dropout, None, None, False)
     assert backward_sm90.hopper.qk_split(192) == 64
+    # packed sequences: on the fused kernel, not the wide ones (deterministic)
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    packed = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=11, max_seqlen_k=11)
+    varlen = check_call(q[0], q[0], v[0], causal=True, **packed)
+    assert dispatch.gluon_backward_computes(varlen, None, None, False)
+    varlen_det = check_call(q[0], q[0], v[0], causal=True, deterministic=True, **packed)
+    assert not dispatch.gluon_backward_computes(varlen_det, None, None, False)
 
 
 

@@ -11,7 +11,8 @@ bench's window row: "128x4096w1024"), "+BHQK"-style letters for a bias of that s
 it broadcasts; no gradient asked of it, but with ".grad": "+1HQK.grad"; the error
 column then covers dQ, dK and dV only); the shapes "docs" and "docs-full" are the
 bench's packed documents (causal and not, H=16, D=128), "docs/N" and "docs/N-full"
-16384 tokens of documents N long; "docs+1HQK.grad" adds a bias the documents share.
+16384 tokens of documents N long; "docs+1HQK.grad" adds a bias the documents share,
+"docs@192/128" other head dims.
 
 --rounds N times the variants N times more, in turn, and prints each one's median.
 
@@ -90,18 +91,21 @@ def inputs(shape: str, device: str = "cuda"):
     new = lambda *s: torch.randn(*s, device=device, dtype=torch.bfloat16)  # noqa: E731
     if shape.startswith("docs"):
         shape, _, bias = shape.partition("+")
+        shape, _, dims = shape.partition("@")
+        d, dv = (int(x) for x in ((dims or "128").split("/") * 2)[:2])
         causal = not shape.endswith("-full")
         size = shape.removesuffix("-full").partition("/")[2]
         lengths = (int(size),) * (16384 // int(size)) if size else bench.DOC_LENGTHS
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
                           device=device)  # fmt: skip
-        q, k, v, do = (new(sum(lengths), 16, 128) for _ in range(4))
+        q, k = new(sum(lengths), 16, d), new(sum(lengths), 16, d)
+        v, do = new(sum(lengths), 16, dv), new(sum(lengths), 16, dv)
         kw = dict(causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
                   max_seqlen_k=max(lengths))  # fmt: skip
         if bias:  # shared by the documents, indexed by positions in each
             kw["bias"] = _bias(bias, new, B=len(lengths), H=16, Q=max(lengths), K=max(lengths))
         pairs = (n * (n + 1) / 2 if causal else n * n for n in lengths)
-        return q, k, v, do, kw, sum(4 * 16 * 128 * p for p in pairs)
+        return q, k, v, do, kw, sum(2 * 16 * (d + dv) * p for p in pairs)
     shape, _, bias = shape.partition("+")
     shape, _, window = shape.partition("w")
     deterministic = shape.endswith("d")

@@ -1299,18 +1299,19 @@ def split_parts(warpgroup, warpgroups):
 def _bwd_split_compute_partition(
     shared, WG: gl.constexpr, WARPGROUPS: gl.constexpr, HEAD_DIM_QK: gl.constexpr,
     HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
-    KEYS: gl.constexpr, STAGES: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
-    BOUNDED_RIGHT: gl.constexpr,
+    KEYS: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr,
+    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
     """Warpgroup WG of _bwd_split_kernel: keys [start_n + WG * KEYS, + KEYS) against
     every query tile. Per tile: S (and dP, with three warpgroups), P into shared memory,
     dVᵀ += dOᵀ P, dS into shared memory and dKᵀ += Qᵀ dS from this warpgroup's keys
     (asynchronous wgmmas); once every warpgroup's dS is there, this warpgroup's parts
     of dQ (split_parts) over all the keys, each out by TMA reduce-add."""
-    (dq_desc, dk_desc, dk2_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, q2_smem, k2_smem,
-     lse_smem, delta_smem, p_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty,
-     do_empty, ds_bar, ds_free, b, hk, GROUP, start_n, lo, full_lo, full_hi, n_tiles,
-     seqlen_k, off, scale, window_left, window_right) = shared
+    (dq_desc, dk_desc, dk2_desc, dv_desc, DK, DV, stride_kn, stride_kh, stride_vn, stride_vh,
+     q_smem, do_smem, k_smem, v_smem, q2_smem, k2_smem, lse_smem, delta_smem, p_smem, ds_smem,
+     dq_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, ds_free, b, b_tma, hk,
+     GROUP, start_n, q_start, k_start, lo, full_lo, full_hi, n_tiles, seqlen_q, seqlen_k, off,
+     scale, window_left, window_right) = shared
     dtype: gl.constexpr = k_smem.dtype
     QK_MAIN: gl.constexpr = HEAD_DIM_QK - QK_SPLIT  # Q's and K's columns in q_smem, k_smem
     PART: gl.constexpr = dq_split(HEAD_DIM_QK, BLOCK_M)[1]  # dQ's columns a part
@@ -1361,6 +1362,8 @@ def _bwd_split_compute_partition(
             offs_n = start_n + WG * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
             mask = visible(offs_m[:, None], offs_n[None, :], seqlen_k, off, window_left,
                            window_right, BOUNDED_LEFT, BOUNDED_RIGHT)
+            if IS_VARLEN:  # rows past the sequence: the next one's, no query of this one
+                mask = mask & (offs_m < seqlen_q)[:, None]
             s = gl.where(mask, s, float("-inf"))
         p = gl.exp2(s * scale_log2 - lse2[:, None])
         # P to shared memory for dV (this warpgroup's last dV wgmma, its one reader, is
@@ -1407,16 +1410,28 @@ def _bwd_split_compute_partition(
                 dq = warpgroup_mma_wait(0, deps=(dq,))
             if n == len(PARTS) - 1:
                 mbarrier.arrive(ds_free)  # every dS read here
-            row = _dq_tile_row(b, 0, start_m, PARTS[n], BLOCK_M, TILE_ROWS, 3, False)
-            _dq_add(dq * scale, dq_buf, dq_desc, [b, h, row, 0], dq_order, BLOCK_M, PART)
+            row = _dq_tile_row(b, q_start, start_m, PARTS[n], BLOCK_M, TILE_ROWS, 3, IS_VARLEN)
+            _dq_add(dq * scale, dq_buf, dq_desc, [b_tma, h, row, 0], dq_order, BLOCK_M, PART)
         mbarrier.arrive(q_empty.index(slot))
 
     # dK and dV, transposed, leave through this warpgroup's dQ buffer one after another
-    # (the TMA stores clip keys past Sk; dense batches only here)
+    # (the TMA stores clip a dense batch's keys past Sk); a packed sequence's keys that
+    # end before the warpgroup's by plain stores (TMA would clip at the packed end)
     row = start_n + WG * KEYS
-    _store_transposed(dvt, dq_buf, dv_desc, [b, hk, row, 0])
-    _store_transposed(dkt * scale, dq_buf, dk_desc, [b, hk, row, 0])
-    _store_transposed(dk2t * scale, dq_buf, dk2_desc, [b, hk, row, QK_MAIN])
+    if IS_VARLEN and row + KEYS > seqlen_k:
+        keys = row + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
+        _store_key_cols(dvt, DV + k_start.to(gl.int64) * stride_vn, hk, stride_vn, stride_vh,
+                        seqlen_k, keys, 0, HEAD_DIM_V, s_layout)
+        _store_key_cols(dkt * scale, DK + k_start.to(gl.int64) * stride_kn, hk, stride_kn,
+                        stride_kh, seqlen_k, keys, 0, QK_MAIN, s_layout)
+        _store_key_cols(dk2t * scale, DK + k_start.to(gl.int64) * stride_kn, hk, stride_kn,
+                        stride_kh, seqlen_k, keys, QK_MAIN, QK_SPLIT, s_layout)
+    else:
+        krow = k_start + row
+        _store_transposed(dvt, dq_buf, dv_desc, [b_tma, hk, krow, 0])
+        _store_transposed(dkt * scale, dq_buf, dk_desc, [b_tma, hk, krow, 0])
+        _store_transposed(dk2t * scale, dq_buf, dk2_desc, [b_tma, hk, krow, QK_MAIN])
+    tma.store_wait(0)  # the last copies have read the buffer
 
 
 @gluon.jit
@@ -1428,6 +1443,18 @@ def _dq_add(dq, buf, desc, coords, order: gl.constexpr, ROWS: gl.constexpr, COLS
     buf._reinterpret(gl.float32, [ROWS, COLS], order).store(dq)
     fence_async_shared()
     hopper.tma_reduce_add(desc, coords, buf)
+
+
+@gluon.jit
+def _store_key_cols(xt, X, hk, stride_n, stride_h, seqlen_k, keys, col0: gl.constexpr,
+                    COLS: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+    """xt (fp32, registers, (columns, keys) with ``keys`` along its columns) into columns
+    [col0, + COLS) of kv head hk's rows ``keys`` of X (packed: its sequence's first
+    token), in X's dtype, by plain stores: keys past seqlen_k are not written."""
+    cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(1, layout))
+    ptrs = (X + hk.to(gl.int64) * stride_h + keys.to(gl.int64)[None, :] * stride_n
+            + cols[:, None])
+    gl.store(ptrs, xt.to(X.dtype.element_ty), mask=(keys < seqlen_k)[None, :])
 
 
 @gluon.jit
@@ -1449,35 +1476,40 @@ def _bwd_split_load_partition(loads, WARPGROUPS: gl.constexpr, BLOCK_M: gl.const
     tiles (_query_tile_loads)."""
     (q_desc, do_desc, k_desc, k2_desc, v_desc, stats_desc, q2_desc, q_smem, do_smem, k_smem,
      k2_smem, v_smem, q2_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, q_empty,
-     do_empty, b, hk, GROUP, start_n, lo, n_tiles) = loads
+     do_empty, b_tma, hk, q_start, k_start, stats_start, GROUP, start_n, lo, n_tiles) = loads
     keys: gl.constexpr = k_desc.block_type.shape[2]
     split_col: gl.constexpr = q_desc.block_type.shape[3]
     kv_bytes: gl.constexpr = WARPGROUPS * (k_desc.block_type.nbytes + k2_desc.block_type.nbytes
                                            + v_desc.block_type.nbytes)
     mbarrier.expect(kv_bar, kv_bytes)
     for j in gl.static_range(WARPGROUPS):
-        row = start_n + j * keys
-        tma.async_copy_global_to_shared(k_desc, [b, hk, row, 0], kv_bar, k_smem.index(j))
-        tma.async_copy_global_to_shared(k2_desc, [b, hk, row, split_col], kv_bar,
+        row = k_start + start_n + j * keys
+        tma.async_copy_global_to_shared(k_desc, [b_tma, hk, row, 0], kv_bar, k_smem.index(j))
+        tma.async_copy_global_to_shared(k2_desc, [b_tma, hk, row, split_col], kv_bar,
                                         k2_smem.index(j))
-        tma.async_copy_global_to_shared(v_desc, [b, hk, row, 0], kv_bar, v_smem.index(j))
+        tma.async_copy_global_to_shared(v_desc, [b_tma, hk, row, 0], kv_bar, v_smem.index(j))
     _query_tile_loads(
         q_desc, do_desc, stats_desc, q_desc, q_smem, do_smem, lse_smem, delta_smem, q_smem,
-        q_ready, do_ready, q_empty, do_empty, b, hk, 0, 0, GROUP, 0, 1, start_n, lo, n_tiles,
-        q2_desc, q2_smem, BLOCK_M, STAGES, False, q2_desc.block_type.shape[3])  # fmt: skip
+        q_ready, do_ready, q_empty, do_empty, b_tma, hk, q_start, stats_start, GROUP, 0, 1,
+        start_n, lo, n_tiles, q2_desc, q2_smem, BLOCK_M, STAGES, False,
+        q2_desc.block_type.shape[3])  # fmt: skip
 
 
 @gluon.jit
 def _bwd_split_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, q2_desc, k2_desc, dk_desc, dk2_desc,
-    dv_desc, HKV, GROUP, seqlen_q, seqlen_k, num_n_blocks, scale, window_left, window_right,
+    dv_desc, DK, DV, CuSeqQ, CuSeqK, stride_kn, stride_kh, stride_vn, stride_vh, HKV, GROUP,
+    seqlen_q, seqlen_k, num_n_blocks, scale, window_left, window_right,
     HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr,
     BLOCK_M: gl.constexpr, WARPGROUPS: gl.constexpr, STAGES: gl.constexpr,
-    BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
-    HEADS_TOGETHER: gl.constexpr,
+    IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
+    BOUNDED_RIGHT: gl.constexpr, HEADS_TOGETHER: gl.constexpr,
 ):  # fmt: skip
-    # Dense batches only: no cu_seqlens (the 0s), IS_VARLEN off. The programs of
-    # HEADS_TOGETHER (batch, kv head)s take their key blocks by rank (SPLIT_HEADS_TOGETHER).
+    # The programs of HEADS_TOGETHER (batch, kv head)s take their key blocks by rank
+    # (SPLIT_HEADS_TOGETHER). Packed sequences (IS_VARLEN): one batch of all tokens to
+    # TMA, as _bwd_sm90_kernel's (blocks of the longest sequence, a shorter one's past
+    # its end done at once); DK and DV take the stores TMA would clip at the packed
+    # tensor's end.
     KEYS: gl.constexpr = k_desc.block_type.shape[2]  # a warpgroup's
     pid = gl.program_id(0)
     group_size = HEADS_TOGETHER * num_n_blocks
@@ -1485,9 +1517,13 @@ def _bwd_split_kernel(
     heads = gl.minimum(HEADS_TOGETHER, gl.num_programs(0) // num_n_blocks - first)
     rank = pid % group_size
     item = (first + rank % heads) * num_n_blocks + rank // heads
-    b, hk, start_n, _, _, _, seqlen_k, off, lo, full_lo, full_hi, n_tiles = _key_block(
-        item, HKV, 0, 0, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right, BLOCK_M,
-        WARPGROUPS * KEYS, False, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+    b, hk, start_n, q_start, k_start, seqlen_q, seqlen_k, off, lo, full_lo, full_hi, n_tiles = (
+        _key_block(item, HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left,
+                   window_right, BLOCK_M, WARPGROUPS * KEYS, IS_VARLEN, BOTTOM_RIGHT,
+                   BOUNDED_LEFT, BOUNDED_RIGHT))  # fmt: skip
+    if IS_VARLEN:
+        if start_n >= seqlen_k:  # a block past its sequence's end: nothing to do
+            return
 
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
@@ -1524,34 +1560,42 @@ def _bwd_split_kernel(
     q_ready, q_empty = hopper.ring(STAGES, WARPGROUPS)
     do_ready, do_empty = hopper.ring(STAGES, WARPGROUPS)
 
-    shared = (dq_desc, dk_desc, dk2_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, q2_smem,
-              k2_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, kv_bar, q_ready,
-              do_ready, q_empty, do_empty, ds_bar, ds_free, b, hk, GROUP, start_n, lo,
-              full_lo, full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right)
+    b_tma = b
+    stats_start = 0
+    if IS_VARLEN:  # one batch of all tokens; row statistics from packed_stats_start
+        b_tma = 0
+        stats_start = packed_stats_start(q_start, b)
+    shared = (dq_desc, dk_desc, dk2_desc, dv_desc, DK, DV, stride_kn, stride_kh, stride_vn,
+              stride_vh, q_smem, do_smem, k_smem, v_smem, q2_smem, k2_smem, lse_smem,
+              delta_smem, p_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty,
+              do_empty, ds_bar, ds_free, b, b_tma, hk, GROUP, start_n, q_start, k_start, lo,
+              full_lo, full_hi, n_tiles, seqlen_q, seqlen_k, off, scale, window_left,
+              window_right)
     loads = (q_desc, do_desc, k_desc, k2_desc, v_desc, stats_desc, q2_desc, q_smem, do_smem,
              k_smem, k2_smem, v_smem, q2_smem, lse_smem, delta_smem, kv_bar, q_ready,
-             do_ready, q_empty, do_empty, b, hk, GROUP, start_n, lo, n_tiles)
+             do_ready, q_empty, do_empty, b_tma, hk, q_start, k_start, stats_start, GROUP,
+             start_n, lo, n_tiles)
     if WARPGROUPS == 3:
         gl.warp_specialize(
             [(_bwd_split_compute_partition, (shared, 0, 3, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
-                                             BLOCK_M, KEYS, STAGES, BOUNDED_LEFT,
-                                             BOUNDED_RIGHT)),
+                                             BLOCK_M, KEYS, STAGES, IS_VARLEN,
+                                             BOUNDED_LEFT, BOUNDED_RIGHT)),
              (_bwd_split_compute_partition, (shared, 1, 3, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
-                                             BLOCK_M, KEYS, STAGES, BOUNDED_LEFT,
-                                             BOUNDED_RIGHT)),
+                                             BLOCK_M, KEYS, STAGES, IS_VARLEN,
+                                             BOUNDED_LEFT, BOUNDED_RIGHT)),
              (_bwd_split_compute_partition, (shared, 2, 3, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
-                                             BLOCK_M, KEYS, STAGES, BOUNDED_LEFT,
-                                             BOUNDED_RIGHT)),
+                                             BLOCK_M, KEYS, STAGES, IS_VARLEN,
+                                             BOUNDED_LEFT, BOUNDED_RIGHT)),
              (_bwd_split_load_partition, (loads, 3, BLOCK_M, STAGES))],
             worker_num_warps=[4, 4, 1], worker_num_regs=[160, 160, 24])  # fmt: skip
     else:
         gl.warp_specialize(
             [(_bwd_split_compute_partition, (shared, 0, 2, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
-                                             BLOCK_M, KEYS, STAGES, BOUNDED_LEFT,
-                                             BOUNDED_RIGHT)),
+                                             BLOCK_M, KEYS, STAGES, IS_VARLEN,
+                                             BOUNDED_LEFT, BOUNDED_RIGHT)),
              (_bwd_split_compute_partition, (shared, 1, 2, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
-                                             BLOCK_M, KEYS, STAGES, BOUNDED_LEFT,
-                                             BOUNDED_RIGHT)),
+                                             BLOCK_M, KEYS, STAGES, IS_VARLEN,
+                                             BOUNDED_LEFT, BOUNDED_RIGHT)),
              (_bwd_split_load_partition, (loads, 2, BLOCK_M, STAGES))],
             worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
 
@@ -1749,7 +1793,8 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
     takes every (b, h)'s dS added in, or for dbias_kind_of's "added" the zeroed gradient
     itself."""
     if fuses_split_dq(spec):
-        return _backward_split(spec, q, k, v, grad_out, stats, dq, dk, dv)
+        return _backward_split(spec, q, k, v, grad_out, cu_seqlens_q, cu_seqlens_k, stats, dq,
+                               dk, dv)
     if spec.head_dim_qk > 128:
         return _backward_wide(spec, q, k, v, grad_out, stats, dq, dk, dv)
     bias_row = hopper.bias_row(spec, bias)
@@ -1986,17 +2031,24 @@ def _split_descriptors(t: torch.Tensor, rows: int, split: int) -> tuple:
     return first, hopper.descriptor(t, rows, split) if split else first
 
 
-def _backward_split(spec: AttentionSpec, q, k, v, grad_out, stats, dq, dk, dv) -> None:
+def _backward_split(spec: AttentionSpec, q, k, v, grad_out, cu_seqlens_q, cu_seqlens_k, stats,
+                    dq, dk, dv) -> None:  # fmt: skip
     """`backward` for fuses_split_dq's calls: _bwd_split_kernel, dQ added into dq
     (dq_tiles' fp32 buffer)."""
     how = _plan_split(spec, q.device.index)
     # What the arguments are made of beside the plan: hopper.Launcher.launch_prepared.
-    call = (how, *map(hopper.tensor_key, (q, k, v, grad_out, stats, dq, dk, dv)))
+    call = (how, *map(hopper.tensor_key, (q, k, v, grad_out, cu_seqlens_q, cu_seqlens_k,
+                                           stats, dq, dk, dv)))  # fmt: skip
     if _launch_split.launch_prepared(how.programs, call):
         return
     split = how.constexprs["QK_SPLIT"]
     rows = how.constexprs["BLOCK_M"]
     keys = SPLIT_KEYS[how.constexprs["WARPGROUPS"]]  # a warpgroup's, a TMA box of K, V, dK, dV
+    k_strides, v_strides = dense_strides(dk, spec.varlen)[1:3], dense_strides(dv, spec.varlen)[1:3]
+    dk_tma, dv_tma = dk, dv
+    if spec.varlen:  # one batch of all tokens to TMA
+        q, k, v, grad_out, dk_tma, dv_tma = (
+            t.unsqueeze(0) for t in (q, k, v, grad_out, dk, dv))
     q_desc, q2_desc = _split_descriptors(q, rows, split)
     k_desc, k2_desc = _split_descriptors(k, keys, split)
     part = dq_split(spec.head_dim_qk, rows)
@@ -2004,10 +2056,13 @@ def _backward_split(spec: AttentionSpec, q, k, v, grad_out, stats, dq, dk, dv) -
         (how.programs,),
         q_desc, k_desc, hopper.descriptor(v, keys), hopper.descriptor(grad_out, rows),
         _dq_tiles_descriptor(dq, part[0] * part[1] // 256),
-        _row_stats_descriptor(stats, spec.seqlen_q), q2_desc, k2_desc,
-        *_split_descriptors(dk, keys, split), hopper.descriptor(dv, keys),
-        spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k, *how.counts, spec.scale,
-        spec.window_left, spec.window_right, variant=how, prepare=call, **how.constexprs,
+        _row_stats_descriptor(stats, stats.shape[-1] if spec.varlen else spec.seqlen_q),
+        q2_desc, k2_desc, *_split_descriptors(dk_tma, keys, split),
+        hopper.descriptor(dv_tma, keys), dk, dv, cu_seqlens_q, cu_seqlens_k, *k_strides,
+        *v_strides, spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k, *how.counts,
+        spec.scale, spec.window_left, spec.window_right,
+        variant=(how, hopper.aligned(cu_seqlens_q), hopper.aligned(cu_seqlens_k)),
+        prepare=call, **how.constexprs,
     )  # fmt: skip
 
 
@@ -2022,7 +2077,8 @@ def _plan_split(spec: AttentionSpec, device_index: int) -> hopper.Plan:
         num_n * spec.batch * spec.kv_heads, (num_n,),
         dict(HEAD_DIM_QK=spec.head_dim_qk, HEAD_DIM_V=spec.head_dim_v,
              QK_SPLIT=hopper.qk_split(spec.head_dim_qk), BLOCK_M=BLOCK_M,
-             WARPGROUPS=warpgroups, STAGES=STAGES, BOTTOM_RIGHT=spec.bottom_right,
+             WARPGROUPS=warpgroups, STAGES=STAGES, IS_VARLEN=spec.varlen,
+             BOTTOM_RIGHT=spec.bottom_right,
              BOUNDED_LEFT=spec.window_left >= 0, BOUNDED_RIGHT=spec.window_right >= 0,
              HEADS_TOGETHER=SPLIT_HEADS_TOGETHER, num_warps=4))  # fmt: skip
 

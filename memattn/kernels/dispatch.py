@@ -82,10 +82,12 @@ def gluon_backward_computes(spec: AttentionSpec, bias, alibi_slopes, need_dbias:
     device: a bias gradient of a bias constant along queries (summed in registers), or
     of one read by tiles (every query and key; dS stored, or added up by TMA where the
     bias broadcasts over batch or heads) with rows of whole 16 bytes for those copies;
-    at D=256 and Dqk=192 (kernels of the same limits) no bias, ALiBi, dropout or packed
-    sequences."""
+    at D=256 and Dqk=192 no bias, ALiBi or dropout, and packed sequences only at Dqk=192
+    where dQ is fused (backward_sm90.fuses_split_dq: not deterministic)."""
     if spec.head_dim_qk > 128 and (bias is not None or alibi_slopes is not None
-                                    or spec.dropout_p > 0 or spec.varlen):  # fmt: skip
+                                    or spec.dropout_p > 0):  # fmt: skip
+        return False
+    if spec.head_dim_qk > 128 and spec.varlen and not backward_sm90.fuses_split_dq(spec):
         return False
     if not need_dbias or hopper.bias_row(spec, bias):
         return True
