@@ -47,8 +47,8 @@ Covers what forward_sm90 covers (bf16/fp16, head dims 64, 128 and 256, GQA, caus
 masks either way, sliding windows, a bias, ALiBi, dropout, dense and packed batches)
 minus a bias gradient summed over keys, minus deterministic calls at D 64 and 128 other
 than orders_dq's (TMA reduce-adds land in any order; ORDERED_DQ puts them in one for
-dense batches), and at D=256 minus
-a bias, ALiBi, dropout and packed batches. Every other call runs backward.py.
+dense batches), at D=256 and Dqk=192 minus a bias, ALiBi and dropout, and packed
+batches only at Dqk=192 outside deterministic calls. Every other call runs backward.py.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ backward alike.
   one constant along queries ((B or 1, H or 1, 1, Sk): key padding) as a row of keys,
   any other by TMA tiles (not together with dropout). The backward computes a bias
   gradient of a key row (summed in registers) or of a bias read by tiles (dS stored,
-  or added up across the batch or heads it broadcasts over), and at D=256 nothing of
-  bias, ALiBi, dropout or packed batches; deterministic mode only where dQ is not
+  or added up across the batch or heads it broadcasts over), at D=256 and Dqk=192
+  nothing of bias, ALiBi or dropout, and no packed batches at D=256 nor deterministic
+  ones at Dqk=192; deterministic mode only where dQ is not
   added up in fp32 across programs, or is in a fixed order (backward_sm90.ORDERED_DQ).
   Neither takes global positions for ALiBi or dropout (AttentionSpec.positioned).
 - The split-KV forward (decode.py), before either: few queries a sequence (Sq <= 64)
