@@ -787,5 +787,5 @@ def test_hopper_backward_query_rows_a_step(head_dim, options, rows, monkeypatch)
     spec = check_call(q, k, k, bias=bias, **options)
     bias_row = backward_sm90.hopper.bias_row(spec, bias)
     kind = None if bias is None else backward_sm90.dbias_kind_of(spec, bias)
-    plan = backward_sm90._plan(spec, bias_row, kind, (False, False), 0)
+    plan = backward_sm90._plan(spec, bias_row, kind, (False, False), 0, 0)
     assert plan.constexprs["BLOCK_M"] == rows

@@ -168,11 +168,11 @@ def test_backward_dq_writer_where_dqk_and_the_bias_gradient_allow(d, options, db
     monkeypatch.setattr(backward_sm90.hopper, "sm_count", lambda device_index: 132)
     backward_sm90.hopper.forget_plans()  # plans are made from the knobs
     try:
-        assert backward_sm90._plan(spec, False, dbias_kind, (False, False), 0).constexprs[
+        assert backward_sm90._plan(spec, False, dbias_kind, (False, False), 0, 0).constexprs[
             "DQ_BUFS"] == buffers
         monkeypatch.setattr(backward_sm90, "DQ_WRITER", {64: True, 128: True})
         backward_sm90.hopper.forget_plans()
-        on = backward_sm90._plan(spec, False, dbias_kind, (False, False), 0).constexprs
+        on = backward_sm90._plan(spec, False, dbias_kind, (False, False), 0, 0).constexprs
     finally:
         backward_sm90.hopper.forget_plans()
     assert on["DQ_BUFS"] == (buffers or (0 if dbias_kind in ("full", "added", "summed") else 2))
@@ -200,10 +200,12 @@ def test_backward_programs_persistent_where_the_blocks_order_is_free(
     spec = spec_and_inputs(b=3, sq=1024, sk=1024, h=2, d=64, varlen=varlen, **options)[0]
     bsm.hopper.forget_plans()
     try:
-        plan = bsm._plan(spec, False, None, inner, 0)
+        plan = bsm._plan(spec, False, None, inner, 3 * 1024 if varlen else 0, 0)
     finally:
         bsm.hopper.forget_plans()
     blocks = 3 * 2 * (1024 // bsm.BLOCK_N)
+    if varlen:  # hopper.packed_items over the keys: one item more a (sequence, kv head)
+        blocks = 3 * 2 * (1024 // bsm.BLOCK_N + 1)
     assert plan.constexprs["PERSISTENT"] is persistent
     assert plan.constexprs["FOLD"] is fold
     assert plan.counts == (1024 // bsm.BLOCK_N, blocks)
@@ -218,12 +220,12 @@ def test_only_packed_programs_past_their_end_may_return_first(varlen, monkeypatc
     spec = spec_and_inputs(d=128, varlen=varlen)[0]
     backward_sm90 = dispatch.backward_sm90
     monkeypatch.setattr(backward_sm90.hopper, "sm_count", lambda device_index: 132)
-    plan = backward_sm90._plan(spec, False, None, (False, False), 0)
+    plan = backward_sm90._plan(spec, False, None, (False, False), 0, 0)
     assert plan.constexprs["SKIP_PAST_END"] is varlen
     monkeypatch.setattr(backward_sm90, "SKIP_EMPTY_KEY_BLOCKS", False)
     backward_sm90.hopper.forget_plans()  # plans are made from the knobs
     try:
-        plan = backward_sm90._plan(spec, False, None, (False, False), 0)
+        plan = backward_sm90._plan(spec, False, None, (False, False), 0, 0)
     finally:
         backward_sm90.hopper.forget_plans()
     assert not plan.constexprs["SKIP_PAST_END"]
@@ -366,7 +368,7 @@ def test_ordered_dq_takes_deterministic_calls(options, varlen, bias_shape, order
     monkeypatch.setattr(bsm, "ORDERED_DQ", True)
     bsm.hopper.forget_plans()  # plans are made from the knobs
     try:
-        plan = bsm._plan(spec, bsm.hopper.bias_row(spec, bias), kind, (False, False), 0)
+        plan = bsm._plan(spec, bsm.hopper.bias_row(spec, bias), kind, (False, False), 0, 0)
     finally:
         bsm.hopper.forget_plans()
     assert bsm.orders_dq(spec, kind) is ordered

@@ -1,6 +1,7 @@
 """kernels/hopper.py: what the Gluon kernels share. The launcher's bookkeeping runs on
 the CPU against a stand-in kernel; the real launches run on the GPU."""
 
+import collections
 import itertools
 
 import pytest
@@ -512,6 +513,32 @@ def test_packed_items_cover_every_block_once(lengths, heads, extra):
             walked.append((b, h, blocks - 1 - rank))
     assert walked == [(b, h, m) for b, n in enumerate(lengths)
                       for m in reversed(range(-(-n // block))) for h in range(heads)]
+
+
+@pytest.mark.parametrize("lengths", [(700, 5, 1300, 64), (0, 128, 129, 0, 1), (4000,),
+                                     (1,) * 7, (127, 128, 129, 255, 256, 257),
+                                     bench.DOC_LENGTHS])  # fmt: skip
+@pytest.mark.parametrize("heads", [1, 3, 16])
+@pytest.mark.parametrize("block", [96, 128])
+def test_packed_head_ranks_cover_every_block_once(lengths, heads, block):
+    """The backward's packed grid (hopper.packed_items over the keys, packed_head_rank;
+    packed_sequence done here in Python): every (sequence, kv head, key block) exactly
+    once, each sequence's after the last one's, each head's blocks back to back first
+    first; at most one item a (sequence, head) past its blocks, for 128-key blocks and
+    192/128's 96."""
+    cu = [0, *itertools.accumulate(lengths)]
+    walked, past = [], collections.Counter()
+    for g in range(hopper.packed_items(len(lengths), cu[-1], heads, block)):
+        b = sum(heads * (cu[i] // block + i) <= g for i in range(len(lengths))) - 1
+        h, rank = hopper.packed_head_rank.fn(g, heads, b, cu[b], lengths[b], block)
+        assert 0 <= h < heads and rank >= 0
+        if rank * block < lengths[b]:
+            walked.append((b, h, rank))
+        else:
+            past[b, h] += 1
+    assert walked == [(b, h, n) for b, length in enumerate(lengths) for h in range(heads)
+                      for n in range(-(-length // block))]
+    assert max(past.values(), default=0) <= 1
 
 
 def test_launcher_refuses_grids_of_more_dimensions(launcher):

@@ -636,6 +636,26 @@ def _bwd_dq_writer_partition(
 
 
 @gluon.jit
+def _packed_key_item(pid, HKV, CuSeqK, num_seqs, num_n_blocks, BLOCK_N: gl.constexpr):
+    """The item of _key_block's grid (packed sequences' key blocks counted to the
+    longest) that program pid of the packed grid stands for, -1 past its sequence's
+    blocks. The packed grid (hopper.packed_items over the keys, in packed_head_rank's
+    order, which is _key_block's: sequence after sequence, each kv head's blocks back to
+    back) holds at most one item a (sequence, head) past its blocks: 13 documents in
+    16k tokens, H16, 208 of 2256 programs against 4480 of 6656. Worked out once, before
+    the partitions, which take the item for their program's (searched in each, the
+    compute loop spilled)."""
+    b = hopper.packed_sequence(pid, HKV, CuSeqK, num_seqs, BLOCK_N)
+    first = gl.load(CuSeqK + b)
+    tokens = gl.load(CuSeqK + b + 1) - first
+    hk, rank = hopper.packed_head_rank(pid, HKV, b, first, tokens, BLOCK_N)
+    item = (b * HKV + hk) * num_n_blocks + rank
+    if rank * BLOCK_N >= tokens:
+        item = -1
+    return item
+
+
+@gluon.jit
 def _key_block(
     item, HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr,
@@ -651,9 +671,10 @@ def _key_block(
     each (sequence, head)'s first block first instead, for packed sequences, halved the
     backward's speed: 427 -> 231 TFLOP/s on 13 documents, H100). Varlen (packed
     sequences, cu_seqlens): blocks count to the longest sequence, and a block past its
-    own sequence's end has no query tile. BATCH_INNER, HEAD_INNER: the batch (sequence),
-    then the kv head, vary fastest instead (SUMMED_BIAS_INNER; a program per item, so
-    the grid's size counts the batches). DESCENDING (ORDERED_DQ): each head's key
+    own sequence's end has no query tile (the programs' grid holds few of them:
+    _packed_key_item). BATCH_INNER, HEAD_INNER: the batch (sequence), then the kv head,
+    vary fastest instead (SUMMED_BIAS_INNER; a program per item, so the grid's size
+    counts the batches). DESCENDING (ORDERED_DQ): each head's key
     blocks last first, so that a program's dQ adds wait only on programs started
     before it."""
     if BATCH_INNER or HEAD_INNER:
@@ -678,6 +699,7 @@ def _key_block(
         if DESCENDING:
             start_n = (num_n_blocks - 1 - item % num_n_blocks) * BLOCK_N
         b = bhk // HKV
+        hk = bhk % HKV
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(CuSeqQ, CuSeqK, b, seqlen_q,
                                                            seqlen_k, IS_VARLEN)
     off = diagonal_offset(seqlen_q, seqlen_k, BOTTOM_RIGHT)
@@ -688,8 +710,6 @@ def _key_block(
     if IS_VARLEN:
         if start_n >= seqlen_k:
             n_tiles = 0
-    if not (BATCH_INNER or HEAD_INNER):
-        hk = bhk % HKV
     return (b, hk, start_n, q_start, k_start, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
             n_tiles)
 
@@ -726,7 +746,7 @@ def _bwd_sm90_kernel(
     dv_desc, DK, DV, Rng, Alibi, CuSeqQ, CuSeqK, BiasRow, DBiasRow, stride_kb,
     stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ab, stride_ah, stride_rb,
     stride_rh, stride_rn, stride_pb, stride_ph, HKV, GROUP, bias_batches, bias_heads, seqlen_q,
-    seqlen_k, num_n_blocks, num_items, scale, window_left, window_right, dropout_p,
+    seqlen_k, num_seqs, num_n_blocks, num_items, scale, window_left, window_right, dropout_p,
     HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, DBIAS_TILES: gl.constexpr,
@@ -740,6 +760,10 @@ def _bwd_sm90_kernel(
     # A program per key block, or PERSISTENT (PERSISTENT_BLOCKS) one per SM at most,
     # walking num_items blocks in hopper.work_item's strides (_program_block).
     pid = gl.program_id(0)
+    if IS_VARLEN and not (BATCH_INNER or HEAD_INNER):  # the packed grid
+        pid = _packed_key_item(pid, HKV, CuSeqK, num_seqs, num_n_blocks, BLOCK_N)
+        if pid < 0:
+            return
     programs = gl.num_programs(0)
     n_items = gl.to_tensor(1)
     if PERSISTENT:
@@ -1499,7 +1523,7 @@ def _bwd_split_load_partition(loads, WARPGROUPS: gl.constexpr, BLOCK_M: gl.const
 def _bwd_split_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, q2_desc, k2_desc, dk_desc, dk2_desc,
     dv_desc, DK, DV, CuSeqQ, CuSeqK, stride_kn, stride_kh, stride_vn, stride_vh, HKV, GROUP,
-    seqlen_q, seqlen_k, num_n_blocks, scale, window_left, window_right,
+    seqlen_q, seqlen_k, num_seqs, num_n_blocks, scale, window_left, window_right,
     HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr,
     BLOCK_M: gl.constexpr, WARPGROUPS: gl.constexpr, STAGES: gl.constexpr,
     IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
@@ -1507,23 +1531,25 @@ def _bwd_split_kernel(
 ):  # fmt: skip
     # The programs of HEADS_TOGETHER (batch, kv head)s take their key blocks by rank
     # (SPLIT_HEADS_TOGETHER). Packed sequences (IS_VARLEN): one batch of all tokens to
-    # TMA, as _bwd_sm90_kernel's (blocks of the longest sequence, a shorter one's past
-    # its end done at once); DK and DV take the stores TMA would clip at the packed
-    # tensor's end.
+    # TMA, and _bwd_sm90_kernel's grid (hopper.packed_items over the keys, an item past
+    # a sequence's blocks done at once); DK and DV take the stores TMA would clip at the
+    # packed tensor's end.
     KEYS: gl.constexpr = k_desc.block_type.shape[2]  # a warpgroup's
     pid = gl.program_id(0)
-    group_size = HEADS_TOGETHER * num_n_blocks
-    first = pid // group_size * HEADS_TOGETHER
-    heads = gl.minimum(HEADS_TOGETHER, gl.num_programs(0) // num_n_blocks - first)
-    rank = pid % group_size
-    item = (first + rank % heads) * num_n_blocks + rank // heads
+    if IS_VARLEN:  # the packed grid
+        item = _packed_key_item(pid, HKV, CuSeqK, num_seqs, num_n_blocks, WARPGROUPS * KEYS)
+        if item < 0:
+            return
+    else:
+        group_size = HEADS_TOGETHER * num_n_blocks
+        first = pid // group_size * HEADS_TOGETHER
+        heads = gl.minimum(HEADS_TOGETHER, gl.num_programs(0) // num_n_blocks - first)
+        rank = pid % group_size
+        item = (first + rank % heads) * num_n_blocks + rank // heads
     b, hk, start_n, q_start, k_start, seqlen_q, seqlen_k, off, lo, full_lo, full_hi, n_tiles = (
         _key_block(item, HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left,
                    window_right, BLOCK_M, WARPGROUPS * KEYS, IS_VARLEN, BOTTOM_RIGHT,
                    BOUNDED_LEFT, BOUNDED_RIGHT))  # fmt: skip
-    if IS_VARLEN:
-        if start_n >= seqlen_k:  # a block past its sequence's end: nothing to do
-            return
 
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
@@ -1664,9 +1690,10 @@ DQ_WRITER = {64: True, 128: False}
 # backward: 385 -> 504 TFLOP/s (default 546: 1.08x its time), causal 309 -> 427 (458:
 # 1.07x), D64 456 (default 443).
 ORDERED_DQ = True
-# Packed sequences: a program per key block of the longest sequence, so a shorter one's
-# blocks past its end have no query; they return before loading K and V (13 documents
-# in 16k tokens, H16: 4480 of 6656 programs). H100, the bench's docs row, backward
+# Packed sequences: programs past their sequence's blocks (hopper.packed_items' grid: at
+# most one a (sequence, kv head); with SUMMED_BIAS_INNER's orders, a program per key
+# block of the longest sequence) return before loading K and V. H100, the bench's docs
+# row on the longest sequence's grid (4480 of 6656 programs past their end), backward
 # 358 -> 381 TFLOP/s.
 SKIP_EMPTY_KEY_BLOCKS = True
 # Programs persistent (one per SM at most, the forward's strides: hopper.work_item,
@@ -1799,7 +1826,8 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
         return _backward_wide(spec, q, k, v, grad_out, stats, dq, dk, dv)
     bias_row = hopper.bias_row(spec, bias)
     dbias_kind = None if dbias is None else dbias_kind_of(spec, bias)
-    how = _plan(spec, bias_row, dbias_kind, inner_dims(spec, bias, dbias_kind), q.device.index)
+    how = _plan(spec, bias_row, dbias_kind, inner_dims(spec, bias, dbias_kind),
+                k.shape[0] if spec.varlen else 0, q.device.index)
     if how.constexprs["ORDERED"]:  # a counter per dQ tile, in cu_seqlens_q's place (dense)
         tiles = cdiv(spec.seqlen_q, how.constexprs["BLOCK_M"])
         cu_seqlens_q = torch.zeros(spec.batch * spec.heads * tiles, dtype=torch.int32,
@@ -1854,7 +1882,7 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
         *k_strides, *v_strides,
         alibi_batch_stride, alibi_head_stride, *row_strides, *partial_strides,
         spec.kv_heads, spec.group, bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k,
-        *how.counts, spec.scale, spec.window_left, spec.window_right, spec.dropout_p,
+        spec.batch, *how.counts, spec.scale, spec.window_left, spec.window_right, spec.dropout_p,
         variant=variant, prepare=call, **how.constexprs,
     )  # fmt: skip
 
@@ -1943,18 +1971,22 @@ def dq_from_tiles_launch(spec: AttentionSpec, buffer: torch.Tensor, rows: int,
 
 @hopper.plan_cache
 def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
-          inner: tuple[bool, bool], device_index: int) -> hopper.Plan:  # fmt: skip
+          inner: tuple[bool, bool], tokens_k: int, device_index: int) -> hopper.Plan:  # fmt: skip
     """The D 64/128 kernel's launch (hopper.Plan): key blocks of each (batch, kv head)
-    (packed sequences: blocks of the longest), persistent programs walking them where
-    PERSISTENT_BLOCKS allows, else a program per block. bias_row: the bias is one row of
-    keys (hopper.bias_row), read by pointer. dbias_kind: dbias_kind_of's, None without
-    a bias gradient. inner: batch and kv head innermost in the programs' order
-    (SUMMED_BIAS_INNER). Counts: key blocks per head, and in all."""
+    (packed sequences: hopper.packed_items over the keys, blocks of the longest with
+    inner dims), persistent programs walking them where PERSISTENT_BLOCKS allows, else a
+    program per block. bias_row: the bias is one row of keys (hopper.bias_row), read by
+    pointer. dbias_kind: dbias_kind_of's, None without a bias gradient. inner: batch and
+    kv head innermost in the programs' order (SUMMED_BIAS_INNER). tokens_k: packed
+    sequences' key tokens in all (0 for dense batches). Counts: key blocks per head, and
+    in all."""
     num_n = cdiv(spec.seqlen_k, BLOCK_N)
     bias_tiles = spec.has_bias and not bias_row
     ordered = orders_dq(spec, dbias_kind)
     dq_bufs = dq_buffers(spec, bias_tiles, dbias_kind)
     items = num_n * spec.batch * spec.kv_heads
+    if spec.varlen and not any(inner):
+        items = hopper.packed_items(spec.batch, tokens_k, spec.kv_heads, BLOCK_N)
     # Persistent where the order of the blocks is free: not packed sequences (blocks
     # past a sequence's end), nor a summed bias gradient's or ORDERED_DQ's order.
     persistent = PERSISTENT_BLOCKS and not spec.varlen and not ordered and not any(inner)
@@ -2035,7 +2067,7 @@ def _backward_split(spec: AttentionSpec, q, k, v, grad_out, cu_seqlens_q, cu_seq
                     dq, dk, dv) -> None:  # fmt: skip
     """`backward` for fuses_split_dq's calls: _bwd_split_kernel, dQ added into dq
     (dq_tiles' fp32 buffer)."""
-    how = _plan_split(spec, q.device.index)
+    how = _plan_split(spec, k.shape[0] if spec.varlen else 0, q.device.index)
     # What the arguments are made of beside the plan: hopper.Launcher.launch_prepared.
     call = (how, *map(hopper.tensor_key, (q, k, v, grad_out, cu_seqlens_q, cu_seqlens_k,
                                            stats, dq, dk, dv)))  # fmt: skip
@@ -2059,7 +2091,8 @@ def _backward_split(spec: AttentionSpec, q, k, v, grad_out, cu_seqlens_q, cu_seq
         _row_stats_descriptor(stats, stats.shape[-1] if spec.varlen else spec.seqlen_q),
         q2_desc, k2_desc, *_split_descriptors(dk_tma, keys, split),
         hopper.descriptor(dv_tma, keys), dk, dv, cu_seqlens_q, cu_seqlens_k, *k_strides,
-        *v_strides, spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k, *how.counts,
+        *v_strides, spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k, spec.batch,
+        *how.counts,
         spec.scale, spec.window_left, spec.window_right,
         variant=(how, hopper.aligned(cu_seqlens_q), hopper.aligned(cu_seqlens_k)),
         prepare=call, **how.constexprs,
@@ -2067,14 +2100,19 @@ def _backward_split(spec: AttentionSpec, q, k, v, grad_out, cu_seqlens_q, cu_seq
 
 
 @hopper.plan_cache
-def _plan_split(spec: AttentionSpec, device_index: int) -> hopper.Plan:
+def _plan_split(spec: AttentionSpec, tokens_k: int, device_index: int) -> hopper.Plan:
     """_bwd_split_kernel's launch (hopper.Plan): a program per key block and key head
-    (counts: key blocks per head)."""
+    (packed sequences: hopper.packed_items over their tokens_k keys; counts: key blocks
+    per head)."""
     masked = spec.window_left >= 0 or spec.window_right >= 0
     warpgroups = SPLIT_WARPGROUPS["masked" if masked else "unmasked"]
-    num_n = cdiv(spec.seqlen_k, warpgroups * SPLIT_KEYS[warpgroups])
+    block_n = warpgroups * SPLIT_KEYS[warpgroups]
+    num_n = cdiv(spec.seqlen_k, block_n)
+    items = num_n * spec.batch * spec.kv_heads
+    if spec.varlen:
+        items = hopper.packed_items(spec.batch, tokens_k, spec.kv_heads, block_n)
     return hopper.Plan(
-        num_n * spec.batch * spec.kv_heads, (num_n,),
+        items, (num_n,),
         dict(HEAD_DIM_QK=spec.head_dim_qk, HEAD_DIM_V=spec.head_dim_v,
              QK_SPLIT=hopper.qk_split(spec.head_dim_qk), BLOCK_M=BLOCK_M,
              WARPGROUPS=warpgroups, STAGES=STAGES, IS_VARLEN=spec.varlen,

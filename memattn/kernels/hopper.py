@@ -255,6 +255,18 @@ def packed_rank(g, H, b, first_token, BLOCK: gl.constexpr):
     return local % H, local // H
 
 
+@gluon.jit
+def packed_head_rank(g, H, b, first_token, tokens, BLOCK: gl.constexpr):
+    """Item g's (head, rank) in packed sequence b (first_token, tokens long) of the
+    same grid, heads one after another instead: each head's ranks back to back (rank 0
+    the sequence's first block), as many a head as packed_rank gives a sequence, so at
+    most one a head past its blocks. The backward's order (key blocks of one head
+    side by side read the same Q and dO tiles from L2). Plain integer arithmetic."""
+    ranks = (first_token + tokens) // BLOCK - first_token // BLOCK + 1
+    local = g - H * (first_token // BLOCK + b)
+    return local // ranks, local % ranks
+
+
 def packed_items(seqs: int, tokens: int, heads: int, block: int) -> int:
     """The items of packed_rank's grid over ``seqs`` sequences of ``tokens`` in all."""
     return heads * (tokens // block + seqs)
