@@ -11,10 +11,11 @@ feature names follow the peer measurements in ``shared/peers-*.json``:
   (B = 16384 // S), causal and not;
 - feature rows at B=4, H=16, S=4096, D=128: bias_grad (a full (B, H, S, S) bias with
   its gradient) and the bias broadcast five ways (bias_1HQK, bias_B1QK, bias_11QK and the
-  key-only bias_B11K, bias_1H1K), dropout0.1, window1024_causal, alibi, softcap30, gqa8,
-  packed documents (13 in 16384 tokens: varlen_docs, varlen_causal_docs, with a (1, H,
-  S, S) bias (both) or dropout), dqk192_dv128_causal, dqk128_dv64_causal, deterministic (the
-  backward's deterministic mode; its ratio to D128_S4096 is what it costs);
+  key-only bias_B11K, bias_1H1K; bias_1HQK_causal under a causal mask too), dropout0.1,
+  window1024_causal, alibi, softcap30, gqa8, packed documents (13 in 16384 tokens:
+  varlen_docs, varlen_causal_docs, with a (1, H, S, S) bias (both) or dropout),
+  dqk192_dv128_causal, dqk128_dv64_causal, deterministic (the backward's deterministic
+  mode; its ratio to D128_S4096 is what it costs);
 - decode rows (few queries against a long KV cache, H=32, Hkv=8, D=128): the forward
   only, without autograd (inference), rated in GB/s of K and V read once.
 
@@ -139,6 +140,8 @@ FEATURE_ROWS = [
     replace(_BASE, feature="bias_grad", bias="BHQK", quick=True),
     *(replace(_BASE, feature=f"bias_{shape}", bias=shape)
       for shape in ("1HQK", "B1QK", "11QK", "B11K", "1H1K")),
+    # the dense counterpart of varlen_causal_docs_bias (the causal mask's own cost apart)
+    replace(_BASE, feature="bias_1HQK_causal", bias="1HQK", causal=True),
     replace(_BASE, feature="dropout0.1", dropout=0.1),
     replace(_BASE, feature="window1024_causal", causal=True, window=(1023, 0)),
     replace(_BASE, feature="alibi", alibi=True),
