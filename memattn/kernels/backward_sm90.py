@@ -1443,13 +1443,12 @@ def _bwd_split_compute_partition(
     # end before the warpgroup's by plain stores (TMA would clip at the packed end)
     row = start_n + WG * KEYS
     if IS_VARLEN and row + KEYS > seqlen_k:
-        keys = row + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
+        dk_ptr = DK + k_start.to(gl.int64) * stride_kn
         _store_key_cols(dvt, DV + k_start.to(gl.int64) * stride_vn, hk, stride_vn, stride_vh,
-                        seqlen_k, keys, 0, HEAD_DIM_V, s_layout)
-        _store_key_cols(dkt * scale, DK + k_start.to(gl.int64) * stride_kn, hk, stride_kn,
-                        stride_kh, seqlen_k, keys, 0, QK_MAIN, s_layout)
-        _store_key_cols(dk2t * scale, DK + k_start.to(gl.int64) * stride_kn, hk, stride_kn,
-                        stride_kh, seqlen_k, keys, QK_MAIN, QK_SPLIT, s_layout)
+                        seqlen_k, row, HEAD_DIM_V)
+        _store_key_cols(dkt * scale, dk_ptr, hk, stride_kn, stride_kh, seqlen_k, row, QK_MAIN)
+        _store_key_cols(dk2t * scale, dk_ptr + QK_MAIN, hk, stride_kn, stride_kh, seqlen_k, row,
+                        QK_SPLIT)
     else:
         krow = k_start + row
         _store_transposed(dvt, dq_buf, dv_desc, [b_tma, hk, krow, 0])
@@ -1470,15 +1469,14 @@ def _dq_add(dq, buf, desc, coords, order: gl.constexpr, ROWS: gl.constexpr, COLS
 
 
 @gluon.jit
-def _store_key_cols(xt, X, hk, stride_n, stride_h, seqlen_k, keys, col0: gl.constexpr,
-                    COLS: gl.constexpr, layout: gl.constexpr):  # fmt: skip
-    """xt (fp32, registers, (columns, keys) with ``keys`` along its columns) into columns
-    [col0, + COLS) of kv head hk's rows ``keys`` of X (packed: its sequence's first
-    token), in X's dtype, by plain stores: keys past seqlen_k are not written."""
-    cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(1, layout))
-    ptrs = (X + hk.to(gl.int64) * stride_h + keys.to(gl.int64)[None, :] * stride_n
-            + cols[:, None])
-    gl.store(ptrs, xt.to(X.dtype.element_ty), mask=(keys < seqlen_k)[None, :])
+def _store_key_cols(xt, X, hk, stride_n, stride_h, seqlen_k, row0, COLS: gl.constexpr):
+    """xt (fp32, registers, (COLS columns, keys from row0)) as _store_key_rows stores a
+    tile of keys along its rows, in X's dtype: keys past seqlen_k are not written."""
+    x = gl.permute(xt, (1, 0)).to(X.dtype.element_ty)
+    layout: gl.constexpr = x.type.layout
+    rows = row0 + gl.arange(0, x.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    _store_key_rows(x, X, gl.to_tensor(0), hk, 0, stride_n, stride_h, seqlen_k, rows, cols, COLS)
 
 
 @gluon.jit
