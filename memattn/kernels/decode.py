@@ -211,8 +211,10 @@ def configs(spec: AttentionSpec, interpreting: bool) -> tuple[tuning.Config, ...
         return (tuning.Config(16, 16, 1, 1),)
     block_m = min(64, max(16, triton.next_power_of_2(spec.group * spec.seqlen_q)))
     block_n = 64 if max(spec.head_dim_qk, spec.head_dim_v) > 128 else 128
-    return (tuning.Config(block_m, block_n, 4, 3), tuning.Config(block_m, 64, 4, 3),
-            tuning.Config(block_m, 32, 4, 2))  # fmt: skip
+    fitting = (tuning.Config(block_m, 64, 4, 3), tuning.Config(block_m, 32, 4, 2))
+    if block_m == 64 and block_n == 128:  # 64 rows of softmax a tile: eight warps
+        return (tuning.Config(64, 64, 8, 4),) + fitting
+    return (tuning.Config(block_m, block_n, 4, 3),) + fitting
 
 
 @functools.cache
