@@ -97,8 +97,8 @@ LAZY_RESCALE_MIN_COLUMNS = 4  # O's columns per key of a tile from which it appl
 # The softmax warpgroups issue their wgmmas in turns (FA3's and FA4's warp scheduler
 # barriers: a named barrier each, waited on before a warpgroup's issues and handed to
 # the next after), on dense batches up to this head dim (H100: +1.6 % at D 64/128,
-# -2 % at D=256 and on packed batches); 0: never.
-TURNS_MAX_HEAD_DIM = 128
+# +2-4 % at Dqk=192 / Dv=128, -2 % at D=256 and on packed batches); 0: never.
+TURNS_MAX_HEAD_DIM = 192
 TURN_BARRIER = gl.constexpr(8)  # the first warpgroup's; Gluon's partitions use the low ids
 # Packed sequences' items go to the softmax warpgroups through a ring of INFO_STAGES
 # slots of INFO_FIELDS int32 (_hand_item, _taken_item): 128 bytes.
@@ -125,11 +125,14 @@ BIAS_STAGES = {64: 2, 128: 1, 192: 1, 256: 1}
 # 424 at D=128). At D=256 they keep that schedule (MASKED_PERSISTENT), a program per
 # pair from MIN_BLOCKS_TO_FOLD blocks on and per block below: a block there waits for
 # the previous one's O to leave Q's buffer (O_IN_Q), and persistent lost (S=512 causal
-# 308 -> 280, S=2048 527 -> 501; S=512 folded 279 against 307 unfolded). Tools set these
-# to A/B, then call hopper.forget_plans().
+# 308 -> 280, S=2048 527 -> 501; S=512 folded 279 against 307 unfolded). At Dqk=192
+# (O in Q's buffer too, but 128 columns of it) persistent paid, with the turns (H100,
+# tools/ab.py --rounds 5, Dv=128: causal S4096 578 -> 609, S8192 617 -> 643, S1024
+# 399 -> 428; the turns alone 592, 635, 416). Tools set these to A/B, then call
+# hopper.forget_plans().
 FOLD = "masked"
 PERSISTENT = True
-MASKED_PERSISTENT = {64: True, 128: True, 192: False, 256: False}  # 192 as 256: O in Q
+MASKED_PERSISTENT = {64: True, 128: True, 192: True, 256: False}
 MIN_BLOCKS_TO_FOLD = {64: 0, 128: 0, 192: 5, 256: 5}
 # Q's buffers: two where shared memory holds them, so that a program's next query
 # block loads while this one runs. Tools set MAX_Q_STAGES to A/B.
