@@ -674,9 +674,8 @@ def _key_block(
     own sequence's end has no query tile (the programs' grid holds few of them:
     _packed_key_item). BATCH_INNER, HEAD_INNER: the batch (sequence), then the kv head,
     vary fastest instead (SUMMED_BIAS_INNER; a program per item, so the grid's size
-    counts the batches). DESCENDING (ORDERED_DQ): each head's key
-    blocks last first, so that a program's dQ adds wait only on programs started
-    before it."""
+    counts the batches). DESCENDING (ORDERED_DQ): each head's key blocks last first, so
+    that a program's dQ adds wait only on programs started before it."""
     if BATCH_INNER or HEAD_INNER:
         rest = item
         if BATCH_INNER:
@@ -758,9 +757,11 @@ def _bwd_sm90_kernel(
     ROTATE: gl.constexpr, PERSISTENT: gl.constexpr, FOLD: gl.constexpr,
 ):  # fmt: skip
     # A program per key block, or PERSISTENT (PERSISTENT_BLOCKS) one per SM at most,
-    # walking num_items blocks in hopper.work_item's strides (_program_block).
+    # walking num_items blocks in hopper.work_item's strides (_program_block). Packed
+    # sequences in the default order: a program per item of the packed grid, which
+    # stands for an item of _key_block's (_packed_key_item).
     pid = gl.program_id(0)
-    if IS_VARLEN and not (BATCH_INNER or HEAD_INNER):  # the packed grid
+    if IS_VARLEN and not (BATCH_INNER or HEAD_INNER):
         pid = _packed_key_item(pid, HKV, CuSeqK, num_seqs, num_n_blocks, BLOCK_N)
         if pid < 0:
             return
