@@ -127,9 +127,9 @@ BIAS_STAGES = {64: 2, 128: 1, 192: 1, 256: 1}
 # the previous one's O to leave Q's buffer (O_IN_Q), and persistent lost (S=512 causal
 # 308 -> 280, S=2048 527 -> 501; S=512 folded 279 against 307 unfolded). At Dqk=192
 # (O in Q's buffer too, but 128 columns of it) persistent paid, with the turns (H100,
-# tools/ab.py --rounds 5, Dv=128: causal S4096 578 -> 609, S8192 617 -> 643, S1024
-# 399 -> 428; the turns alone 592, 635, 416). Tools set these to A/B, then call
-# hopper.forget_plans().
+# tools/ab.py --rounds 5, Dv=128, H10: causal S4096 578 -> 609, S8192 617 -> 643,
+# S1024 399 -> 428; the turns alone 592, 635, 416; the bench's H16 row unchanged).
+# Tools set these to A/B, then call hopper.forget_plans().
 FOLD = "masked"
 PERSISTENT = True
 MASKED_PERSISTENT = {64: True, 128: True, 192: True, 256: False}
