@@ -1968,6 +1968,16 @@ def dq_from_tiles_launch(spec: AttentionSpec, buffer: torch.Tensor, rows: int,
     return (spec.batch * spec.heads * num_m,), args, constexprs
 
 
+def _key_block_items(spec: AttentionSpec, num_n: int, block_n: int,
+                     packed_tokens_k: int | None = None) -> int:  # fmt: skip
+    """The programs of a backward grid of key blocks: num_n a (batch, kv head), or
+    on the packed grid (_packed_key_item's; packed_tokens_k: the packed sequences' keys
+    in all) hopper.packed_items over them."""
+    if packed_tokens_k is not None:
+        return hopper.packed_items(spec.batch, packed_tokens_k, spec.kv_heads, block_n)
+    return num_n * spec.batch * spec.kv_heads
+
+
 @hopper.plan_cache
 def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
           inner: tuple[bool, bool], tokens_k: int, device_index: int) -> hopper.Plan:  # fmt: skip
@@ -1983,9 +1993,8 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
     bias_tiles = spec.has_bias and not bias_row
     ordered = orders_dq(spec, dbias_kind)
     dq_bufs = dq_buffers(spec, bias_tiles, dbias_kind)
-    items = num_n * spec.batch * spec.kv_heads
-    if spec.varlen and not any(inner):
-        items = hopper.packed_items(spec.batch, tokens_k, spec.kv_heads, BLOCK_N)
+    packed_grid = spec.varlen and not any(inner)
+    items = _key_block_items(spec, num_n, BLOCK_N, tokens_k if packed_grid else None)
     # Persistent where the order of the blocks is free: not packed sequences (blocks
     # past a sequence's end), nor a summed bias gradient's or ORDERED_DQ's order.
     persistent = PERSISTENT_BLOCKS and not spec.varlen and not ordered and not any(inner)
@@ -2107,11 +2116,8 @@ def _plan_split(spec: AttentionSpec, tokens_k: int, device_index: int) -> hopper
     warpgroups = SPLIT_WARPGROUPS["masked" if masked else "unmasked"]
     block_n = warpgroups * SPLIT_KEYS[warpgroups]
     num_n = cdiv(spec.seqlen_k, block_n)
-    items = num_n * spec.batch * spec.kv_heads
-    if spec.varlen:
-        items = hopper.packed_items(spec.batch, tokens_k, spec.kv_heads, block_n)
     return hopper.Plan(
-        items, (num_n,),
+        _key_block_items(spec, num_n, block_n, tokens_k if spec.varlen else None), (num_n,),
         dict(HEAD_DIM_QK=spec.head_dim_qk, HEAD_DIM_V=spec.head_dim_v,
              QK_SPLIT=hopper.qk_split(spec.head_dim_qk), BLOCK_M=BLOCK_M,
              WARPGROUPS=warpgroups, STAGES=STAGES, IS_VARLEN=spec.varlen,
