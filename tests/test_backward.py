@@ -476,6 +476,7 @@ def test_hopper_backward_persistent_gpu(name, dtype, writer, hopper_backward_lau
     from memattn.kernels import backward_sm90
 
     monkeypatch.setattr(backward_sm90, "PERSISTENT_BLOCKS", True)
+    monkeypatch.setattr(backward_sm90, "MASKED_BY_RANK_BLOCKS", {64: 0, 128: 0})
     monkeypatch.setattr(backward_sm90, "DQ_WRITER", {64: writer, 128: writer})
     monkeypatch.setattr(backward_sm90.hopper, "sm_count", lambda device_index: 5)
     backward_sm90.hopper.forget_plans()  # plans are made from sm_count
@@ -491,6 +492,42 @@ def test_hopper_backward_persistent_gpu(name, dtype, writer, hopper_backward_lau
     grids = [(grid, constexprs["PERSISTENT"], constexprs["DQ_BUFS"] > 0)
              for grid, constexprs in launches]  # fmt: skip
     assert grids and all(g == ((5,), True, with_writer) for g in grids), grids
+
+
+# Masked D=128 backwards with a program per key block, heads in groups taking their
+# blocks rank by rank (MASKED_BY_RANK_BLOCKS, hopper.rank_major_item): groups of one
+# head, and of four with a last group of fewer (B2 x 3 kv heads: 6 heads).
+BY_RANK_CASES = [
+    Case("by rank causal", batch=2, heads=6, kv_heads=3, seqlen_q=1031, seqlen_k=1031,
+         dqk=128, dv=128, options=dict(causal=True)),
+    Case("by rank window bottom-right", batch=2, heads=3, kv_heads=3, seqlen_q=600,
+         seqlen_k=900, dqk=128, dv=128, options=dict(window=(200, 0), align="bottom_right")),
+    Case("by rank key row causal", batch=2, heads=3, kv_heads=3, seqlen_q=777, seqlen_k=1030,
+         dqk=128, dv=128, bias="B11K", options=dict(causal=True)),
+]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("blocks_together", [1, 25], ids=["one head", "four heads"])
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("case", BY_RANK_CASES, ids=lambda c: c.name)
+def test_hopper_backward_by_rank_gpu(case, dtype, blocks_together, hopper_backward_launches,
+                                     monkeypatch):  # fmt: skip
+    from memattn.kernels import backward_sm90
+
+    monkeypatch.setattr(backward_sm90, "MASKED_BY_RANK_BLOCKS", {64: 0, 128: blocks_together})
+    backward_sm90.hopper.forget_plans()
+    launches = record_launches(monkeypatch, backward_sm90, "_launch_backward")
+    try:
+        assert_results(check_backward(case, dtype, "cuda", seed=23))
+    finally:
+        backward_sm90.hopper.forget_plans()
+    num_n = -(-case.seqlen_k // backward_sm90.BLOCK_N)
+    together = 1 if blocks_together == 1 else 4  # a power of 2: 25 / 8 or 9 blocks a head
+    grids = [(grid, constexprs["PERSISTENT"], constexprs["HEADS_TOGETHER"])
+             for grid, constexprs in launches]  # fmt: skip
+    programs = case.batch * case.kv_heads * num_n
+    assert grids and all(g == ((programs,), False, together) for g in grids), grids
 
 
 # A bias plane per head that packed sequences share (backward_sm90.PACKED_BIAS_ADDS):

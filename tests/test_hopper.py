@@ -490,6 +490,23 @@ def test_work_items_cover_every_block_once(heads, blocks, sms, fold, monkeypatch
     assert sorted(walked) == [(h, r) for h in range(heads) for r in range(blocks)]
 
 
+@pytest.mark.parametrize("heads, blocks, together", [(1, 1, 1), (3, 5, 1), (4, 8, 4),
+                                                     (5, 4, 2), (7, 3, 4), (33, 32, 16)])
+def test_rank_major_items_cover_every_block_once(heads, blocks, together):
+    """hopper.rank_major_item, run in Python: a grid of heads x blocks programs stands for
+    every (head, block) once; within each group of ``together`` heads (the last one
+    maybe fewer) rank 0 of every head comes first, then rank 1, and so on."""
+    programs = heads * blocks
+    items = [hopper.rank_major_item.fn(pid, programs, blocks, together)
+             for pid in range(programs)]  # fmt: skip
+    assert sorted(items) == list(range(programs))
+    for first in range(0, heads, together):
+        group = items[first * blocks:min(heads, first + together) * blocks]
+        assert {item // blocks for item in group} == set(range(first, min(heads, first + together)))
+        ranks = [item % blocks for item in group]
+        assert ranks == sorted(ranks)
+
+
 @pytest.mark.parametrize("lengths", [(700, 5, 1300, 64), (0, 128, 129, 0, 1), (4000,),
                                      (1,) * 7, (127, 128, 129, 255, 256, 257),
                                      bench.DOC_LENGTHS])  # fmt: skip

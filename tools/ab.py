@@ -54,6 +54,10 @@ VARIANTS = {
     "dq_writer": {"bwd.DQ_WRITER": {64: True, 128: True}},  # dQ's adds from a warp of their own
     "no_dq_writer": {"bwd.DQ_WRITER": {64: False, 128: False}},  # ... from the warpgroups
     "bwd_grid": {"bwd.PERSISTENT_BLOCKS": False},  # a backward program per key block
+    # masked backwards: persistent programs, folded, or a program per block, the heads'
+    # blocks rank by rank in groups of at least N blocks
+    "masked_folded": {"bwd.MASKED_BY_RANK_BLOCKS": {64: 0, 128: 0}},
+    "by_rank128": {"bwd.MASKED_BY_RANK_BLOCKS": {64: 0, 128: 128}},
     "no_split": {"bwd.SPLIT_HEAD_DIM_PAIRS": ()},  # 192/128 on the tile kernels
     "rescale_always": {"fwd.RESCALE_THRESHOLD": 0.0},  # O rescaled at every tile
     "no_turns": {"fwd.TURNS_MAX_HEAD_DIM": 0},  # softmax warpgroups issue freely
@@ -70,7 +74,8 @@ DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
              "TURNS_MAX_HEAD_DIM", "MIN_SEQLEN_Q_D64_MASKED")),
     ("bwd", ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "PACKED_BIAS_ADDS", "SKIP_EMPTY_KEY_BLOCKS",
              "SPLIT_HEAD_DIM_PAIRS", "DQ_BLOCK_N", "DQ_WRITER", "ORDERED_DQ",
-             "PERSISTENT_BLOCKS", "FUSED_SPLIT", "SPLIT_HEADS_TOGETHER", "SPLIT_WARPGROUPS")))
+             "PERSISTENT_BLOCKS", "MASKED_BY_RANK_BLOCKS", "FUSED_SPLIT", "SPLIT_HEADS_TOGETHER",
+             "SPLIT_WARPGROUPS")))
     for name in names}  # fmt: skip
 # A/B the kernels themselves, at every size
 DEFAULTS["bwd.MIN_KEYS_PER_QUERY"] = dict.fromkeys(backward_sm90.HEAD_DIMS, 0)

@@ -755,16 +755,20 @@ def _bwd_sm90_kernel(
     BATCH_INNER: gl.constexpr, HEAD_INNER: gl.constexpr, SKIP_PAST_END: gl.constexpr,
     DQ_BUFS: gl.constexpr, ORDERED: gl.constexpr,
     ROTATE: gl.constexpr, PERSISTENT: gl.constexpr, FOLD: gl.constexpr,
+    HEADS_TOGETHER: gl.constexpr,
 ):  # fmt: skip
     # A program per key block, or PERSISTENT (PERSISTENT_BLOCKS) one per SM at most,
     # walking num_items blocks in hopper.work_item's strides (_program_block). Packed
     # sequences in the default order: a program per item of the packed grid, which
-    # stands for an item of _key_block's (_packed_key_item).
+    # stands for an item of _key_block's (_packed_key_item). HEADS_TOGETHER
+    # (MASKED_BY_RANK_BLOCKS): a program per block, groups of heads rank by rank.
     pid = gl.program_id(0)
     if IS_VARLEN and not (BATCH_INNER or HEAD_INNER):
         pid = _packed_key_item(pid, HKV, CuSeqK, num_seqs, num_n_blocks, BLOCK_N)
         if pid < 0:
             return
+    elif HEADS_TOGETHER > 0:
+        pid = hopper.rank_major_item(pid, gl.num_programs(0), num_n_blocks, HEADS_TOGETHER)
     programs = gl.num_programs(0)
     n_items = gl.to_tensor(1)
     if PERSISTENT:
@@ -1540,11 +1544,7 @@ def _bwd_split_kernel(
         if item < 0:
             return
     else:
-        group_size = HEADS_TOGETHER * num_n_blocks
-        first = pid // group_size * HEADS_TOGETHER
-        heads = gl.minimum(HEADS_TOGETHER, gl.num_programs(0) // num_n_blocks - first)
-        rank = pid % group_size
-        item = (first + rank % heads) * num_n_blocks + rank // heads
+        item = hopper.rank_major_item(pid, gl.num_programs(0), num_n_blocks, HEADS_TOGETHER)
     b, hk, start_n, q_start, k_start, seqlen_q, seqlen_k, off, lo, full_lo, full_hi, n_tiles = (
         _key_block(item, HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left,
                    window_right, BLOCK_M, WARPGROUPS * KEYS, IS_VARLEN, BOTTOM_RIGHT,
@@ -1702,6 +1702,20 @@ SKIP_EMPTY_KEY_BLOCKS = True
 # query tiles (short and causal rows, D=64's 128-row steps). Not where the order of the
 # blocks is not free (_plan).
 PERSISTENT_BLOCKS = True
+# Under a mask (causal, windows) at D=128, a program per key block instead, the (batch,
+# kv head)s in groups of at least this many blocks, each group's blocks rank by rank
+# (hopper.rank_major_item): the hardware hands the heaviest out first, so that the
+# grid's tail is short blocks, where static strides end as unevenly as their pairs'
+# count (a model of the bench's causal rows: ~3 % of the time idle; the window1024
+# row, whose blocks' work does not pair, ~7 %). H100, tools/ab.py, folded strides ->
+# 256, medians of 3-5 rounds in each of three calls: window1024 369 / 367 / 367 -> 381
+# / 375 / 378 TFLOP/s, causal S4096 487 / 482 / 487 -> 496 / 491 / 499, S16384 578 /
+# 578 / 581 -> 599 / 530 / 597, S2048 403 / 404 -> 409 / 413, S1024 299 / 300 -> 301
+# / 301. D=64 lost (S1024 causal 275 -> 253, S4096 437 -> 417: its 128-row steps give
+# blocks half the tiles, whose own start and end the persistent programs hide). The
+# same order from a dynamic schedule in persistent programs lost at both (PERFORMANCE.md,
+# "Levers that did not pay"). 0: folded.
+MASKED_BY_RANK_BLOCKS = {64: 0, 128: 256}
 
 
 def dq_buffers(spec: AttentionSpec, bias_tiles: bool, dbias_kind: str | None) -> int:
@@ -1997,7 +2011,12 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
     items = _key_block_items(spec, num_n, BLOCK_N, tokens_k if packed_grid else None)
     # Persistent where the order of the blocks is free: not packed sequences (blocks
     # past a sequence's end), nor a summed bias gradient's or ORDERED_DQ's order.
-    persistent = PERSISTENT_BLOCKS and not spec.varlen and not ordered and not any(inner)
+    free_order = not spec.varlen and not ordered and not any(inner)
+    by_rank = MASKED_BY_RANK_BLOCKS[spec.head_dim_qk] if spec.window_right >= 0 else 0
+    heads_together = 0
+    if free_order and by_rank:
+        heads_together = triton.next_power_of_2(cdiv(by_rank, num_n))
+    persistent = PERSISTENT_BLOCKS and free_order and not heads_together
     fold = persistent and spec.window_right >= 0
     constexprs = dict(
         HEAD_DIM_QK=spec.head_dim_qk, HEAD_DIM_V=spec.head_dim_v,
@@ -2010,7 +2029,7 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
         BOUNDED_RIGHT=spec.window_right >= 0, BATCH_INNER=inner[0], HEAD_INNER=inner[1],
         SKIP_PAST_END=spec.varlen and SKIP_EMPTY_KEY_BLOCKS,
         DQ_BUFS=dq_bufs, ORDERED=ordered, ROTATE=ordered and spec.window_right < 0,
-        PERSISTENT=persistent, FOLD=fold, num_warps=4,
+        PERSISTENT=persistent, FOLD=fold, HEADS_TOGETHER=heads_together, num_warps=4,
     )  # fmt: skip
     return hopper.Plan(hopper.programs(items, fold, persistent, device_index), (num_n, items),
                        constexprs)
