@@ -213,15 +213,15 @@ def test_backward_programs_persistent_where_the_blocks_order_is_free(
 
 
 @gluon
-@pytest.mark.parametrize("options, heads_together",
-                         [({}, 0), (dict(causal=True), 32), (dict(window=(100, 0)), 32),
+@pytest.mark.parametrize("options, by_rank",
+                         [({}, 0), (dict(causal=True), 256), (dict(window=(100, 0)), 256),
                           (dict(window=(100, -1)), 0),
                           (dict(causal=True, deterministic=True), 0)])  # fmt: skip
-def test_masked_d128_backward_takes_its_blocks_rank_by_rank(options, heads_together,
+def test_masked_d128_backward_takes_its_blocks_rank_by_rank(options, by_rank,
                                                            monkeypatch):  # fmt: skip
     """Under a right bound at D=128 the backward runs a program per key block, heads in
-    groups of MASKED_BY_RANK_BLOCKS blocks at least (256 / 8 a head -> 32 heads) taking
-    their blocks rank by rank (hopper.rank_major_item), not persistent programs."""
+    groups of MASKED_BY_RANK_BLOCKS blocks at least taking their blocks rank by rank
+    (hopper.rank_major_item), not persistent programs."""
     bsm = dispatch.backward_sm90
     monkeypatch.setattr(bsm.hopper, "sm_count", lambda device_index: 5)
     spec = spec_and_inputs(b=3, sq=1024, sk=1024, h=2, d=128, **options)[0]
@@ -230,8 +230,8 @@ def test_masked_d128_backward_takes_its_blocks_rank_by_rank(options, heads_toget
         plan = bsm._plan(spec, False, None, (False, False), 0, 0)
     finally:
         bsm.hopper.forget_plans()
-    persistent = heads_together == 0 and "deterministic" not in options  # ORDERED_DQ's
-    assert plan.constexprs["HEADS_TOGETHER"] == heads_together
+    persistent = by_rank == 0 and "deterministic" not in options  # ORDERED_DQ's
+    assert plan.constexprs["BY_RANK"] == by_rank
     assert plan.constexprs["PERSISTENT"] is persistent
     assert plan.programs == (5 if persistent else 3 * 2 * 8)  # one per SM, or per block
 

@@ -755,20 +755,22 @@ def _bwd_sm90_kernel(
     BATCH_INNER: gl.constexpr, HEAD_INNER: gl.constexpr, SKIP_PAST_END: gl.constexpr,
     DQ_BUFS: gl.constexpr, ORDERED: gl.constexpr,
     ROTATE: gl.constexpr, PERSISTENT: gl.constexpr, FOLD: gl.constexpr,
-    HEADS_TOGETHER: gl.constexpr,
+    BY_RANK: gl.constexpr,
 ):  # fmt: skip
     # A program per key block, or PERSISTENT (PERSISTENT_BLOCKS) one per SM at most,
     # walking num_items blocks in hopper.work_item's strides (_program_block). Packed
     # sequences in the default order: a program per item of the packed grid, which
-    # stands for an item of _key_block's (_packed_key_item). HEADS_TOGETHER
-    # (MASKED_BY_RANK_BLOCKS): a program per block, groups of heads rank by rank.
+    # stands for an item of _key_block's (_packed_key_item). BY_RANK
+    # (MASKED_BY_RANK_BLOCKS): a program per block, heads in groups of at least this
+    # many blocks, each group's blocks rank by rank.
     pid = gl.program_id(0)
     if IS_VARLEN and not (BATCH_INNER or HEAD_INNER):
         pid = _packed_key_item(pid, HKV, CuSeqK, num_seqs, num_n_blocks, BLOCK_N)
         if pid < 0:
             return
-    elif HEADS_TOGETHER > 0:
-        pid = hopper.rank_major_item(pid, gl.num_programs(0), num_n_blocks, HEADS_TOGETHER)
+    elif BY_RANK > 0:
+        pid = hopper.rank_major_item(pid, gl.num_programs(0), num_n_blocks,
+                                     gl.cdiv(BY_RANK, num_n_blocks))
     programs = gl.num_programs(0)
     n_items = gl.to_tensor(1)
     if PERSISTENT:
@@ -2013,10 +2015,8 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
     # past a sequence's end), nor a summed bias gradient's or ORDERED_DQ's order.
     free_order = not spec.varlen and not ordered and not any(inner)
     by_rank = MASKED_BY_RANK_BLOCKS[spec.head_dim_qk] if spec.window_right >= 0 else 0
-    heads_together = 0
-    if free_order and by_rank:
-        heads_together = triton.next_power_of_2(cdiv(by_rank, num_n))
-    persistent = PERSISTENT_BLOCKS and free_order and not heads_together
+    by_rank = by_rank if free_order else 0
+    persistent = PERSISTENT_BLOCKS and free_order and not by_rank
     fold = persistent and spec.window_right >= 0
     constexprs = dict(
         HEAD_DIM_QK=spec.head_dim_qk, HEAD_DIM_V=spec.head_dim_v,
@@ -2029,7 +2029,7 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
         BOUNDED_RIGHT=spec.window_right >= 0, BATCH_INNER=inner[0], HEAD_INNER=inner[1],
         SKIP_PAST_END=spec.varlen and SKIP_EMPTY_KEY_BLOCKS,
         DQ_BUFS=dq_bufs, ORDERED=ordered, ROTATE=ordered and spec.window_right < 0,
-        PERSISTENT=persistent, FOLD=fold, HEADS_TOGETHER=heads_together, num_warps=4,
+        PERSISTENT=persistent, FOLD=fold, BY_RANK=by_rank, num_warps=4,
     )  # fmt: skip
     return hopper.Plan(hopper.programs(items, fold, persistent, device_index), (num_n, items),
                        constexprs)

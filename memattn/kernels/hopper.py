@@ -273,20 +273,20 @@ def packed_items(seqs: int, tokens: int, heads: int, block: int) -> int:
 
 
 @gluon.jit
-def rank_major_item(pid, programs, blocks, HEADS_TOGETHER: gl.constexpr):
+def rank_major_item(pid, programs, blocks, together):
     """The item (head * blocks + rank) program pid of a grid of ``programs`` (heads x
-    ``blocks`` blocks each) stands for when the heads go HEADS_TOGETHER at a time, each
-    group's blocks rank by rank (rank 0 of each of its heads, then rank 1, ...; the last group
-    may hold fewer heads). Under a mask whose work falls with the rank (the backward's
-    key blocks under a causal mask or a window) the hardware then hands the heaviest
-    blocks out first within each group, so that the grid's tail is short blocks, and the
-    group's heads share what they read in L2. Plain integer arithmetic, so that tests
-    can run it in Python."""
-    group_size = HEADS_TOGETHER * blocks
-    first = pid // group_size * HEADS_TOGETHER
+    ``blocks`` blocks each) stands for when the heads go ``together`` at a time, each
+    group's blocks rank by rank (rank 0 of each of its heads, then rank 1, ...; the last
+    group may hold fewer heads). Under a mask whose work falls with the rank (the
+    backward's key blocks under a causal mask or a window) the hardware then hands the
+    heaviest blocks out first within each group, so that the grid's tail is short
+    blocks, and the group's heads share what they read in L2. Plain integer
+    arithmetic, so that tests can run it in Python."""
+    group_size = together * blocks
+    first = pid // group_size * together
     heads = programs // blocks - first
-    if heads > HEADS_TOGETHER:
-        heads = HEADS_TOGETHER
+    if heads > together:
+        heads = together
     rank = pid % group_size
     return (first + rank % heads) * blocks + rank // heads
 
