@@ -238,18 +238,22 @@ def test_masked_d128_backward_takes_its_blocks_rank_by_rank(options, by_rank,
 
 @gluon
 @pytest.mark.parametrize("varlen", [False, True])
-def test_only_packed_programs_past_their_end_may_return_first(varlen, monkeypatch):
+@pytest.mark.parametrize("inner", [(False, False), (True, False)], ids=["packed grid", "inner"])
+def test_only_packed_programs_past_their_end_may_return_first(varlen, inner, monkeypatch):
     """SKIP_EMPTY_KEY_BLOCKS lets the backward's programs past a packed sequence's end
-    return first; a dense call's (no query under a mask) must still store zeros."""
+    return first on the grid of the longest sequence's key blocks (SUMMED_BIAS_INNER's
+    orders); the packed grid returns them in _packed_key_item, and a dense call's (no
+    query under a mask) must still store zeros."""
     spec = spec_and_inputs(d=128, varlen=varlen)[0]
     backward_sm90 = dispatch.backward_sm90
     monkeypatch.setattr(backward_sm90.hopper, "sm_count", lambda device_index: 132)
-    plan = backward_sm90._plan(spec, False, None, (False, False), 0, 0)
-    assert plan.constexprs["SKIP_PAST_END"] is varlen
-    monkeypatch.setattr(backward_sm90, "SKIP_EMPTY_KEY_BLOCKS", False)
-    backward_sm90.hopper.forget_plans()  # plans are made from the knobs
+    backward_sm90.hopper.forget_plans()
     try:
-        plan = backward_sm90._plan(spec, False, None, (False, False), 0, 0)
+        plan = backward_sm90._plan(spec, False, None, inner, 0, 0)
+        assert plan.constexprs["SKIP_PAST_END"] is (varlen and inner[0])
+        monkeypatch.setattr(backward_sm90, "SKIP_EMPTY_KEY_BLOCKS", False)
+        backward_sm90.hopper.forget_plans()  # plans are made from the knobs
+        plan = backward_sm90._plan(spec, False, None, inner, 0, 0)
     finally:
         backward_sm90.hopper.forget_plans()
     assert not plan.constexprs["SKIP_PAST_END"]

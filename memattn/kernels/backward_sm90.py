@@ -777,11 +777,10 @@ def _bwd_sm90_kernel(
         n_items = hopper.work_items(pid, programs, num_items, FOLD)
     blocks = (pid, programs, HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left,
               window_right)
-    # A program of its own (not PERSISTENT) is done at once past its packed sequence's end.
-    _, _, start_n, _, _, _, seqlen_k_b, _, _, _, _, _ = _program_block(
-        0, blocks, BLOCK_M, BLOCK_N, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
-        BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD)  # fmt: skip
     if SKIP_PAST_END:  # a key block past its packed sequence's end: nothing to do
+        _, _, start_n, _, _, _, seqlen_k_b, _, _, _, _, _ = _program_block(
+            0, blocks, BLOCK_M, BLOCK_N, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
+            BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD)  # fmt: skip
         if start_n >= seqlen_k_b:
             return
 
@@ -1691,11 +1690,11 @@ DQ_WRITER = {64: True, 128: False}
 # backward: 385 -> 504 TFLOP/s (default 546: 1.08x its time), causal 309 -> 427 (458:
 # 1.07x), D64 456 (default 443).
 ORDERED_DQ = True
-# Packed sequences: programs past their sequence's blocks (hopper.packed_items' grid: at
-# most one a (sequence, kv head); with SUMMED_BIAS_INNER's orders, a program per key
-# block of the longest sequence) return before loading K and V. H100, the bench's docs
-# row on the longest sequence's grid (4480 of 6656 programs past their end), backward
-# 358 -> 381 TFLOP/s.
+# Packed sequences in SUMMED_BIAS_INNER's orders (a program per key block of the
+# longest sequence): programs past their sequence's blocks return before loading K and
+# V (SKIP_PAST_END). H100, the bench's docs row on that grid (4480 of 6656 programs past
+# their end), backward 358 -> 381 TFLOP/s. The packed grid (hopper.packed_items: at most
+# one a (sequence, kv head) past its blocks) returns those by itself (_packed_key_item).
 SKIP_EMPTY_KEY_BLOCKS = True
 # Programs persistent (one per SM at most, the forward's strides: hopper.work_item,
 # blocks of equal work paired under a right bound), so that a block's K and V, and its
@@ -2027,7 +2026,7 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
         HAS_DROPOUT=spec.dropout_p > 0, IS_VARLEN=spec.varlen,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
         BOUNDED_RIGHT=spec.window_right >= 0, BATCH_INNER=inner[0], HEAD_INNER=inner[1],
-        SKIP_PAST_END=spec.varlen and SKIP_EMPTY_KEY_BLOCKS,
+        SKIP_PAST_END=spec.varlen and SKIP_EMPTY_KEY_BLOCKS and not packed_grid,
         DQ_BUFS=dq_bufs, ORDERED=ordered, ROTATE=ordered and spec.window_right < 0,
         PERSISTENT=persistent, FOLD=fold, BY_RANK=by_rank, num_warps=4,
     )  # fmt: skip
