@@ -2011,10 +2011,11 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
     packed_grid = spec.varlen and not any(inner)
     items = _key_block_items(spec, num_n, BLOCK_N, tokens_k if packed_grid else None)
     # Persistent where the order of the blocks is free: not packed sequences (blocks
-    # past a sequence's end), nor a summed bias gradient's or ORDERED_DQ's order.
+    # past a sequence's end), nor a summed bias gradient's or ORDERED_DQ's order, nor
+    # under a mask where MASKED_BY_RANK_BLOCKS takes a program per block rank by rank.
     free_order = not spec.varlen and not ordered and not any(inner)
-    by_rank = MASKED_BY_RANK_BLOCKS[spec.head_dim_qk] if spec.window_right >= 0 else 0
-    by_rank = by_rank if free_order else 0
+    masked = free_order and spec.window_right >= 0
+    by_rank = MASKED_BY_RANK_BLOCKS[spec.head_dim_qk] if masked else 0
     persistent = PERSISTENT_BLOCKS and free_order and not by_rank
     fold = persistent and spec.window_right >= 0
     constexprs = dict(
