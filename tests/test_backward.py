@@ -166,8 +166,9 @@ def _tiles_of(spec, cu, seqs, rows):
 def test_dq_tiles_read_back_cpu(head_dim, rows, lengths, batch, seqlen):
     """_dq_from_tiles_kernel reads each dQ tile of dq_tiles' buffer, its warpgroups'
     parts (dq_split) each laid out in its registers' order as hopper.accumulator_order's
-    bases say, back into dQ's rows: every row of every sequence exactly, and nothing
-    from a tile's rows past its sequence."""
+    bases say, back into dQ's rows: every row of every sequence exactly, times the
+    softmax scale (the main kernels leave it out), and nothing from a tile's rows past
+    its sequence."""
     from memattn.kernels import backward_sm90, hopper
 
     if head_dim > 64 and rows == 128:
@@ -195,7 +196,7 @@ def test_dq_tiles_read_back_cpu(head_dim, rows, lengths, batch, seqlen):
     dq = torch.full_like(q, float("nan"))
     grid, args, constexprs = backward_sm90.dq_from_tiles_launch(spec, buffer, rows, dq, cu)
     backward_sm90._dq_from_tiles_kernel[grid](*args, **constexprs)
-    assert torch.equal(dq, want)
+    assert torch.equal(dq, want * torch.tensor(spec.scale, dtype=torch.float32))
 
 
 @cpu_only

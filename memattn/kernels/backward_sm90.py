@@ -20,9 +20,10 @@ dS stays unscaled in shared memory, as (queries, keys) tiles of rows x 64: it is
 gradient of a bias, and for a full bias each warpgroup's tile leaves by TMA store as
 it is; for one broadcast over batch or heads each tile is added, in fp32, into the
 gradient by TMA reduce-add as dQ is (a plane per head shared by packed sequences: into
-the gradient itself, in its dtype, PACKED_BIAS_ADDS). dK and dQ take the softmax scale
-in fp32. A bias tile loads beside each Q tile; a bias constant along queries (key
-padding) is read by pointer, 64 keys a warpgroup, and its gradient is dS summed over
+the gradient itself, in its dtype, PACKED_BIAS_ADDS). dK takes the softmax scale in
+fp32 at a block's end, dQ where its fp32 buffer is converted (_dq_from_tiles_kernel).
+A bias tile loads beside each Q tile; a bias constant along queries (key padding) is
+read by pointer, 64 keys a warpgroup, and its gradient is dS summed over
 each query head's tiles in registers, stored once per (b, h, keys) into an fp32 buffer
 that run() sums over the dimensions the bias broadcasts over: no atomics, no expanded
 buffer, the same bits every run.
@@ -520,8 +521,8 @@ def _bwd_compute_partition(
             if DQ_BUFS > 0:  # into a buffer the writer warp has read, for it to send
                 dq_slot = HALF * DQ_BUFS + i % DQ_BUFS
                 mbarrier.wait(dq_empty.index(dq_slot), ((i // DQ_BUFS) & 1) ^ 1, pred=i >= DQ_BUFS)
-                dq_smem.index(dq_slot)._reinterpret(gl.float32, [DQ_ROWS, DQ_COLS], dq_order).store(
-                    dq * scale)
+                dq_smem.index(dq_slot)._reinterpret(gl.float32, [DQ_ROWS, DQ_COLS],
+                                                    dq_order).store(dq)
                 fence_async_shared()
                 mbarrier.arrive(dq_full.index(dq_slot))
             else:
@@ -530,7 +531,7 @@ def _bwd_compute_partition(
                 tma.store_wait(OTHER_BULK)
                 gl.thread_barrier()
                 dq_buf = dq_smem.index(HALF)
-                dq_buf._reinterpret(gl.float32, [DQ_ROWS, DQ_COLS], dq_order).store(dq * scale)
+                dq_buf._reinterpret(gl.float32, [DQ_ROWS, DQ_COLS], dq_order).store(dq)
                 fence_async_shared()
                 dq_row = _dq_tile_row(b, q_start, start_m, HALF, BLOCK_M, TILE_ROWS, 2, IS_VARLEN)
                 hopper.tma_reduce_add(dq_desc, [b_tma, h, dq_row, 0], dq_buf)
@@ -1441,7 +1442,7 @@ def _bwd_split_compute_partition(
             if n == len(PARTS) - 1:
                 mbarrier.arrive(ds_free)  # every dS read here
             row = _dq_tile_row(b, q_start, start_m, PARTS[n], BLOCK_M, TILE_ROWS, 3, IS_VARLEN)
-            _dq_add(dq * scale, dq_buf, dq_desc, [b_tma, h, row, 0], dq_order, BLOCK_M, PART)
+            _dq_add(dq, dq_buf, dq_desc, [b_tma, h, row, 0], dq_order, BLOCK_M, PART)
         mbarrier.arrive(q_empty.index(slot))
 
     # dK and dV, transposed, leave through this warpgroup's dQ buffer one after another
@@ -1917,7 +1918,8 @@ def dq_tiles(spec: AttentionSpec, tokens: int, rows: int, device: torch.device) 
     halves (dq_split: the compute warpgroups' parts), each in its registers' order
     (hopper.accumulator_order: the stores to shared memory without bank conflicts), as
     rows of 256 floats for TMA. Packed sequences (one batch): tiles for ``tokens`` //
-    rows + sequences + 1 (common.dq_tile). _dq_from_tiles_kernel reads it back."""
+    rows + sequences + 1 (common.dq_tile). It holds dS K without the softmax scale;
+    _dq_from_tiles_kernel scales and converts it."""
     tiles = (tokens // rows + spec.batch + 1 if spec.varlen
              else cdiv(spec.seqlen_q, rows))  # fmt: skip
     per_tile = rows * spec.head_dim_qk // 256
@@ -1936,12 +1938,15 @@ def _dq_tiles_descriptor(dq: torch.Tensor, tile_rows: int) -> TensorDescriptor:
 @triton.jit
 def _dq_from_tiles_kernel(
     Tiles, DQ, CuSeqQ, stride_tb, stride_th, stride_qb, stride_qm, stride_qh, H, seqlen_q,
-    num_m, DQK: tl.constexpr, BLOCK_M: tl.constexpr, ROWS_SPLIT: tl.constexpr,
+    num_m, scale, DQK: tl.constexpr, BLOCK_M: tl.constexpr, ROWS_SPLIT: tl.constexpr,
     BLOCK_D: tl.constexpr, PART_COLS: tl.constexpr, C_BITS: tl.constexpr,
     R_BITS: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
     """dQ in its dtype from dq_tiles' fp32 tiles, one tile (BLOCK_M rows) a program; its
-    parts (dq_split) hold PART_COLS columns each, or with ROWS_SPLIT half the rows."""
+    parts (dq_split) hold PART_COLS columns each, or with ROWS_SPLIT half the rows. The
+    tiles hold dS K without the softmax scale: it goes in here, once a value, where the
+    main kernels would pay a multiply per value and step (FA4's postprocess does the
+    same)."""
     b, h, _, m_block = row_block(num_m, H, False)
     start_m = m_block * BLOCK_M
     q_start, _, seqlen_q, _ = sequence_bounds(CuSeqQ, CuSeqQ, b, seqlen_q, seqlen_q, IS_VARLEN)
@@ -1962,7 +1967,8 @@ def _dq_from_tiles_kernel(
         x = tl.load(Tiles + b64 * stride_tb + h64 * stride_th + off, mask=cols < DQK)
         row64 = (q_start + start_m + rows).to(tl.int64)
         tl.store(DQ + b64 * stride_qb + h64 * stride_qh + row64 * stride_qm + cols,
-                 x.to(DQ.dtype.element_ty), mask=(rows < seqlen_q - start_m) & (cols < DQK))
+                 (x * scale).to(DQ.dtype.element_ty),
+                 mask=(rows < seqlen_q - start_m) & (cols < DQK))
 
 
 _launch_dq_from_tiles = hopper.Launcher(_dq_from_tiles_kernel)
@@ -1975,7 +1981,7 @@ def dq_from_tiles_launch(spec: AttentionSpec, buffer: torch.Tensor, rows: int,
     num_m = cdiv(spec.seqlen_q, rows)
     split = dq_split(spec.head_dim_qk, rows)
     args = (buffer, dq, cu_seqlens_q, 0 if spec.varlen else buffer.stride(0), buffer.stride(1),
-            *dense_strides(dq, spec.varlen)[:3], spec.heads, spec.seqlen_q, num_m)
+            *dense_strides(dq, spec.varlen)[:3], spec.heads, spec.seqlen_q, num_m, spec.scale)
     constexprs = dict(DQK=spec.head_dim_qk, BLOCK_M=rows, ROWS_SPLIT=split[0] < rows,
                       BLOCK_D=triton.next_power_of_2(spec.head_dim_qk), PART_COLS=split[1],
                       C_BITS=(split[1] // 8).bit_length() - 1,
