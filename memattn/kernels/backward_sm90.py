@@ -397,6 +397,10 @@ def _bwd_compute_partition(
     STAGE_SLOT: gl.constexpr = HALF * DQ_BUFS if DQ_BUFS > 0 else HALF
     TOGETHER: gl.constexpr = (HEAD_DIM_QK == HEAD_DIM_V and 2 * dk_desc.block_type.nbytes
                               <= dq_desc.block_type.nbytes)  # fmt: skip
+    # A persistent program's next K and V may load once the last step's dQ wgmma is done,
+    # before its dK's and the block's end (D=64's 128-row steps: blocks of half the steps,
+    # whose ends weigh twice as much; at D=128 it did not pay: PERFORMANCE.md).
+    EARLY_KV_RELEASE: gl.constexpr = PERSISTENT and BLOCK_M == 128
     # The rings' tiles before this block's (dS's and dQ's buffers go by them too)
     step = gl.to_tensor(0)
 
@@ -517,6 +521,8 @@ def _bwd_compute_partition(
             dk = warpgroup_mma(ds_op, q, dk, is_async=True)
             dv, dq, p_op = warpgroup_mma_wait(1, deps=(dv, dq, p_op))
             mbarrier.arrive(do_empty.index(slot))
+            if EARLY_KV_RELEASE and t == GROUP * n_tiles - 1:
+                mbarrier.arrive(kv_empty)  # dQ's was the last wgmma to read K or V
 
             if DQ_BUFS > 0:  # into a buffer the writer warp has read, for it to send
                 dq_slot = HALF * DQ_BUFS + i % DQ_BUFS
@@ -539,7 +545,8 @@ def _bwd_compute_partition(
             mbarrier.arrive(q_empty.index(slot))
 
         step += GROUP * n_tiles
-        mbarrier.arrive(kv_empty)  # done with K and V: the next block's may load
+        if not EARLY_KV_RELEASE or n_tiles == 0:  # done with K and V: the next block's
+            mbarrier.arrive(kv_empty)  # may load
         tma.store_wait(0)  # the last dQ (and bias gradient) copies have read their buffers
 
         if HAS_DROPOUT:
