@@ -179,7 +179,7 @@ def _bwd_load_partition(
     hk, q_start, k_start, stats_start, GROUP, bias_b, bias_heads, start_n, lo, n_tiles,
     q2_desc, k2_desc, q2_smem, k2_smem, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     HAS_BIAS: gl.constexpr, QK_SPLIT: gl.constexpr, rot=0, ROTATE: gl.constexpr = False,
-    step=0,
+    step=0, first=0,
 ):  # fmt: skip
     """One warp: K and V once, then Q (with its rows' lse and the bias tile) and dO
     (with delta) tiles of every query head of the group. b_tma: the batch's index to
@@ -187,7 +187,8 @@ def _bwd_load_partition(
     sequence's first token (q_start, k_start; 0 dense) and their row statistics at
     stats_start (common.packed_stats_start; 0 dense). With QK_SPLIT, Q's and K's last
     QK_SPLIT columns go to buffers of their own (q2, k2) on the same barriers. step: the
-    rings' count of tiles before this block's (a persistent program's earlier blocks)."""
+    rings' count of tiles before this block's (a persistent program's earlier blocks);
+    first: the block's tiles loaded before (_bwd_blocks_load_partition)."""
     split_col: gl.constexpr = q_desc.block_type.shape[3]  # where Q's and K's split starts
     kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes + (
         k2_desc.block_type.nbytes if QK_SPLIT > 0 else 0)
@@ -201,7 +202,7 @@ def _bwd_load_partition(
         q_desc, do_desc, stats_desc, bias_desc, q_smem, do_smem, lse_smem, delta_smem,
         bias_smem, q_ready, do_ready, q_empty, do_empty, b_tma, hk, q_start, stats_start,
         GROUP, bias_b, bias_heads, start_n, lo, n_tiles, q2_desc, q2_smem, BLOCK_M, STAGES,
-        HAS_BIAS, QK_SPLIT, rot, ROTATE, step)  # fmt: skip
+        HAS_BIAS, QK_SPLIT, rot, ROTATE, step, first)  # fmt: skip
 
 
 @gluon.jit
@@ -210,13 +211,16 @@ def _query_tile_loads(
     q_ready, do_ready, q_empty, do_empty, b_tma, hk, q_start, stats_start, GROUP, bias_b,
     bias_heads, start_n, lo, n_tiles, q2_desc, q2_smem, BLOCK_M: gl.constexpr,
     STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, QK_SPLIT: gl.constexpr, rot=0,
-    ROTATE: gl.constexpr = False, step=0,
+    ROTATE: gl.constexpr = False, step=0, first=0, end=-1,
 ):  # fmt: skip
     """The load warp's Q (with its rows' lse, the bias tile and Q's last QK_SPLIT
     columns) and dO (with delta) tiles for one key block, every query head of the group,
-    into their rings (_bwd_load_partition's arguments)."""
+    into their rings (_bwd_load_partition's arguments): tiles [first, end), end -1 the
+    block's last."""
     split_col: gl.constexpr = q_desc.block_type.shape[3]
-    for t in range(GROUP * n_tiles):
+    if end < 0:
+        end = GROUP * n_tiles
+    for t in range(first, end):
         h, start_m = _query_tile(t, hk, GROUP, lo, n_tiles, BLOCK_M, rot, ROTATE)
         i = step + t
         row = q_start + start_m
@@ -273,13 +277,23 @@ def _bwd_blocks_load_partition(
         rot = 0
         if ROTATE:  # program n's walk starts at query tile n * n_tiles // num_n
             rot = (start_n // BLOCK_N) * n_tiles // num_n_blocks
+        first = 0
+        if PERSISTENT and BLOCK_M == 128:  # the block's first Q and dO tiles, whose slots
+            # free before the last block's K and V do: then only K and V load at its start
+            first = gl.minimum(GROUP * n_tiles, 1)
+            _query_tile_loads(
+                q_desc, do_desc, stats_desc, bias_desc, q_smem, do_smem, lse_smem, delta_smem,
+                bias_smem, q_ready, do_ready, q_empty, do_empty, b_tma, hk, q_start,
+                stats_start, GROUP, b % bias_batches, bias_heads, start_n, lo, n_tiles,
+                q_desc, q_smem, BLOCK_M, STAGES, HAS_BIAS, 0, rot, ROTATE, step, 0,
+                first)  # fmt: skip
         mbarrier.wait(kv_empty, (j & 1) ^ 1, pred=j > 0)
         _bwd_load_partition(
             q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem,
             v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready, q_empty,
             do_empty, b_tma, hk, q_start, k_start, stats_start, GROUP, b % bias_batches,
             bias_heads, start_n, lo, n_tiles, q_desc, k_desc, q_smem, k_smem, BLOCK_M, STAGES,
-            HAS_BIAS, 0, rot, ROTATE, step)  # fmt: skip
+            HAS_BIAS, 0, rot, ROTATE, step, first)  # fmt: skip
         step += GROUP * n_tiles
 
 
