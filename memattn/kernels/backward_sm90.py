@@ -406,9 +406,11 @@ def _bwd_compute_partition(
     # gradient's store or reduce-add from dS's tile (DBIAS_TILES: 1 stored, 2 added), or
     # the fp32 reduce-add from a buffer of its own.
     OTHER_BULK: gl.constexpr = 1 if DBIAS_TILES > 0 or (DBIAS_SUM and HEAD_DIM_QK != BLOCK_N) else 0
-    # dK and dV leave through this warpgroup's (first) dQ buffer: both at once where
-    # they fit (D=64 at 128 rows), else one after the other.
-    STAGE_SLOT: gl.constexpr = HALF * DQ_BUFS if DQ_BUFS > 0 else HALF
+    # dK and dV leave through one of this warpgroup's dQ buffers: both at once where they
+    # fit (D=64 at 128 rows), else one after the other. With the writer warp's buffers,
+    # the one the next block's first dQ tile takes (the oldest: with two, its last
+    # reduce-add has long been read, where the last tile's may not have); that tile's
+    # write waits for these stores to have read it.
     TOGETHER: gl.constexpr = (HEAD_DIM_QK == HEAD_DIM_V and 2 * dk_desc.block_type.nbytes
                               <= dq_desc.block_type.nbytes)  # fmt: skip
     # A persistent program's next K and V may load once the last step's dQ wgmma is done,
@@ -541,6 +543,9 @@ def _bwd_compute_partition(
             if DQ_BUFS > 0:  # into a buffer the writer warp has read, for it to send
                 dq_slot = HALF * DQ_BUFS + i % DQ_BUFS
                 mbarrier.wait(dq_empty.index(dq_slot), ((i // DQ_BUFS) & 1) ^ 1, pred=i >= DQ_BUFS)
+                if t == 0:  # the last block's dK and dV stores have read this buffer
+                    tma.store_wait(0)
+                    gl.thread_barrier()
                 dq_smem.index(dq_slot)._reinterpret(gl.float32, [DQ_ROWS, DQ_COLS],
                                                     dq_order).store(dq)
                 fence_async_shared()
@@ -579,11 +584,13 @@ def _bwd_compute_partition(
                             gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, dv_layout)),
                             HEAD_DIM_V)  # fmt: skip
         else:  # the TMA store clips a dense batch's keys past Sk
-            if DQ_BUFS > 0:  # the writer warp's last reduce-adds have read this half's buffers
-                last = step - 1
-                mbarrier.wait(dq_empty.index(HALF * DQ_BUFS + last % DQ_BUFS),
-                              (last // DQ_BUFS) & 1, pred=last >= 0)
-            stage = dq_smem.index(STAGE_SLOT)
+            if DQ_BUFS > 0:  # the writer warp has read the buffer's last dQ tile
+                last = step - DQ_BUFS  # the tile before the next block's first, in its slot
+                stage_slot = HALF * DQ_BUFS + step % DQ_BUFS
+                mbarrier.wait(dq_empty.index(stage_slot), (last // DQ_BUFS) & 1, pred=last >= 0)
+                stage = dq_smem.index(stage_slot)
+            else:
+                stage = dq_smem.index(HALF)
             rows = [b_tma, hk, k_start + row0, 0]
             if TOGETHER:
                 pair = stage._reinterpret(dtype, [2] + dk_desc.block_type.shape, dk_desc.layout)
@@ -596,7 +603,10 @@ def _bwd_compute_partition(
                 gl.thread_barrier()
                 _store_by_tma(dv_out, stage._reinterpret(dtype, dv_desc.block_type.shape,
                                                          dv_desc.layout), dv_desc, rows)
-            tma.store_wait(0)  # before the buffer's next dQ tile
+            if DQ_BUFS == 0:
+                tma.store_wait(0)  # before the buffer's next dQ tile
+    if DQ_BUFS > 0:  # the last block's stores have read shared memory
+        tma.store_wait(0)
 
 
 @gluon.jit
