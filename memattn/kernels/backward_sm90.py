@@ -278,8 +278,8 @@ def _bwd_blocks_load_partition(
         if ROTATE:  # program n's walk starts at query tile n * n_tiles // num_n
             rot = (start_n // BLOCK_N) * n_tiles // num_n_blocks
         first = 0
-        if PERSISTENT and BLOCK_M == 128:  # the block's first Q and dO tiles, whose slots
-            # free before the last block's K and V do: then only K and V load at its start
+        if FOLD and BLOCK_M == 128:  # the block's first Q and dO tiles, whose slots free
+            # before the last block's K and V do (the compute partition's OVERLAP_ENDS)
             first = gl.minimum(GROUP * n_tiles, 1)
             _query_tile_loads(
                 q_desc, do_desc, stats_desc, bias_desc, q_smem, do_smem, lse_smem, delta_smem,
@@ -407,16 +407,17 @@ def _bwd_compute_partition(
     # the fp32 reduce-add from a buffer of its own.
     OTHER_BULK: gl.constexpr = 1 if DBIAS_TILES > 0 or (DBIAS_SUM and HEAD_DIM_QK != BLOCK_N) else 0
     # dK and dV leave through one of this warpgroup's dQ buffers: both at once where they
-    # fit (D=64 at 128 rows), else one after the other. With the writer warp's buffers,
-    # the one the next block's first dQ tile takes (the oldest: with two, its last
-    # reduce-add has long been read, where the last tile's may not have); that tile's
-    # write waits for these stores to have read it.
+    # fit (D=64 at 128 rows), else one after the other.
     TOGETHER: gl.constexpr = (HEAD_DIM_QK == HEAD_DIM_V and 2 * dk_desc.block_type.nbytes
                               <= dq_desc.block_type.nbytes)  # fmt: skip
-    # A persistent program's next K and V may load once the last step's dQ wgmma is done,
-    # before its dK's and the block's end (D=64's 128-row steps: blocks of half the steps,
-    # whose ends weigh twice as much; at D=128 it did not pay: PERFORMANCE.md).
-    EARLY_KV_RELEASE: gl.constexpr = PERSISTENT and BLOCK_M == 128
+    # Folded D=64 blocks (128-row steps, under a mask: few steps a block) overlap a
+    # block's end with the next one's start: K and V are released once the last step's
+    # dQ wgmma is done (the load warp has sent the next block's first Q and dO tiles
+    # already), and dK and dV leave through the writer warp's buffer that the next
+    # block's first dQ tile takes (its last reduce-add read a step earlier than the last
+    # tile's), which that tile's write then waits for. Elsewhere the checks in the step
+    # loop cost more than they save (PERFORMANCE.md, "The Gluon backward").
+    OVERLAP_ENDS: gl.constexpr = FOLD and BLOCK_M == 128
     # The rings' tiles before this block's (dS's and dQ's buffers go by them too)
     step = gl.to_tensor(0)
 
@@ -537,15 +538,16 @@ def _bwd_compute_partition(
             dk = warpgroup_mma(ds_op, q, dk, is_async=True)
             dv, dq, p_op = warpgroup_mma_wait(1, deps=(dv, dq, p_op))
             mbarrier.arrive(do_empty.index(slot))
-            if EARLY_KV_RELEASE and t == GROUP * n_tiles - 1:
+            if OVERLAP_ENDS and t == GROUP * n_tiles - 1:
                 mbarrier.arrive(kv_empty)  # dQ's was the last wgmma to read K or V
 
             if DQ_BUFS > 0:  # into a buffer the writer warp has read, for it to send
                 dq_slot = HALF * DQ_BUFS + i % DQ_BUFS
                 mbarrier.wait(dq_empty.index(dq_slot), ((i // DQ_BUFS) & 1) ^ 1, pred=i >= DQ_BUFS)
-                if t == 0:  # the last block's dK and dV stores have read this buffer
-                    tma.store_wait(0)
-                    gl.thread_barrier()
+                if OVERLAP_ENDS:
+                    if t == 0:  # the last block's dK and dV stores have read this buffer
+                        tma.store_wait(0)
+                        gl.thread_barrier()
                 dq_smem.index(dq_slot)._reinterpret(gl.float32, [DQ_ROWS, DQ_COLS],
                                                     dq_order).store(dq)
                 fence_async_shared()
@@ -564,7 +566,7 @@ def _bwd_compute_partition(
             mbarrier.arrive(q_empty.index(slot))
 
         step += GROUP * n_tiles
-        if not EARLY_KV_RELEASE or n_tiles == 0:  # done with K and V: the next block's
+        if not OVERLAP_ENDS or n_tiles == 0:  # done with K and V: the next block's
             mbarrier.arrive(kv_empty)  # may load
         tma.store_wait(0)  # the last dQ (and bias gradient) copies have read their buffers
 
@@ -585,9 +587,14 @@ def _bwd_compute_partition(
                             HEAD_DIM_V)  # fmt: skip
         else:  # the TMA store clips a dense batch's keys past Sk
             if DQ_BUFS > 0:  # the writer warp has read the buffer's last dQ tile
-                last = step - DQ_BUFS  # the tile before the next block's first, in its slot
-                stage_slot = HALF * DQ_BUFS + step % DQ_BUFS
-                mbarrier.wait(dq_empty.index(stage_slot), (last // DQ_BUFS) & 1, pred=last >= 0)
+                if OVERLAP_ENDS:  # the buffer of the next block's first dQ tile
+                    last = step - DQ_BUFS
+                    stage_slot = HALF * DQ_BUFS + step % DQ_BUFS
+                else:  # the first, once the block's last tile has been read
+                    last = step - 1
+                    stage_slot = HALF * DQ_BUFS
+                mbarrier.wait(dq_empty.index(HALF * DQ_BUFS + last % DQ_BUFS),
+                              (last // DQ_BUFS) & 1, pred=last >= 0)
                 stage = dq_smem.index(stage_slot)
             else:
                 stage = dq_smem.index(HALF)
@@ -603,9 +610,9 @@ def _bwd_compute_partition(
                 gl.thread_barrier()
                 _store_by_tma(dv_out, stage._reinterpret(dtype, dv_desc.block_type.shape,
                                                          dv_desc.layout), dv_desc, rows)
-            if DQ_BUFS == 0:
+            if DQ_BUFS == 0 or not OVERLAP_ENDS:
                 tma.store_wait(0)  # before the buffer's next dQ tile
-    if DQ_BUFS > 0:  # the last block's stores have read shared memory
+    if OVERLAP_ENDS:  # the last block's stores have read shared memory
         tma.store_wait(0)
 
 
