@@ -416,7 +416,7 @@ def _bwd_compute_partition(
     # already), and dK and dV leave through the writer warp's buffer that the next
     # block's first dQ tile takes (its last reduce-add read a step earlier than the last
     # tile's), which that tile's write then waits for. Elsewhere the checks in the step
-    # loop cost more than they save (PERFORMANCE.md, "The Gluon backward").
+    # loop cost more than they save (PERFORMANCE.md, "Levers that did not pay").
     OVERLAP_ENDS: gl.constexpr = FOLD and BLOCK_M == 128
     # The rings' tiles before this block's (dS's and dQ's buffers go by them too)
     step = gl.to_tensor(0)
