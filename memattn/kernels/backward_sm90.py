@@ -139,6 +139,19 @@ def dq_add_turn(n, start_m, num_n, n_tiles, off, window_right, BLOCK_M: gl.const
 
 
 @gluon.constexpr_function
+def overlaps_block_ends(fold, block_m):
+    """Whether a program's key blocks overlap one's end with the next one's start: folded
+    D=64 blocks (128-row steps under a mask: few steps a block). The load warp sends the
+    next block's first Q and dO tiles before it waits for K and V to free; the compute
+    warpgroups free K and V once the last step's dQ wgmma is done, and let dK and dV
+    leave through the writer warp's buffer that the next block's first dQ tile takes
+    (its last reduce-add read a step earlier than the last tile's), which that tile's
+    write then waits for. Elsewhere the checks in the step loop cost more than they save
+    (PERFORMANCE.md, "Levers that did not pay")."""
+    return fold and block_m == 128
+
+
+@gluon.constexpr_function
 def dq_split(head_dim_qk, rows):
     """(rows, columns) of a part of a ``rows``-row dQ tile, the unit a compute warpgroup
     makes and adds: half the columns, or at 128 rows half the rows (a wgmma 32 columns
@@ -278,8 +291,8 @@ def _bwd_blocks_load_partition(
         if ROTATE:  # program n's walk starts at query tile n * n_tiles // num_n
             rot = (start_n // BLOCK_N) * n_tiles // num_n_blocks
         first = 0
-        if FOLD and BLOCK_M == 128:  # the block's first Q and dO tiles, whose slots free
-            # before the last block's K and V do (the compute partition's OVERLAP_ENDS)
+        if overlaps_block_ends(FOLD, BLOCK_M):  # the block's first Q and dO tiles, whose
+            # slots free before the last block's K and V do
             first = gl.minimum(GROUP * n_tiles, 1)
             _query_tile_loads(
                 q_desc, do_desc, stats_desc, bias_desc, q_smem, do_smem, lse_smem, delta_smem,
@@ -410,14 +423,7 @@ def _bwd_compute_partition(
     # fit (D=64 at 128 rows), else one after the other.
     TOGETHER: gl.constexpr = (HEAD_DIM_QK == HEAD_DIM_V and 2 * dk_desc.block_type.nbytes
                               <= dq_desc.block_type.nbytes)  # fmt: skip
-    # Folded D=64 blocks (128-row steps, under a mask: few steps a block) overlap a
-    # block's end with the next one's start: K and V are released once the last step's
-    # dQ wgmma is done (the load warp has sent the next block's first Q and dO tiles
-    # already), and dK and dV leave through the writer warp's buffer that the next
-    # block's first dQ tile takes (its last reduce-add read a step earlier than the last
-    # tile's), which that tile's write then waits for. Elsewhere the checks in the step
-    # loop cost more than they save (PERFORMANCE.md, "Levers that did not pay").
-    OVERLAP_ENDS: gl.constexpr = FOLD and BLOCK_M == 128
+    OVERLAP_ENDS: gl.constexpr = overlaps_block_ends(FOLD, BLOCK_M)
     # The rings' tiles before this block's (dS's and dQ's buffers go by them too)
     step = gl.to_tensor(0)
 
