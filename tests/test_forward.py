@@ -255,8 +255,12 @@ HOPPER_CASES = [
          dv=128, bias="BHQK", options=dict(window=(300, 50))),
     Case("bias B1QK causal", seqlen_q=1000, seqlen_k=1000, dqk=128, dv=128, bias="B1QK",
          options=dict(causal=True)),
-    Case("bias 1HQK D64 Sq=2100", batch=1, seqlen_q=2100, seqlen_k=504, dqk=64, dv=64,
+    # a bias shared over the batch: the forward's programs go batch after batch within
+    # a head (BATCH_INNER), folded under a mask
+    Case("bias 1HQK D64 Sq=2100", batch=2, seqlen_q=2100, seqlen_k=504, dqk=64, dv=64,
          bias="1HQK"),
+    Case("bias 1HQK causal B3 GQA", batch=3, heads=4, kv_heads=2, seqlen_q=900, seqlen_k=900,
+         dqk=128, dv=128, bias="1HQK", options=dict(causal=True)),
     # dropout's keep bits drawn in the wgmma layouts: the forward's (queries, keys) and
     # the backward's (keys, queries), against memattn.dropout_mask
     Case("dropout causal GQA", heads=4, kv_heads=2, seqlen_q=700, seqlen_k=900, dqk=128,

@@ -67,11 +67,12 @@ VARIANTS = {
     # 192/128: two warpgroups of 64 keys, or three of 32, masked or not
     "split2": {"bwd.SPLIT_WARPGROUPS": {"masked": 2, "unmasked": 2}},
     "split3": {"bwd.SPLIT_WARPGROUPS": {"masked": 3, "unmasked": 3}},
+    "bias_batch_outer": {"fwd.BIAS_BATCH_INNER": False},  # 1HQK's forward head after head
 }
 MODULES = {"fwd": forward_sm90, "bwd": backward_sm90}
 DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
     ("fwd", ("FOLD", "BLOCK_M_D64", "PERSISTENT", "MAX_Q_STAGES", "RESCALE_THRESHOLD",
-             "TURNS_MAX_HEAD_DIM", "MIN_SEQLEN_Q_D64_MASKED")),
+             "TURNS_MAX_HEAD_DIM", "MIN_SEQLEN_Q_D64_MASKED", "BIAS_BATCH_INNER")),
     ("bwd", ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "PACKED_BIAS_ADDS", "SKIP_EMPTY_KEY_BLOCKS",
              "SPLIT_HEAD_DIM_PAIRS", "DQ_BLOCK_N", "DQ_WRITER", "ORDERED_DQ",
              "PERSISTENT_BLOCKS", "MASKED_BY_RANK_BLOCKS", "FUSED_SPLIT", "SPLIT_HEADS_TOGETHER",

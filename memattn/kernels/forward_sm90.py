@@ -134,6 +134,15 @@ FOLD = "masked"
 PERSISTENT = True
 MASKED_PERSISTENT = {64: True, 128: True, 192: True, 256: False}
 MIN_BLOCKS_TO_FOLD = {64: 0, 128: 0, 192: 5, 256: 5}
+# A bias of tiles shared over the batch, a plane per head ((1, H, Sq, Sk): relative
+# positions), is read batch after batch within a head (hopper.query_block's
+# BATCH_INNER): programs side by side then read each of its tiles together, from L2,
+# where head after head each batch read the whole bias from memory again (B4 S4096
+# H16: 2 GiB, as much as a full (B, H, Sq, Sk) bias). H100, tools/ab.py (head after
+# head -> batch inner; main kernel per call, torch.profiler; bench timing, medians of
+# 9): 1252 -> 1064 us, 439 -> 452 TFLOP/s; causal 674 -> 612 us, 411 -> 448. Tools set
+# it to A/B, then call hopper.forget_plans().
+BIAS_BATCH_INNER = True
 # Q's buffers: two where shared memory holds them, so that a program's next query
 # block loads while this one runs. Tools set MAX_Q_STAGES to A/B.
 MAX_Q_STAGES = 2
@@ -146,7 +155,7 @@ def _load_partition(
     Q_STAGES: gl.constexpr, FOLD: gl.constexpr, QK_SPLIT: gl.constexpr,
     HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr, BIAS_ROW: gl.constexpr,
     IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
-    BOUNDED_RIGHT: gl.constexpr,
+    BOUNDED_RIGHT: gl.constexpr, BATCH_INNER: gl.constexpr,
 ):  # fmt: skip
     """One warp: each query block's Q into its ring, then its K (with a bias row), bias
     and V tiles into theirs as slots come free. The rings' index runs on across the
@@ -159,9 +168,9 @@ def _load_partition(
     (_fwd_sm90_kernel builds the tuple)."""
     (q_desc, k_desc, v_desc, bias_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, bias_smem,
      q2_smem, k2_smem, q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty,
-     bias_empty, info_smem, info_ready, info_empty, Tickets, pid, programs, H, GROUP,
-     bias_batches, bias_heads, num_m_blocks, n_items, CuSeqQ, CuSeqK, seqlen_q, seqlen_k,
-     window_left, window_right) = loads
+     bias_empty, info_smem, info_ready, info_empty, Tickets, pid, programs, batches, H,
+     GROUP, bias_batches, bias_heads, num_m_blocks, n_items, CuSeqQ, CuSeqK, seqlen_q,
+     seqlen_k, window_left, window_right) = loads
     kv = 0  # key tiles loaded so far
     qi = 0  # query blocks loaded so far: the Q ring's index
     if IS_VARLEN:
@@ -186,7 +195,7 @@ def _load_partition(
              n_tiles) = hopper.query_block(
                 pid, j, programs, H, GROUP, num_m_blocks, seqlen_q, seqlen_k, window_left,
                 window_right, BLOCK_M, BLOCK_N, FOLD, BOTTOM_RIGHT, BOUNDED_LEFT,
-                BOUNDED_RIGHT)  # fmt: skip
+                BOUNDED_RIGHT, BATCH_INNER, batches)  # fmt: skip
             kv, qi = _load_block(loads, b, h, hk, start_m, q_start, k_start, lo, n_tiles, kv,
                                  qi, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, QK_SPLIT, HAS_BIAS,
                                  BIAS_STAGES, BIAS_ROW, IS_VARLEN)  # fmt: skip
@@ -203,8 +212,8 @@ def _load_block(
     the rings' running indices (key tiles, query blocks) after it."""
     (q_desc, k_desc, v_desc, bias_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, bias_smem,
      q2_smem, k2_smem, q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty,
-     bias_empty, _, _, _, _, _, _, _, _, bias_batches, bias_heads, _, _, _, _, _, _, _,
-     _) = loads
+     bias_empty, _, _, _, _, _, _, _, _, _, bias_batches, bias_heads, _, _, _, _, _, _,
+     _, _) = loads
     split_col: gl.constexpr = q_desc.block_type.shape[3]  # where Q's and K's split starts
     q_bytes: gl.constexpr = (q_desc.block_type.nbytes + q2_desc.block_type.nbytes
                              if QK_SPLIT > 0 else q_desc.block_type.nbytes)
@@ -434,7 +443,7 @@ def _softmax_partition(
     BIAS_STAGES: gl.constexpr, BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr,
     HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, THRESHOLD: gl.constexpr,
-    TURNS: gl.constexpr,
+    TURNS: gl.constexpr, BATCH_INNER: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: query rows [start_m + PART * ROWS, + ROWS) of each of the
     program's query blocks, over every key tile. S(t) and P(t-1)·V(t-1) are in flight
@@ -445,8 +454,9 @@ def _softmax_partition(
     (o_desc, Out, stride_om, stride_oh, Lse, Alibi, stride_lb, stride_lh, stride_lm,
      stride_ab, stride_ah, q_smem, k_smem, v_smem, o_smem, bias_smem, q2_smem, k2_smem,
      q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, info_smem,
-     info_ready, info_empty, pid, programs, H, GROUP, num_m_blocks, n_items, max_seqlen_q,
-     max_seqlen_k, scale_log2, window_left, window_right, seed, rng_offset, dropout_p) = shared
+     info_ready, info_empty, pid, programs, batches, H, GROUP, num_m_blocks, n_items,
+     max_seqlen_q, max_seqlen_k, scale_log2, window_left, window_right, seed, rng_offset,
+     dropout_p) = shared
     PARTS: gl.constexpr = BLOCK_M // ROWS
     kv = 0  # key tiles consumed so far: the ring's running index
     qi = 0  # query blocks taken so far: the Q ring's index
@@ -474,7 +484,7 @@ def _softmax_partition(
              n_tiles) = hopper.query_block(
                 pid, j, programs, H, GROUP, num_m_blocks, max_seqlen_q, max_seqlen_k,
                 window_left, window_right, BLOCK_M, BLOCK_N, FOLD, BOTTOM_RIGHT, BOUNDED_LEFT,
-                BOUNDED_RIGHT)  # fmt: skip
+                BOUNDED_RIGHT, BATCH_INNER, batches)  # fmt: skip
             kv, qi = _softmax_block(
                 shared, b, h, hk, start_m, q_start, seqlen_q, seqlen_k, off, lo, full_lo,
                 full_hi, n_tiles, kv, qi, PART, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M,
@@ -514,7 +524,7 @@ def _softmax_block(
     (o_desc, Out, stride_om, stride_oh, Lse, Alibi, stride_lb, stride_lh, stride_lm,
      stride_ab, stride_ah, q_smem, k_smem, v_smem, o_smem, bias_smem, q2_smem, k2_smem,
      q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, _, _, _,
-     _, _, H, _, _, _, _, _, scale_log2, window_left, window_right, seed, rng_offset,
+     _, _, _, H, _, _, _, _, _, scale_log2, window_left, window_right, seed, rng_offset,
      dropout_p) = shared
     QK_MAIN: gl.constexpr = HEAD_DIM_QK - QK_SPLIT  # Q's and K's columns in q_smem, k_smem
     PARTS: gl.constexpr = BLOCK_M // ROWS
@@ -667,7 +677,7 @@ def _fwd_sm90_kernel(
     HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr, BIAS_ROW: gl.constexpr,
     HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
-    THRESHOLD: gl.constexpr, TURNS: gl.constexpr,
+    THRESHOLD: gl.constexpr, TURNS: gl.constexpr, BATCH_INNER: gl.constexpr,
 ):  # fmt: skip
     # The programs (one per SM at most, persistent) walk the num_items query blocks in
     # strides (hopper.work_item), folded under a mask: pairs of blocks whose work adds
@@ -679,6 +689,9 @@ def _fwd_sm90_kernel(
         n_items = num_items
     else:
         n_items = hopper.work_items(pid, programs, num_items, FOLD)
+    batches = 1  # dense batches' count, for BATCH_INNER's order (hopper.query_block)
+    if BATCH_INNER:
+        batches = num_items // (num_m_blocks * H)
     seed, rng_offset = philox_key(Rng, HAS_DROPOUT)
 
     PARTS: gl.constexpr = BLOCK_M // ROWS  # softmax warpgroups
@@ -724,45 +737,45 @@ def _fwd_sm90_kernel(
     shared = (o_desc, Out, stride_om, stride_oh, Lse, Alibi, stride_lb, stride_lh, stride_lm,
               stride_ab, stride_ah, q_smem, k_smem, v_smem, o_smem, bias_smem, q2_smem,
               k2_smem, q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty,
-              bias_empty, info_smem, info_ready, info_empty, pid, programs, H, GROUP,
+              bias_empty, info_smem, info_ready, info_empty, pid, programs, batches, H, GROUP,
               num_m_blocks, n_items, seqlen_q, seqlen_k, scale_log2, window_left,
               window_right, seed, rng_offset, dropout_p)
     loads = (q_desc, k_desc, v_desc, bias_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem,
              bias_smem, q2_smem, k2_smem, q_ready, q_empty, k_ready, v_ready, bias_ready,
              k_empty, v_empty, bias_empty, info_smem, info_ready, info_empty, Tickets, pid,
-             programs, H, GROUP, bias_batches, bias_heads, num_m_blocks, n_items, CuSeqQ,
-             CuSeqK, seqlen_q, seqlen_k, window_left, window_right)
+             programs, batches, H, GROUP, bias_batches, bias_heads, num_m_blocks, n_items,
+             CuSeqQ, CuSeqK, seqlen_q, seqlen_k, window_left, window_right)
     if PARTS == 2:
         gl.warp_specialize([
             (_softmax_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS)),
+                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER)),
             (_softmax_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS)),
+                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER)),
             (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, QK_SPLIT,
                                HAS_BIAS, BIAS_STAGES, BIAS_ROW, IS_VARLEN, BOTTOM_RIGHT,
-                               BOUNDED_LEFT, BOUNDED_RIGHT)),
+                               BOUNDED_LEFT, BOUNDED_RIGHT, BATCH_INNER)),
         ], worker_num_warps=[4, 1], worker_num_regs=[232, 24])  # fmt: skip
     else:
         gl.warp_specialize([
             (_softmax_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS)),
+                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER)),
             (_softmax_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS)),
+                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER)),
             (_softmax_partition, (shared, 2, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS)),
+                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER)),
             (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, QK_SPLIT,
                                HAS_BIAS, BIAS_STAGES, BIAS_ROW, IS_VARLEN, BOTTOM_RIGHT,
-                               BOUNDED_LEFT, BOUNDED_RIGHT)),
+                               BOUNDED_LEFT, BOUNDED_RIGHT, BATCH_INNER)),
         ], worker_num_warps=[4, 4, 1], worker_num_regs=[REGS_3, REGS_3, 24])  # fmt: skip
 
 
@@ -807,10 +820,12 @@ def takes_head_dims(spec: AttentionSpec, bias_row: bool) -> bool:
 
 
 @hopper.plan_cache
-def plan(spec: AttentionSpec, bias_row: bool, tokens_q: int, device_index: int) -> hopper.Plan:
+def plan(spec: AttentionSpec, bias_row: bool, bias_dims: tuple[int, int], tokens_q: int,
+         device_index: int) -> hopper.Plan:  # fmt: skip
     """The forward's launch for this spec (hopper.Plan), from this module's knobs (who sets
     them calls hopper.forget_plans); bias_row: the bias is one row of keys
-    (hopper.bias_row), loaded beside K; tokens_q: packed sequences' query tokens in all
+    (hopper.bias_row), loaded beside K; bias_dims: its (batch, head) sizes
+    (hopper.bias_dims), (0, 0) without one; tokens_q: packed sequences' query tokens in all
     (0 for dense batches). Counts: query blocks per head (packed: sequences), work
     items."""
     masked = spec.window_left >= 0 or spec.window_right >= 0
@@ -846,7 +861,10 @@ def plan(spec: AttentionSpec, bias_row: bool, tokens_q: int, device_index: int) 
         BOUNDED_RIGHT=spec.window_right >= 0,
         THRESHOLD=(float(RESCALE_THRESHOLD)
                    if spec.head_dim_v >= LAZY_RESCALE_MIN_COLUMNS * block_n else 0.0),
-        TURNS=not spec.varlen and spec.head_dim_qk <= TURNS_MAX_HEAD_DIM, num_warps=4,
+        TURNS=not spec.varlen and spec.head_dim_qk <= TURNS_MAX_HEAD_DIM,
+        BATCH_INNER=(BIAS_BATCH_INNER and tile_bias and not spec.varlen and spec.batch > 1
+                     and bias_dims[0] == 1 and bias_dims[1] > 1),
+        num_warps=4,
     )  # fmt: skip
     return hopper.Plan(hopper.programs(num_items, fold, persistent, device_index), counts,
                        constexprs)
@@ -858,7 +876,8 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
     a call dispatch.gluon_forward took; rng_state: dropout's [seed, offset] (memattn.dropout),
     None without dropout."""
     bias_row = hopper.bias_row(spec, bias)
-    how = plan(spec, bias_row, q.shape[0] if spec.varlen else 0, q.device.index)
+    bias_dims = (0, 0) if bias is None else hopper.bias_dims(bias)
+    how = plan(spec, bias_row, bias_dims, q.shape[0] if spec.varlen else 0, q.device.index)
     if bias_row:  # (B', H', Sk) fp32 in Q K^T's units: S starts from it, by TMA
         bias = hopper.bias_row_scores(bias, spec.scale)
     # What the launch's arguments are made of beside the plan, shapes included (the

@@ -311,15 +311,22 @@ def query_block(
     pid, j, programs, H, GROUP, num_m_blocks, seqlen_q, seqlen_k, window_left, window_right,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    BATCH_INNER: gl.constexpr = False, batches=1,
 ):  # fmt: skip
     """The j-th query block of program pid (work_item's order: each head's last block
     first, folded or not) of a dense grid over query blocks (the forward's, the D=256
     backward's dQ kernel): (b, h, kv head, first row, the sequence's first query and
     key token and lengths, the diagonal's offset, key range as common.key_range gives
-    it, count of key tiles)."""
+    it, count of key tiles). The (batch, head)s go head after head within a batch, or
+    with BATCH_INNER (of ``batches``) batch after batch within a head: programs side
+    by side then read a bias plane shared over the batch together, from L2."""
     bh, rank = work_item(pid, j, programs, num_m_blocks, FOLD)
-    b = bh // H
-    h = bh % H
+    if BATCH_INNER:
+        b = bh % batches
+        h = bh // batches
+    else:
+        b = bh // H
+        h = bh % H
     start_m = (num_m_blocks - 1 - rank) * BLOCK_M
     off, lo, full_lo, full_hi, n_tiles = block_keys(
         start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, False,
