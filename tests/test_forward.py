@@ -259,7 +259,7 @@ HOPPER_CASES = [
     # a head (BATCH_INNER), folded under a mask
     Case("bias 1HQK D64 Sq=2100", batch=2, seqlen_q=2100, seqlen_k=504, dqk=64, dv=64,
          bias="1HQK"),
-    Case("bias 1HQK causal B3 GQA", batch=3, heads=4, kv_heads=2, seqlen_q=900, seqlen_k=900,
+    Case("bias 1HQK causal B3 GQA", batch=3, heads=4, kv_heads=2, seqlen_q=900, seqlen_k=1032,
          dqk=128, dv=128, bias="1HQK", options=dict(causal=True)),
     # dropout's keep bits drawn in the wgmma layouts: the forward's (queries, keys) and
     # the backward's (keys, queries), against memattn.dropout_mask
