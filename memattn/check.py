@@ -191,14 +191,16 @@ def reference_spec(x: Inputs):
     return check_call(x.q, x.k, x.v, **x.kwargs)
 
 
-def check_backward(case: Case, dtype: torch.dtype, device, seed: int = 0) -> list[Result]:
+def check_backward(case: Case, dtype: torch.dtype, device, seed: int = 0,
+                   bias_grad: bool = True) -> list[Result]:  # fmt: skip
     """Runs forward and backward through memattn.attention's autograd on fresh inputs
-    and compares dq, dk, dv (and dbias when the case has a bias) with float64 autograd
-    through the reference, against the tolerance set by the reference in ``dtype``.
-    Dropout is checked with the keep mask the call used (same torch seed)."""
+    and compares dq, dk, dv (and dbias when the case has a bias and ``bias_grad``: a
+    bias that asks none is only read) with float64 autograd through the reference,
+    against the tolerance set by the reference in ``dtype``. Dropout is checked with
+    the keep mask the call used (same torch seed)."""
     x = make_inputs(case, dtype, device, seed)
     leaves = {"dq": x.q, "dk": x.k, "dv": x.v}
-    if "bias" in x.kwargs:
+    if "bias" in x.kwargs and bias_grad:
         leaves["dbias"] = x.kwargs["bias"]
     for t in leaves.values():
         t.requires_grad_(True)

@@ -62,6 +62,16 @@ def test_bias_gradient_broadcast_cpu(bias, deterministic):
 
 
 @cpu_only
+def test_bias_without_grad_cpu():
+    """A bias that asks no gradient is only read: dq, dk and dv against the reference."""
+    case = Case("bias 1HQK read", bias="1HQK", seqlen_q=29, seqlen_k=41,
+                options=dict(causal=True))
+    results = check_backward(case, torch.float32, "cpu", seed=5, bias_grad=False)
+    assert [r.what for r in results] == ["dq", "dk", "dv"]
+    assert_results(results)
+
+
+@cpu_only
 def test_bias_gradient_shape_and_dtype_cpu():
     x = make_inputs(Case("bias", bias="1H1K"), torch.float16, "cpu")
     bias = x.kwargs.pop("bias").float().requires_grad_(True)
@@ -452,6 +462,27 @@ def test_hopper_backward_gpu(case, dtype, hopper_backward_launches):
     gluon = wide_plain and dims and dbias
     assert bool(hopper_backward_launches) == gluon, (
         "the Gluon backward runs the bias gradients (rows of whole 16 bytes), and 128/64")
+
+
+# A bias plane per head shared over the batch that asks no gradient: the key-block
+# programs go batch after batch within a head (BIAS_TILES_BATCH_INNER), a program per
+# block; dq, dk and dv against the reference.
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["bias 1HQK causal B3 GQA", "bias 1HQK D64 Sq=2100"])
+def test_hopper_backward_bias_without_grad_gpu(name, dtype, hopper_backward_launches,
+                                               monkeypatch):  # fmt: skip
+    from memattn.kernels import backward_sm90
+
+    orders = []
+    inner_dims = backward_sm90.inner_dims
+    monkeypatch.setattr(backward_sm90, "inner_dims",
+                        lambda *a: orders.append(inner_dims(*a)) or orders[-1])
+    case = next(c for c in HOPPER_CASES if c.name == name)
+    results = check_backward(case, dtype, "cuda", seed=7, bias_grad=False)
+    assert [r.what for r in results] == ["dq", "dk", "dv"]
+    assert_results(results)
+    assert hopper_backward_launches and orders == [(True, False)]
 
 
 # Persistent backward programs (PERSISTENT_BLOCKS): with five of them, each walks key

@@ -68,6 +68,7 @@ VARIANTS = {
     "split2": {"bwd.SPLIT_WARPGROUPS": {"masked": 2, "unmasked": 2}},
     "split3": {"bwd.SPLIT_WARPGROUPS": {"masked": 3, "unmasked": 3}},
     "bias_batch_outer": {"fwd.BIAS_BATCH_INNER": False},  # 1HQK's forward head after head
+    "bias_outer_nograd": {"bwd.BIAS_TILES_BATCH_INNER": False},  # its backward so too
 }
 MODULES = {"fwd": forward_sm90, "bwd": backward_sm90}
 DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
@@ -76,7 +77,7 @@ DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
     ("bwd", ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "PACKED_BIAS_ADDS", "SKIP_EMPTY_KEY_BLOCKS",
              "SPLIT_HEAD_DIM_PAIRS", "DQ_BLOCK_N", "DQ_WRITER", "ORDERED_DQ",
              "PERSISTENT_BLOCKS", "MASKED_BY_RANK_BLOCKS", "FUSED_SPLIT", "SPLIT_HEADS_TOGETHER",
-             "SPLIT_WARPGROUPS")))
+             "SPLIT_WARPGROUPS", "BIAS_TILES_BATCH_INNER")))
     for name in names}  # fmt: skip
 # A/B the kernels themselves, at every size
 DEFAULTS["bwd.MIN_KEYS_PER_QUERY"] = dict.fromkeys(backward_sm90.HEAD_DIMS, 0)

@@ -1701,6 +1701,14 @@ def takes_head_dims(spec: AttentionSpec) -> bool:
 # there all B*H programs of a key block add into one tile at once, so a bias summed
 # over both keeps the shipped order (key blocks of one head side by side).
 SUMMED_BIAS_INNER = True
+# A bias plane per head shared over the batch (1HQK) that asks no gradient is only read,
+# a tile per step: the same order, batch innermost, lets the batch's programs read each
+# tile from L2 together (the forward's BIAS_BATCH_INNER), at the cost of persistent
+# programs. H100, tools/ab.py --rounds 9 (bench timing, medians; main kernel per call
+# from torch.profiler's ten calls), shipped order -> batch inner: D128 S4096 461 -> 480
+# TFLOP/s (2532 -> 2585 us), S2048 419 -> 436 (1486 -> 1344 us), D64 S4096 331 -> 346
+# (3810 -> 3749 us); causal D128 S4096 422 -> 423 (1470 -> 1452 us).
+BIAS_TILES_BATCH_INNER = True
 # A bias the packed sequences share, a plane per head (dbias_kind_of's "added"): each
 # sequence's dS tiles are added by TMA reduce-add straight into the gradient, in its
 # 16-bit dtype, as they are in shared memory (zeroed beforehand), each add rounded:
@@ -1795,7 +1803,13 @@ def orders_dq(spec: AttentionSpec, dbias_kind: str | None) -> bool:
 def inner_dims(spec: AttentionSpec, bias, dbias_kind: str | None) -> tuple[bool, bool]:
     """Whether the batch or the kv head varies fastest in the programs' order: the one
     dimension a summed bias gradient broadcasts over (SUMMED_BIAS_INNER), neither when
-    it broadcasts over both."""
+    it broadcasts over both; the batch for bias tiles shared over the batch alone that
+    ask no gradient (BIAS_TILES_BATCH_INNER; dense, not deterministic: ORDERED_DQ keeps
+    its own order)."""
+    if (BIAS_TILES_BATCH_INNER and dbias_kind is None and bias is not None
+            and not spec.varlen and not spec.deterministic and not hopper.bias_row(spec, bias)):
+        batches, heads = hopper.bias_dims(bias)
+        return (batches == 1 and heads > 1 and spec.batch > 1, False)
     if dbias_kind not in ("added", "summed") or not SUMMED_BIAS_INNER:
         return (False, False)
     batches, heads = hopper.bias_dims(bias)
