@@ -121,13 +121,47 @@ def test_bias_gradient_kinds(bias_shape, varlen, sequences, kind, monkeypatch):
 )  # fmt: skip
 def test_summed_bias_gradient_puts_its_broadcast_dim_inner(bias_shape, inner, monkeypatch):
     """SUMMED_BIAS_INNER orders the backward's programs with the one dimension a summed
-    bias gradient broadcasts over innermost; off, the shipped order for every bias."""
+    bias gradient broadcasts over innermost; off, the shipped order for every bias.
+    Without a gradient, BIAS_TILES_BATCH_INNER puts the batch inner for tiles shared
+    over the batch alone (their reads meet in L2); off, the shipped order."""
     spec, _, _, _, bias = spec_and_inputs(bias_shape=bias_shape)
     kind = dispatch.backward_sm90.dbias_kind_of(spec, bias)
     assert dispatch.backward_sm90.inner_dims(spec, bias, kind) == inner
-    assert dispatch.backward_sm90.inner_dims(spec, bias, None) == (False, False)
+    read_only = (True, False) if inner == (True, False) else (False, False)
+    assert dispatch.backward_sm90.inner_dims(spec, bias, None) == read_only
     monkeypatch.setattr(dispatch.backward_sm90, "SUMMED_BIAS_INNER", False)
+    monkeypatch.setattr(dispatch.backward_sm90, "BIAS_TILES_BATCH_INNER", False)
     assert dispatch.backward_sm90.inner_dims(spec, bias, kind) == (False, False)
+    assert dispatch.backward_sm90.inner_dims(spec, bias, None) == (False, False)
+
+
+@gluon
+@pytest.mark.parametrize(
+    "bias_shape, inner",
+    [((1, 2, 16, 16), True),  # a plane per head shared over the batch
+     ((2, 2, 16, 16), False), ((2, 1, 16, 16), False), ((16, 16), False),
+     ((1, 2, 1, 16), False)],  # a key row: no tiles
+)  # fmt: skip
+def test_forward_reads_a_bias_shared_over_the_batch_batch_inner(bias_shape, inner,
+                                                                 monkeypatch):  # fmt: skip
+    """BIAS_BATCH_INNER: the forward's programs go batch after batch within a head for
+    bias tiles shared over the batch alone (their reads meet in L2); off, head after
+    head for every bias."""
+    from memattn.kernels import forward_sm90
+
+    spec, _, _, _, bias = spec_and_inputs(bias_shape=bias_shape)
+    bias_row = forward_sm90.hopper.bias_row(spec, bias)
+    dims = forward_sm90.hopper.bias_dims(bias)
+    monkeypatch.setattr(forward_sm90.hopper, "sm_count", lambda device_index: 132)
+    forward_sm90.hopper.forget_plans()
+    try:
+        on = forward_sm90.plan(spec, bias_row, dims, 0, 0).constexprs["BATCH_INNER"]
+        monkeypatch.setattr(forward_sm90, "BIAS_BATCH_INNER", False)
+        forward_sm90.hopper.forget_plans()
+        off = forward_sm90.plan(spec, bias_row, dims, 0, 0).constexprs["BATCH_INNER"]
+    finally:
+        forward_sm90.hopper.forget_plans()
+    assert (on, off) == (inner, False)
 
 
 @gluon
