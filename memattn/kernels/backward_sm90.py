@@ -1808,8 +1808,7 @@ def inner_dims(spec: AttentionSpec, bias, dbias_kind: str | None) -> tuple[bool,
     its own order)."""
     if (BIAS_TILES_BATCH_INNER and dbias_kind is None and bias is not None
             and not spec.varlen and not spec.deterministic and not hopper.bias_row(spec, bias)):
-        batches, heads = hopper.bias_dims(bias)
-        return (batches == 1 and heads > 1 and spec.batch > 1, False)
+        return (hopper.shared_over_batch(spec, hopper.bias_dims(bias)), False)
     if dbias_kind not in ("added", "summed") or not SUMMED_BIAS_INNER:
         return (False, False)
     batches, heads = hopper.bias_dims(bias)

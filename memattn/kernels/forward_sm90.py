@@ -862,8 +862,8 @@ def plan(spec: AttentionSpec, bias_row: bool, bias_dims: tuple[int, int], tokens
         THRESHOLD=(float(RESCALE_THRESHOLD)
                    if spec.head_dim_v >= LAZY_RESCALE_MIN_COLUMNS * block_n else 0.0),
         TURNS=not spec.varlen and spec.head_dim_qk <= TURNS_MAX_HEAD_DIM,
-        BATCH_INNER=(BIAS_BATCH_INNER and tile_bias and not spec.varlen and spec.batch > 1
-                     and bias_dims[0] == 1 and bias_dims[1] > 1),
+        BATCH_INNER=(BIAS_BATCH_INNER and tile_bias and not spec.varlen
+                     and hopper.shared_over_batch(spec, bias_dims)),
         num_warps=4,
     )  # fmt: skip
     return hopper.Plan(hopper.programs(num_items, fold, persistent, device_index), counts,

@@ -74,6 +74,14 @@ def bias_dims(bias: torch.Tensor) -> tuple[int, int]:
     return tuple(_bias_4d(bias)[0][:2])
 
 
+def shared_over_batch(spec: AttentionSpec, dims: tuple[int, int]) -> bool:
+    """Whether a bias of these (batch, head) sizes (bias_dims) is a plane per head that
+    the call's batches share: the kernels then read it batch after batch within a head,
+    so that the batch's programs meet on its tiles in L2 (forward_sm90.BIAS_BATCH_INNER,
+    backward_sm90.BIAS_TILES_BATCH_INNER)."""
+    return spec.batch > 1 and dims[0] == 1 and dims[1] > 1
+
+
 def bias_row_strides(bias: torch.Tensor | None) -> tuple[int, int, int]:
     """(batch, head, key) strides of a bias `bias_row` accepted; a broadcast
     dimension's is 0 (the kernels index it at 0 anyway). (0, 0, 0) without one."""
