@@ -324,6 +324,9 @@ HOPPER_CASES = [
     Case("varlen D64 three warpgroups window", lengths_q=(2100, 300), lengths_k=(333, 900),
          dqk=64, dv=64, options=dict(window=(100, 20))),
     Case("varlen D256", lengths_q=(130, 600, 1), lengths_k=(200, 600, 77), dqk=256, dv=256),
+    # without a mask each head's blocks of a sequence go back to back (packed_block)
+    Case("varlen D128 GQA", heads=4, kv_heads=2, lengths_q=(700, 0, 1300, 64),
+         lengths_k=(500, 5, 1304, 64), dqk=128, dv=128),
     Case("varlen bias alibi", lengths_q=(700, 0, 1300, 64), lengths_k=(700, 5, 1304, 64),
          dqk=128, dv=128, bias="BHQK", alibi="BH", options=dict(causal=True)),
     Case("varlen bias 1HQK shared causal", lengths_q=(700, 0, 1300, 64),

@@ -269,7 +269,8 @@ def packed_head_rank(g, H, b, first_token, tokens, BLOCK: gl.constexpr):
     same grid, heads one after another instead: each head's ranks back to back (rank 0
     the sequence's first block), as many a head as packed_rank gives a sequence, so at
     most one a head past its blocks. The backward's order (key blocks of one head
-    side by side read the same Q and dO tiles from L2). Plain integer arithmetic."""
+    side by side read the same Q and dO tiles from L2), and the forward's without a
+    mask (packed_block). Plain integer arithmetic."""
     ranks = (first_token + tokens) // BLOCK - first_token // BLOCK + 1
     local = g - H * (first_token // BLOCK + b)
     return local // ranks, local % ranks
@@ -349,17 +350,24 @@ def packed_block(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
 ):  # fmt: skip
-    """Item g of packed sequences' grid (cu_seqlens; packed_rank's order: sequence after
-    sequence, each's blocks last first, each block across the heads), as query_block
-    gives a block: programs side by side then work on one sequence's heads and
-    neighbouring blocks, whose K and V tiles they share in L2 (walked rank by rank
-    across all sequences, 8 documents of 2048 tokens ran at 0.55x the dense batch's
-    speed, H100: each block read its K and V from memory); under a causal mask each
-    sequence's heaviest blocks come first. An item past its sequence's blocks starts
-    at the sequence's end and has no key tile."""
+    """Item g of packed sequences' grid (cu_seqlens), as query_block gives a block:
+    sequence after sequence, each's blocks last first, so that programs side by side
+    share a sequence's K and V tiles in L2 (walked rank by rank across all sequences, 8
+    documents of 2048 tokens ran at 0.55x the dense batch's speed, H100: each block read
+    its K and V from memory). Without a mask each head's blocks go back to back
+    (packed_head_rank): programs side by side then read a few heads' K and V, and each
+    tile once from memory (the bench's documents, H100: 411 -> 206 MB read, as much as
+    Q, K and V; 527 -> 550 TFLOP/s). Under a mask each block goes across the heads
+    (packed_rank), so that every head's heaviest blocks come first and the dynamic
+    schedule ends on light ones (head after head: causal documents 478 -> 469, with
+    277 -> 238 MB read). An item past its sequence's blocks starts at the sequence's
+    end and has no key tile."""
     b = packed_sequence(g, H, CuSeqQ, num_seqs, BLOCK_M)
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(CuSeqQ, CuSeqK, b, 0, 0, True)
-    h, rank = packed_rank(g, H, b, q_start, BLOCK_M)
+    if BOUNDED_LEFT or BOUNDED_RIGHT:
+        h, rank = packed_rank(g, H, b, q_start, BLOCK_M)
+    else:
+        h, rank = packed_head_rank(g, H, b, q_start, seqlen_q, BLOCK_M)
     start_m = (gl.cdiv(seqlen_q, BLOCK_M) - 1 - rank) * BLOCK_M
     if start_m < 0:  # past the sequence's blocks (rank >= 0 always)
         start_m = seqlen_q
