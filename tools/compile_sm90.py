@@ -241,8 +241,10 @@ def _compile_hopper(name, launch) -> int:
                                                         varlen.get("cu_seqlens_k")))
                 except Exception as e:  # noqa: BLE001
                     failures += 1
+                    while e.__cause__ is not None:  # the innermost error says what failed
+                        e = e.__cause__
                     print(f"FAIL {name} D={d}/{dv} {options} {feature}: "
-                          f"{type(e).__name__}: {str(e)[:3000]}")
+                          f"{type(e).__name__}: {str(e)[-3000:]}")
     return failures
 
 
