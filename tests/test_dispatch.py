@@ -166,6 +166,31 @@ def test_forward_reads_a_bias_shared_over_the_batch_batch_inner(bias_shape, inne
 
 @gluon
 @pytest.mark.parametrize(
+    "seqlen, d, options, rows, own",
+    [(8192, 64, dict(causal=True), 192, True), (8192, 64, dict(window=(100, 0)), 192, True),
+     # no right bound: every row of a block sees as far
+     (8192, 64, dict(window=(100, -1)), 192, False), (8192, 64, {}, 192, False),
+     (4096, 64, dict(causal=True), 128, False), (8192, 128, dict(causal=True), 128, False)],
+)  # fmt: skip
+def test_forward_warpgroups_keep_their_own_key_ranges_in_192_row_blocks(
+        seqlen, d, options, rows, own, monkeypatch):  # fmt: skip
+    """OWN_KEY_RANGES: under a right bound the three 64-row warpgroups of a 192-row
+    block (D=64 from MIN_SEQLEN_Q_D64_MASKED) mask and walk their own rows' keys;
+    128-row blocks keep the block's."""
+    from memattn.kernels import forward_sm90
+
+    spec = spec_and_inputs(b=1, sq=seqlen, sk=seqlen, h=1, d=d, **options)[0]
+    monkeypatch.setattr(forward_sm90.hopper, "sm_count", lambda device_index: 132)
+    forward_sm90.hopper.forget_plans()
+    try:
+        plan = forward_sm90.plan(spec, False, (0, 0), 0, 0)
+    finally:
+        forward_sm90.hopper.forget_plans()
+    assert (plan.constexprs["BLOCK_M"], plan.constexprs["OWN_RANGES"]) == (rows, own)
+
+
+@gluon
+@pytest.mark.parametrize(
     "scale, bias_shape, takes",
     [(0.125, (2, 1, 1, 16), True), (2.0, (1, 2, 1, 16), True),
      (0.0, (2, 1, 1, 16), False),  # a key row goes in as bias / scale

@@ -419,12 +419,19 @@ def test_hopper_kernel_persistent_gpu(name, fold, dtype, monkeypatch):
 
 
 # Three softmax warpgroups (192-row blocks) under masks, which take them from
-# MIN_SEQLEN_Q_D64_MASKED on: the diagonal tiles' mask arithmetic spills there.
+# MIN_SEQLEN_Q_D64_MASKED on: the diagonal tiles' mask arithmetic spills there, and each
+# warpgroup keeps to its own rows' key range (OWN_KEY_RANGES).
 MASKED_THREE_PART_CASES = [
     Case("window (700, 0) Sq=2100", seqlen_q=2100, seqlen_k=2100, dqk=64, dv=64,
          options=dict(window=(700, 0))),
     Case("causal bottom-right Sq=2000 Sk=2500, key row", seqlen_q=2000, seqlen_k=2500,
          dqk=64, dv=64, bias="B11K", options=dict(causal=True, align="bottom_right")),
+    # each warpgroup's own key range (OWN_KEY_RANGES): the tiles past its rows skipped,
+    # their bias tiles released too
+    Case("causal Sq=1904, bias", seqlen_q=1904, seqlen_k=1904, dqk=64, dv=64, bias="BHQK",
+         options=dict(causal=True)),
+    Case("window (-1, 100) Sq=1000 Sk=1200", seqlen_q=1000, seqlen_k=1200, dqk=64, dv=64,
+         options=dict(window=(-1, 100))),
 ]  # fmt: skip
 
 

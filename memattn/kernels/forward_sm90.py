@@ -62,6 +62,7 @@ from .common import (
     alibi_distance,
     alibi_strides,
     cdiv,
+    key_range,
     philox_key,
     visible,
 )
@@ -84,6 +85,12 @@ BLOCK_M_D64 = 192
 MIN_SEQLEN_Q_D64 = 2048
 MIN_SEQLEN_Q_D64_MASKED = 8192
 REGS_3 = gl.constexpr(160)  # per thread, for three softmax warpgroups beside the load warp
+# Under a right bound (causal, windows) a 64-row warpgroup of a 192-row block sees fewer
+# keys than the block's last row: each warpgroup masks the tiles its own diagonal
+# crosses, not the block's two or three, and skips those past its last row (it passes
+# their turns and releases their slots). Tools set OWN_KEY_RANGES to A/B, then call
+# hopper.forget_plans().
+OWN_KEY_RANGES = True
 # At D=256 (O: 128 accumulators a thread, against a 64-key tile's 32 scores) a row's
 # running max moves only when a tile's max passes it by more than this (log2 units): P
 # then stays below 2^8, exact all the same (l and O are kept against the same max), and
@@ -443,7 +450,7 @@ def _softmax_partition(
     BIAS_STAGES: gl.constexpr, BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr,
     HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, THRESHOLD: gl.constexpr,
-    TURNS: gl.constexpr, BATCH_INNER: gl.constexpr,
+    TURNS: gl.constexpr, BATCH_INNER: gl.constexpr, OWN_RANGES: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: query rows [start_m + PART * ROWS, + ROWS) of each of the
     program's query blocks, over every key tile. S(t) and P(t-1)·V(t-1) are in flight
@@ -477,7 +484,7 @@ def _softmax_partition(
                     full_lo, full_hi, n_tiles, kv, qi, PART, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
                     BLOCK_M, BLOCK_N, STAGES, Q_STAGES, O_IN_Q, HAS_BIAS, BIAS_STAGES, BIAS_ROW,
                     HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOUNDED_LEFT, BOUNDED_RIGHT,
-                    THRESHOLD, TURNS)  # fmt: skip
+                    THRESHOLD, TURNS, OWN_RANGES)  # fmt: skip
     else:
         for j in range(n_items):
             (b, h, hk, start_m, q_start, _, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
@@ -489,8 +496,8 @@ def _softmax_partition(
                 shared, b, h, hk, start_m, q_start, seqlen_q, seqlen_k, off, lo, full_lo,
                 full_hi, n_tiles, kv, qi, PART, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M,
                 BLOCK_N, STAGES, Q_STAGES, O_IN_Q, HAS_BIAS, BIAS_STAGES, BIAS_ROW, HAS_ALIBI,
-                HAS_DROPOUT, IS_VARLEN, BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD,
-                TURNS)  # fmt: skip
+                HAS_DROPOUT, IS_VARLEN, BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS,
+                OWN_RANGES)  # fmt: skip
     tma.store_wait(0)
 
 
@@ -517,7 +524,7 @@ def _softmax_block(
     O_IN_Q: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr,
     BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
     IS_VARLEN: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
-    THRESHOLD: gl.constexpr, TURNS: gl.constexpr,
+    THRESHOLD: gl.constexpr, TURNS: gl.constexpr, OWN_RANGES: gl.constexpr,
 ):  # fmt: skip
     """_softmax_partition's work for one query block (hopper.query_block's values);
     returns the rings' running indices (key tiles, query blocks) after it."""
@@ -546,6 +553,13 @@ def _softmax_block(
         slope = gl.load(Alibi + b.to(gl.int64) * stride_ab + h.to(gl.int64) * stride_ah)
     row0 = start_m + PART * ROWS
     offs_m = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    n_own = n_tiles  # the key tiles this warpgroup computes, [lo, lo + n_own * BLOCK_N)
+    if OWN_RANGES:  # its own rows' ranges (OWN_KEY_RANGES); the block's lo stays the
+        # tiles' origin, and its tiles below the warpgroup's own lo are masked ones
+        _, full_lo, full_hi, own_hi = key_range(
+            row0, seqlen_k, off, window_left, window_right, ROWS, BLOCK_N, BOUNDED_LEFT,
+            BOUNDED_RIGHT)  # fmt: skip
+        n_own = gl.minimum(gl.maximum(gl.cdiv(own_hi - lo, BLOCK_N), 1), n_tiles)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
     acc = gl.zeros([ROWS, HEAD_DIM_V], gl.float32, layout=o_layout)
@@ -574,7 +588,7 @@ def _softmax_block(
             window_right, needs_mask, scale_log2, BLOCK_N, HAS_BIAS, HAS_ALIBI,
             BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD)  # fmt: skip
         p_op = gl.convert_layout(_dropped(p_, keep, HAS_DROPOUT).to(dtype), p_layout)
-        for t in range(1, n_tiles):
+        for t in range(1, n_own):
             start_n = lo + t * BLOCK_N
             k_slot = hopper.arrived(k_ready, kv + t, STAGES)
             _turn_wait(PART, PARTS, TURNS)
@@ -608,13 +622,20 @@ def _softmax_block(
             p_op = gl.convert_layout(_dropped(p_, keep, HAS_DROPOUT).to(dtype), p_layout)
         if not O_IN_Q:  # every S of this block is done: Q may be refilled
             mbarrier.arrive(q_empty.index(q_slot))
-        v_slot = hopper.arrived(v_ready, kv + n_tiles - 1, STAGES)
+        v_slot = hopper.arrived(v_ready, kv + n_own - 1, STAGES)
         v = v_smem.index(v_slot).reshape([BLOCK_N, HEAD_DIM_V])
         _turn_wait(PART, PARTS, TURNS)
         acc = warpgroup_mma(p_op, v, acc, is_async=True)
         _turn_pass(PART, PARTS, TURNS)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(v_slot))
+        for t in range(n_own, n_tiles):  # past this warpgroup's rows: a turn, no work
+            _turn_wait(PART, PARTS, TURNS)
+            _turn_pass(PART, PARTS, TURNS)
+            mbarrier.arrive(k_empty.index(hopper.arrived(k_ready, kv + t, STAGES)))
+            _bias(bias_smem, bias_ready, bias_empty, kv + t, s_layout, PART, PARTS, BLOCK_N,
+                  BIAS_STAGES, HAS_BIAS)
+            mbarrier.arrive(v_empty.index(hopper.arrived(v_ready, kv + t, STAGES)))
     elif not O_IN_Q:
         mbarrier.arrive(q_empty.index(q_slot))
     kv += n_tiles
@@ -678,6 +699,7 @@ def _fwd_sm90_kernel(
     HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
     THRESHOLD: gl.constexpr, TURNS: gl.constexpr, BATCH_INNER: gl.constexpr,
+    OWN_RANGES: gl.constexpr,
 ):  # fmt: skip
     # The programs (one per SM at most, persistent) walk the num_items query blocks in
     # strides (hopper.work_item), folded under a mask: pairs of blocks whose work adds
@@ -750,11 +772,13 @@ def _fwd_sm90_kernel(
             (_softmax_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER)),
+                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER,
+                                  OWN_RANGES)),
             (_softmax_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER)),
+                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER,
+                                  OWN_RANGES)),
             (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, QK_SPLIT,
                                HAS_BIAS, BIAS_STAGES, BIAS_ROW, IS_VARLEN, BOTTOM_RIGHT,
                                BOUNDED_LEFT, BOUNDED_RIGHT, BATCH_INNER)),
@@ -764,15 +788,18 @@ def _fwd_sm90_kernel(
             (_softmax_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER)),
+                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER,
+                                  OWN_RANGES)),
             (_softmax_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER)),
+                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER,
+                                  OWN_RANGES)),
             (_softmax_partition, (shared, 2, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
-                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER)),
+                                  BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER,
+                                  OWN_RANGES)),
             (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, QK_SPLIT,
                                HAS_BIAS, BIAS_STAGES, BIAS_ROW, IS_VARLEN, BOTTOM_RIGHT,
                                BOUNDED_LEFT, BOUNDED_RIGHT, BATCH_INNER)),
@@ -862,6 +889,7 @@ def plan(spec: AttentionSpec, bias_row: bool, bias_dims: tuple[int, int], tokens
         THRESHOLD=(float(RESCALE_THRESHOLD)
                    if spec.head_dim_v >= LAZY_RESCALE_MIN_COLUMNS * block_n else 0.0),
         TURNS=not spec.varlen and spec.head_dim_qk <= TURNS_MAX_HEAD_DIM,
+        OWN_RANGES=OWN_KEY_RANGES and spec.window_right >= 0 and block_m > 2 * ROWS.value,
         BATCH_INNER=(BIAS_BATCH_INNER and tile_bias and not spec.varlen
                      and hopper.shared_over_batch(spec, bias_dims)),
         num_warps=4,
