@@ -633,8 +633,9 @@ def _softmax_block(
             _turn_wait(PART, PARTS, TURNS)
             _turn_pass(PART, PARTS, TURNS)
             mbarrier.arrive(k_empty.index(hopper.arrived(k_ready, kv + t, STAGES)))
-            _bias(bias_smem, bias_ready, bias_empty, kv + t, s_layout, PART, PARTS, BLOCK_N,
-                  BIAS_STAGES, HAS_BIAS)
+            if HAS_BIAS:
+                mbarrier.arrive(bias_empty.index(hopper.arrived(bias_ready, kv + t,
+                                                                BIAS_STAGES)))
             mbarrier.arrive(v_empty.index(hopper.arrived(v_ready, kv + t, STAGES)))
     elif not O_IN_Q:
         mbarrier.arrive(q_empty.index(q_slot))
