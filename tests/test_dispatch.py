@@ -191,6 +191,41 @@ def test_forward_warpgroups_keep_their_own_key_ranges_in_192_row_blocks(
 
 @gluon
 @pytest.mark.parametrize(
+    "b, h, bias_shape, options, heads",
+    [(3, 8, (1, 8, 16, 16), dict(causal=True), 4),  # a plane per head the sequences share
+     (3, 2, (1, 1, 16, 16), dict(window=(5, 3)), 2),  # one plane: at most H heads together
+     (3, 8, (3, 8, 16, 16), dict(causal=True), 0),  # a plane per sequence: nothing shared
+     (3, 8, (1, 8, 16, 16), dict(window=(5, -1)), 0),  # no right bound: blocks of equal work
+     (3, 8, (1, 8, 16, 16), {}, 0),
+     (3, 8, (1, 8, 1, 16), dict(causal=True), 0),  # a key row: no tiles
+     (1, 8, (1, 8, 16, 16), dict(causal=True), 0),  # one sequence
+     (129, 8, (1, 8, 16, 16), dict(causal=True), 0)],  # more than POSITION_SEQS
+)  # fmt: skip
+def test_packed_forward_goes_by_position_for_a_shared_bias_plane(b, h, bias_shape, options,
+                                                                 heads, monkeypatch):  # fmt: skip
+    """POSITION_HEADS: packed sequences sharing bias tiles under a right bound go by
+    position (hopper.packed_position_block), heads in groups of POSITION_HEADS (at most
+    H); every other packed or dense call goes sequence by sequence (0)."""
+    from memattn.kernels import forward_sm90
+
+    spec, q, _, _, bias = spec_and_inputs(b=b, h=h, bias_shape=bias_shape, varlen=True,
+                                          **options)  # fmt: skip
+    bias_row = forward_sm90.hopper.bias_row(spec, bias)
+    dims = forward_sm90.hopper.bias_dims(bias)
+    monkeypatch.setattr(forward_sm90.hopper, "sm_count", lambda device_index: 132)
+    forward_sm90.hopper.forget_plans()
+    try:
+        plan = forward_sm90.plan(spec, bias_row, dims, q.shape[0], 0)
+        dense = spec_and_inputs(b=b, h=h, bias_shape=bias_shape, **options)[0]
+        dense_plan = forward_sm90.plan(dense, bias_row, dims, 0, 0)
+    finally:
+        forward_sm90.hopper.forget_plans()
+    assert plan.constexprs["POSITION_HEADS"] == heads
+    assert dense_plan.constexprs["POSITION_HEADS"] == 0
+
+
+@gluon
+@pytest.mark.parametrize(
     "scale, bias_shape, takes",
     [(0.125, (2, 1, 1, 16), True), (2.0, (1, 2, 1, 16), True),
      (0.0, (2, 1, 1, 16), False),  # a key row goes in as bias / scale

@@ -333,6 +333,11 @@ HOPPER_CASES = [
          lengths_k=(700, 5, 1304, 64), dqk=128, dv=128, bias="1HQK", options=dict(causal=True)),
     Case("varlen bias 11QK D64 window", lengths_q=(300, 1000, 17), lengths_k=(500, 904, 40),
          dqk=64, dv=64, bias="11QK", options=dict(window=(200, 10))),
+    # a shared plane walked by position (hopper.packed_position_block): heads in groups,
+    # the last one short, sequences without a block at most positions, an empty one
+    Case("varlen bias 1HQK shared GQA bottom-right", heads=6, kv_heads=3,
+         lengths_q=(300, 0, 1000, 1, 17), lengths_k=(500, 3, 904, 40, 40), dqk=128, dv=128,
+         bias="1HQK", options=dict(causal=True, align="bottom_right")),
     Case("varlen key bias BH1K causal", lengths_q=(700, 0, 1300, 64),
          lengths_k=(700, 5, 1302, 64), dqk=128, dv=128, bias="BH1K", options=dict(causal=True)),
     Case("varlen dropout key bias GQA", heads=4, kv_heads=2, lengths_q=(300, 1000, 17),
@@ -395,6 +400,24 @@ PERSISTENT_CASES = ["D64 Sq=777 Sk=1030", "D64 Sq=2048 Sk=333", "D128 causal",
                     "D256 Sq=1100 Sk=130", "D256 causal GQA", "varlen D128 causal",
                     "varlen D256", "bias B11K causal GQA",
                     "varlen dropout key bias GQA", "Dqk192 Dv128 causal GQA"]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs", [5, 132])
+@pytest.mark.parametrize("name", ["varlen bias 1HQK shared causal", "varlen bias 11QK D64 window",
+                                  "varlen bias 1HQK shared GQA bottom-right"])  # fmt: skip
+def test_hopper_kernel_packed_by_position_gpu(name, programs, monkeypatch):
+    """Packed sequences sharing a bias plane under a right bound go by position
+    (POSITION_HEADS, here groups of 4 heads), through few programs or many."""
+    if not hopper_kernel_runs_here():
+        pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
+    case = next(c for c in HOPPER_CASES if c.name == name)
+    monkeypatch.setattr(forward_sm90, "POSITION_HEADS", 4)
+    monkeypatch.setattr(hopper, "sm_count", lambda device_index: programs)
+    launches = record_launches(monkeypatch, forward_sm90, "_launch_forward")
+    assert_results(check_forward(case, torch.bfloat16, "cuda", seed=13))
+    heads = [kwargs["POSITION_HEADS"] for _, kwargs in launches]
+    assert heads and all(h == min(4, case.heads) for h in heads), heads
 
 
 @pytest.mark.gpu

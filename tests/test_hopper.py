@@ -6,6 +6,8 @@ import itertools
 
 import pytest
 import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
 import memattn
 from memattn import bench
@@ -530,6 +532,53 @@ def test_packed_items_cover_every_block_once(lengths, heads, extra):
             walked.append((b, h, blocks - 1 - rank))
     assert walked == [(b, h, m) for b, n in enumerate(lengths)
                       for m in reversed(range(-(-n // block))) for h in range(heads)]
+
+
+@gluon.jit
+def _position_items_kernel(Items, CuSeq, num_items, H, num_seqs, BLOCK_M: gl.constexpr,
+                           HEADS: gl.constexpr):  # fmt: skip
+    """Each item's (b, h, start_m, key tiles) from packed_position_block in one warp (as
+    the load warp runs it), causal, cu_seqlens the same for queries and keys."""
+    field = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    for g in range(num_items):
+        b, h, _, start_m, _, _, _, _, _, _, _, _, n_tiles = hopper.packed_position_block(
+            g, H, 1, num_seqs, CuSeq, CuSeq, -1, 0, BLOCK_M, 128, False, False, True,
+            HEADS)  # fmt: skip
+        values = (gl.where(field == 0, b, 0) + gl.where(field == 1, h, 0)
+                  + gl.where(field == 2, start_m, 0) + gl.where(field == 3, n_tiles, 0))
+        gl.store(Items + 4 * g + field, values, mask=field < 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [(700, 5, 1300, 64), (0, 128, 129, 0, 1), (1,) * 7,
+                                     bench.DOC_LENGTHS, (300,) * 128])  # fmt: skip
+@pytest.mark.parametrize("heads, together", [(3, 2), (16, 4), (5, 8)])
+@pytest.mark.parametrize("block", [128, 192])
+def test_packed_position_items_cover_every_block_once_gpu(lengths, heads, together, block):
+    """hopper.packed_position_block on the GPU: the packed grid's items hold every
+    (sequence, head, block) once, heads in groups of ``together`` (the last group maybe
+    fewer), each group's blocks by position last first, each position's sequences in
+    turn, each across the group's heads; every item from heads x the blocks on is
+    past the end (start_m at the sequence's length, no key tile)."""
+    if not hopper_kernel_runs_here():
+        pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
+    cu = [0, *itertools.accumulate(lengths)]
+    num_items = hopper.packed_items(len(lengths), cu[-1], heads, block)
+    items = torch.full((num_items, 4), -7, device="cuda", dtype=torch.int32)
+    cu_seqlens = torch.tensor(cu, device="cuda", dtype=torch.int32)
+    _position_items_kernel[(1,)](items, cu_seqlens, num_items, heads, len(lengths),
+                                 BLOCK_M=block, HEADS=together, num_warps=1)  # fmt: skip
+    blocks = [-(-n // block) for n in lengths]
+    want = [(b, h, p * block)
+            for first in range(0, heads, together)
+            for p in reversed(range(max(blocks)))
+            for b in range(len(lengths)) if blocks[b] > p
+            for h in range(first, min(heads, first + together))]  # fmt: skip
+    got = [tuple(row) for row in items.tolist()]
+    # key tiles of 128 up to the block's last visible key (the sequence's end at most)
+    assert got[:len(want)] == [(b, h, start, -(-min(lengths[b], start + block) // 128))
+                               for b, h, start in want]
+    assert got[len(want):] == [(0, 0, lengths[0], 0)] * (num_items - len(want))
 
 
 @pytest.mark.parametrize("lengths", [(700, 5, 1300, 64), (0, 128, 129, 0, 1), (4000,),

@@ -70,12 +70,18 @@ VARIANTS = {
     "bias_batch_outer": {"fwd.BIAS_BATCH_INNER": False},  # 1HQK's forward head after head
     "bias_outer_nograd": {"bwd.BIAS_TILES_BATCH_INNER": False},  # its backward so too
     "block_ranges": {"fwd.OWN_KEY_RANGES": False},  # 192-row blocks' key ranges per block
+    # packed sequences sharing a bias plane, masked: sequence by sequence, or by position
+    # in groups of N heads
+    "by_sequence": {"fwd.POSITION_HEADS": 0},
+    "position2": {"fwd.POSITION_HEADS": 2},
+    "position8": {"fwd.POSITION_HEADS": 8},
+    "position16": {"fwd.POSITION_HEADS": 16},
 }
 MODULES = {"fwd": forward_sm90, "bwd": backward_sm90}
 DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
     ("fwd", ("FOLD", "OWN_KEY_RANGES", "BLOCK_M_D64", "PERSISTENT", "MAX_Q_STAGES",
              "RESCALE_THRESHOLD", "TURNS_MAX_HEAD_DIM", "MIN_SEQLEN_Q_D64_MASKED",
-             "BIAS_BATCH_INNER")),
+             "BIAS_BATCH_INNER", "POSITION_HEADS")),
     ("bwd", ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "PACKED_BIAS_ADDS", "SKIP_EMPTY_KEY_BLOCKS",
              "SPLIT_HEAD_DIM_PAIRS", "DQ_BLOCK_N", "DQ_WRITER", "ORDERED_DQ",
              "PERSISTENT_BLOCKS", "MASKED_BY_RANK_BLOCKS", "FUSED_SPLIT", "SPLIT_HEADS_TOGETHER",

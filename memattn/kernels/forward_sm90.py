@@ -16,11 +16,12 @@ mask in pairs of blocks of equal work), and with two Q buffers (where shared mem
 holds them) each block's Q and first tiles load while the previous block ends
 (`_fwd_sm90_kernel`; at D=256 masked calls run a program per pair). The output leaves
 by a TMA store, which clips rows past Sq; TMA loads zero-fill past S. Packed sequences
-(varlen) are one batch of all tokens to TMA: blocks count to the longest sequence and
-are walked rank by rank, heaviest first (hopper.query_block), blocks past a sequence's
-end skipped by both partitions; loads start at each sequence's first token, and O
-leaves by masked pointer stores (a TMA store would clip at the packed tensor's end,
-not the sequence's).
+(varlen) are one batch of all tokens to TMA, their blocks handed out dynamically
+sequence by sequence (hopper.packed_block) or, where the sequences share a bias plane
+under a right bound, by position across them (hopper.packed_position_block), blocks
+past a sequence's end skipped by both partitions; loads start at each sequence's first
+token, and O leaves by masked pointer stores (a TMA store would clip at the packed
+tensor's end, not the sequence's).
 
 A bias comes by TMA: the load warp puts each key tile's BLOCK_M x BLOCK_N bias tile in
 a ring beside K's, each warpgroup reads its rows. A bias constant along queries (key
@@ -150,6 +151,16 @@ MIN_BLOCKS_TO_FOLD = {64: 0, 128: 0, 192: 5, 256: 5}
 # 9): 1252 -> 1064 us, 439 -> 452 TFLOP/s; causal 674 -> 612 us, 411 -> 448. Tools set
 # it to A/B, then call hopper.forget_plans().
 BIAS_BATCH_INNER = True
+# Packed sequences that share a bias plane (bias batch 1, indexed by positions inside
+# each sequence) under a right bound: items go by position rather than sequence by
+# sequence (hopper.packed_position_block), in groups of this many heads, so that the
+# sequences' blocks at one position read its bias tiles together from L2; up to
+# hopper.POSITION_SEQS sequences. Sequence by sequence each read its own copy from
+# memory: the bench's causal documents with a (1, H, 4000, 4000) bias read 1.03 GB
+# where the same documents with a (1, 1, 4000, 4000) one read 361 MB (H100, base
+# clocks; 330 against 373 TFLOP/s). 0: sequence by sequence. Tools set it to A/B,
+# then call hopper.forget_plans().
+POSITION_HEADS = 4
 # Q's buffers: two where shared memory holds them, so that a program's next query
 # block loads while this one runs. Tools set MAX_Q_STAGES to A/B.
 MAX_Q_STAGES = 2
@@ -162,7 +173,7 @@ def _load_partition(
     Q_STAGES: gl.constexpr, FOLD: gl.constexpr, QK_SPLIT: gl.constexpr,
     HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr, BIAS_ROW: gl.constexpr,
     IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
-    BOUNDED_RIGHT: gl.constexpr, BATCH_INNER: gl.constexpr,
+    BOUNDED_RIGHT: gl.constexpr, BATCH_INNER: gl.constexpr, POSITION_HEADS: gl.constexpr,
 ):  # fmt: skip
     """One warp: each query block's Q into its ring, then its K (with a bias row), bias
     and V tiles into theirs as slots come free. The rings' index runs on across the
@@ -184,16 +195,25 @@ def _load_partition(
         g = pid
         while g < n_items:  # n_items: the grid's items
             following = programs + hopper.take_ticket(Tickets)  # its latency hides here
-            (b, h, hk, start_m, q_start, k_start, seqlen_q_b, seqlen_k_b, _, lo, _, _,
-             n_tiles) = hopper.packed_block(
-                g, H, GROUP, num_m_blocks, CuSeqQ, CuSeqK, window_left, window_right,
-                BLOCK_M, BLOCK_N, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+            if POSITION_HEADS > 0:
+                (b, h, hk, start_m, q_start, k_start, seqlen_q_b, seqlen_k_b, _, lo, _, _,
+                 n_tiles) = hopper.packed_position_block(
+                    g, H, GROUP, num_m_blocks, CuSeqQ, CuSeqK, window_left, window_right,
+                    BLOCK_M, BLOCK_N, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
+                    POSITION_HEADS)  # fmt: skip
+            else:
+                (b, h, hk, start_m, q_start, k_start, seqlen_q_b, seqlen_k_b, _, lo, _, _,
+                 n_tiles) = hopper.packed_block(
+                    g, H, GROUP, num_m_blocks, CuSeqQ, CuSeqK, window_left, window_right,
+                    BLOCK_M, BLOCK_N, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
             if start_m < seqlen_q_b:  # else past its sequence's blocks: nothing to do
                 _hand_item(info_smem, info_ready, info_empty, qi, g, b, h, start_m, q_start,
                            seqlen_q_b, seqlen_k_b)
                 kv, qi = _load_block(loads, b, h, hk, start_m, q_start, k_start, lo, n_tiles,
                                      kv, qi, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, QK_SPLIT,
                                      HAS_BIAS, BIAS_STAGES, BIAS_ROW, IS_VARLEN)  # fmt: skip
+            elif POSITION_HEADS > 0:  # past the grid's last item: so is every later ticket
+                following = n_items
             g = following
         _hand_item(info_smem, info_ready, info_empty, qi, n_items, 0, 0, 0, 0, 0, 0)
     else:
@@ -700,7 +720,7 @@ def _fwd_sm90_kernel(
     HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
     THRESHOLD: gl.constexpr, TURNS: gl.constexpr, BATCH_INNER: gl.constexpr,
-    OWN_RANGES: gl.constexpr,
+    OWN_RANGES: gl.constexpr, POSITION_HEADS: gl.constexpr,
 ):  # fmt: skip
     # The programs (one per SM at most, persistent) walk the num_items query blocks in
     # strides (hopper.work_item), folded under a mask: pairs of blocks whose work adds
@@ -782,7 +802,7 @@ def _fwd_sm90_kernel(
                                   OWN_RANGES)),
             (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, QK_SPLIT,
                                HAS_BIAS, BIAS_STAGES, BIAS_ROW, IS_VARLEN, BOTTOM_RIGHT,
-                               BOUNDED_LEFT, BOUNDED_RIGHT, BATCH_INNER)),
+                               BOUNDED_LEFT, BOUNDED_RIGHT, BATCH_INNER, POSITION_HEADS)),
         ], worker_num_warps=[4, 1], worker_num_regs=[232, 24])  # fmt: skip
     else:
         gl.warp_specialize([
@@ -803,7 +823,7 @@ def _fwd_sm90_kernel(
                                   OWN_RANGES)),
             (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, QK_SPLIT,
                                HAS_BIAS, BIAS_STAGES, BIAS_ROW, IS_VARLEN, BOTTOM_RIGHT,
-                               BOUNDED_LEFT, BOUNDED_RIGHT, BATCH_INNER)),
+                               BOUNDED_LEFT, BOUNDED_RIGHT, BATCH_INNER, POSITION_HEADS)),
         ], worker_num_warps=[4, 4, 1], worker_num_regs=[REGS_3, REGS_3, 24])  # fmt: skip
 
 
@@ -891,6 +911,10 @@ def plan(spec: AttentionSpec, bias_row: bool, bias_dims: tuple[int, int], tokens
                    if spec.head_dim_v >= LAZY_RESCALE_MIN_COLUMNS * block_n else 0.0),
         TURNS=not spec.varlen and spec.head_dim_qk <= TURNS_MAX_HEAD_DIM,
         OWN_RANGES=OWN_KEY_RANGES and spec.window_right >= 0 and block_m > 2 * ROWS.value,
+        POSITION_HEADS=(min(POSITION_HEADS, spec.heads)
+                        if spec.varlen and tile_bias and bias_dims[0] == 1
+                        and spec.window_right >= 0 and 1 < spec.batch <= hopper.POSITION_SEQS.value
+                        else 0),
         BATCH_INNER=(BIAS_BATCH_INNER and tile_bias and not spec.varlen
                      and hopper.shared_over_batch(spec, bias_dims)),
         num_warps=4,

@@ -378,6 +378,67 @@ def packed_block(
             full_hi, n_tiles)
 
 
+POSITION_SEQS = gl.constexpr(128)  # packed_position_block's sequences at most (a vector of them)
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def packed_position_block(
+    g, H, GROUP, num_seqs, CuSeqQ, CuSeqK, window_left, window_right,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, HEADS: gl.constexpr,
+):  # fmt: skip
+    """Item g of packed sequences' grid by position, as packed_block gives one, for
+    sequences that share a bias plane (indexed by positions inside each): the heads in
+    groups of HEADS; within a group the blocks by their position in their sequence,
+    last first (the heaviest under a right bound); at each position every sequence
+    that has a block there, in turn, each across the group's heads. Programs side by
+    side then read the same bias tiles (a position's, whichever the sequence) from L2,
+    and a few heads' K and V stay there from one position to the next. Items from H
+    times the sequences' blocks on are past the grid's end (start_m = seqlen_q, no key
+    tile). At most POSITION_SEQS sequences, read once per item from cu_seqlens."""
+    SEQS: gl.constexpr = POSITION_SEQS
+    layout: gl.constexpr = gl.BlockedLayout([SEQS // (32 * gl.num_warps())], [32],
+                                            [gl.num_warps()], [0])
+    seq = gl.arange(0, SEQS, layout=layout)
+    inside = seq < num_seqs
+    first = gl.load(CuSeqQ + seq, mask=inside, other=0)
+    tokens = gl.load(CuSeqQ + seq + 1, mask=inside, other=0) - first
+    blocks = (tokens + BLOCK_M - 1) // BLOCK_M  # 0 past num_seqs
+    total = gl.sum(blocks, axis=0)  # every sequence's blocks, a head
+    past = g >= H * total
+    local = gl.where(past, 0, g)
+    group = local // (HEADS * gl.maximum(total, 1))
+    local -= group * HEADS * total
+    heads = gl.minimum(H - group * HEADS, HEADS)  # the last group's may be fewer
+    slot = local // heads  # the (position, sequence) of the item, positions last first
+    h = group * HEADS + local % heads
+    # The position: the smallest p whose later positions hold no more than `slot`
+    # slots, sum over sequences of max(blocks - 1 - p, 0) (it falls as p grows).
+    position = gl.to_tensor(0)
+    beyond = gl.max(blocks, axis=0)
+    while position < beyond:
+        mid = (position + beyond) // 2
+        fits = gl.sum(gl.maximum(blocks - 1 - mid, 0), axis=0) <= slot
+        beyond = gl.where(fits, mid, beyond)
+        position = gl.where(fits, position, mid + 1)
+    # The rank-th sequence with a block there: as many sequences come before it.
+    rank = slot - gl.sum(gl.maximum(blocks - 1 - position, 0), axis=0)
+    counted = gl.associative_scan((blocks > position).to(gl.int32), 0, _add)
+    b = gl.where(past, 0, gl.sum((counted <= rank).to(gl.int32), axis=0))
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(CuSeqQ, CuSeqK, b, 0, 0, True)
+    start_m = gl.where(past, seqlen_q, position * BLOCK_M)
+    off, lo, full_lo, full_hi, n_tiles = block_keys(
+        start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, True,
+        BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+    return (b, h, h // GROUP, start_m, q_start, k_start, seqlen_q, seqlen_k, off, lo, full_lo,
+            full_hi, n_tiles)
+
+
 @gluon.jit
 def block_keys(
     start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: gl.constexpr,
