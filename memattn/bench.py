@@ -15,7 +15,8 @@ feature names follow the peer measurements in ``shared/peers-*.json``:
   window1024_causal, alibi, softcap30, gqa8, packed documents (13 in 16384 tokens:
   varlen_docs, varlen_causal_docs, with a (1, H, S, S) bias (both) or dropout),
   dqk192_dv128_causal, dqk128_dv64_causal, deterministic (the backward's deterministic
-  mode; its ratio to D128_S4096 is what it costs);
+  mode; its ratio to D128_S4096 is what it costs) and bias_grad_deterministic (against
+  bias_grad);
 - decode rows (few queries against a long KV cache, H=32, Hkv=8, D=128): the forward
   only, without autograd (inference), rated in GB/s of K and V read once.
 
@@ -155,6 +156,7 @@ FEATURE_ROWS = [
     replace(_BASE, feature="dqk192_dv128_causal", dqk=192, causal=True),
     replace(_BASE, feature="dqk128_dv64_causal", dv=64, causal=True),
     replace(_BASE, feature="deterministic", deterministic=True),
+    replace(_BASE, feature="bias_grad_deterministic", bias="BHQK", deterministic=True),
 ]
 _DECODE = Row("decode", batch=1, heads=32, kv_heads=8, seqlen=4096, dqk=128, dv=128, seqlen_q=1)
 DECODE_ROWS = [

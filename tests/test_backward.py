@@ -806,6 +806,23 @@ def test_deterministic_backward_on_hopper_gpu(head_dim, hopper_backward_launches
     assert_results(check_backward(case, torch.bfloat16, "cuda", seed=5))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_deterministic_full_bias_gradient_on_hopper_gpu(head_dim, hopper_backward_launches):
+    """Deterministic calls with a full bias gradient on the Gluon backward: dQ comes
+    from the stored dS by one matmul (backward_sm90.dq_from_full_bias), not from the
+    kernel's adds. Two runs agree bit for bit, and the gradients (the bias's too) match
+    the reference."""
+    case = Case("det full bias", batch=2, heads=8, kv_heads=2, seqlen_q=1000, seqlen_k=1104,
+                dqk=head_dim, dv=head_dim, bias="BHQK",
+                options=dict(causal=True, align="bottom_right", deterministic=True))
+    runs = [_gradients(case, torch.bfloat16, "cuda") for _ in range(2)]
+    assert hopper_backward_launches, "the deterministic call fell back to backward.py"
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    assert_results(check_backward(case, torch.bfloat16, "cuda", seed=9))
+
+
 FLOAT32_CASES = [
     Case("fp32 D64 causal bias", seqlen_q=777, seqlen_k=901, dqk=64, dv=64, bias="1HQK",
          options=dict(causal=True)),

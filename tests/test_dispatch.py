@@ -515,6 +515,31 @@ def test_ordered_dq_needs_a_whole_head_running_without_a_right_bound(monkeypatch
     assert bsm.orders_dq(causal, None)  # last block first: no such limit
 
 
+@gluon
+@pytest.mark.parametrize(
+    "d, bias_shape, varlen, takes",
+    [(128, (2, 2, 16, 16), False, True),  # a full gradient: dQ = scale dS K, one matmul
+     (64, (2, 2, 16, 16), False, True),
+     (128, (1, 2, 16, 16), False, False),  # summed: its adds land in any order
+     (128, (2, 2, 1, 16), False, False),  # a key row: ORDERED_DQ's
+     (128, (2, 2, 16, 16), True, False)],  # packed sequences: the tile kernels
+)  # fmt: skip
+def test_deterministic_full_bias_gradient_takes_dq_from_ds(d, bias_shape, varlen, takes):
+    """dq_from_full_bias: a deterministic dense call with a full bias gradient runs the
+    Gluon backward and takes dQ from the stored dS by one matmul; not otherwise, and
+    never outside deterministic calls."""
+    bsm = dispatch.backward_sm90
+    spec, *_, bias = spec_and_inputs(d=d, bias_shape=bias_shape, varlen=varlen,
+                                     deterministic=True, causal=True)  # fmt: skip
+    kind = bsm.dbias_kind_of(spec, bias)
+    assert bsm.dq_from_full_bias(spec, kind) is takes
+    assert not bsm.dq_from_full_bias(dataclasses.replace(spec, deterministic=False), kind)
+    if takes:
+        assert dispatch._gluon_deterministic(spec, bias, True)
+        assert not bsm.orders_dq(spec, kind)  # the writer's buffers have no room
+    assert bsm.dq_from_full_bias(spec, None) is False  # no gradient asked of the bias
+
+
 @pytest.mark.parametrize("which", ["no queries", "no keys", "no batch"])
 def test_empty_calls_need_no_kernel(which, monkeypatch):
     """Empty calls: the forward launches nothing without queries or a batch (a call

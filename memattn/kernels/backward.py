@@ -566,9 +566,10 @@ def _holds_full_ds(db_buf: torch.Tensor, spec: AttentionSpec) -> bool:
             and tuple(db_buf.shape) == tuple(spec.bias_shape))
 
 
-def _dq_from_ds(dq: torch.Tensor, ds: torch.Tensor, k: torch.Tensor, spec: AttentionSpec):
-    """dQ = scale * dS K as one batched matmul (cuBLAS): with a full bias gradient, dS
-    is already in memory, and this replaces the dQ kernel's 3 recomputing matmuls.
+def dq_from_ds(dq: torch.Tensor, ds: torch.Tensor, k: torch.Tensor, spec: AttentionSpec):
+    """dQ = scale * dS K as one batched matmul (cuBLAS: a fixed order): with a full bias
+    gradient, dS is already in memory, and this replaces the dQ kernel's 3 recomputing
+    matmuls (here; backward_sm90 for deterministic calls: its dQ adds in any order).
     The query heads of a GQA group share a key head: stack their rows."""
     b, hkv, g = spec.batch, spec.kv_heads, spec.group
     sq, sk, d = spec.seqlen_q, spec.seqlen_k, spec.head_dim_qk
@@ -623,9 +624,9 @@ def backward(
     db_buf, db_strides, db_rows, db_cols, db_atomic = None, (0, 0, 0, 0), False, False, False
     if need_dbias:
         db_buf, db_strides, db_rows, db_cols, db_atomic = _dbias_buffer(bias, spec)
-    dq_from_ds = (need_dq and need_dbias and _holds_full_ds(db_buf, spec)
-                  and db_buf.dtype == q.dtype)
-    dq_atomic = (need_dq and run_dkdv and not dq_from_ds and configs[0].dq_atomic
+    dq_by_matmul = (need_dq and need_dbias and _holds_full_ds(db_buf, spec)
+                    and db_buf.dtype == q.dtype)
+    dq_atomic = (need_dq and run_dkdv and not dq_by_matmul and configs[0].dq_atomic
                  and not spec.deterministic)
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if dq_atomic else None
 
@@ -653,8 +654,8 @@ def backward(
         tuning.launch_fitting("dkdv", spec, configs, launch_dkdv)
         if dq_atomic:
             dq.copy_(dq_acc)
-        if dq_from_ds:
-            _dq_from_ds(dq, db_buf, k, spec)
+        if dq_by_matmul:
+            dq_from_ds(dq, db_buf, k, spec)
         if need_dbias:
             shape = (1,) * (4 - bias.dim()) + tuple(bias.shape)
             summed = [d for d in range(4) if shape[d] == 1 and db_buf.shape[d] != 1]
@@ -666,7 +667,7 @@ def backward(
         if not need_dv:
             dv = None
 
-    if need_dq and not (dq_atomic or dq_from_ds):
+    if need_dq and not (dq_atomic or dq_by_matmul):
 
         def launch_dq(c: tuning.BackwardConfig):
             num_m = cdiv(spec.seqlen_q, c.block_m_dq)

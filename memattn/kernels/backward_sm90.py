@@ -372,13 +372,14 @@ def _bwd_compute_partition(
     BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, DQ_BUFS: gl.constexpr,
     ROTATE: gl.constexpr, IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     BATCH_INNER: gl.constexpr, HEAD_INNER: gl.constexpr, ORDERED: gl.constexpr,
-    PERSISTENT: gl.constexpr, FOLD: gl.constexpr,
+    PERSISTENT: gl.constexpr, FOLD: gl.constexpr, HAS_DQ: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup, for each of its program's key blocks (_program_block): keys
     [start_n + HALF * 64, + 64) against every query tile. ``shared``: the runtime
     arguments both take (_bwd_sm90_kernel builds the tuple). DQ_BUFS: 0, this warpgroup
     sends its dQ tiles itself; else it leaves them in that many buffers for the dQ
-    writer warp. ROTATE: _query_tile's. Once a block's last tile is done, K and V go
+    writer warp. HAS_DQ off (dq_from_full_bias): no dQ here, the two warpgroups never
+    meet. ROTATE: _query_tile's. Once a block's last tile is done, K and V go
     back to the load warp (the next block's load while this one's dK and dV leave), and
     dK and dV leave by TMA store through this warpgroup's dQ buffer; a packed
     sequence's block that ends past the sequence's keys by plain stores (a TMA store
@@ -526,28 +527,37 @@ def _bwd_compute_partition(
             # once both halves are there, dQ's columns of this half: dS K summed over halves.
             ds_pair = (i % 2) * 2
             ds_own = ds_smem.index(ds_pair + HALF)
+            if not HAS_DQ:  # the bias gradient's store two steps ago has read this buffer
+                tma.store_wait(1)  # (where dQ's are, its write waits so: OTHER_BULK)
+                gl.thread_barrier()
             ds_own.reshape([BLOCK_M, HALF_N]).permute((1, 0)).store(ds_lo)
             fence_async_shared()
             if DBIAS_TILES == 1:  # the bias gradient is dS: this half's tile goes straight out
                 tma.async_copy_shared_to_global(dbias_desc, [b, h, start_m, row0], ds_own)
             if DBIAS_TILES == 2:  # a bias the packed sequences share: added in, as it is
                 hopper.tma_reduce_add(dbias_desc, [0, h, start_m, row0], ds_own)
-            mbarrier.arrive(ds_bar)
-            mbarrier.wait(ds_bar, i & 1)
-            dq = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, layout=dq_layout)
-            for j in gl.static_range(2):
-                ds_rows = ds_smem.index(ds_pair + j).reshape([BLOCK_M, HALF_N]).slice(
-                    HALF * DQ_ROWS % BLOCK_M, DQ_ROWS, dim=0)
-                dq = warpgroup_mma(ds_rows, k_cols.slice(j * HALF_N, HALF_N, dim=0), dq,
-                                   use_acc=j > 0, is_async=True)
+            if HAS_DQ:
+                mbarrier.arrive(ds_bar)
+                mbarrier.wait(ds_bar, i & 1)
+                dq = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, layout=dq_layout)
+                for j in gl.static_range(2):
+                    ds_rows = ds_smem.index(ds_pair + j).reshape([BLOCK_M, HALF_N]).slice(
+                        HALF * DQ_ROWS % BLOCK_M, DQ_ROWS, dim=0)
+                    dq = warpgroup_mma(ds_rows, k_cols.slice(j * HALF_N, HALF_N, dim=0), dq,
+                                       use_acc=j > 0, is_async=True)
             # dK's wgmma last: it runs while dQ goes to shared memory and out (FA4's order)
             dk = warpgroup_mma(ds_op, q, dk, is_async=True)
-            dv, dq, p_op = warpgroup_mma_wait(1, deps=(dv, dq, p_op))
+            if HAS_DQ:
+                dv, dq, p_op = warpgroup_mma_wait(1, deps=(dv, dq, p_op))
+            else:
+                dv, p_op = warpgroup_mma_wait(1, deps=(dv, p_op))
             mbarrier.arrive(do_empty.index(slot))
             if OVERLAP_ENDS and t == GROUP * n_tiles - 1:
                 mbarrier.arrive(kv_empty)  # dQ's was the last wgmma to read K or V
 
-            if DQ_BUFS > 0:  # into a buffer the writer warp has read, for it to send
+            if not HAS_DQ:
+                pass
+            elif DQ_BUFS > 0:  # into a buffer the writer warp has read, for it to send
                 dq_slot = HALF * DQ_BUFS + i % DQ_BUFS
                 mbarrier.wait(dq_empty.index(dq_slot), ((i // DQ_BUFS) & 1) ^ 1, pred=i >= DQ_BUFS)
                 if OVERLAP_ENDS:
@@ -800,7 +810,7 @@ def _bwd_sm90_kernel(
     BATCH_INNER: gl.constexpr, HEAD_INNER: gl.constexpr, SKIP_PAST_END: gl.constexpr,
     DQ_BUFS: gl.constexpr, ORDERED: gl.constexpr,
     ROTATE: gl.constexpr, PERSISTENT: gl.constexpr, FOLD: gl.constexpr,
-    BY_RANK: gl.constexpr,
+    BY_RANK: gl.constexpr, HAS_DQ: gl.constexpr,
 ):  # fmt: skip
     # A program per key block, or PERSISTENT (PERSISTENT_BLOCKS) one per SM at most,
     # walking num_items blocks in hopper.work_item's strides (_program_block). Packed
@@ -886,12 +896,14 @@ def _bwd_sm90_kernel(
                                        STAGES, HAS_BIAS, DBIAS_TILES, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
-                                       BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD)),
+                                       BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD,
+                                       HAS_DQ)),
              (_bwd_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, DBIAS_TILES, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
-                                       BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD)),
+                                       BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD,
+                                       HAS_DQ)),
              (_bwd_blocks_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, IS_VARLEN,
                                            BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
                                            BATCH_INNER, HEAD_INNER, ORDERED, ROTATE,
@@ -908,12 +920,14 @@ def _bwd_sm90_kernel(
                                        STAGES, HAS_BIAS, DBIAS_TILES, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
-                                       BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD)),
+                                       BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD,
+                                       HAS_DQ)),
              (_bwd_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, DBIAS_TILES, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
-                                       BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD)),
+                                       BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD,
+                                       HAS_DQ)),
              (_bwd_blocks_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, IS_VARLEN,
                                            BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
                                            BATCH_INNER, HEAD_INNER, ORDERED, ROTATE,
@@ -1800,6 +1814,16 @@ def orders_dq(spec: AttentionSpec, dbias_kind: str | None) -> bool:
     return no_left and cdiv(spec.seqlen_k, BLOCK_N) <= hopper.sm_count(spec.device.index) // 2
 
 
+def dq_from_full_bias(spec: AttentionSpec, dbias_kind: str | None) -> bool:
+    """Whether a deterministic call takes dQ = scale · dS K from the full bias gradient
+    the kernel stores (backward.dq_from_ds: one batched matmul, in a fixed order): a
+    full gradient leaves no room for ORDERED_DQ's writer, so the kernel's own dQ adds
+    land in any order, and are dropped. Dense batches with a full (B, H, Sq, Sk)
+    gradient, where dQ goes through the fp32 buffer (D 64/128)."""
+    return (spec.deterministic and dbias_kind == "full" and not spec.varlen
+            and dq_in_fp32(spec))
+
+
 def inner_dims(spec: AttentionSpec, bias, dbias_kind: str | None) -> tuple[bool, bool]:
     """Whether the batch or the kv head varies fastest in the programs' order: the one
     dimension a summed bias gradient broadcasts over (SUMMED_BIAS_INNER), neither when
@@ -2092,7 +2116,8 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
         BOUNDED_RIGHT=spec.window_right >= 0, BATCH_INNER=inner[0], HEAD_INNER=inner[1],
         SKIP_PAST_END=spec.varlen and SKIP_EMPTY_KEY_BLOCKS and not packed_grid,
         DQ_BUFS=dq_bufs, ORDERED=ordered, ROTATE=ordered and spec.window_right < 0,
-        PERSISTENT=persistent, FOLD=fold, BY_RANK=by_rank, num_warps=4,
+        PERSISTENT=persistent, FOLD=fold, BY_RANK=by_rank,
+        HAS_DQ=not dq_from_full_bias(spec, dbias_kind), num_warps=4,
     )  # fmt: skip
     return hopper.Plan(hopper.programs(items, fold, persistent, device_index), (num_n, items),
                        constexprs)
@@ -2335,7 +2360,8 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
         cu_seqlens_q, cu_seqlens_k, rng_state, needs) -> tuple:  # fmt: skip
     """The backward through this module's kernels, for a call dispatch.gluon_backward
     took: the preprocess fills the row statistics, padded for TMA, and, where the kernel
-    adds dQ into an fp32 buffer, zeroes it; dQ is then converted at the end. Returns
+    adds dQ into an fp32 buffer, zeroes it; dQ is then converted at the end (or, for a
+    deterministic call with a full bias gradient, made from it: dq_from_full_bias). Returns
     (dq, dk, dv, dbias), None for what ``needs`` does not ask. Only what this path reads
     is computed, and the preprocess launches first, before the outputs are allocated:
     every line here is host time on each call, and what comes before the first launch
@@ -2343,23 +2369,25 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
     stats = row_stats_buffer(spec, lse)
     # (B, H, Sq padded) planes, packed sequences' (H, padded): lse * log2(e), delta
     lse2, delta = stats[:, 0] if spec.varlen else stats.unbind(0)
+    _, need_dk, need_dv, need_dbias = needs
+    dbias_kind = dbias_kind_of(spec, bias) if need_dbias else None
+    dq_by_matmul = dq_from_full_bias(spec, dbias_kind)  # the kernel adds no dQ
     dq_acc, rows = None, 0
     if dq_in_fp32(spec):  # dQ tiles in their registers' order (dq_tiles)
         rows = block_m(spec, hopper.bias_row(spec, bias))
         dq_acc = dq_tiles(spec, q.shape[0], rows, q.device)
+    zeroed, zeroed_rows = (None, 0) if dq_by_matmul else (dq_acc, rows)
     grid, args, constexprs = tiles.delta_launch(
-        spec, out, grad_out, lse, grad_lse, cu_seqlens_q, delta, lse2, dq_acc, rows)
+        spec, out, grad_out, lse, grad_lse, cu_seqlens_q, delta, lse2, zeroed, zeroed_rows)
     # the stats and dq_acc fresh: what the spec does not fix is here
-    variant = (spec, rows, *out.stride(), *grad_out.stride(), *lse.stride(),
+    variant = (spec, zeroed_rows, *out.stride(), *grad_out.stride(), *lse.stride(),
                *map(hopper.aligned, (out, grad_out, lse, cu_seqlens_q)),
                None if grad_lse is None else (*grad_lse.stride(), hopper.aligned(grad_lse)))
     _launch_delta(grid, *args, variant=variant, **constexprs)
     dq = new_output(q.shape, q.dtype, q.device)
     dk = new_output(k.shape, k.dtype, k.device)
     dv = new_output(v.shape, v.dtype, v.device)
-    _, need_dk, need_dv, need_dbias = needs
     dbias = None
-    dbias_kind = dbias_kind_of(spec, bias) if need_dbias else None
     if dbias_kind == "row":  # dS summed over queries per (b, h, key), then over broadcast dims
         dbias = torch.zeros(spec.batch, spec.heads, spec.seqlen_k, dtype=torch.float32,
                             device=bias.device)
@@ -2374,7 +2402,9 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
             bias_grad_tiles(ZERO_UNSEEN, spec, None, dbias, cu_seqlens_q, cu_seqlens_k)
     backward(spec, q, k, v, grad_out, bias, alibi_slopes, rng_state, cu_seqlens_q,
              cu_seqlens_k, stats, dq if dq_acc is None else dq_acc, dk, dv, dbias)
-    if dq_acc is not None:
+    if dq_by_matmul:  # deterministic: dQ from the stored dS
+        tiles.dq_from_ds(dq, dbias, k, spec)
+    elif dq_acc is not None:
         grid, args, constexprs = dq_from_tiles_launch(spec, dq_acc, rows, dq, cu_seqlens_q)
         _launch_dq_from_tiles(grid, *args, variant=(spec, rows, *dq.stride(),
                                                     hopper.aligned(cu_seqlens_q)),

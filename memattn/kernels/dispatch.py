@@ -15,7 +15,8 @@ backward alike.
   or added up across the batch or heads it broadcasts over), at D=256 and Dqk=192
   nothing of bias, ALiBi or dropout, and no packed batches at D=256 nor deterministic
   ones at Dqk=192; deterministic mode only where dQ is not
-  added up in fp32 across programs, or is in a fixed order (backward_sm90.ORDERED_DQ).
+  added up in fp32 across programs, or is in a fixed order (backward_sm90.ORDERED_DQ),
+  or comes from a full bias gradient by one matmul (backward_sm90.dq_from_full_bias).
   Neither takes global positions for ALiBi or dropout (AttentionSpec.positioned).
 - The split-KV forward (decode.py), before either: few queries a sequence (Sq <= 64)
   against many keys (Sk >= 4096), every option but global positions; the query heads
@@ -97,11 +98,12 @@ def gluon_backward_computes(spec: AttentionSpec, bias, alibi_slopes, need_dbias:
 
 def _gluon_deterministic(spec: AttentionSpec, bias, need_dbias: bool) -> bool:
     """Whether the Gluon backward makes this deterministic call's gradients in a fixed
-    order: where dQ is not added up in fp32 across programs, or in a fixed order."""
+    order: where dQ is not added up in fp32 across programs, is added in a fixed order,
+    or comes from a full bias gradient by one matmul."""
     if not backward_sm90.dq_in_fp32(spec):
         return True
-    return backward_sm90.orders_dq(
-        spec, backward_sm90.dbias_kind_of(spec, bias) if need_dbias else None)
+    kind = backward_sm90.dbias_kind_of(spec, bias) if need_dbias else None
+    return backward_sm90.orders_dq(spec, kind) or backward_sm90.dq_from_full_bias(spec, kind)
 
 
 def gluon_backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, needs) -> bool:
