@@ -158,8 +158,10 @@ BIAS_BATCH_INNER = True
 # hopper.POSITION_SEQS sequences. Sequence by sequence each read its own copy from
 # memory: the bench's causal documents with a (1, H, 4000, 4000) bias read 1.03 GB
 # where the same documents with a (1, 1, 4000, 4000) one read 361 MB (H100, base
-# clocks; 330 against 373 TFLOP/s). 0: sequence by sequence. Tools set it to A/B,
-# then call hopper.forget_plans().
+# clocks; 330 against 373 TFLOP/s). Four heads: their K and V (32 MB at 16k tokens,
+# D=128) stay in L2 from one position to the next (eight lost at 16 documents of 1024
+# and 4 of 4096). 0: sequence by sequence. Tools set it to A/B, then call
+# hopper.forget_plans().
 POSITION_HEADS = 4
 # Q's buffers: two where shared memory holds them, so that a program's next query
 # block loads while this one runs. Tools set MAX_Q_STAGES to A/B.

@@ -378,7 +378,7 @@ def packed_block(
             full_hi, n_tiles)
 
 
-POSITION_SEQS = gl.constexpr(128)  # packed_position_block's sequences at most (a vector of them)
+POSITION_SEQS = gl.constexpr(128)  # packed_position's sequences at most (a vector of them)
 
 
 @gluon.jit
@@ -387,28 +387,21 @@ def _add(a, b):
 
 
 @gluon.jit
-def packed_position_block(
-    g, H, GROUP, num_seqs, CuSeqQ, CuSeqK, window_left, window_right,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
-    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, HEADS: gl.constexpr,
-):  # fmt: skip
-    """Item g of packed sequences' grid by position, as packed_block gives one, for
-    sequences that share a bias plane (indexed by positions inside each): the heads in
-    groups of HEADS; within a group the blocks by their position in their sequence,
-    last first (the heaviest under a right bound); at each position every sequence
-    that has a block there, in turn, each across the group's heads. Programs side by
-    side then read the same bias tiles (a position's, whichever the sequence) from L2,
-    and a few heads' K and V stay there from one position to the next. Items from H
-    times the sequences' blocks on are past the grid's end (start_m = seqlen_q, no key
-    tile). At most POSITION_SEQS sequences, read once per item from cu_seqlens."""
+def packed_position(g, H, num_seqs, CuSeq, BLOCK: gl.constexpr, HEADS: gl.constexpr):
+    """Item g of packed sequences' grid by position: (sequence, head, position of its
+    block in the sequence, past the grid's end). The heads go in groups of HEADS; within
+    a group the blocks by position, last first, each position's sequences (those with a
+    block there) in turn, each across the group's heads. Items from H times the
+    sequences' blocks on are past the end (sequence 0, head 0). At most POSITION_SEQS
+    sequences, read once per item from cu_seqlens."""
     SEQS: gl.constexpr = POSITION_SEQS
     layout: gl.constexpr = gl.BlockedLayout([SEQS // (32 * gl.num_warps())], [32],
                                             [gl.num_warps()], [0])
     seq = gl.arange(0, SEQS, layout=layout)
     inside = seq < num_seqs
-    first = gl.load(CuSeqQ + seq, mask=inside, other=0)
-    tokens = gl.load(CuSeqQ + seq + 1, mask=inside, other=0) - first
-    blocks = (tokens + BLOCK_M - 1) // BLOCK_M  # 0 past num_seqs
+    first = gl.load(CuSeq + seq, mask=inside, other=0)
+    tokens = gl.load(CuSeq + seq + 1, mask=inside, other=0) - first
+    blocks = (tokens + BLOCK - 1) // BLOCK  # 0 past num_seqs
     total = gl.sum(blocks, axis=0)  # every sequence's blocks, a head
     past = g >= H * total
     local = gl.where(past, 0, g)
@@ -430,6 +423,22 @@ def packed_position_block(
     rank = slot - gl.sum(gl.maximum(blocks - 1 - position, 0), axis=0)
     counted = gl.associative_scan((blocks > position).to(gl.int32), 0, _add)
     b = gl.where(past, 0, gl.sum((counted <= rank).to(gl.int32), axis=0))
+    return b, h, position, past
+
+
+@gluon.jit
+def packed_position_block(
+    g, H, GROUP, num_seqs, CuSeqQ, CuSeqK, window_left, window_right,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, HEADS: gl.constexpr,
+):  # fmt: skip
+    """Item g of packed sequences' grid by position (packed_position over the query
+    blocks), as packed_block gives one, for sequences that share a bias plane (indexed
+    by positions inside each): programs side by side then read the same bias tiles (a
+    position's, whichever the sequence) from L2, and a few heads' K and V stay there
+    from one position to the next. Past the grid's end: start_m = seqlen_q, no key
+    tile."""
+    b, h, position, past = packed_position(g, H, num_seqs, CuSeqQ, BLOCK_M, HEADS)
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(CuSeqQ, CuSeqK, b, 0, 0, True)
     start_m = gl.where(past, seqlen_q, position * BLOCK_M)
     off, lo, full_lo, full_hi, n_tiles = block_keys(
