@@ -94,9 +94,11 @@ def test_varlen_bias_gradient_and_empty_sequences_cpu():
 def test_packed_row_stats_for_hopper_cpu(lengths):
     """The preprocess lays packed sequences' row statistics out for the Gluon backward's
     TMA (backward_sm90.row_stats_buffer): sequence b's rows from common.packed_stats_start
-    on, a multiple of 4 tokens past the previous sequence's last row, lse * log2(e)
-    (+inf where lse is -inf) and delta - grad_lse there, zeros everywhere else."""
+    on, a multiple of 4 tokens past the previous sequence's slack, lse * log2(e) (+inf
+    where lse is -inf) and delta - grad_lse there, then STATS_SLACK rows of +inf and 0
+    (a tile's rows past the sequence get P = 0), nothing else read."""
     from memattn.kernels import backward_sm90
+    from memattn.kernels.common import STATS_SLACK
 
     gen = torch.Generator().manual_seed(len(lengths))
     tokens, heads, dv = sum(lengths), 3, 24
@@ -107,15 +109,16 @@ def test_packed_row_stats_for_hopper_cpu(lengths):
     cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
     spec = memattn.spec.check_call(q, q, out, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                    max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
-    stats = backward_sm90.row_stats_buffer(spec, lse)
+    stats = backward_sm90.row_stats_buffer(spec, lse).fill_(float("nan"))  # poisoned
     lse2, delta = stats[:, 0]
     grid, args, constexprs = backward_kernels.delta_launch(spec, out, grad_out, lse, grad_lse,
                                                            cu, delta, lse2)  # fmt: skip
     backward_kernels._delta_kernel[grid](*args, **constexprs)
 
+    read = torch.zeros(stats.shape[-1], dtype=torch.bool)  # the rows the backward reads
     want_lse2 = torch.zeros_like(stats[0, 0])
     want_delta = torch.zeros_like(want_lse2, dtype=torch.float64)  # exact
-    bound = torch.zeros_like(want_delta)  # delta's rounding; 0 in the gaps: zeros there
+    bound = torch.zeros_like(want_delta)  # delta's rounding; 0 in the slack: zeros there
     products = out.double() * grad_out.double()
     row_delta = products.sum(-1).T - grad_lse.double()
     # delta is a float32 sum of Dv products (and grad_lse) in the kernel's order: its
@@ -125,15 +128,20 @@ def test_packed_row_stats_for_hopper_cpu(lengths):
     row_lse2 = torch.where(lse == float("-inf"), float("inf"), lse * math.log2(math.e))
     end = 0
     for b, (first, length) in enumerate(zip(cu.tolist(), lengths)):
-        start = (first + 3 * b + 3) // 4 * 4
+        start = (first + (STATS_SLACK.value + 4) * b + 3) // 4 * 4
         assert start % 4 == 0 and start >= end, "aligned, after the previous sequence"
         end = start + length
         want_lse2[:, start:end] = row_lse2[:, first : first + length]
         want_delta[:, start:end] = row_delta[:, first : first + length]
         bound[:, start:end] = row_bound[:, first : first + length]
+        read[start:end] = True
+        if length:  # rows past the end: P = 0 (delta 0, so that dS = 0 dP is 0 too)
+            want_lse2[:, end : end + STATS_SLACK.value] = float("inf")
+            read[end : end + STATS_SLACK.value] = True
+            end += STATS_SLACK.value
     assert end <= stats.shape[-1]
-    torch.testing.assert_close(stats[0, 0], want_lse2, rtol=1e-6, atol=0)  # one rounding
-    assert ((stats[1, 0].double() - want_delta).abs() <= bound).all()
+    torch.testing.assert_close(stats[0, 0][:, read], want_lse2[:, read], rtol=1e-6, atol=0)
+    assert ((stats[1, 0].double() - want_delta).abs() <= bound)[:, read].all()
 
 
 def _tile_spec(head_dim, lengths, batch, seqlen):

@@ -29,6 +29,7 @@ from ..spec import AttentionSpec
 from . import tuning
 from .common import (
     LOG2E,
+    STATS_SLACK,
     add_bias_alibi_log2,
     alibi_strides,
     capped_score_log2,
@@ -71,7 +72,8 @@ def _delta_kernel(
     """delta = rowsum(dO * O), minus grad_lse where a gradient flows into lse (it adds
     P * grad_lse to dS). FOR_SM90 (the Gluon backward's inputs): also
     lse2 = lse * log2(e) (+inf for rows that see no key, so their P is 0, not NaN),
-    stored beside delta (strides stride_d*), packed sequences' at packed_stats_start;
+    stored beside delta (strides stride_d*), packed sequences' at packed_stats_start,
+    each followed by STATS_SLACK rows of lse2 = +inf and delta = 0;
     with ZERO_DQ, zeros for the fp32 dQ accumulator (backward_sm90.dq_tiles: DQ_BLOCK_M
     rows a tile, each zeroed whole by the program at its first row)."""
     b, h, _, m_block = row_block(num_m_blocks, H, False)
@@ -102,6 +104,13 @@ def _delta_kernel(
                       mask=row_ok, other=0.0)
         tl.store(Lse2 + d_off, tl.where(lse == float("-inf"), float("inf"), lse * LOG2E),
                  mask=row_ok)
+        if IS_VARLEN:  # the block holding the sequence's end: the slack past it
+            if (start_m < seqlen_q) & (seqlen_q <= start_m + BLOCK_M):
+                slack = tl.arange(0, STATS_SLACK)
+                s_off = (b64 * stride_db + h64 * stride_dh
+                         + (stats_row0 + seqlen_q - start_m + slack) * stride_dm)
+                tl.store(Lse2 + s_off, tl.full([STATS_SLACK], float("inf"), tl.float32))
+                tl.store(Delta + s_off, tl.zeros([STATS_SLACK], tl.float32))
     if ZERO_DQ:
         if (start_m % DQ_BLOCK_M == 0) & (start_m < seqlen_q):
             tile = dq_tile(start_m, q_start, b, DQ_BLOCK_M, IS_VARLEN)

@@ -29,9 +29,11 @@ that run() sums over the dimensions the bias broadcasts over: no atomics, no exp
 buffer, the same bits every run.
 Dropout's keep bits come from hopper.dropout_keep in the transposed layout. Packed
 sequences (varlen): one batch of all tokens to TMA, tiles from each sequence's first
-token, query rows past a sequence's end masked, dK and dV stored from its first key;
+token, dK and dV stored from its first key;
 their lse and delta from common.packed_stats_start on, a multiple of 4 tokens (a TMA
-box along the tokens must start 16-byte aligned, and a sequence may start anywhere).
+box along the tokens must start 16-byte aligned, and a sequence may start anywhere),
+with +inf lse past its end, so that a tile whose rows run past the end (the next
+sequence's) needs no mask for them.
 At D 64 and 128 the fp32 dQ buffer (dq_tiles) holds each tile in its registers' order
 (hopper.accumulator_order: its stores to shared memory without bank conflicts);
 backward.py's preprocess zeroes it and _dq_from_tiles_kernel converts it to the output.
@@ -73,6 +75,7 @@ from . import backward as tiles
 from . import hopper
 from .common import (
     LOG2E,
+    STATS_SLACK,
     add_bias_alibi_log2,
     alibi_strides,
     cdiv,
@@ -764,6 +767,9 @@ def _key_block(
     if IS_VARLEN:
         if start_n >= seqlen_k:
             n_tiles = 0
+        if not BOUNDED_LEFT:  # the last query tile's rows past the sequence get P = 0
+            if start_n + BLOCK_N <= seqlen_k:  # from their statistics (row_stats_buffer)
+                full_hi = hi
     return (b, hk, start_n, q_start, k_start, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
             n_tiles)
 
@@ -1864,12 +1870,14 @@ def row_stats_buffer(spec: AttentionSpec, lse: torch.Tensor) -> torch.Tensor:
     is never written or read: the descriptor's rows end at Sq). TMA reads past Sq give
     zeros, harmless: those rows have Q = dO = 0, so P·dO and dS vanish. Packed
     sequences (lse (H, Tq)) are one batch, (2, 1, H, Tq'), each sequence's rows from
-    common.packed_stats_start on; zeros in the gaps between them (TMA reads them for
-    rows past a sequence's end, masked: their P must be 0, not NaN)."""
+    common.packed_stats_start on, then STATS_SLACK rows of +inf lse and zero delta (a
+    query tile's rows past a sequence's end, the next one's, get P = 0 from them, so
+    the tile needs no mask); nothing reads the rest."""
     if spec.varlen:
         heads, tokens = lse.shape
-        padded = cdiv(tokens + 3 * spec.batch, 4) * 4  # packed_stats_start's slack
-        return torch.zeros(2, 1, heads, padded, dtype=torch.float32, device=lse.device)
+        slack = STATS_SLACK.value
+        padded = cdiv(tokens + (slack + 4) * spec.batch + slack, 4) * 4  # packed_stats_start's
+        return torch.empty(2, 1, heads, padded, dtype=torch.float32, device=lse.device)
     batch, heads, seqlen = lse.shape
     padded = cdiv(seqlen, 4) * 4
     return torch.empty(2, batch, heads, padded, dtype=torch.float32, device=lse.device)

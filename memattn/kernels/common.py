@@ -14,6 +14,9 @@ import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+# Rows past a packed sequence's end that the Gluon backward's query tiles (up to 128
+# rows) read: their statistics give P = 0 (packed_stats_start).
+STATS_SLACK = tl.constexpr(128)
 
 
 # Read once: an environment lookup per output was host time before every launch.
@@ -99,9 +102,10 @@ def philox_key(Rng, HAS_DROPOUT: tl.constexpr):
 def packed_stats_start(q_start, b):
     """Where packed sequence b's row statistics start in the Gluon backward's stats
     buffer (backward_sm90.row_stats_buffer): its first token rounded up to a multiple
-    of 4 (16 bytes of fp32, where a TMA box must start) after 3 tokens of slack for each
-    earlier sequence, so that no two sequences overlap."""
-    return (q_start + 3 * b + 3) // 4 * 4
+    of 4 (16 bytes of fp32, where a TMA box must start) after STATS_SLACK + 4 tokens for
+    each earlier sequence, so that each sequence's rows and the STATS_SLACK rows past
+    its end (+inf lse: a tile's rows past the sequence get P = 0) overlap no other's."""
+    return (q_start + (STATS_SLACK + 4) * b + 3) // 4 * 4
 
 
 @triton.jit
