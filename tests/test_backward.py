@@ -815,14 +815,17 @@ def test_deterministic_backward_on_hopper_gpu(head_dim, hopper_backward_launches
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_deterministic_full_bias_gradient_on_hopper_gpu(head_dim, hopper_backward_launches):
-    """Deterministic calls with a full bias gradient on the Gluon backward: dQ comes
-    from the stored dS by one matmul (backward_sm90.dq_from_full_bias), not from the
-    kernel's adds. Two runs agree bit for bit, and the gradients (the bias's too) match
-    the reference."""
+@pytest.mark.parametrize("head_dim, bias", [(64, "BHQK"), (128, "BHQK"), (128, "1HQK"),
+                                            (64, "B1QK"), (128, "QK")])  # fmt: skip
+def test_deterministic_full_bias_gradient_on_hopper_gpu(head_dim, bias,
+                                                        hopper_backward_launches):  # fmt: skip
+    """Deterministic calls with a bias gradient on the Gluon backward: the kernel stores
+    dS whole (a broadcast bias's expanded over batch and heads, summed by torch after:
+    dbias_kind_of's "expanded"), and dQ comes from it by one matmul
+    (backward_sm90.dq_from_full_bias), not from the kernel's adds. Two runs agree bit
+    for bit, and the gradients (the bias's too) match the reference."""
     case = Case("det full bias", batch=2, heads=8, kv_heads=2, seqlen_q=1000, seqlen_k=1104,
-                dqk=head_dim, dv=head_dim, bias="BHQK",
+                dqk=head_dim, dv=head_dim, bias=bias,
                 options=dict(causal=True, align="bottom_right", deterministic=True))
     runs = [_gradients(case, torch.bfloat16, "cuda") for _ in range(2)]
     assert hopper_backward_launches, "the deterministic call fell back to backward.py"

@@ -101,12 +101,18 @@ def test_gluon_kernels_at_few_keys_per_query(d, seqlen, options, gluon_backward,
      ((1, 1, 16, 16), True, 2, "summed"),  # shared by the heads too
      ((2, 1, 1, 16), True, 2, "row")],  # summed over queries in registers
 )  # fmt: skip
-def test_bias_gradient_kinds(bias_shape, varlen, sequences, kind, monkeypatch):
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_bias_gradient_kinds(bias_shape, varlen, sequences, kind, deterministic,
+                             monkeypatch):  # fmt: skip
     """dbias_kind_of: a plane per head shared by at most PACKED_BIAS_ADDS packed
     sequences takes their dS added into the gradient itself; any other broadcast, the
-    fp32 buffer."""
+    fp32 buffer, but in deterministic dense calls each (b, h)'s dS stored expanded, to
+    be summed in a fixed order."""
     monkeypatch.setattr(dispatch.backward_sm90, "PACKED_BIAS_ADDS", 2)
-    spec, _, _, _, bias = spec_and_inputs(b=sequences, bias_shape=bias_shape, varlen=varlen)
+    spec, *_, bias = spec_and_inputs(b=sequences, bias_shape=bias_shape, varlen=varlen,
+                                     deterministic=deterministic)  # fmt: skip
+    if deterministic and kind == "summed" and not varlen:
+        kind = "expanded"
     assert dispatch.backward_sm90.dbias_kind_of(spec, bias) == kind
 
 
@@ -247,6 +253,7 @@ def test_gluon_forward_takes_key_rows_at_positive_scales(scale, bias_shape, take
      (64, dict(dropout_p=0.1), None, 1),  # dropout's scratch: one
      (64, {}, "full", 0),  # dS leaves by TMA from the warpgroups
      (64, {}, "summed", 0),
+     (128, dict(deterministic=True), "expanded", 0),
      (64, {}, "added", 0),
      (64, {}, "row", 2),
      (128, {}, None, 0),  # DQ_WRITER: off at Dqk=128
@@ -269,7 +276,7 @@ def test_backward_dq_writer_where_dqk_and_the_bias_gradient_allow(d, options, db
         on = backward_sm90._plan(spec, False, dbias_kind, (False, False), 0, 0).constexprs
     finally:
         backward_sm90.hopper.forget_plans()
-    assert on["DQ_BUFS"] == (buffers or (0 if dbias_kind in ("full", "added", "summed") else 2))
+    assert on["DQ_BUFS"] == (buffers or (0 if dbias_kind in backward_sm90.TILE_GRADIENTS else 2))
 
 
 @gluon
@@ -520,14 +527,16 @@ def test_ordered_dq_needs_a_whole_head_running_without_a_right_bound(monkeypatch
     "d, bias_shape, varlen, takes",
     [(128, (2, 2, 16, 16), False, True),  # a full gradient: dQ = scale dS K, one matmul
      (64, (2, 2, 16, 16), False, True),
-     (128, (1, 2, 16, 16), False, False),  # summed: its adds land in any order
+     (128, (1, 2, 16, 16), False, True),  # summed: dS stored expanded, summed after
+     (64, (16, 16), False, True),  # over batch and heads alike
      (128, (2, 2, 1, 16), False, False),  # a key row: ORDERED_DQ's
      (128, (2, 2, 16, 16), True, False)],  # packed sequences: the tile kernels
 )  # fmt: skip
 def test_deterministic_full_bias_gradient_takes_dq_from_ds(d, bias_shape, varlen, takes):
-    """dq_from_full_bias: a deterministic dense call with a full bias gradient runs the
-    Gluon backward and takes dQ from the stored dS by one matmul; not otherwise, and
-    never outside deterministic calls."""
+    """dq_from_full_bias: a deterministic dense call with a bias gradient from dS tiles
+    (full, or summed over batch or heads from dS stored expanded) runs the Gluon
+    backward and takes dQ from the stored dS by one matmul; not otherwise, and never
+    outside deterministic calls."""
     bsm = dispatch.backward_sm90
     spec, *_, bias = spec_and_inputs(d=d, bias_shape=bias_shape, varlen=varlen,
                                      deterministic=True, causal=True)  # fmt: skip

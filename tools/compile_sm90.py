@@ -171,7 +171,8 @@ def compile_hopper_backward() -> int:
             dbias = torch.empty(*spec.bias_shape[:2], spec.seqlen_k)
         elif kind is not None:
             fp32 = kind == "summed"  # the buffer it is added into
-            dbias = torch.empty(bias.shape, dtype=torch.float32 if fp32 else bias.dtype)
+            shape = spec.bias_shape if kind == "expanded" else bias.shape
+            dbias = torch.empty(shape, dtype=torch.float32 if fp32 else bias.dtype)
         rng = torch.zeros(2, dtype=torch.int64) if spec.dropout_p > 0 else None
         dq = torch.empty(q.shape, dtype=q.dtype)
         if backward_sm90.dq_in_fp32(spec):  # as backward_sm90.run makes it

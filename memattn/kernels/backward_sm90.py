@@ -50,8 +50,9 @@ Covers what forward_sm90 covers (bf16/fp16, head dims 64, 128 and 256, GQA, caus
 masks either way, sliding windows, a bias, ALiBi, dropout, dense and packed batches)
 minus a bias gradient summed over keys, minus deterministic calls at D 64 and 128 other
 than orders_dq's (TMA reduce-adds land in any order; ORDERED_DQ puts them in one for
-dense batches), at D=256 and Dqk=192 minus a bias, ALiBi and dropout, and packed
-batches only at Dqk=192 outside deterministic calls. Every other call runs backward.py.
+dense batches) and dq_from_full_bias's (dS stored whole, dQ from it), at D=256 and
+Dqk=192 minus a bias, ALiBi and dropout, and packed batches only at Dqk=192 outside
+deterministic calls. Every other call runs backward.py.
 """
 
 from __future__ import annotations
@@ -1799,7 +1800,7 @@ def dq_buffers(spec: AttentionSpec, bias_tiles: bool, dbias_kind: str | None) ->
     beside a bias gradient that leaves by TMA from the compute warpgroups (full, added,
     or summed through dQ's buffers)."""
     writer = DQ_WRITER[spec.head_dim_qk] or orders_dq(spec, dbias_kind)
-    if not writer or dbias_kind in ("full", "added", "summed"):
+    if not writer or dbias_kind in TILE_GRADIENTS:
         return 0
     return 1 if bias_tiles or spec.dropout_p > 0 else 2
 
@@ -1810,7 +1811,7 @@ def orders_dq(spec: AttentionSpec, dbias_kind: str | None) -> bool:
     warpgroups (dQ's writer warp has no room beside it), and no window bounded on the
     left alone (dq_add_turn's two orders need a right bound or none)."""
     if not (ORDERED_DQ and spec.deterministic and dq_in_fp32(spec) and not spec.varlen
-            and dbias_kind not in ("full", "added", "summed")):
+            and dbias_kind not in TILE_GRADIENTS):
         return False
     if spec.window_right >= 0:  # adds last block first, waiting on earlier programs only
         return True
@@ -1821,12 +1822,13 @@ def orders_dq(spec: AttentionSpec, dbias_kind: str | None) -> bool:
 
 
 def dq_from_full_bias(spec: AttentionSpec, dbias_kind: str | None) -> bool:
-    """Whether a deterministic call takes dQ = scale · dS K from the full bias gradient
-    the kernel stores (backward.dq_from_ds: one batched matmul, in a fixed order): a
-    full gradient leaves no room for ORDERED_DQ's writer, so the kernel's own dQ adds
-    land in any order, and are dropped. Dense batches with a full (B, H, Sq, Sk)
-    gradient, where dQ goes through the fp32 buffer (D 64/128)."""
-    return (spec.deterministic and dbias_kind == "full" and not spec.varlen
+    """Whether a deterministic call takes dQ = scale · dS K from the (B, H, Sq, Sk) dS
+    the kernel stores (backward.dq_from_ds: one batched matmul, in a fixed order): the
+    tiles leave no room for ORDERED_DQ's writer, so the kernel's own dQ adds would land
+    in any order; it makes none. Dense batches with a full bias gradient, or one summed
+    over batch or heads from dS stored expanded (dbias_kind_of's "expanded"), where dQ
+    goes through the fp32 buffer (D 64/128)."""
+    return (spec.deterministic and dbias_kind in ("full", "expanded") and not spec.varlen
             and dq_in_fp32(spec))
 
 
@@ -1853,7 +1855,11 @@ def dbias_kind_of(spec: AttentionSpec, bias: torch.Tensor) -> str:
     is), "added" for a plane per head that up to PACKED_BIAS_ADDS packed sequences share
     (each tile added into the gradient by TMA reduce-add), "summed" for any other
     broadcast over batch or heads (dS added into an fp32 buffer by TMA reduce-adds, as
-    dQ is)."""
+    dQ is), but for deterministic dense calls "expanded": each (b, h)'s dS stored as a
+    full gradient's is, into a (B, H, Sq, Sk) buffer that torch then sums over the
+    broadcast dimensions in a fixed order (as backward.py's deterministic calls do, in
+    half its bytes: the bias's dtype, where it sums fp32), and dQ made from it
+    (dq_from_full_bias)."""
     if hopper.bias_row(spec, bias):
         return "row"
     if hopper.bias_full(spec, bias):
@@ -1861,7 +1867,14 @@ def dbias_kind_of(spec: AttentionSpec, bias: torch.Tensor) -> str:
     if spec.varlen and spec.batch <= PACKED_BIAS_ADDS and hopper.bias_dims(bias) == (
             1, spec.heads):
         return "added"
+    if spec.deterministic and not spec.varlen and dq_in_fp32(spec):
+        return "expanded"
     return "summed"
+
+
+# dbias_kind_of's kinds whose tiles leave the compute warpgroups by TMA (stored or
+# added), where the dQ writer warp has no room
+TILE_GRADIENTS = ("full", "expanded", "added", "summed")
 
 
 def row_stats_buffer(spec: AttentionSpec, lse: torch.Tensor) -> torch.Tensor:
@@ -1960,7 +1973,7 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
     elif bias is not None:
         bias_desc = hopper.bias_descriptor(bias, block_m, BLOCK_N)
         bias_batches, bias_heads = bias_desc.shape[:2]
-    if dbias_kind in ("full", "added", "summed"):  # a (queries, 64 keys) tile a warpgroup
+    if dbias_kind in TILE_GRADIENTS:  # a (queries, 64 keys) tile a warpgroup
         dbias_desc = hopper.bias_descriptor(dbias, block_m, BLOCK_N // 2)
     row_strides = hopper.bias_row_strides(bias if bias_row else None)
     partial_strides = dbias.stride()[:2] if dbias_kind == "row" else (0, 0)
@@ -2116,7 +2129,8 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
     constexprs = dict(
         HEAD_DIM_QK=spec.head_dim_qk, HEAD_DIM_V=spec.head_dim_v,
         BLOCK_M=block_m(spec, bias_row), BLOCK_N=BLOCK_N, STAGES=STAGES,
-        HAS_BIAS=bias_tiles, DBIAS_TILES={"full": 1, "added": 2}.get(dbias_kind, 0),
+        HAS_BIAS=bias_tiles,
+        DBIAS_TILES={"full": 1, "expanded": 1, "added": 2}.get(dbias_kind, 0),
         DBIAS_SUM=dbias_kind == "summed",
         BIAS_ROW=bias_row, DBIAS_ROW=dbias_kind == "row", HAS_ALIBI=spec.has_alibi,
         HAS_DROPOUT=spec.dropout_p > 0, IS_VARLEN=spec.varlen,
@@ -2404,8 +2418,10 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
         bias_grad_tiles(ZERO_SEEN, spec, dbias, None, cu_seqlens_q, cu_seqlens_k)
     elif dbias_kind == "added":  # every sequence's dS added in
         dbias = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device)
-    elif dbias_kind == "full":  # tiles no query sees are never written: zeros under a mask
-        dbias = new_output(bias.shape, bias.dtype, bias.device)
+    elif dbias_kind in ("full", "expanded"):  # tiles no query sees are never written:
+        # zeros under a mask; expanded, every (b, h)'s dS
+        shape = bias.shape if dbias_kind == "full" else spec.bias_shape
+        dbias = new_output(shape, bias.dtype, bias.device)
         if spec.window_left >= 0 or spec.window_right >= 0 or spec.varlen:
             bias_grad_tiles(ZERO_UNSEEN, spec, None, dbias, cu_seqlens_q, cu_seqlens_k)
     backward(spec, q, k, v, grad_out, bias, alibi_slopes, rng_state, cu_seqlens_q,
@@ -2422,4 +2438,6 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
     elif dbias_kind == "summed":
         summed, dbias = dbias, new_output(bias.shape, bias.dtype, bias.device)
         bias_grad_tiles(CONVERT, spec, summed, dbias, cu_seqlens_q, cu_seqlens_k)
+    elif dbias_kind == "expanded":  # torch's sum: fp32 inside, in a fixed order
+        dbias = dbias.sum_to_size(bias.shape)
     return dq, dk if need_dk else None, dv if need_dv else None, dbias

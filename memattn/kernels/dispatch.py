@@ -16,7 +16,8 @@ backward alike.
   nothing of bias, ALiBi or dropout, and no packed batches at D=256 nor deterministic
   ones at Dqk=192; deterministic mode only where dQ is not
   added up in fp32 across programs, or is in a fixed order (backward_sm90.ORDERED_DQ),
-  or comes from a full bias gradient by one matmul (backward_sm90.dq_from_full_bias).
+  or comes from dS stored whole (a full bias gradient, or one summed over batch or heads
+  stored expanded first) by one matmul (backward_sm90.dq_from_full_bias).
   Neither takes global positions for ALiBi or dropout (AttentionSpec.positioned).
 - The split-KV forward (decode.py), before either: few queries a sequence (Sq <= 64)
   against many keys (Sk >= 4096), every option but global positions; the query heads
