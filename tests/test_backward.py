@@ -339,6 +339,26 @@ def test_gradients_dq_atomic_cpu(case, dq_atomic, dq_kernel_launches):
     assert bool(dq_kernel_launches) == bool(case.options.get("deterministic"))
 
 
+@pytest.mark.parametrize("options, sq, sk", [
+    (dict(causal=True), 70, 70), (dict(causal=True, align="bottom_right"), 70, 45),
+    (dict(causal=True, align="bottom_right"), 30, 77), (dict(window=(9, 3)), 64, 64),
+    (dict(window=(5, -1)), 50, 60), ({}, 33, 20)])  # fmt: skip
+def test_dq_from_ds_takes_each_chunks_band(options, sq, sk, monkeypatch):
+    """dq_from_ds under a mask: chunks of queries (DQ_FROM_DS_ROWS, 16 here) against
+    the keys in their band give dQ = scale dS K of the whole product, where dS is 0 at
+    the pairs no query sees; GQA's query heads against their key head."""
+    monkeypatch.setattr(backward_kernels, "DQ_FROM_DS_ROWS", 16)
+    gen = torch.Generator().manual_seed(sq + sk)
+    q, k = torch.randn(2, sq, 4, 8, generator=gen), torch.randn(2, sk, 2, 8, generator=gen)
+    spec = memattn.spec.check_call(q, k, k, **options)
+    seen = memattn.reference.visible_mask(spec, sq, sk, "cpu")
+    ds = torch.randn(2, 4, sq, sk, generator=gen) * seen
+    dq = torch.full_like(q, float("nan"))
+    backward_kernels.dq_from_ds(dq, ds, k, spec)
+    want = spec.scale * ds.double() @ k.double().repeat_interleave(2, dim=2).transpose(1, 2)
+    torch.testing.assert_close(dq.double(), want.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
 @cpu_only
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 def test_dq_from_full_bias_gradient_cpu(deterministic, dq_kernel_launches):

@@ -2287,15 +2287,18 @@ _launch_delta = hopper.Launcher(tiles._delta_kernel)
 @triton.jit
 def _bias_grad_tiles_kernel(
     Buf, Out, CuSeqQ, CuSeqK, batches, heads, seqlen_q, seqlen_k, tiles_k, window_left,
-    window_right, MODE: tl.constexpr, IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
-    BAND: tl.constexpr, BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+    window_right, sum_batches, sum_heads, buf_heads, MODE: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, BAND: tl.constexpr,
+    BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One (query, key) tile of one (batch, head) plane of a contiguous bias gradient
     (B', H', Sq, Sk). Seen: the (query, key) pairs some call's batch that the plane
     serves sees (the causal or window band, BAND; with packed sequences and a bias plane
     a sequence, that sequence's own lengths). MODE 0 zeroes the fp32 buffer Buf where a
-    tile holds a seen pair, 1 converts those tiles into Out and writes zeros in the
+    tile holds a seen pair, 1 sums those tiles of Buf's planes into Out (sum_batches x
+    sum_heads planes of Buf, buf_heads heads a batch: the summed buffer's one, or an
+    expanded gradient's planes that a broadcast plane gathers) and writes zeros in the
     others, 2 writes zeros in Out wherever a pair is not seen."""
     pid = tl.program_id(0)
     tiles = pid // tiles_k
@@ -2331,8 +2334,12 @@ def _bias_grad_tiles_kernel(
             tl.store(Buf + start + offs, tl.zeros([BLOCK_Q, BLOCK_K], tl.float32), mask=inside)
     elif MODE == 1:
         x = tl.zeros([BLOCK_Q, BLOCK_K], tl.float32)
-        if some:
-            x = tl.load(Buf + start + offs, mask=inside, other=0.0)
+        if some:  # Buf's planes (b + i, h + j): Out's (b, h) where it does not broadcast
+            for i in range(sum_batches):
+                for j in range(sum_heads):
+                    plane = (bh // heads + i) * buf_heads + bh % heads + j
+                    x += tl.load(Buf + (plane.to(tl.int64) * seqlen_q + r0) * seqlen_k + c0
+                                 + offs, mask=inside, other=0.0).to(tl.float32)
         tl.store(Out + start + offs, x.to(Out.dtype.element_ty), mask=inside)
     else:
         zeros = tl.zeros([BLOCK_Q, BLOCK_K], Out.dtype.element_ty)
@@ -2352,11 +2359,15 @@ ZERO_SEEN, CONVERT, ZERO_UNSEEN = 0, 1, 2  # _bias_grad_tiles_kernel's modes
 def bias_grad_tiles(mode: int, spec: AttentionSpec, buf, out, cu_seqlens_q,
                     cu_seqlens_k) -> None:  # fmt: skip
     """_bias_grad_tiles_kernel over a bias gradient in the bias's shape (buf: the fp32
-    buffer a summed gradient is added into, out: the gradient; None where the mode
-    takes none), so that the pairs no query sees are neither zeroed, read nor written
-    twice."""
-    t = out if buf is None else buf
+    buffer a summed gradient is added into, or the (B, H, Sq, Sk) one of an expanded
+    gradient, to sum; out: the gradient; None where the mode takes none), so that the
+    pairs no query sees are neither zeroed, read nor written twice."""
+    t = buf if out is None else out
     shape = [1] * (4 - t.dim()) + list(t.shape)
+    sums = (1, 1, shape[1])  # Buf's planes a plane of Out sums: batches, heads; its heads
+    if buf is not None and out is not None and buf.dim() == 4 and tuple(buf.shape[:2]) != (
+            tuple(shape[:2])):  # an expanded gradient
+        sums = (buf.shape[0] // shape[0], buf.shape[1] // shape[1], buf.shape[1])
     block_q, block_k = 32, 128
     tiles_k = cdiv(shape[3], block_k)
     # Packed sequences sharing a plane: bottom-right diagonals differ by each's lengths,
@@ -2369,11 +2380,11 @@ def bias_grad_tiles(mode: int, spec: AttentionSpec, buf, out, cu_seqlens_q,
                       BAND=band, BOUNDED_LEFT=spec.window_left >= 0,
                       BOUNDED_RIGHT=spec.window_right >= 0, BLOCK_Q=block_q,
                       BLOCK_K=block_k)  # fmt: skip
-    ints = (*shape, tiles_k, spec.window_left, spec.window_right)
+    ints = (*shape, tiles_k, spec.window_left, spec.window_right, *sums)
     _launch_bias_grad_tiles(
-        (shape[0] * shape[1] * cdiv(shape[2], block_q) * tiles_k,), t,
-        t if out is None else out, cu_seqlens_q, cu_seqlens_k, *ints,
-        variant=(tuple(constexprs.items()), ints, t.dtype, None if out is None else out.dtype,
+        (shape[0] * shape[1] * cdiv(shape[2], block_q) * tiles_k,), t if buf is None else buf,
+        t, cu_seqlens_q, cu_seqlens_k, *ints,
+        variant=(tuple(constexprs.items()), ints, None if buf is None else buf.dtype, t.dtype,
                  hopper.aligned(cu_seqlens_q), hopper.aligned(cu_seqlens_k)),
         num_warps=4, **constexprs)  # fmt: skip
 
@@ -2438,6 +2449,7 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
     elif dbias_kind == "summed":
         summed, dbias = dbias, new_output(bias.shape, bias.dtype, bias.device)
         bias_grad_tiles(CONVERT, spec, summed, dbias, cu_seqlens_q, cu_seqlens_k)
-    elif dbias_kind == "expanded":  # torch's sum: fp32 inside, in a fixed order
-        dbias = dbias.sum_to_size(bias.shape)
+    elif dbias_kind == "expanded":  # summed in fp32, in a fixed order, seen tiles alone
+        expanded, dbias = dbias, new_output(bias.shape, bias.dtype, bias.device)
+        bias_grad_tiles(CONVERT, spec, expanded, dbias, cu_seqlens_q, cu_seqlens_k)
     return dq, dk if need_dk else None, dv if need_dv else None, dbias
