@@ -429,6 +429,10 @@ def _bwd_compute_partition(
     TOGETHER: gl.constexpr = (HEAD_DIM_QK == HEAD_DIM_V and 2 * dk_desc.block_type.nbytes
                               <= dq_desc.block_type.nbytes)  # fmt: skip
     OVERLAP_ENDS: gl.constexpr = overlaps_block_ends(FOLD, BLOCK_M)
+    # A dense gradient stored whole under a mask: the tiles no query of a block sees get
+    # their zeros here, not from a pass over the gradient (bias_grad_tiles' ZERO_UNSEEN).
+    ZERO_UNSEEN_TILES: gl.constexpr = (DBIAS_TILES == 1 and not IS_VARLEN
+                                       and (BOUNDED_LEFT or BOUNDED_RIGHT))
     # The rings' tiles before this block's (dS's and dQ's buffers go by them too)
     step = gl.to_tensor(0)
 
@@ -585,6 +589,10 @@ def _bwd_compute_partition(
             dk, ds_op = warpgroup_mma_wait(0, deps=(dk, ds_op))
             mbarrier.arrive(q_empty.index(slot))
 
+        if ZERO_UNSEEN_TILES:  # through this warpgroup's dS buffer of the other pair
+            free = ds_smem.index((step + GROUP * n_tiles) % 2 * 2 + HALF)
+            _zero_unseen_ds_tiles(dbias_desc, free, b, hk, GROUP, row0, seqlen_q, lo, n_tiles,
+                                  BLOCK_M, HALF_N)  # fmt: skip
         step += GROUP * n_tiles
         if not OVERLAP_ENDS or n_tiles == 0:  # done with K and V: the next block's
             mbarrier.arrive(kv_empty)  # may load
@@ -634,6 +642,30 @@ def _bwd_compute_partition(
                 tma.store_wait(0)  # before the buffer's next dQ tile
     if OVERLAP_ENDS:  # the last block's stores have read shared memory
         tma.store_wait(0)
+
+
+@gluon.jit
+def _zero_unseen_ds_tiles(dbias_desc, buf, b, hk, GROUP, row0, seqlen_q, lo, n_tiles,
+                          BLOCK_M: gl.constexpr, HALF_N: gl.constexpr):  # fmt: skip
+    """Zeros, by TMA stores from ``buf`` (one of this warpgroup's dS buffers, free: its
+    pair's last step was two steps ago), into the dense bias gradient's tiles of keys
+    [row0, + HALF_N) that the block's walk over query tiles [lo, + n_tiles) skipped,
+    for each query head of kv head hk: no query there sees these keys (their dS is 0).
+    Waits for the stores to have read the buffer."""
+    tma.store_wait(0)  # dS's last stores from this warpgroup's buffers have read them
+    zero_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows = buf.reshape([BLOCK_M, HALF_N])
+    for r in gl.static_range(0, BLOCK_M, 16):  # 8 registers a thread at a time
+        rows.slice(r, 16, dim=0).store(gl.zeros([16, HALF_N], buf.dtype, zero_layout))
+    fence_async_shared()
+    before = lo // BLOCK_M
+    skipped = gl.cdiv(seqlen_q, BLOCK_M) - n_tiles  # a head's
+    for z in range(GROUP * skipped):
+        k = z % skipped
+        m = gl.where(k < before, k, k + n_tiles) * BLOCK_M
+        tma.async_copy_shared_to_global(dbias_desc, [b, hk * GROUP + z // skipped, m, row0],
+                                        buf)
+    tma.store_wait(0)
 
 
 @gluon.jit
@@ -2429,11 +2461,10 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
         bias_grad_tiles(ZERO_SEEN, spec, dbias, None, cu_seqlens_q, cu_seqlens_k)
     elif dbias_kind == "added":  # every sequence's dS added in
         dbias = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device)
-    elif dbias_kind in ("full", "expanded"):  # tiles no query sees are never written:
-        # zeros under a mask; expanded, every (b, h)'s dS
+    elif dbias_kind in ("full", "expanded"):  # expanded: every (b, h)'s dS
         shape = bias.shape if dbias_kind == "full" else spec.bias_shape
         dbias = new_output(shape, bias.dtype, bias.device)
-        if spec.window_left >= 0 or spec.window_right >= 0 or spec.varlen:
+        if spec.varlen:  # tiles no query sees (past a sequence too) are never written
             bias_grad_tiles(ZERO_UNSEEN, spec, None, dbias, cu_seqlens_q, cu_seqlens_k)
     backward(spec, q, k, v, grad_out, bias, alibi_slopes, rng_state, cu_seqlens_q,
              cu_seqlens_k, stats, dq if dq_acc is None else dq_acc, dk, dv, dbias)
