@@ -15,8 +15,9 @@ feature names follow the peer measurements in ``shared/peers-*.json``:
   window1024_causal, alibi, softcap30, gqa8, packed documents (13 in 16384 tokens:
   varlen_docs, varlen_causal_docs, with a (1, H, S, S) bias (both) or dropout),
   dqk192_dv128_causal, dqk128_dv64_causal, deterministic (the backward's deterministic
-  mode; its ratio to D128_S4096 is what it costs) and bias_grad_deterministic (against
-  bias_grad);
+  mode; its ratio to D128_S4096 is what it costs), bias_grad_deterministic (against
+  bias_grad) and bias_1HQK_causal_deterministic (against bias_1HQK_causal: a broadcast
+  bias's gradient in a fixed order);
 - decode rows (few queries against a long KV cache, H=32, Hkv=8, D=128): the forward
   only, without autograd (inference), rated in GB/s of K and V read once.
 
@@ -157,6 +158,8 @@ FEATURE_ROWS = [
     replace(_BASE, feature="dqk128_dv64_causal", dv=64, causal=True),
     replace(_BASE, feature="deterministic", deterministic=True),
     replace(_BASE, feature="bias_grad_deterministic", bias="BHQK", deterministic=True),
+    replace(_BASE, feature="bias_1HQK_causal_deterministic", bias="1HQK", causal=True,
+            deterministic=True),
 ]
 _DECODE = Row("decode", batch=1, heads=32, kv_heads=8, seqlen=4096, dqk=128, dv=128, seqlen_q=1)
 DECODE_ROWS = [
