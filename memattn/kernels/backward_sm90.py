@@ -1888,10 +1888,10 @@ def dbias_kind_of(spec: AttentionSpec, bias: torch.Tensor) -> str:
     (each tile added into the gradient by TMA reduce-add), "summed" for any other
     broadcast over batch or heads (dS added into an fp32 buffer by TMA reduce-adds, as
     dQ is), but for deterministic dense calls "expanded": each (b, h)'s dS stored as a
-    full gradient's is, into a (B, H, Sq, Sk) buffer that torch then sums over the
-    broadcast dimensions in a fixed order (as backward.py's deterministic calls do, in
-    half its bytes: the bias's dtype, where it sums fp32), and dQ made from it
-    (dq_from_full_bias)."""
+    full gradient's is, into a (B, H, Sq, Sk) buffer that bias_grad_tiles' CONVERT then
+    sums over the broadcast dimensions in a fixed order (as backward.py's deterministic
+    calls do, in half its bytes: the bias's dtype, where it sums fp32), and dQ made from
+    it (dq_from_full_bias)."""
     if hopper.bias_row(spec, bias):
         return "row"
     if hopper.bias_full(spec, bias):
