@@ -2396,10 +2396,10 @@ def bias_grad_tiles(mode: int, spec: AttentionSpec, buf, out, cu_seqlens_q,
     pairs no query sees are neither zeroed, read nor written twice."""
     t = buf if out is None else out
     shape = [1] * (4 - t.dim()) + list(t.shape)
-    sums = (1, 1, shape[1])  # Buf's planes a plane of Out sums: batches, heads; its heads
-    if buf is not None and out is not None and buf.dim() == 4 and tuple(buf.shape[:2]) != (
-            tuple(shape[:2])):  # an expanded gradient
-        sums = (buf.shape[0] // shape[0], buf.shape[1] // shape[1], buf.shape[1])
+    planes = shape if buf is None else [1] * (4 - buf.dim()) + list(buf.shape)
+    # Buf's planes a plane of Out sums (more than one for an expanded gradient): batches,
+    # heads; Buf's heads
+    sums = (planes[0] // shape[0], planes[1] // shape[1], planes[1])
     block_q, block_k = 32, 128
     tiles_k = cdiv(shape[3], block_k)
     # Packed sequences sharing a plane: bottom-right diagonals differ by each's lengths,
@@ -2426,7 +2426,8 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
     """The backward through this module's kernels, for a call dispatch.gluon_backward
     took: the preprocess fills the row statistics, padded for TMA, and, where the kernel
     adds dQ into an fp32 buffer, zeroes it; dQ is then converted at the end (or, for a
-    deterministic call with a full bias gradient, made from it: dq_from_full_bias). Returns
+    deterministic call with a bias gradient by tiles, made from the stored dS:
+    dq_from_full_bias). Returns
     (dq, dk, dv, dbias), None for what ``needs`` does not ask. Only what this path reads
     is computed, and the preprocess launches first, before the outputs are allocated:
     every line here is host time on each call, and what comes before the first launch
