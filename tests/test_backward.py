@@ -719,7 +719,7 @@ def test_backward_dq_writer_at_every_dqk_gpu(name, hopper_backward_launches, mon
 
 
 # ORDERED_DQ: deterministic calls on the Gluon backward, each dQ tile's adds in a fixed
-# order. Both orders (a right bound: last key
+# order, dense and packed batches. Both orders (a right bound: last key
 # block first; none: round from the block whose walk starts at the tile), D 64 (128
 # rows a step) and 128, GQA, Sq far from Sk, one key block, dropout (one dQ buffer), a
 # key row's gradient, ALiBi, Dqk != Dv, and 32 key blocks a head contending for turns.
@@ -727,7 +727,8 @@ ORDERED_CASES = ["D64 Sq=777 Sk=1030", "D64 Sq=2048 Sk=333", "D128 causal",
                  "causal bottom-right Sq>Sk", "window (200, 0)", "GQA 8:2 transposed causal",
                  "one tile", "dropout causal GQA", "bias K Sq=2100 Sk=333",
                  "bias B11K causal GQA", "alibi H causal GQA", "Dqk128 Dv64 window",
-                 "ordered D128 S4096", "ordered D128 S4096 causal"]  # fmt: skip
+                 "ordered D128 S4096", "ordered D128 S4096 causal", "varlen D128 causal",
+                 "varlen D128 GQA", "varlen D64 GQA bottom-right"]  # fmt: skip
 _ORDERED_EXTRA = [
     Case("ordered D128 S4096", batch=1, heads=4, kv_heads=2, seqlen_q=4096, seqlen_k=4096,
          dqk=128, dv=128),

@@ -477,14 +477,15 @@ def test_ordered_dq_turns_follow_the_walks(seqlen_q, seqlen_k, align, window, bl
      ({}, False, None, True, True),
      (dict(window=(300, 40)), False, None, True, False),
      (dict(window=(300, -1)), False, None, False, False),  # a left bound alone
-     (dict(causal=True), True, None, False, False),  # packed sequences
+     (dict(causal=True), True, None, True, False),  # packed sequences: their own blocks
+     ({}, True, None, True, True),
      (dict(causal=True), False, (2, 2, 16, 16), False, False),  # dS leaves by TMA
      (dict(causal=True), False, (2, 1, 1, 16), True, False)],  # a key row's gradient
 )  # fmt: skip
 def test_ordered_dq_takes_deterministic_calls(options, varlen, bias_shape, ordered, rotate,
                                               monkeypatch):  # fmt: skip
-    """ORDERED_DQ takes deterministic D 64/128 calls of dense batches, without a bias
-    gradient sent by TMA or a window bounded on the left alone; there the plan has the
+    """ORDERED_DQ takes deterministic D 64/128 calls of dense or packed batches, without
+    a bias gradient sent by TMA or a window bounded on the left alone; there the plan has the
     dQ writer warp, and the rotated walk without a right bound. Off, and for calls that
     are not deterministic, nothing changes."""
     bsm = dispatch.backward_sm90

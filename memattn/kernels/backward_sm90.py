@@ -49,8 +49,8 @@ output dtype: no fp32 buffer, and no atomics.
 Covers what forward_sm90 covers (bf16/fp16, head dims 64, 128 and 256, GQA, causal
 masks either way, sliding windows, a bias, ALiBi, dropout, dense and packed batches)
 minus a bias gradient summed over keys, minus deterministic calls at D 64 and 128 other
-than orders_dq's (TMA reduce-adds land in any order; ORDERED_DQ puts them in one for
-dense batches) and dq_from_full_bias's (dS stored whole, dQ from it), at D=256 and
+than orders_dq's (TMA reduce-adds land in any order; ORDERED_DQ puts them in one) and
+dq_from_full_bias's (dS stored whole, dQ from it), at D=256 and
 Dqk=192 minus a bias, ALiBi and dropout, and packed batches only at Dqk=192 outside
 deterministic calls. Every other call runs backward.py.
 """
@@ -114,6 +114,17 @@ def _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M: gl.constexpr, rot=0,
     if ROTATE:
         t = (t + rot) % n_tiles
     return h, lo + t * BLOCK_M
+
+
+@gluon.jit
+def _walk_rotation(start_n, n_tiles, seqlen_k, BLOCK_N: gl.constexpr, ROTATE: gl.constexpr):
+    """ROTATE: the query tile key block start_n's walk starts at, n * n_tiles // num_n
+    for block n of the num_n of its (sequence's) keys (ORDERED_DQ, dq_add_turn); 0
+    otherwise. The three partitions take it from here, so that they walk alike."""
+    rot = 0
+    if ROTATE:
+        rot = (start_n // BLOCK_N) * n_tiles // gl.cdiv(seqlen_k, BLOCK_N)
+    return rot
 
 
 @gluon.jit
@@ -280,10 +291,9 @@ def _bwd_blocks_load_partition(
     (q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem, v_smem,
      lse_smem, delta_smem, bias_smem, kv_bar, kv_empty, q_ready, do_ready, q_empty, do_empty,
      GROUP, bias_batches, bias_heads, blocks, n_items) = loads
-    num_n_blocks = blocks[7]
     step = gl.to_tensor(0)
     for j in range(n_items):
-        b, hk, start_n, q_start, k_start, _, _, _, lo, _, _, n_tiles = _program_block(
+        b, hk, start_n, q_start, k_start, _, seqlen_k, _, lo, _, _, n_tiles = _program_block(
             j, blocks, BLOCK_M, BLOCK_N, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
             BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD)  # fmt: skip
         b_tma = b
@@ -291,9 +301,7 @@ def _bwd_blocks_load_partition(
         if IS_VARLEN:  # one batch of all tokens; row statistics from packed_stats_start
             b_tma = 0
             stats_start = packed_stats_start(q_start, b)
-        rot = 0
-        if ROTATE:  # program n's walk starts at query tile n * n_tiles // num_n
-            rot = (start_n // BLOCK_N) * n_tiles // num_n_blocks
+        rot = _walk_rotation(start_n, n_tiles, seqlen_k, BLOCK_N, ROTATE)
         first = 0
         if overlaps_block_ends(FOLD, BLOCK_M):  # the block's first Q and dO tiles, whose
             # slots free before the last block's K and V do
@@ -451,9 +459,7 @@ def _bwd_compute_partition(
         if DBIAS_ROW:  # this query head's dS summed over its query tiles so far
             db_row = gl.zeros([HALF_N], gl.float32, layout=gl.SliceLayout(1, s_layout))
         bias_b = (b % bias_batches).to(gl.int64)  # 0 where the bias broadcasts over batches
-        rot = 0
-        if ROTATE:  # as _bwd_sm90_kernel's (dense batches: seqlen_k is Sk)
-            rot = (start_n // BLOCK_N) * n_tiles // gl.cdiv(seqlen_k, BLOCK_N)
+        rot = _walk_rotation(start_n, n_tiles, seqlen_k, BLOCK_N, ROTATE)
         mbarrier.wait(kv_bar, blk & 1)
 
         for t in range(GROUP * n_tiles):
@@ -694,21 +700,24 @@ def _bwd_dq_writer_partition(
     tile's counter in DqLocks, and count it on once they are done. ``blocks``: as
     _program_block takes them."""
     TILE_ROWS: gl.constexpr = dq_desc.block_type.shape[2]
-    num_n, window_right = blocks[7], blocks[9]
+    window_right = blocks[9]
     step = gl.to_tensor(0)  # the rings' count of tiles before this block's
     for blk in range(n_items):
-        b, hk, start_n, q_start, _, seqlen_q, _, off, lo, _, _, n_tiles = _program_block(
+        b, hk, start_n, q_start, _, seqlen_q, seqlen_k, off, lo, _, _, n_tiles = _program_block(
             blk, blocks, BLOCK_M, BLOCK_N, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
             BOUNDED_RIGHT, BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD)  # fmt: skip
         b_tma = 0 if IS_VARLEN else b
-        rot = 0
-        if ROTATE:  # as the load warp's
-            rot = (start_n // BLOCK_N) * n_tiles // num_n
+        num_n = gl.cdiv(seqlen_k, BLOCK_N)  # the sequence's key blocks
+        rot = _walk_rotation(start_n, n_tiles, seqlen_k, BLOCK_N, ROTATE)
         for t in range(GROUP * n_tiles):
             i = step + t
             h, start_m = _query_tile(t, hk, GROUP, lo, n_tiles, BLOCK_M, rot, ROTATE)
             if ORDERED:
-                lock = DqLocks + (b * heads + h) * gl.cdiv(seqlen_q, BLOCK_M) + start_m // BLOCK_M
+                tile = dq_tile(start_m, q_start, b, BLOCK_M, IS_VARLEN)
+                if IS_VARLEN:  # packed sequences' tiles (common.dq_tile), heads inner
+                    lock = DqLocks + tile * heads + h
+                else:
+                    lock = DqLocks + (b * heads + h) * gl.cdiv(seqlen_q, BLOCK_M) + tile
                 turn = dq_add_turn(start_n // BLOCK_N, start_m, num_n, n_tiles, off,
                                    window_right, BLOCK_M, BLOCK_N, BOUNDED_RIGHT)
                 hopper.wait_turn(lock, turn)
@@ -727,7 +736,8 @@ def _bwd_dq_writer_partition(
 
 
 @gluon.jit
-def _packed_key_item(pid, HKV, CuSeqK, num_seqs, num_n_blocks, BLOCK_N: gl.constexpr):
+def _packed_key_item(pid, HKV, CuSeqK, num_seqs, num_n_blocks, BLOCK_N: gl.constexpr,
+                     DESCENDING: gl.constexpr = False):  # fmt: skip
     """The item of _key_block's grid (packed sequences' key blocks counted to the
     longest) that program pid of the packed grid stands for, -1 past its sequence's
     blocks. The packed grid (hopper.packed_items over the keys, in packed_head_rank's
@@ -741,6 +751,8 @@ def _packed_key_item(pid, HKV, CuSeqK, num_seqs, num_n_blocks, BLOCK_N: gl.const
     tokens = gl.load(CuSeqK + b + 1) - first
     hk, rank = hopper.packed_head_rank(pid, HKV, b, first, tokens, BLOCK_N)
     item = (b * HKV + hk) * num_n_blocks + rank
+    if DESCENDING:  # ORDERED_DQ: each (sequence, head)'s blocks last first
+        item = (b * HKV + hk) * num_n_blocks + gl.cdiv(tokens, BLOCK_N) - 1 - rank
     if rank * BLOCK_N >= tokens:
         item = -1
     return item
@@ -786,7 +798,7 @@ def _key_block(
     else:
         bhk = item // num_n_blocks
         start_n = (item % num_n_blocks) * BLOCK_N
-        if DESCENDING:
+        if DESCENDING and not IS_VARLEN:  # packed grids: _packed_key_item's order
             start_n = (num_n_blocks - 1 - item % num_n_blocks) * BLOCK_N
         b = bhk // HKV
         hk = bhk % HKV
@@ -836,7 +848,7 @@ def _operand_buffers(q_desc, do_desc, k_desc, v_desc, stats_desc, STAGES: gl.con
 @gluon.jit
 def _bwd_sm90_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, bias_desc, dbias_desc, dk_desc,
-    dv_desc, DK, DV, Rng, Alibi, CuSeqQ, CuSeqK, BiasRow, DBiasRow, stride_kb,
+    dv_desc, DK, DV, Rng, Alibi, CuSeqQ, CuSeqK, DqLocks, BiasRow, DBiasRow, stride_kb,
     stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ab, stride_ah, stride_rb,
     stride_rh, stride_rn, stride_pb, stride_ph, HKV, GROUP, bias_batches, bias_heads, seqlen_q,
     seqlen_k, num_seqs, num_n_blocks, num_items, scale, window_left, window_right, dropout_p,
@@ -859,7 +871,7 @@ def _bwd_sm90_kernel(
     # many blocks, each group's blocks rank by rank.
     pid = gl.program_id(0)
     if IS_VARLEN and not (BATCH_INNER or HEAD_INNER):
-        pid = _packed_key_item(pid, HKV, CuSeqK, num_seqs, num_n_blocks, BLOCK_N)
+        pid = _packed_key_item(pid, HKV, CuSeqK, num_seqs, num_n_blocks, BLOCK_N, ORDERED)
         if pid < 0:
             return
     elif BY_RANK > 0:
@@ -928,8 +940,8 @@ def _bwd_sm90_kernel(
     loads = (q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem,
              v_smem, lse_smem, delta_smem, bias_smem, kv_bar, kv_empty, q_ready, do_ready,
              q_empty, do_empty, GROUP, bias_batches, bias_heads, blocks, n_items)
-    if DQ_BUFS > 0:  # a fourth partition, the dQ writer warp (ORDERED: dQ's counters
-        # come in CuSeqQ's place)
+    if DQ_BUFS > 0:  # a fourth partition, the dQ writer warp (ORDERED: dQ's counters in
+        # DqLocks)
         gl.warp_specialize(
             [(_bwd_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, DBIAS_TILES, DBIAS_SUM, BIAS_ROW,
@@ -948,7 +960,7 @@ def _bwd_sm90_kernel(
                                            BATCH_INNER, HEAD_INNER, ORDERED, ROTATE,
                                            PERSISTENT, FOLD)),
              (_bwd_dq_writer_partition, (dq_desc, dq_smem, dq_full, dq_empty, blocks,
-                                         n_items, GROUP, CuSeqQ, heads, BLOCK_M, BLOCK_N,
+                                         n_items, GROUP, DqLocks, heads, BLOCK_M, BLOCK_N,
                                          DQ_BUFS, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
                                          BOUNDED_RIGHT, BATCH_INNER, HEAD_INNER, ORDERED,
                                          ROTATE, PERSISTENT, FOLD))],
@@ -1839,16 +1851,18 @@ def dq_buffers(spec: AttentionSpec, bias_tiles: bool, dbias_kind: str | None) ->
 
 def orders_dq(spec: AttentionSpec, dbias_kind: str | None) -> bool:
     """Whether a deterministic call runs the D 64/128 kernel with dQ's adds in a fixed
-    order (ORDERED_DQ): dense batches, no bias gradient sent by TMA from the compute
-    warpgroups (dQ's writer warp has no room beside it), and no window bounded on the
-    left alone (dq_add_turn's two orders need a right bound or none)."""
-    if not (ORDERED_DQ and spec.deterministic and dq_in_fp32(spec) and not spec.varlen
+    order (ORDERED_DQ): dense or packed batches (a packed sequence's blocks as a dense
+    head's, their counters common.dq_tile's), no bias gradient sent by TMA from the
+    compute warpgroups (dQ's writer warp has no room beside it), and no window bounded
+    on the left alone (dq_add_turn's two orders need a right bound or none)."""
+    if not (ORDERED_DQ and spec.deterministic and dq_in_fp32(spec)
             and dbias_kind not in TILE_GRADIENTS):
         return False
     if spec.window_right >= 0:  # adds last block first, waiting on earlier programs only
         return True
     # No right bound: the turns go round the head's blocks (rot), so every block of a
-    # head must be running at once; half the SMs, to leave room for other streams' work.
+    # head must be running at once; half the SMs, to leave room for other streams' work
+    # (packed sequences: the longest's blocks).
     no_left = spec.window_left < 0
     return no_left and cdiv(spec.seqlen_k, BLOCK_N) <= hopper.sm_count(spec.device.index) // 2
 
@@ -1977,15 +1991,17 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
     dbias_kind = None if dbias is None else dbias_kind_of(spec, bias)
     how = _plan(spec, bias_row, dbias_kind, inner_dims(spec, bias, dbias_kind),
                 k.shape[0] if spec.varlen else 0, q.device.index)
-    if how.constexprs["ORDERED"]:  # a counter per dQ tile, in cu_seqlens_q's place (dense)
-        tiles = cdiv(spec.seqlen_q, how.constexprs["BLOCK_M"])
-        cu_seqlens_q = torch.zeros(spec.batch * spec.heads * tiles, dtype=torch.int32,
-                                   device=q.device)  # fmt: skip
+    dq_locks = dk  # a stand-in, never read
+    if how.constexprs["ORDERED"]:  # a counter per dQ tile (packed: common.dq_tile's)
+        rows = how.constexprs["BLOCK_M"]
+        tiles = (q.shape[0] // rows + spec.batch if spec.varlen
+                 else spec.batch * cdiv(spec.seqlen_q, rows))
+        dq_locks = torch.zeros(tiles * spec.heads, dtype=torch.int32, device=q.device)
     # What the arguments are made of beside the plan, shapes included (the spec does not
     # fix packed sequences' token counts): hopper.Launcher.launch_prepared.
     call = (how, *map(hopper.tensor_key, (q, k, v, grad_out, stats, dq, dk, dv, bias, dbias,
                                            alibi_slopes, rng_state, cu_seqlens_q,
-                                           cu_seqlens_k)))  # fmt: skip
+                                           cu_seqlens_k, dq_locks)))  # fmt: skip
     if _launch_backward.launch_prepared(how.programs, call):
         return
     half_d = spec.head_dim_qk // 2
@@ -2026,7 +2042,7 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
                               block_m),
         bias_desc, dbias_desc, hopper.descriptor(dk_tma, BLOCK_N // 2),
         hopper.descriptor(dv_tma, BLOCK_N // 2), dk, dv, rng_state, alibi_slopes,
-        cu_seqlens_q, cu_seqlens_k,
+        cu_seqlens_q, cu_seqlens_k, dq_locks,
         bias if bias_row else dk, dbias if dbias_kind == "row" else dk,
         *k_strides, *v_strides,
         alibi_batch_stride, alibi_head_stride, *row_strides, *partial_strides,
