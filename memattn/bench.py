@@ -17,7 +17,8 @@ feature names follow the peer measurements in ``shared/peers-*.json``:
   dqk192_dv128_causal, dqk128_dv64_causal, deterministic (the backward's deterministic
   mode; its ratio to D128_S4096 is what it costs), bias_grad_deterministic (against
   bias_grad) and bias_1HQK_causal_deterministic (against bias_1HQK_causal: a broadcast
-  bias's gradient in a fixed order);
+  bias's gradient in a fixed order), varlen_causal_docs_deterministic (against
+  varlen_causal_docs);
 - decode rows (few queries against a long KV cache, H=32, Hkv=8, D=128): the forward
   only, without autograd (inference), rated in GB/s of K and V read once.
 
@@ -159,6 +160,8 @@ FEATURE_ROWS = [
     replace(_BASE, feature="deterministic", deterministic=True),
     replace(_BASE, feature="bias_grad_deterministic", bias="BHQK", deterministic=True),
     replace(_BASE, feature="bias_1HQK_causal_deterministic", bias="1HQK", causal=True,
+            deterministic=True),
+    replace(_DOCS, feature="varlen_causal_docs_deterministic", causal=True,
             deterministic=True),
 ]
 _DECODE = Row("decode", batch=1, heads=32, kv_heads=8, seqlen=4096, dqk=128, dv=128, seqlen_q=1)

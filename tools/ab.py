@@ -12,7 +12,8 @@ it broadcasts; no gradient asked of it, but with ".grad": "+1HQK.grad"; the erro
 column then covers dQ, dK and dV only); the shapes "docs" and "docs-full" are the
 bench's packed documents (causal and not, H=16, D=128), "docs/N" and "docs/N-full"
 16384 tokens of documents N long; "docs+1HQK.grad" adds a bias the documents share,
-"docs@192/128" other head dims.
+"docs@192/128" other head dims; a "d" after the documents' part
+("docs-fulld", "docs/512d") makes the call deterministic, as after a dense shape.
 
 --rounds N times the variants N times more, in turn, and prints each one's median.
 
@@ -53,6 +54,7 @@ VARIANTS = {
     "no_skip_empty": {"bwd.SKIP_EMPTY_KEY_BLOCKS": False},  # packed: blocks past the end run
     "dq_writer": {"bwd.DQ_WRITER": {64: True, 128: True}},  # dQ's adds from a warp of their own
     "no_dq_writer": {"bwd.DQ_WRITER": {64: False, 128: False}},  # ... from the warpgroups
+    "no_ordered": {"bwd.ORDERED_DQ": False},  # deterministic calls on the tile kernels
     "bwd_grid": {"bwd.PERSISTENT_BLOCKS": False},  # a backward program per key block
     # masked backwards: persistent programs, folded, or a program per block, the heads'
     # blocks rank by rank in groups of at least N blocks
@@ -108,6 +110,8 @@ def inputs(shape: str, device: str = "cuda"):
         shape, _, bias = shape.partition("+")
         shape, _, dims = shape.partition("@")
         d, dv = (int(x) for x in ((dims or "128").split("/") * 2)[:2])
+        deterministic = shape.endswith("d") and shape != "docs"
+        shape = shape.removesuffix("d") if deterministic else shape
         causal = not shape.endswith("-full")
         size = shape.removesuffix("-full").partition("/")[2]
         lengths = (int(size),) * (16384 // int(size)) if size else bench.DOC_LENGTHS
@@ -115,8 +119,8 @@ def inputs(shape: str, device: str = "cuda"):
                           device=device)  # fmt: skip
         q, k = new(sum(lengths), 16, d), new(sum(lengths), 16, d)
         v, do = new(sum(lengths), 16, dv), new(sum(lengths), 16, dv)
-        kw = dict(causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
-                  max_seqlen_k=max(lengths))  # fmt: skip
+        kw = dict(causal=causal, deterministic=deterministic, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                  max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))  # fmt: skip
         if bias:  # shared by the documents, indexed by positions in each
             kw["bias"] = _bias(bias, new, B=len(lengths), H=16, Q=max(lengths), K=max(lengths))
         pairs = (n * (n + 1) / 2 if causal else n * n for n in lengths)
