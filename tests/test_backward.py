@@ -719,22 +719,35 @@ def test_backward_dq_writer_at_every_dqk_gpu(name, hopper_backward_launches, mon
 
 
 # ORDERED_DQ: deterministic calls on the Gluon backward, each dQ tile's adds in a fixed
-# order, dense and packed batches. Both orders (a right bound: last key
-# block first; none: round from the block whose walk starts at the tile), D 64 (128
-# rows a step) and 128, GQA, Sq far from Sk, one key block, dropout (one dQ buffer), a
-# key row's gradient, ALiBi, Dqk != Dv, and 32 key blocks a head contending for turns.
+# order, dense and packed batches. The three orders (a right bound: last key block
+# first; none: round from the block whose walk starts at the tile; a left bound alone,
+# or a head's blocks more than half the SMs: first block first), D 64 (128 rows a step)
+# and 128, GQA, Sq far from Sk, one key block, dropout (one dQ buffer), a key row's
+# gradient, ALiBi, Dqk != Dv, and 32 key blocks a head contending for turns.
 ORDERED_CASES = ["D64 Sq=777 Sk=1030", "D64 Sq=2048 Sk=333", "D128 causal",
                  "causal bottom-right Sq>Sk", "window (200, 0)", "GQA 8:2 transposed causal",
                  "one tile", "dropout causal GQA", "bias K Sq=2100 Sk=333",
                  "bias B11K causal GQA", "alibi H causal GQA", "Dqk128 Dv64 window",
                  "ordered D128 S4096", "ordered D128 S4096 causal", "varlen D128 causal",
-                 "varlen D128 GQA", "varlen D64 GQA bottom-right"]  # fmt: skip
+                 "varlen D128 GQA", "varlen D64 GQA bottom-right",
+                 "ordered left window bottom-right GQA", "ordered D64 first first Sk=1500",
+                 "ordered varlen D128 first first"]  # fmt: skip
 _ORDERED_EXTRA = [
     Case("ordered D128 S4096", batch=1, heads=4, kv_heads=2, seqlen_q=4096, seqlen_k=4096,
          dqk=128, dv=128),
     Case("ordered D128 S4096 causal", batch=1, heads=4, kv_heads=2, seqlen_q=4096,
          seqlen_k=4096, dqk=128, dv=128, options=dict(causal=True)),
+    Case("ordered left window bottom-right GQA", heads=4, kv_heads=2, seqlen_q=1100,
+         seqlen_k=1500, dqk=128, dv=128, options=dict(window=(300, -1), align="bottom_right")),
+    Case("ordered D64 first first Sk=1500", heads=4, kv_heads=2, seqlen_q=900, seqlen_k=1500,
+         dqk=64, dv=64),
+    Case("ordered varlen D128 first first", heads=4, kv_heads=2, lengths_q=(700, 0, 1300, 64),
+         lengths_k=(500, 5, 1304, 64), dqk=128, dv=128),
 ]  # fmt: skip
+# The SMs the child pretends the GPU has: a head's 12 key blocks (11 of the longest
+# sequence) more than half of 8, so that the unbounded turns go first block first
+# (rotates_dq) at a size the suite can run.
+_ORDERED_SMS = {"ordered D64 first first Sk=1500": 8, "ordered varlen D128 first first": 8}
 
 
 def ordered_dq_child(name: str) -> None:
@@ -744,6 +757,8 @@ def ordered_dq_child(name: str) -> None:
     from memattn.kernels import backward_sm90
 
     backward_sm90.MIN_KEYS_PER_QUERY = dict.fromkeys(backward_sm90.HEAD_DIMS, 0)
+    if name in _ORDERED_SMS:
+        backward_sm90.hopper.sm_count = lambda device_index: _ORDERED_SMS[name]
     launched = []
     run = backward_sm90.backward
     backward_sm90.backward = lambda *a: launched.append(1) or run(*a)

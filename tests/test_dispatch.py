@@ -439,32 +439,40 @@ def _visits(n, seqlen_q, off, left, right, block_m, block_n):
     [(777, 1030, "top_left", None), (2000, 333, "top_left", None), (64, 4096, "top_left", None),
      (1531, 1531, "top_left", (-1, 0)), (1000, 300, "bottom_right", (-1, 0)),
      (300, 1000, "bottom_right", (-1, 0)), (900, 900, "top_left", (200, 0)),
-     (600, 1000, "top_left", (300, 40)), (4096, 4096, "top_left", None)],
+     (600, 1000, "top_left", (300, 40)), (4096, 4096, "top_left", None),
+     (9000, 9000, "top_left", None), (700, 9100, "top_left", None),  # more than 66 blocks
+     (900, 900, "top_left", (200, -1)), (1000, 300, "bottom_right", (100, -1)),
+     (300, 1000, "bottom_right", (500, -1)), (2000, 2000, "top_left", (0, -1))],
 )  # fmt: skip
 @pytest.mark.parametrize("block_m", [64, 128])
 def test_ordered_dq_turns_follow_the_walks(seqlen_q, seqlen_k, align, window, block_m):
     """ORDERED_DQ's turns (backward_sm90.dq_add_turn), run in Python against the walks
-    the programs make (_query_tile's, rotated where there is no right bound): at every
-    query tile the turns of the key blocks that add into it are 0, 1, ... in the order
-    the blocks reach it (ties: the later block first). In that order no program waits
-    in the steady state, and no two wait on each other: a turn waits only on a program
-    that reached the tile earlier in its own walk."""
+    the programs make (_query_tile's, rotated without bounds where a head's blocks all
+    fit on half of 132 SMs: rotates_dq): at every query tile the turns of the key blocks
+    that add into it are 0, 1, ... in the order the blocks reach it, ties in the order
+    the programs start (under a right bound the later block first, as the grid is
+    then; rotated, the later block first too, all running at once). In that order no
+    rotated program waits in the steady state, and no two wait on each other: a turn
+    waits only on a program that reached the tile earlier in its own walk, or as early
+    and started before it."""
     bsm = dispatch.backward_sm90
     block_n = bsm.BLOCK_N
-    left, right = (None, None) if window is None else window
-    left = None if left is not None and left < 0 else left
+    left, right = (-1, -1) if window is None else window
     off = seqlen_k - seqlen_q if align == "bottom_right" else 0
     num_n = -(-seqlen_k // block_n)
-    arrivals = {}  # first row -> [(step, -n, turn)]
+    rotate = left < 0 and right < 0 and num_n <= 132 // 2
+    assert rotate == (window is None and num_n <= 66)
+    later_first = rotate or right >= 0
+    arrivals = {}  # first row -> [(step, tie, turn)]
     for n in range(num_n):
-        tiles = _visits(n, seqlen_q, off, left, right, block_m, block_n)
-        rot = 0 if right is not None else n * len(tiles) // num_n
+        tiles = _visits(n, seqlen_q, off, None if left < 0 else left,
+                        None if right < 0 else right, block_m, block_n)  # fmt: skip
+        rot = n * len(tiles) // num_n if rotate else 0
         for step in range(len(tiles)):
             start_m = tiles[(step + rot) % len(tiles)]
-            turn = bsm.dq_add_turn.fn(n, start_m, num_n, len(tiles), off,
-                                      0 if right is None else right, block_m, block_n,
-                                      right is not None)
-            arrivals.setdefault(start_m, []).append((step, -n, turn))
+            turn = bsm.dq_add_turn.fn(n, start_m, num_n, len(tiles), off, left, right,
+                                      block_m, block_n, left >= 0, right >= 0, rotate)
+            arrivals.setdefault(start_m, []).append((step, -n if later_first else n, turn))
     assert arrivals
     for start_m, blocks in arrivals.items():
         assert [turn for _, _, turn in sorted(blocks)] == list(range(len(blocks))), start_m
@@ -476,7 +484,7 @@ def test_ordered_dq_turns_follow_the_walks(seqlen_q, seqlen_k, align, window, bl
     [(dict(causal=True), False, None, True, False),
      ({}, False, None, True, True),
      (dict(window=(300, 40)), False, None, True, False),
-     (dict(window=(300, -1)), False, None, False, False),  # a left bound alone
+     (dict(window=(300, -1)), False, None, True, False),  # a left bound alone: first first
      (dict(causal=True), True, None, True, False),  # packed sequences: their own blocks
      ({}, True, None, True, True),
      (dict(causal=True), False, (2, 2, 16, 16), False, False),  # dS leaves by TMA
@@ -510,17 +518,20 @@ def test_ordered_dq_takes_deterministic_calls(options, varlen, bias_shape, order
 
 
 @gluon
-def test_ordered_dq_needs_a_whole_head_running_without_a_right_bound(monkeypatch):
-    """Without a right bound the turns go round a head's key blocks, so they must all
-    run at once: at most half the SMs' worth (the rest stays on the tile kernels)."""
+def test_ordered_dq_rotates_only_where_a_whole_head_runs(monkeypatch):
+    """Without bounds the rotated turns go round a head's key blocks, so they must all
+    run at once: at most half the SMs' worth; longer calls, and windows bounded on the
+    left alone, add first block first instead (no such limit), as do masks last first."""
     bsm = dispatch.backward_sm90
     monkeypatch.setattr(bsm, "ORDERED_DQ", True)
     monkeypatch.setattr(bsm.hopper, "sm_count", lambda device_index: 8)
     fits = spec_and_inputs(d=128, sk=4 * bsm.BLOCK_N, deterministic=True)[0]
     long = spec_and_inputs(d=128, sk=5 * bsm.BLOCK_N, deterministic=True)[0]
-    assert bsm.orders_dq(fits, None) and not bsm.orders_dq(long, None)
     causal = spec_and_inputs(d=128, sk=5 * bsm.BLOCK_N, deterministic=True, causal=True)[0]
-    assert bsm.orders_dq(causal, None)  # last block first: no such limit
+    left = spec_and_inputs(d=128, sk=4 * bsm.BLOCK_N, deterministic=True, window=(30, -1))[0]
+    assert all(bsm.orders_dq(spec, None) for spec in (fits, long, causal, left))
+    assert [bsm.rotates_dq(spec) for spec in (fits, long, causal, left)] == [
+        True, False, False, False]
 
 
 @gluon

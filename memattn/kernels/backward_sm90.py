@@ -128,22 +128,33 @@ def _walk_rotation(start_n, n_tiles, seqlen_k, BLOCK_N: gl.constexpr, ROTATE: gl
 
 
 @gluon.jit
-def dq_add_turn(n, start_m, num_n, n_tiles, off, window_right, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, BOUNDED_RIGHT: gl.constexpr):  # fmt: skip
+def dq_add_turn(n, start_m, num_n, n_tiles, off, window_left, window_right,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
+                BOUNDED_RIGHT: gl.constexpr, ROTATE: gl.constexpr):  # fmt: skip
     """ORDERED_DQ: key block n's place among the key blocks that add into the dQ tile of
     rows [start_m, + BLOCK_M) of one head, the order in which they reach it. With a
     right bound (causal, windows) each program starts at its first query tile, later
     the further right its keys, so the blocks add last first: the tile's last block
-    (the last whose keys a row of the tile sees) first. Without bounds every block
-    sees every tile, and each program starts its walk at tile n * n_tiles // num_n
-    (_query_tile's rot): tile m's adds come from the block that started there, or
-    last before it, then the ones before that, wrapping round. Plain integer
-    arithmetic, so that tests can run it in Python."""
+    (the last whose keys a row of the tile sees) first. Without one, ROTATE: every
+    block sees every tile, and each program starts its walk at tile n * n_tiles //
+    num_n (_query_tile's rot): tile m's adds come from the block that started there, or
+    last before it, then the ones before that, wrapping round. Otherwise every block
+    walks from the first tile, and they add first first (the tile's first block: the
+    first whose keys a row of it sees under a left bound), in the order the programs
+    start. Plain integer arithmetic, so that tests can run it in Python."""
     if BOUNDED_RIGHT:
         last = (start_m + BLOCK_M + off + window_right - 1) // BLOCK_N
         if last > num_n - 1:
             last = num_n - 1
         turn = last - n
+    elif not ROTATE:
+        first = 0
+        if BOUNDED_LEFT:
+            first = start_m + off - window_left
+            if first < 0:
+                first = 0
+            first = first // BLOCK_N
+        turn = n - first
     else:
         # the last block whose walk starts at this tile or before it
         starter = ((start_m // BLOCK_M + 1) * num_n - 1) // n_tiles
@@ -343,7 +354,7 @@ def _program_block(
         item = head * num_n_blocks + rank
     return _key_block(item, HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left,
                       window_right, BLOCK_M, BLOCK_N, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
-                      BOUNDED_RIGHT, BATCH_INNER, HEAD_INNER, DESCENDING)
+                      BOUNDED_RIGHT, BATCH_INNER, HEAD_INNER, DESCENDING and BOUNDED_RIGHT)
 
 
 @gluon.jit
@@ -700,7 +711,7 @@ def _bwd_dq_writer_partition(
     tile's counter in DqLocks, and count it on once they are done. ``blocks``: as
     _program_block takes them."""
     TILE_ROWS: gl.constexpr = dq_desc.block_type.shape[2]
-    window_right = blocks[9]
+    window_left, window_right = blocks[8], blocks[9]
     step = gl.to_tensor(0)  # the rings' count of tiles before this block's
     for blk in range(n_items):
         b, hk, start_n, q_start, _, seqlen_q, seqlen_k, off, lo, _, _, n_tiles = _program_block(
@@ -719,7 +730,8 @@ def _bwd_dq_writer_partition(
                 else:
                     lock = DqLocks + (b * heads + h) * gl.cdiv(seqlen_q, BLOCK_M) + tile
                 turn = dq_add_turn(start_n // BLOCK_N, start_m, num_n, n_tiles, off,
-                                   window_right, BLOCK_M, BLOCK_N, BOUNDED_RIGHT)
+                                   window_left, window_right, BLOCK_M, BLOCK_N,
+                                   BOUNDED_LEFT, BOUNDED_RIGHT, ROTATE)  # fmt: skip
                 hopper.wait_turn(lock, turn)
             for half in gl.static_range(2):
                 slot = half * DQ_BUFS + i % DQ_BUFS
@@ -751,7 +763,7 @@ def _packed_key_item(pid, HKV, CuSeqK, num_seqs, num_n_blocks, BLOCK_N: gl.const
     tokens = gl.load(CuSeqK + b + 1) - first
     hk, rank = hopper.packed_head_rank(pid, HKV, b, first, tokens, BLOCK_N)
     item = (b * HKV + hk) * num_n_blocks + rank
-    if DESCENDING:  # ORDERED_DQ: each (sequence, head)'s blocks last first
+    if DESCENDING:  # ORDERED_DQ under a right bound: each (sequence, head)'s blocks last first
         item = (b * HKV + hk) * num_n_blocks + gl.cdiv(tokens, BLOCK_N) - 1 - rank
     if rank * BLOCK_N >= tokens:
         item = -1
@@ -777,8 +789,9 @@ def _key_block(
     own sequence's end has no query tile (the programs' grid holds few of them:
     _packed_key_item). BATCH_INNER, HEAD_INNER: the batch (sequence), then the kv head,
     vary fastest instead (SUMMED_BIAS_INNER; a program per item, so the grid's size
-    counts the batches). DESCENDING (ORDERED_DQ): each head's key blocks last first, so
-    that a program's dQ adds wait only on programs started before it."""
+    counts the batches). DESCENDING (ORDERED_DQ under a right bound): each head's key
+    blocks last first, so that a program's dQ adds wait only on programs started before
+    it (dq_add_turn)."""
     if BATCH_INNER or HEAD_INNER:
         rest = item
         if BATCH_INNER:
@@ -871,7 +884,8 @@ def _bwd_sm90_kernel(
     # many blocks, each group's blocks rank by rank.
     pid = gl.program_id(0)
     if IS_VARLEN and not (BATCH_INNER or HEAD_INNER):
-        pid = _packed_key_item(pid, HKV, CuSeqK, num_seqs, num_n_blocks, BLOCK_N, ORDERED)
+        pid = _packed_key_item(pid, HKV, CuSeqK, num_seqs, num_n_blocks, BLOCK_N,
+                               ORDERED and BOUNDED_RIGHT)
         if pid < 0:
             return
     elif BY_RANK > 0:
@@ -1852,19 +1866,21 @@ def dq_buffers(spec: AttentionSpec, bias_tiles: bool, dbias_kind: str | None) ->
 def orders_dq(spec: AttentionSpec, dbias_kind: str | None) -> bool:
     """Whether a deterministic call runs the D 64/128 kernel with dQ's adds in a fixed
     order (ORDERED_DQ): dense or packed batches (a packed sequence's blocks as a dense
-    head's, their counters common.dq_tile's), no bias gradient sent by TMA from the
-    compute warpgroups (dQ's writer warp has no room beside it), and no window bounded
-    on the left alone (dq_add_turn's two orders need a right bound or none)."""
-    if not (ORDERED_DQ and spec.deterministic and dq_in_fp32(spec)
-            and dbias_kind not in TILE_GRADIENTS):
-        return False
-    if spec.window_right >= 0:  # adds last block first, waiting on earlier programs only
-        return True
-    # No right bound: the turns go round the head's blocks (rot), so every block of a
-    # head must be running at once; half the SMs, to leave room for other streams' work
-    # (packed sequences: the longest's blocks).
-    no_left = spec.window_left < 0
-    return no_left and cdiv(spec.seqlen_k, BLOCK_N) <= hopper.sm_count(spec.device.index) // 2
+    head's, their counters common.dq_tile's), and no bias gradient sent by TMA from the
+    compute warpgroups (dQ's writer warp has no room beside it). dq_add_turn's orders
+    wait only on programs started before, or (rotates_dq) running beside."""
+    return (ORDERED_DQ and spec.deterministic and dq_in_fp32(spec)
+            and dbias_kind not in TILE_GRADIENTS)
+
+
+def rotates_dq(spec: AttentionSpec) -> bool:
+    """Whether ORDERED_DQ's walks rotate (_walk_rotation): without bounds, where every
+    key block of a head (packed sequences: of the longest) runs at once, at most half
+    the SMs, to leave room for other streams' work; then no add waits in the steady
+    state. Elsewhere without a right bound the blocks add first first, each one step
+    behind the block before it (dq_add_turn)."""
+    unbounded = spec.window_left < 0 and spec.window_right < 0
+    return unbounded and cdiv(spec.seqlen_k, BLOCK_N) <= hopper.sm_count(spec.device.index) // 2
 
 
 def dq_from_full_bias(spec: AttentionSpec, dbias_kind: str | None) -> bool:
@@ -2185,7 +2201,7 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
         BOUNDED_RIGHT=spec.window_right >= 0, BATCH_INNER=inner[0], HEAD_INNER=inner[1],
         SKIP_PAST_END=spec.varlen and SKIP_EMPTY_KEY_BLOCKS and not packed_grid,
-        DQ_BUFS=dq_bufs, ORDERED=ordered, ROTATE=ordered and spec.window_right < 0,
+        DQ_BUFS=dq_bufs, ORDERED=ordered, ROTATE=ordered and rotates_dq(spec),
         PERSISTENT=persistent, FOLD=fold, BY_RANK=by_rank,
         HAS_DQ=not dq_from_full_bias(spec, dbias_kind), num_warps=4,
     )  # fmt: skip
