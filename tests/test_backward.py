@@ -479,10 +479,13 @@ def test_hopper_backward_gpu(case, dtype, hopper_backward_launches):
     from memattn.kernels import backward_sm90
 
     assert_results(check_backward(case, dtype, "cuda", seed=7))
-    # backward.py runs by design: at D=256 a bias, ALiBi, dropout or packed sequences,
-    # other Dqk/Dv pairs than 128/64, and a bias gradient of rows not whole 16 bytes.
-    wide_plain = case.dqk <= 128 or (case.bias is None and case.alibi is None
+    # backward.py runs by design: at D=256 a bias, ALiBi, dropout, softcap or packed
+    # sequences, other Dqk/Dv pairs than 128/64, a bias gradient of rows not whole 16
+    # bytes, and softcap with a bias gradient.
+    softcap = case.options.get("softcap", 0) > 0
+    wide_plain = case.dqk <= 128 or (case.bias is None and case.alibi is None and not softcap
                                      and "dropout_p" not in case.options and not case.varlen)
+    wide_plain = wide_plain and not (softcap and case.bias is not None)
     dims = case.dqk == case.dv or (case.dqk, case.dv) == (128, 64) or (
         (case.dqk, case.dv) in backward_sm90.SPLIT_HEAD_DIM_PAIRS)
     keys = max(case.lengths_k) if case.varlen else case.seqlen_k
@@ -731,7 +734,7 @@ ORDERED_CASES = ["D64 Sq=777 Sk=1030", "D64 Sq=2048 Sk=333", "D128 causal",
                  "ordered D128 S4096", "ordered D128 S4096 causal", "varlen D128 causal",
                  "varlen D128 GQA", "varlen D64 GQA bottom-right",
                  "ordered left window bottom-right GQA", "ordered D64 first first Sk=1500",
-                 "ordered varlen D128 first first"]  # fmt: skip
+                 "ordered varlen D128 first first", "softcap causal bottom-right GQA"]  # fmt: skip
 _ORDERED_EXTRA = [
     Case("ordered D128 S4096", batch=1, heads=4, kv_heads=2, seqlen_q=4096, seqlen_k=4096,
          dqk=128, dv=128),

@@ -63,6 +63,11 @@ def test_cpu_calls_run_the_tile_kernels():
         (256, (2, 1, 1, 16), {}, False, False),  # D=256: no bias of any shape
         (128, (2, 2, 16, 12), {}, True, False),  # rows of whole 16 bytes for TMA stores
         (128, (2, 2, 16, 12), {}, False, True),  # (without its gradient, any)
+        (128, None, dict(softcap=5.0), False, True),  # softcap: tanh' in dS
+        (64, (2, 2, 16, 16), dict(softcap=5.0), False, True),
+        (128, (2, 2, 16, 16), dict(softcap=5.0), True, False),  # (not the bias gradient's)
+        (128, (2, 2, 1, 16), dict(softcap=5.0), True, False),
+        (256, None, dict(softcap=5.0), False, False),  # not in D=256's kernels
     ],
 )  # fmt: skip
 def test_gluon_backward_computes(d, bias_shape, options, need_dbias, computes):
@@ -88,6 +93,21 @@ def test_gluon_kernels_at_few_keys_per_query(d, seqlen, options, gluon_backward,
     assert dispatch.gluon_forward(spec, q, k, v, bias)
     needs = (True, True, True, False)
     assert dispatch.gluon_backward(spec, q, k, v, q, bias, None, needs) is gluon_backward
+
+
+@gluon
+@pytest.mark.parametrize(
+    "d, bias_shape, takes",
+    [(128, None, True), (256, None, True),
+     (128, (2, 2, 16, 16), True),  # bias tiles, added after the cap
+     (128, (2, 1, 1, 16), False),  # a key row: S would start from it, before the cap
+     (64, None, False)],  # tanh's exp2 and reciprocal bind the D=64 forward
+)  # fmt: skip
+def test_gluon_forward_takes_softcap_above_d64_without_a_key_row(d, bias_shape, takes,
+                                                                 monkeypatch):  # fmt: skip
+    monkeypatch.setattr(dispatch, "_gluon_takes", lambda *args: True)  # a Hopper GPU's call
+    spec, q, k, v, bias = spec_and_inputs(d=d, bias_shape=bias_shape, softcap=5.0)
+    assert dispatch.gluon_forward(spec, q, k, v, bias) is takes
 
 
 @gluon

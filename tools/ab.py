@@ -6,8 +6,9 @@ first batch), TFLOP/s as `memattn bench` times it (do_bench, autograd recording,
 included), TFLOP/s of the GPU alone (CUDA graph replay) and host µs per call in a loop;
 --kernels adds torch.profiler's table of GPU time per kernel. bf16, 16k tokens a shape
 (B = 16384 / S, H = 2048 / Dqk): "DxS", "c" for causal, then "d" for deterministic,
-"Dqk/DvxS" for a narrower V, "wN" for a window of N keys ending at the query (the
-bench's window row: "128x4096w1024"), "+BHQK"-style letters for a bias of that shape (1 where
+"Dqk/DvxS" for a narrower V, "sN" for a softcap of N ("128x4096s30": the bench's
+softcap row), "wN" for a window of N keys ending at the query (the bench's window row:
+"128x4096w1024"), "+BHQK"-style letters for a bias of that shape (1 where
 it broadcasts; no gradient asked of it, but with ".grad": "+1HQK.grad"; the error
 column then covers dQ, dK and dV only); the shapes "docs" and "docs-full" are the
 bench's packed documents (causal and not, H=16, D=128), "docs/N" and "docs/N-full"
@@ -127,6 +128,7 @@ def inputs(shape: str, device: str = "cuda"):
         return q, k, v, do, kw, sum(2 * 16 * (d + dv) * p for p in pairs)
     shape, _, bias = shape.partition("+")
     shape, _, window = shape.partition("w")
+    shape, _, softcap = shape.partition("s")
     deterministic = shape.endswith("d")
     shape = shape.removesuffix("d")
     causal = shape.endswith("c")
@@ -136,7 +138,7 @@ def inputs(shape: str, device: str = "cuda"):
     b, h = max(1, 16384 // s), 2048 // d
     q, k = new(b, s, h, d), new(b, s, h, d)
     v, do = new(b, s, h, dv), new(b, s, h, dv)
-    kw = dict(causal=causal, deterministic=deterministic)
+    kw = dict(causal=causal, deterministic=deterministic, softcap=float(softcap or 0))
     pairs = s * s / (2 if causal else 1)
     if window:  # the bench's window row: each query sees itself and the N - 1 keys before
         kw.update(causal=True, window=(int(window) - 1, 0))

@@ -88,6 +88,7 @@ from .common import (
     query_range,
     row_block,
     sequence_bounds,
+    tanh,
     visible,
 )
 from .forward import dense_strides
@@ -396,6 +397,7 @@ def _bwd_compute_partition(
     ROTATE: gl.constexpr, IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     BATCH_INNER: gl.constexpr, HEAD_INNER: gl.constexpr, ORDERED: gl.constexpr,
     PERSISTENT: gl.constexpr, FOLD: gl.constexpr, HAS_DQ: gl.constexpr,
+    HAS_SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup, for each of its program's key blocks (_program_block): keys
     [start_n + HALF * 64, + 64) against every query tile. ``shared``: the runtime
@@ -406,13 +408,18 @@ def _bwd_compute_partition(
     back to the load warp (the next block's load while this one's dK and dV leave), and
     dK and dV leave by TMA store through this warpgroup's dQ buffer; a packed
     sequence's block that ends past the sequence's keys by plain stores (a TMA store
-    clips at the packed tensor's end, not the sequence's)."""
+    clips at the packed tensor's end, not the sequence's). HAS_SOFTCAP: the scores
+    capped first (common.capped_score_log2), dK and dQ through tanh's derivative; no
+    bias gradient beside it (dS would be two tiles)."""
+    gl.static_assert(not HAS_SOFTCAP or (DBIAS_TILES == 0 and not DBIAS_SUM and not DBIAS_ROW),
+                     "softcap's dS for dK and dQ is not the bias gradient's")
     (dq_desc, dbias_desc, dk_desc, dv_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb,
      stride_vn, stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bias_smem,
      ds_smem, dq_smem, dsum_smem, dq_full, dq_empty, kv_bar, kv_empty, q_ready, do_ready,
      q_empty, do_empty, ds_bar, blocks, n_items, GROUP, scale, window_left, window_right,
      seed, rng_offset, heads, dropout_p, Alibi, stride_ab, stride_ah, BiasRow, stride_rb,
-     stride_rh, stride_rn, bias_batches, bias_heads, DBiasRow, stride_pb, stride_ph) = shared
+     stride_rh, stride_rn, bias_batches, bias_heads, DBiasRow, stride_pb, stride_ph,
+     softcap) = shared
     dtype: gl.constexpr = k_smem.dtype
     HALF_N: gl.constexpr = BLOCK_N // 2
     DQ_ROWS: gl.constexpr = dq_split(HEAD_DIM_QK, BLOCK_M)[0]  # dQ's part made here
@@ -495,6 +502,13 @@ def _bwd_compute_partition(
             s = warpgroup_mma_wait(1, deps=(s,))
 
             p_scale = scale_log2
+            if HAS_SOFTCAP:  # log2 units from here, as the forwards' scores; tanh's
+                # derivative kept in dS's dtype until dS (its 32 fp32 registers a thread
+                # across dP's wait spilled 340-510 bytes at D=128), where dS is rounded so
+                t_cap = tanh(s * (scale / softcap))
+                s = t_cap * (softcap * LOG2E)
+                cap_slope = (1.0 - t_cap * t_cap).to(dtype)
+                p_scale = 1.0
             if HAS_BIAS or BIAS_ROW or HAS_ALIBI:  # the scale goes in first, as in the forward
                 bias = 0.0
                 if HAS_BIAS:  # this half's keys of the (queries, keys) tile, transposed
@@ -506,7 +520,7 @@ def _bwd_compute_partition(
                 slope = 0.0
                 if HAS_ALIBI:  # this query head's
                     slope = gl.load(Alibi + b.to(gl.int64) * stride_ab + h.to(gl.int64) * stride_ah)
-                s = add_bias_alibi_log2(s * scale_log2, offs_m[None, :], offs_n[:, None], off,
+                s = add_bias_alibi_log2(s * p_scale, offs_m[None, :], offs_n[:, None], off,
                                         slope, bias, HAS_BIAS or BIAS_ROW, HAS_ALIBI)
                 p_scale = 1.0
             lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
@@ -525,6 +539,8 @@ def _bwd_compute_partition(
                 dp = gl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
                 p_kept = gl.where(keep, p, 0.0)
             ds = p * (dp - delta[None, :])  # the bias gradient; dK, dQ take the scale later
+            if HAS_SOFTCAP:  # d(softcap * tanh(x / softcap)) / dx
+                ds = ds * cap_slope.to(gl.float32)
             if DBIAS_ROW:  # summed over queries; stored once per query head, its last tile
                 db_row += gl.sum(ds, 1)
                 head_done = t % n_tiles == n_tiles - 1
@@ -865,7 +881,7 @@ def _bwd_sm90_kernel(
     stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ab, stride_ah, stride_rb,
     stride_rh, stride_rn, stride_pb, stride_ph, HKV, GROUP, bias_batches, bias_heads, seqlen_q,
     seqlen_k, num_seqs, num_n_blocks, num_items, scale, window_left, window_right, dropout_p,
-    HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
+    softcap, HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, DBIAS_TILES: gl.constexpr,
     DBIAS_SUM: gl.constexpr, BIAS_ROW: gl.constexpr, DBIAS_ROW: gl.constexpr,
@@ -874,7 +890,7 @@ def _bwd_sm90_kernel(
     BATCH_INNER: gl.constexpr, HEAD_INNER: gl.constexpr, SKIP_PAST_END: gl.constexpr,
     DQ_BUFS: gl.constexpr, ORDERED: gl.constexpr,
     ROTATE: gl.constexpr, PERSISTENT: gl.constexpr, FOLD: gl.constexpr,
-    BY_RANK: gl.constexpr, HAS_DQ: gl.constexpr,
+    BY_RANK: gl.constexpr, HAS_DQ: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     # A program per key block, or PERSISTENT (PERSISTENT_BLOCKS) one per SM at most,
     # walking num_items blocks in hopper.work_item's strides (_program_block). Packed
@@ -950,7 +966,7 @@ def _bwd_sm90_kernel(
               kv_empty, q_ready, do_ready, q_empty, do_empty, ds_bar, blocks, n_items, GROUP,
               scale, window_left, window_right, seed, rng_offset, heads, dropout_p, Alibi,
               stride_ab, stride_ah, BiasRow, stride_rb, stride_rh, stride_rn, bias_batches,
-              bias_heads, DBiasRow, stride_pb, stride_ph)
+              bias_heads, DBiasRow, stride_pb, stride_ph, softcap)
     loads = (q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem,
              v_smem, lse_smem, delta_smem, bias_smem, kv_bar, kv_empty, q_ready, do_ready,
              q_empty, do_empty, GROUP, bias_batches, bias_heads, blocks, n_items)
@@ -962,13 +978,13 @@ def _bwd_sm90_kernel(
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
                                        BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD,
-                                       HAS_DQ)),
+                                       HAS_DQ, HAS_SOFTCAP)),
              (_bwd_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, DBIAS_TILES, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
                                        BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD,
-                                       HAS_DQ)),
+                                       HAS_DQ, HAS_SOFTCAP)),
              (_bwd_blocks_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, IS_VARLEN,
                                            BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
                                            BATCH_INNER, HEAD_INNER, ORDERED, ROTATE,
@@ -986,13 +1002,13 @@ def _bwd_sm90_kernel(
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
                                        BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD,
-                                       HAS_DQ)),
+                                       HAS_DQ, HAS_SOFTCAP)),
              (_bwd_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, DBIAS_TILES, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
                                        BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD,
-                                       HAS_DQ)),
+                                       HAS_DQ, HAS_SOFTCAP)),
              (_bwd_blocks_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, IS_VARLEN,
                                            BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
                                            BATCH_INNER, HEAD_INNER, ORDERED, ROTATE,
@@ -2064,17 +2080,18 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
         alibi_batch_stride, alibi_head_stride, *row_strides, *partial_strides,
         spec.kv_heads, spec.group, bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k,
         spec.batch, *how.counts, spec.scale, spec.window_left, spec.window_right, spec.dropout_p,
-        variant=variant, prepare=call, **how.constexprs,
+        spec.softcap, variant=variant, prepare=call, **how.constexprs,
     )  # fmt: skip
 
 
 def block_m(spec: AttentionSpec, bias_row: bool) -> int:
     """Query rows a step of the D 64/128 kernel: 128 at D=64 where they fit (not beside
-    bias tiles: shared memory; nor with dropout or ALiBi: their registers, 750-3400 bytes
-    of spills in the sm_90 compile), else 64. bias_row: hopper.bias_row's."""
+    bias tiles: shared memory; nor with dropout, ALiBi or softcap: their registers,
+    750-3400 bytes of spills in the sm_90 compile for the first two; softcap's tanh
+    lives across dP's wait), else 64. bias_row: hopper.bias_row's."""
     bias_tiles = spec.has_bias and not bias_row
     wide = (spec.head_dim_qk == 64 and not bias_tiles and spec.dropout_p == 0
-            and not spec.has_alibi)
+            and not spec.has_alibi and spec.softcap == 0)
     return BLOCK_M_D64 if wide else BLOCK_M
 
 
@@ -2203,7 +2220,8 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
         SKIP_PAST_END=spec.varlen and SKIP_EMPTY_KEY_BLOCKS and not packed_grid,
         DQ_BUFS=dq_bufs, ORDERED=ordered, ROTATE=ordered and rotates_dq(spec),
         PERSISTENT=persistent, FOLD=fold, BY_RANK=by_rank,
-        HAS_DQ=not dq_from_full_bias(spec, dbias_kind), num_warps=4,
+        HAS_DQ=not dq_from_full_bias(spec, dbias_kind), HAS_SOFTCAP=spec.softcap > 0,
+        num_warps=4,
     )  # fmt: skip
     return hopper.Plan(hopper.programs(items, fold, persistent, device_index), (num_n, items),
                        constexprs)

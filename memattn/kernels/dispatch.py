@@ -5,10 +5,12 @@ backward alike.
   Triton 3.6's Gluon, bf16/fp16, head dims the kernel is built for (the backward: 64,
   128 or 256 for q·k and v, 128/64 and 192/128: backward_sm90.takes_head_dims; the forward
   also other V's narrower than q·k's, such as 192/128, where shared memory holds the
-  buffers: forward_sm90.takes_head_dims), no softcap, tensors TMA can read, and for the
+  buffers: forward_sm90.takes_head_dims), tensors TMA can read, and for the
   backward at D=64 enough keys per query to beat the tile kernels
   (backward_sm90.MIN_KEYS_PER_QUERY). Options: causal masks either way, windows, GQA,
-  ALiBi, dropout, packed (varlen) batches, and a bias:
+  ALiBi, softcap (the forward not at D=64 nor with a key row, the backward not at
+  D=256 or Dqk=192 nor with a bias gradient), dropout, packed (varlen) batches, and a
+  bias:
   one constant along queries ((B or 1, H or 1, 1, Sk): key padding) as a row of keys,
   any other by TMA tiles (not together with dropout). The backward computes a bias
   gradient of a key row (summed in registers) or of a bias read by tiles (dS stored,
@@ -60,8 +62,6 @@ def _gluon_takes(spec: AttentionSpec, q, k, v, bias) -> bool:
         return False  # no Gluon, or not a Hopper GPU
     if spec.dtype not in (torch.bfloat16, torch.float16) or spec.seqlen_k == 0:
         return False
-    if spec.softcap > 0:  # not built: tanh and its derivative in the softmax warpgroups
-        return False
     if spec.positioned:  # not built: ALiBi and dropout at global positions
         return False
     if bias is not None and not hopper.bias_row(spec, bias):  # else by TMA tiles
@@ -75,8 +75,10 @@ def _gluon_takes(spec: AttentionSpec, q, k, v, bias) -> bool:
 def gluon_forward(spec: AttentionSpec, q, k, v, bias) -> bool:
     """Whether the Gluon forward runs this call (else forward.py's tile kernel)."""
     bias_row = hopper.bias_row(spec, bias)
-    if bias_row and spec.scale == 0:  # the key row goes in Q K^T's units: b / scale
-        return False
+    if bias_row and (spec.scale == 0 or spec.softcap > 0):  # the key row goes in Q K^T's
+        return False  # units (b / scale), where S starts: before softcap's cap
+    if spec.softcap > 0 and spec.head_dim_qk <= 64:  # three MUFU ops a score (tanh's two)
+        return False  # against D=64's matmuls: the tile forward ran faster (233 / 182)
     return _gluon_takes(spec, q, k, v, bias) and forward_sm90.takes_head_dims(spec, bias_row)
 
 
@@ -85,10 +87,13 @@ def gluon_backward_computes(spec: AttentionSpec, bias, alibi_slopes, need_dbias:
     device: a bias gradient of a bias constant along queries (summed in registers), or
     of one read by tiles (every query and key; dS stored, or added up by TMA where the
     bias broadcasts over batch or heads) with rows of whole 16 bytes for those copies;
-    at D=256 and Dqk=192 no bias, ALiBi or dropout, and packed sequences only at Dqk=192
-    where dQ is fused (backward_sm90.fuses_split_dq: not deterministic)."""
+    at D=256 and Dqk=192 no bias, ALiBi, dropout or softcap, and packed sequences only at
+    Dqk=192 where dQ is fused (backward_sm90.fuses_split_dq: not deterministic); softcap
+    without a bias gradient (its dS for dK and dQ is not the bias gradient's)."""
     if spec.head_dim_qk > 128 and (bias is not None or alibi_slopes is not None
-                                    or spec.dropout_p > 0):  # fmt: skip
+                                    or spec.dropout_p > 0 or spec.softcap > 0):  # fmt: skip
+        return False
+    if spec.softcap > 0 and need_dbias:
         return False
     if spec.head_dim_qk > 128 and spec.varlen and not backward_sm90.fuses_split_dq(spec):
         return False

@@ -35,10 +35,10 @@ probabilities and the output the 1 / (1 - p).
 
 Covers bf16/fp16, q·k head dims 64, 128, 192 and 256 with V's 64, 128 or 256 up to
 q·k's (192/128 as in MLA: O leaves through Q's buffer, as at 256), GQA, causal masks
-either way, sliding windows, ALiBi, a bias (TMA tiles, not with dropout; or a key row),
-dropout, dense and packed batches, where shared memory holds their buffers (q_stages;
-dispatch.py says which); every other call runs forward.py: softcap, V wider than q·k,
-fp32.
+either way, sliding windows, ALiBi, softcap (not with a key row, which S starts from
+before the cap), a bias (TMA tiles, not with dropout; or a key row), dropout, dense and
+packed batches, where shared memory holds their buffers (q_stages; dispatch.py says
+which); every other call runs forward.py: V wider than q·k, fp32.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ from .common import (
     cdiv,
     key_range,
     philox_key,
+    tanh,
     visible,
 )
 
@@ -334,16 +335,22 @@ def _taken_item(info_smem, info_ready, info_empty, i):
 @gluon.jit
 def _softmax_tile(
     s, m_i, l_i, start_n, offs_m, bias, slope, seqlen_k, off, window_left, window_right,
-    needs_mask, scale_log2, BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr,
+    needs_mask, scale_log2, softcap, BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr,
     HAS_ALIBI: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
-    THRESHOLD: gl.constexpr,
+    THRESHOLD: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     """Online-softmax step on raw scores s (a key row's bias already in them: _scores;
     with a bias tile, the tile in natural units, fp32; and ALiBi's slope for this head);
     m_i is kept in scaled log2 units, with a bias tile in natural units (see below).
     THRESHOLD > 0: m moves only where the tile's max passes it by more
-    (RESCALE_THRESHOLD); alpha is then exactly 1 where it did not."""
+    (RESCALE_THRESHOLD); alpha is then exactly 1 where it did not. HAS_SOFTCAP: the
+    scaled scores capped first (softcap * tanh(s / softcap), common.tanh as the tile
+    kernels have it, so that either backward recomputes the same P), the bias and ALiBi
+    added after."""
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+    if HAS_SOFTCAP:  # natural units from here: the scale is spent
+        s = tanh(s * (scale_log2 * LN2 / softcap)) * softcap
+        scale_log2 = LOG2E
     if HAS_BIAS:
         # Natural units: one FMA a score adds the tile. In log2 units the bias is scaled
         # too, and a finite bias near -FLT_MAX (eager masks' finfo.min) times log2(e)
@@ -473,6 +480,7 @@ def _softmax_partition(
     HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, THRESHOLD: gl.constexpr,
     TURNS: gl.constexpr, BATCH_INNER: gl.constexpr, OWN_RANGES: gl.constexpr,
+    HAS_SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: query rows [start_m + PART * ROWS, + ROWS) of each of the
     program's query blocks, over every key tile. S(t) and P(t-1)·V(t-1) are in flight
@@ -485,7 +493,7 @@ def _softmax_partition(
      q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, info_smem,
      info_ready, info_empty, pid, programs, batches, H, GROUP, num_m_blocks, n_items,
      max_seqlen_q, max_seqlen_k, scale_log2, window_left, window_right, seed, rng_offset,
-     dropout_p) = shared
+     dropout_p, _softcap) = shared
     PARTS: gl.constexpr = BLOCK_M // ROWS
     kv = 0  # key tiles consumed so far: the ring's running index
     qi = 0  # query blocks taken so far: the Q ring's index
@@ -506,7 +514,7 @@ def _softmax_partition(
                     full_lo, full_hi, n_tiles, kv, qi, PART, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
                     BLOCK_M, BLOCK_N, STAGES, Q_STAGES, O_IN_Q, HAS_BIAS, BIAS_STAGES, BIAS_ROW,
                     HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOUNDED_LEFT, BOUNDED_RIGHT,
-                    THRESHOLD, TURNS, OWN_RANGES)  # fmt: skip
+                    THRESHOLD, TURNS, OWN_RANGES, HAS_SOFTCAP)  # fmt: skip
     else:
         for j in range(n_items):
             (b, h, hk, start_m, q_start, _, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
@@ -519,7 +527,7 @@ def _softmax_partition(
                 full_hi, n_tiles, kv, qi, PART, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M,
                 BLOCK_N, STAGES, Q_STAGES, O_IN_Q, HAS_BIAS, BIAS_STAGES, BIAS_ROW, HAS_ALIBI,
                 HAS_DROPOUT, IS_VARLEN, BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS,
-                OWN_RANGES)  # fmt: skip
+                OWN_RANGES, HAS_SOFTCAP)  # fmt: skip
     tma.store_wait(0)
 
 
@@ -547,6 +555,7 @@ def _softmax_block(
     BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
     IS_VARLEN: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
     THRESHOLD: gl.constexpr, TURNS: gl.constexpr, OWN_RANGES: gl.constexpr,
+    HAS_SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     """_softmax_partition's work for one query block (hopper.query_block's values);
     returns the rings' running indices (key tiles, query blocks) after it."""
@@ -554,7 +563,7 @@ def _softmax_block(
      stride_ab, stride_ah, q_smem, k_smem, v_smem, o_smem, bias_smem, q2_smem, k2_smem,
      q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, _, _, _,
      _, _, _, H, _, _, _, _, _, scale_log2, window_left, window_right, seed, rng_offset,
-     dropout_p) = shared
+     dropout_p, softcap) = shared
     QK_MAIN: gl.constexpr = HEAD_DIM_QK - QK_SPLIT  # Q's and K's columns in q_smem, k_smem
     PARTS: gl.constexpr = BLOCK_M // ROWS
     dtype: gl.constexpr = o_desc.dtype
@@ -607,8 +616,8 @@ def _softmax_block(
         needs_mask = (lo < full_lo) | (lo >= full_hi)
         p_, m_i, l_i, alpha = _softmax_tile(
             s, m_i, l_i, lo, offs_m, bias, slope, seqlen_k, off, window_left,
-            window_right, needs_mask, scale_log2, BLOCK_N, HAS_BIAS, HAS_ALIBI,
-            BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD)  # fmt: skip
+            window_right, needs_mask, scale_log2, softcap, BLOCK_N, HAS_BIAS, HAS_ALIBI,
+            BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, HAS_SOFTCAP)  # fmt: skip
         p_op = gl.convert_layout(_dropped(p_, keep, HAS_DROPOUT).to(dtype), p_layout)
         for t in range(1, n_own):
             start_n = lo + t * BLOCK_N
@@ -630,8 +639,8 @@ def _softmax_block(
             needs_mask = (start_n < full_lo) | (start_n >= full_hi)
             p_, m_i, l_i, alpha = _softmax_tile(
                 s, m_i, l_i, start_n, offs_m, bias, slope, seqlen_k, off, window_left,
-                window_right, needs_mask, scale_log2, BLOCK_N, HAS_BIAS, HAS_ALIBI,
-                BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD)  # fmt: skip
+                window_right, needs_mask, scale_log2, softcap, BLOCK_N, HAS_BIAS, HAS_ALIBI,
+                BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, HAS_SOFTCAP)  # fmt: skip
             if THRESHOLD > 0:  # whether any of the warpgroup's rows moved its max
                 moved = gl.max((alpha != 1.0).to(gl.int32), 0)
             acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
@@ -714,7 +723,7 @@ def _fwd_sm90_kernel(
     q_desc, k_desc, v_desc, o_desc, bias_desc, q2_desc, k2_desc, Out, Lse, Rng, Alibi,
     CuSeqQ, CuSeqK, Tickets, stride_om, stride_oh, stride_lb, stride_lh, stride_lm, stride_ab,
     stride_ah, H, GROUP, bias_batches, bias_heads, seqlen_q, seqlen_k, num_m_blocks,
-    num_items, scale_log2, window_left, window_right, dropout_p,
+    num_items, scale_log2, window_left, window_right, dropout_p, softcap,
     HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     Q_STAGES: gl.constexpr, FOLD: gl.constexpr, O_IN_Q: gl.constexpr,
@@ -722,7 +731,7 @@ def _fwd_sm90_kernel(
     HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
     THRESHOLD: gl.constexpr, TURNS: gl.constexpr, BATCH_INNER: gl.constexpr,
-    OWN_RANGES: gl.constexpr, POSITION_HEADS: gl.constexpr,
+    OWN_RANGES: gl.constexpr, POSITION_HEADS: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     # The programs (one per SM at most, persistent) walk the num_items query blocks in
     # strides (hopper.work_item), folded under a mask: pairs of blocks whose work adds
@@ -784,7 +793,7 @@ def _fwd_sm90_kernel(
               k2_smem, q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty,
               bias_empty, info_smem, info_ready, info_empty, pid, programs, batches, H, GROUP,
               num_m_blocks, n_items, seqlen_q, seqlen_k, scale_log2, window_left,
-              window_right, seed, rng_offset, dropout_p)
+              window_right, seed, rng_offset, dropout_p, softcap)
     loads = (q_desc, k_desc, v_desc, bias_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem,
              bias_smem, q2_smem, k2_smem, q_ready, q_empty, k_ready, v_ready, bias_ready,
              k_empty, v_empty, bias_empty, info_smem, info_ready, info_empty, Tickets, pid,
@@ -796,12 +805,12 @@ def _fwd_sm90_kernel(
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
                                   BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER,
-                                  OWN_RANGES)),
+                                  OWN_RANGES, HAS_SOFTCAP)),
             (_softmax_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
                                   BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER,
-                                  OWN_RANGES)),
+                                  OWN_RANGES, HAS_SOFTCAP)),
             (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, QK_SPLIT,
                                HAS_BIAS, BIAS_STAGES, BIAS_ROW, IS_VARLEN, BOTTOM_RIGHT,
                                BOUNDED_LEFT, BOUNDED_RIGHT, BATCH_INNER, POSITION_HEADS)),
@@ -812,17 +821,17 @@ def _fwd_sm90_kernel(
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
                                   BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER,
-                                  OWN_RANGES)),
+                                  OWN_RANGES, HAS_SOFTCAP)),
             (_softmax_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
                                   BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER,
-                                  OWN_RANGES)),
+                                  OWN_RANGES, HAS_SOFTCAP)),
             (_softmax_partition, (shared, 2, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
                                   BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER,
-                                  OWN_RANGES)),
+                                  OWN_RANGES, HAS_SOFTCAP)),
             (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, QK_SPLIT,
                                HAS_BIAS, BIAS_STAGES, BIAS_ROW, IS_VARLEN, BOTTOM_RIGHT,
                                BOUNDED_LEFT, BOUNDED_RIGHT, BATCH_INNER, POSITION_HEADS)),
@@ -905,7 +914,7 @@ def plan(spec: AttentionSpec, bias_row: bool, bias_dims: tuple[int, int], tokens
                           bias_row, spec.dropout_p > 0),
         FOLD=fold, O_IN_Q=O_IN_Q[spec.head_dim_qk], HAS_BIAS=tile_bias,
         BIAS_STAGES=BIAS_STAGES[spec.head_dim_qk], BIAS_ROW=bias_row,
-        HAS_ALIBI=spec.has_alibi,
+        HAS_ALIBI=spec.has_alibi, HAS_SOFTCAP=spec.softcap > 0,
         HAS_DROPOUT=spec.dropout_p > 0, IS_VARLEN=spec.varlen,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
         BOUNDED_RIGHT=spec.window_right >= 0,
@@ -983,5 +992,5 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
         stride_om, stride_oh, *lse_strides, alibi_batch_stride, alibi_head_stride,
         spec.heads, spec.group, bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k,
         *how.counts, spec.scale * LOG2E.value, spec.window_left, spec.window_right,
-        spec.dropout_p, variant=variant, prepare=call, **how.constexprs,
+        spec.dropout_p, spec.softcap, variant=variant, prepare=call, **how.constexprs,
     )  # fmt: skip
