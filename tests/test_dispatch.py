@@ -334,6 +334,27 @@ def test_backward_programs_persistent_where_the_blocks_order_is_free(
 
 
 @gluon
+@pytest.mark.parametrize("options, persistent", [(dict(causal=True), False),
+                                                 (dict(window=(100, 0)), False), ({}, True)])
+def test_backward_masked_long_heads_run_a_program_per_block(options, persistent,
+                                                            monkeypatch):  # fmt: skip
+    """Past MASKED_PERSISTENT_MAX_BLOCKS key blocks a head, masked D=64 calls run a
+    program per block (heaviest first) instead of folded strides; unmasked ones stay
+    persistent."""
+    bsm = dispatch.backward_sm90
+    monkeypatch.setattr(bsm.hopper, "sm_count", lambda device_index: 5)
+    monkeypatch.setattr(bsm, "MASKED_PERSISTENT_MAX_BLOCKS", 7)
+    spec = spec_and_inputs(b=1, sq=1024, sk=1024, h=2, d=64, **options)[0]  # 8 blocks
+    bsm.hopper.forget_plans()
+    try:
+        plan = bsm._plan(spec, False, None, (False, False), 0, 0)
+    finally:
+        bsm.hopper.forget_plans()
+    assert plan.constexprs["PERSISTENT"] is persistent and not plan.constexprs["FOLD"]
+    assert plan.programs == (5 if persistent else 2 * 8)
+
+
+@gluon
 @pytest.mark.parametrize("options, by_rank",
                          [({}, 0), (dict(causal=True), 256), (dict(window=(100, 0)), 256),
                           (dict(window=(100, -1)), 0),

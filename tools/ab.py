@@ -57,6 +57,8 @@ VARIANTS = {
     "no_dq_writer": {"bwd.DQ_WRITER": {64: False, 128: False}},  # ... from the warpgroups
     "no_ordered": {"bwd.ORDERED_DQ": False},  # deterministic calls on the tile kernels
     "bwd_grid": {"bwd.PERSISTENT_BLOCKS": False},  # a backward program per key block
+    # masked backwards folded at every length (shipped: a program per block past 64)
+    "masked_folded_long": {"bwd.MASKED_PERSISTENT_MAX_BLOCKS": 1 << 30},
     # masked backwards: persistent programs, folded, or a program per block, the heads'
     # blocks rank by rank in groups of at least N blocks
     "masked_folded": {"bwd.MASKED_BY_RANK_BLOCKS": {64: 0, 128: 0}},
@@ -88,7 +90,7 @@ DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
     ("bwd", ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "PACKED_BIAS_ADDS", "SKIP_EMPTY_KEY_BLOCKS",
              "SPLIT_HEAD_DIM_PAIRS", "DQ_BLOCK_N", "DQ_WRITER", "ORDERED_DQ",
              "PERSISTENT_BLOCKS", "MASKED_BY_RANK_BLOCKS", "FUSED_SPLIT", "SPLIT_HEADS_TOGETHER",
-             "SPLIT_WARPGROUPS", "BIAS_TILES_BATCH_INNER")))
+             "SPLIT_WARPGROUPS", "BIAS_TILES_BATCH_INNER", "MASKED_PERSISTENT_MAX_BLOCKS")))
     for name in names}  # fmt: skip
 # A/B the kernels themselves, at every size
 DEFAULTS["bwd.MIN_KEYS_PER_QUERY"] = dict.fromkeys(backward_sm90.HEAD_DIMS, 0)

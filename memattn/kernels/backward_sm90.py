@@ -1865,6 +1865,12 @@ PERSISTENT_BLOCKS = True
 # same order from a dynamic schedule in persistent programs lost at both (PERFORMANCE.md,
 # "Levers that did not pay"). 0: folded.
 MASKED_BY_RANK_BLOCKS = {64: 0, 128: 256}
+# Masked calls whose heads have more key blocks than this run a program per block
+# (heaviest first) where they would run folded strides (D=64). H100, tools/ab.py,
+# folded -> a program per block, two calls (medians of 2 and 4 rounds): D64 S16384
+# causal 487 / 485 -> 523 / 516 TFLOP/s; at S8192 (64 blocks) 476 -> 468, S4096 419 ->
+# 426. Tools set it to A/B, then call hopper.forget_plans().
+MASKED_PERSISTENT_MAX_BLOCKS = 64
 
 
 def dq_buffers(spec: AttentionSpec, bias_tiles: bool, dbias_kind: str | None) -> int:
@@ -2201,11 +2207,13 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
     items = _key_block_items(spec, num_n, BLOCK_N, tokens_k if packed_grid else None)
     # Persistent where the order of the blocks is free: not packed sequences (blocks
     # past a sequence's end), nor a summed bias gradient's or ORDERED_DQ's order, nor
-    # under a mask where MASKED_BY_RANK_BLOCKS takes a program per block rank by rank.
+    # under a mask where MASKED_BY_RANK_BLOCKS takes a program per block rank by rank,
+    # or a head has more than MASKED_PERSISTENT_MAX_BLOCKS blocks.
     free_order = not spec.varlen and not ordered and not any(inner)
     masked = free_order and spec.window_right >= 0
     by_rank = MASKED_BY_RANK_BLOCKS[spec.head_dim_qk] if masked else 0
-    persistent = PERSISTENT_BLOCKS and free_order and not by_rank
+    persistent = (PERSISTENT_BLOCKS and free_order and not by_rank
+                  and not (masked and num_n > MASKED_PERSISTENT_MAX_BLOCKS))
     fold = persistent and spec.window_right >= 0
     constexprs = dict(
         HEAD_DIM_QK=spec.head_dim_qk, HEAD_DIM_V=spec.head_dim_v,
