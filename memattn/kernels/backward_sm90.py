@@ -47,12 +47,12 @@ computes dQ apart, a program per block of queries (see DQ_BLOCK_N), writing it i
 output dtype: no fp32 buffer, and no atomics.
 
 Covers what forward_sm90 covers (bf16/fp16, head dims 64, 128 and 256, GQA, causal
-masks either way, sliding windows, a bias, ALiBi, dropout, dense and packed batches)
-minus a bias gradient summed over keys, minus deterministic calls at D 64 and 128 other
-than orders_dq's (TMA reduce-adds land in any order; ORDERED_DQ puts them in one) and
-dq_from_full_bias's (dS stored whole, dQ from it), at D=256 and
-Dqk=192 minus a bias, ALiBi and dropout, and packed batches only at Dqk=192 outside
-deterministic calls. Every other call runs backward.py.
+masks either way, sliding windows, a bias, ALiBi, softcap, dropout, dense and packed
+batches) minus a bias gradient summed over keys, minus softcap beside a bias gradient,
+minus deterministic calls at D 64 and 128 other than orders_dq's (TMA reduce-adds land
+in any order; ORDERED_DQ puts them in one) and dq_from_full_bias's (dS stored whole, dQ
+from it), at D=256 and Dqk=192 minus a bias, ALiBi, softcap and dropout, and packed
+batches only at Dqk=192 outside deterministic calls. Every other call runs backward.py.
 """
 
 from __future__ import annotations
