@@ -113,8 +113,8 @@ def inputs(shape: str, device: str = "cuda"):
         shape, _, bias = shape.partition("+")
         shape, _, dims = shape.partition("@")
         d, dv = (int(x) for x in ((dims or "128").split("/") * 2)[:2])
-        deterministic = shape.endswith("d") and shape != "docs"
-        shape = shape.removesuffix("d") if deterministic else shape
+        deterministic = shape.endswith("d")
+        shape = shape.removesuffix("d")
         causal = not shape.endswith("-full")
         size = shape.removesuffix("-full").partition("/")[2]
         lengths = (int(size),) * (16384 // int(size)) if size else bench.DOC_LENGTHS

@@ -1867,9 +1867,10 @@ PERSISTENT_BLOCKS = True
 MASKED_BY_RANK_BLOCKS = {64: 0, 128: 256}
 # Masked calls whose heads have more key blocks than this run a program per block
 # (heaviest first) where they would run folded strides (D=64). H100, tools/ab.py,
-# folded -> a program per block, two calls (medians of 2 and 4 rounds): D64 S16384
-# causal 487 / 485 -> 523 / 516 TFLOP/s; at S8192 (64 blocks) 476 -> 468, S4096 419 ->
-# 426. Tools set it to A/B, then call hopper.forget_plans().
+# folded -> a program per block, four calls (medians of 2-6 rounds): D64 S16384 causal
+# 487 -> 523, 485 -> 516, 503 -> 512, 504 -> 464 TFLOP/s (rounds spread +-8 %); at
+# S8192 (64 blocks) 476 -> 468, S4096 419 -> 426. Tools set it to A/B, then call
+# hopper.forget_plans().
 MASKED_PERSISTENT_MAX_BLOCKS = 64
 
 
