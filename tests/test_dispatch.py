@@ -414,7 +414,10 @@ def test_only_packed_programs_past_their_end_may_return_first(varlen, inner, mon
         (192, 128, None, dict(dropout_p=0.1), False, True),  # nor dropout's scratch
         (128, 64, (2, 2, 16, 16), {}, True, True),
         (128, 64, None, dict(causal=True, dropout_p=0.1), True, True),
-        (256, 128, None, {}, True, False),
+        (256, 128, None, {}, True, True),  # the wide kernels, as D=256
+        (256, 64, None, dict(causal=True), True, True),
+        (192, 64, None, {}, True, True),  # Q and K split, dK's columns 128 + 64
+        (256, 128, (2, 2, 16, 16), {}, True, True),  # (gluon_backward_computes refuses it)
         (64, 128, None, {}, False, False),  # V wider than q·k
         (192, 192, None, {}, False, False),  # V's head dims: 64, 128, 256
         (96, 96, None, {}, False, False),
@@ -422,9 +425,9 @@ def test_only_packed_programs_past_their_end_may_return_first(varlen, inner, mon
 )  # fmt: skip
 def test_gluon_head_dims(dqk, dv, bias_shape, options, forward, backward):
     """The Gluon forward's head dims: q·k's 64, 128, 192 or 256, V's 64, 128 or 256 up
-    to q·k's, where shared memory holds the buffers; the backward's: equal ones of 64,
-    128 or 256, 128/64 and 192/128 (whose bias, ALiBi and dropout gluon_backward_computes
-    turns away, as at 256)."""
+    to q·k's, where shared memory holds the buffers; the backward's: the same pairs
+    (past Dqk=128, bias, ALiBi and dropout are what gluon_backward_computes turns
+    away)."""
     q = torch.randn(2, 16, 2, dqk, dtype=torch.float16)
     v = torch.randn(2, 16, 2, dv, dtype=torch.float16)
     bias = None if bias_shape is None else torch.randn(bias_shape, dtype=torch.float16)

@@ -288,6 +288,9 @@ HOPPER_CASES = [
          lengths_k=(300, 0, 517), dqk=128, dv=64, alibi="H", options=dict(causal=True)),
     Case("Dqk256 Dv128 bottom-right", seqlen_q=300, seqlen_k=650, dqk=256, dv=128,
          options=dict(causal=True, align="bottom_right")),
+    Case("Dqk256 Dv64 GQA", heads=4, kv_heads=1, seqlen_q=333, seqlen_k=1000, dqk=256, dv=64),
+    Case("Dqk192 Dv64 window", seqlen_q=700, seqlen_k=500, dqk=192, dv=64,
+         options=dict(window=(150, 20))),
     # bias and dropout at D=256: the Gluon forward, backward.py's backward
     Case("D256 bias BHQK causal", seqlen_q=500, seqlen_k=504, dqk=256, dv=256, bias="BHQK",
          options=dict(causal=True)),

@@ -40,9 +40,10 @@ backward.py's preprocess zeroes it and _dq_from_tiles_kernel converts it to the 
 
 At Dqk=192 / Dv=128 (SPLIT_HEAD_DIM_PAIRS) _bwd_split_kernel runs, the same dQ
 buffer and reduce-adds in FlashAttention-4's orientation for these head dims (see
-FUSED_SPLIT). At D=256, and for deterministic calls at 192/128, two other kernels
-run: _bwd_wide_kernel splits dK and dV's work the other way round (64 keys a program,
-each warpgroup part of the head dims, see BLOCK_N_WIDE), and _bwd_dq_wide_kernel
+FUSED_SPLIT). At D=256 (and the narrower V's 256/128, 256/64, 192/64), and for
+deterministic calls at 192/128, two other kernels run: _bwd_wide_kernel splits dK and
+dV's work the other way round (64 keys a program, each warpgroup part of the head
+dims, see BLOCK_N_WIDE), and _bwd_dq_wide_kernel
 computes dQ apart, a program per block of queries (see DQ_BLOCK_N), writing it in the
 output dtype: no fp32 buffer, and no atomics.
 
@@ -1776,8 +1777,11 @@ HEAD_DIMS = (64, 128, 192, 256)  # q·k
 # (q·k, v) head dims these kernels take: the D 64/128 kernel sizes dK and dV apart. At
 # Dqk=192 dK would take 96 registers a thread beside dV's 64, so 192/128 goes to a
 # kernel of its own with Q and K split (FUSED_SPLIT), or for deterministic calls to
-# the wide kernels (BLOCK_N_WIDE): SPLIT_HEAD_DIM_PAIRS.
-HEAD_DIM_PAIRS = ((64, 64), (128, 128), (128, 64), (256, 256))
+# the wide kernels (BLOCK_N_WIDE): SPLIT_HEAD_DIM_PAIRS. Past Dqk=128 the other pairs
+# the forward takes (a narrower V) run the wide kernels, each warpgroup half of dV's
+# columns and its share of dK's (at 192 the split's), as at D=256.
+HEAD_DIM_PAIRS = ((64, 64), (128, 128), (128, 64), (192, 64), (256, 256), (256, 128),
+                  (256, 64))
 SPLIT_HEAD_DIM_PAIRS: tuple[tuple[int, int], ...] = ((192, 128),)
 
 

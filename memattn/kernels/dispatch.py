@@ -2,10 +2,10 @@
 backward alike.
 
 - The Gluon kernels (forward_sm90.py, backward_sm90.py): Hopper GPUs (sm_90) with
-  Triton 3.6's Gluon, bf16/fp16, head dims the kernel is built for (the backward: 64,
-  128 or 256 for q·k and v, 128/64 and 192/128: backward_sm90.takes_head_dims; the forward
-  also other V's narrower than q·k's, such as 192/128, where shared memory holds the
-  buffers: forward_sm90.takes_head_dims), tensors TMA can read, and for the
+  Triton 3.6's Gluon, bf16/fp16, head dims the kernel is built for (64, 128, 192 or
+  256 for q·k, 64, 128 or 256 for v up to q·k's, where shared memory holds the
+  forward's buffers: forward_sm90.takes_head_dims and
+  backward_sm90.takes_head_dims), tensors TMA can read, and for the
   backward at D=64 enough keys per query to beat the tile kernels
   (backward_sm90.MIN_KEYS_PER_QUERY). Options: causal masks either way, windows, GQA,
   ALiBi, softcap (the forward not at D=64 nor with a key row, the backward not at
