@@ -418,14 +418,16 @@ def test_only_packed_programs_past_their_end_may_return_first(varlen, inner, mon
         (256, 64, None, dict(causal=True), True, True),
         (192, 64, None, {}, True, True),  # Q and K split, dK's columns 128 + 64
         (256, 128, (2, 2, 16, 16), {}, True, True),  # (gluon_backward_computes refuses it)
-        (64, 128, None, {}, False, False),  # V wider than q·k
+        (64, 128, None, {}, True, False),  # V wider than q·k: O as at D=128; the
+        # backward's dK/dV staging (a dQ buffer) is too small for dV
+        (128, 256, None, {}, False, False),  # ... but not past 128 columns
         (192, 192, None, {}, False, False),  # V's head dims: 64, 128, 256
         (96, 96, None, {}, False, False),
     ],
 )  # fmt: skip
 def test_gluon_head_dims(dqk, dv, bias_shape, options, forward, backward):
     """The Gluon forward's head dims: q·k's 64, 128, 192 or 256, V's 64, 128 or 256 up
-    to q·k's, where shared memory holds the buffers; the backward's: the same pairs
+    to q·k's or 128, where shared memory holds the buffers; the backward's: the same pairs
     (past Dqk=128, bias, ALiBi and dropout are what gluon_backward_computes turns
     away)."""
     q = torch.randn(2, 16, 2, dqk, dtype=torch.float16)
@@ -436,6 +438,21 @@ def test_gluon_head_dims(dqk, dv, bias_shape, options, forward, backward):
     assert dispatch.forward_sm90.takes_head_dims(spec, bias_row) is forward
     assert dispatch.backward_sm90.takes_head_dims(spec) is backward
     assert dispatch.hopper.qk_split(dqk) == (64 if dqk == 192 else 32 if dqk == 96 else 0)
+
+
+def test_dk_dv_tiles_fit_their_staging_buffer():
+    """The D 64/128 backward stages each warpgroup's dK and dV tiles (64 keys x Dqk, x Dv,
+    16-bit) for their TMA stores in one of its dQ buffers (rows x Dqk / 2, fp32: the
+    descriptor backward_sm90.backward builds): every pair it takes must fit there (64/128
+    did not: dV overran the buffer, and dropout's one buffer a warpgroup showed it)."""
+    from memattn.kernels import backward_sm90
+
+    for dqk, dv in backward_sm90.HEAD_DIM_PAIRS:
+        if dqk > 128:  # the wide kernels stage through a Q or dO slot
+            continue
+        for rows in {backward_sm90.BLOCK_M, backward_sm90.BLOCK_M_D64 if dqk == 64 else 64}:
+            buffer = rows * (dqk // 2) * 4
+            assert 64 * max(dqk, dv) * 2 <= buffer, (dqk, dv, rows)
 
 
 def test_split_head_dims_take_the_split_backward():

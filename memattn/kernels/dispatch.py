@@ -3,8 +3,8 @@ backward alike.
 
 - The Gluon kernels (forward_sm90.py, backward_sm90.py): Hopper GPUs (sm_90) with
   Triton 3.6's Gluon, bf16/fp16, head dims the kernel is built for (64, 128, 192 or
-  256 for q·k, 64, 128 or 256 for v up to q·k's, where shared memory holds the
-  forward's buffers: forward_sm90.takes_head_dims and
+  256 for q·k, 64, 128 or 256 for v up to q·k's (the forward also 64/128), where
+  shared memory holds the forward's buffers: forward_sm90.takes_head_dims and
   backward_sm90.takes_head_dims), tensors TMA can read, and for the
   backward at D=64 enough keys per query to beat the tile kernels
   (backward_sm90.MIN_KEYS_PER_QUERY). Options: causal masks either way, windows, GQA,

@@ -869,10 +869,12 @@ def q_stages(head_dim_qk: int, head_dim_v: int, parts: int, has_bias: bool, bias
 
 
 def takes_head_dims(spec: AttentionSpec, bias_row: bool) -> bool:
-    """Whether the kernel is built for these head dims (HEAD_DIMS, HEAD_DIMS_V, Dv <=
-    Dqk) and shared memory holds this call's buffers (q_stages)."""
+    """Whether the kernel is built for these head dims (HEAD_DIMS, HEAD_DIMS_V, Dv up to
+    Dqk or 128: the tiles and O_IN_Q go by Dqk, and O of 128 columns takes D=128's 64
+    registers a thread beside S) and shared memory holds this call's buffers
+    (q_stages)."""
     dqk, dv = spec.head_dim_qk, spec.head_dim_v
-    if dqk not in HEAD_DIMS or dv not in HEAD_DIMS_V or dv > dqk:
+    if dqk not in HEAD_DIMS or dv not in HEAD_DIMS_V or dv > max(dqk, 128):
         return False
     return q_stages(dqk, dv, 2, spec.has_bias and not bias_row, bias_row,
                     spec.dropout_p > 0) > 0  # fmt: skip
