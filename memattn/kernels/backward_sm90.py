@@ -1782,8 +1782,8 @@ HEAD_DIMS = (64, 128, 192, 256)  # q·k
 # columns and its share of dK's (at 192 the split's), as at D=256.
 # V wider than q·k (64/128, which the forward takes) is not here: the D 64/128 kernel
 # stages dK's and dV's tiles for their TMA stores in one of its dQ buffers, which at
-# Dqk=64 holds 8 KiB, and dV's tile at Dv=128 takes 16 (dK and dV through a Q or dO
-# slot, as in the wide kernels, would take it).
+# Dqk=64 holds 8 KiB, and dV's tile at Dv=128 takes 16 (dV in two halves through it, or
+# through a dO slot as in the wide kernels, would take it).
 HEAD_DIM_PAIRS = ((64, 64), (128, 128), (128, 64), (192, 64), (256, 256), (256, 128),
                   (256, 64))
 SPLIT_HEAD_DIM_PAIRS: tuple[tuple[int, int], ...] = ((192, 128),)
