@@ -417,7 +417,8 @@ def test_only_packed_programs_past_their_end_may_return_first(varlen, inner, mon
         (256, 128, None, {}, True, True),  # the wide kernels, as D=256
         (256, 64, None, dict(causal=True), True, True),
         (192, 64, None, {}, True, True),  # Q and K split, dK's columns 128 + 64
-        (256, 128, (2, 2, 16, 16), {}, True, True),  # (gluon_backward_computes refuses it)
+        # the head dims alone: gluon_backward_computes turns this bias away past Dqk=128
+        (256, 128, (2, 2, 16, 16), {}, True, True),
         (64, 128, None, {}, True, False),  # V wider than q·k: O as at D=128; the
         # backward's dK/dV staging (a dQ buffer) is too small for dV
         (128, 256, None, {}, False, False),  # ... but not past 128 columns
@@ -442,17 +443,17 @@ def test_gluon_head_dims(dqk, dv, bias_shape, options, forward, backward):
 
 def test_dk_dv_tiles_fit_their_staging_buffer():
     """The D 64/128 backward stages each warpgroup's dK and dV tiles (64 keys x Dqk, x Dv,
-    16-bit) for their TMA stores in one of its dQ buffers (rows x Dqk / 2, fp32: the
-    descriptor backward_sm90.backward builds): every pair it takes must fit there (64/128
-    did not: dV overran the buffer, and dropout's one buffer a warpgroup showed it)."""
-    from memattn.kernels import backward_sm90
+    16-bit) for their TMA stores in one of its dQ buffers (a dq_split part, fp32): every
+    pair it takes must fit there (64/128 did not: dV overran the buffer, and dropout's
+    one buffer a warpgroup showed it)."""
+    from memattn.kernels import backward_sm90 as m
 
-    for dqk, dv in backward_sm90.HEAD_DIM_PAIRS:
+    for dqk, dv in m.HEAD_DIM_PAIRS:
         if dqk > 128:  # the wide kernels stage through a Q or dO slot
             continue
-        for rows in {backward_sm90.BLOCK_M, backward_sm90.BLOCK_M_D64 if dqk == 64 else 64}:
-            buffer = rows * (dqk // 2) * 4
-            assert 64 * max(dqk, dv) * 2 <= buffer, (dqk, dv, rows)
+        for rows in {m.BLOCK_M, m.BLOCK_M_D64} if dqk == 64 else {m.BLOCK_M}:
+            part_rows, part_cols = m.dq_split(dqk, rows)
+            assert 64 * max(dqk, dv) * 2 <= part_rows * part_cols * 4, (dqk, dv, rows)
 
 
 def test_split_head_dims_take_the_split_backward():
