@@ -288,7 +288,7 @@ HOPPER_CASES = [
          lengths_k=(300, 0, 517), dqk=128, dv=64, alibi="H", options=dict(causal=True)),
     Case("Dqk256 Dv128 bottom-right", seqlen_q=300, seqlen_k=650, dqk=256, dv=128,
          options=dict(causal=True, align="bottom_right")),
-    # V wider than q·k: the forward with O as at D=128 (backward.py's backward)
+    # V wider than q·k: O and dV as at D=128 (dV by plain stores: DV_STAGED)
     Case("Dqk64 Dv128 causal GQA", heads=4, kv_heads=2, seqlen_q=700, seqlen_k=901, dqk=64,
          dv=128, options=dict(causal=True)),
     Case("Dqk64 Dv128 varlen key bias dropout", lengths_q=(300, 0, 517), lengths_k=(400, 9, 517),

@@ -455,6 +455,8 @@ def _bwd_compute_partition(
     # fit (D=64 at 128 rows), else one after the other.
     TOGETHER: gl.constexpr = (HEAD_DIM_QK == HEAD_DIM_V and 2 * dk_desc.block_type.nbytes
                               <= dq_desc.block_type.nbytes)  # fmt: skip
+    # dV's tile where it fits the buffer, else (V wider than q·k: 64/128) by plain stores
+    DV_STAGED: gl.constexpr = dv_desc.block_type.nbytes <= DQ_ROWS * DQ_COLS * 4
     OVERLAP_ENDS: gl.constexpr = overlaps_block_ends(FOLD, BLOCK_M)
     # A dense gradient stored whole under a mask: the tiles no query of a block sees get
     # their zeros here, not from a pass over the gradient (bias_grad_tiles' ZERO_UNSEEN).
@@ -668,10 +670,18 @@ def _bwd_compute_partition(
             else:
                 _store_by_tma(dk_out, stage._reinterpret(dtype, dk_desc.block_type.shape,
                                                          dk_desc.layout), dk_desc, rows)
-                tma.store_wait(0)
-                gl.thread_barrier()
-                _store_by_tma(dv_out, stage._reinterpret(dtype, dv_desc.block_type.shape,
-                                                         dv_desc.layout), dv_desc, rows)
+                if DV_STAGED:
+                    tma.store_wait(0)
+                    gl.thread_barrier()
+                    _store_by_tma(dv_out, stage._reinterpret(dtype, dv_desc.block_type.shape,
+                                                             dv_desc.layout), dv_desc, rows)
+                else:
+                    _store_key_rows(
+                        dv_out, DV + k_start.to(gl.int64) * stride_vn, b, hk, stride_vb,
+                        stride_vn, stride_vh, seqlen_k,
+                        row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dv_layout)),
+                        gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, dv_layout)),
+                        HEAD_DIM_V)  # fmt: skip
             if DQ_BUFS == 0 or not OVERLAP_ENDS:
                 tma.store_wait(0)  # before the buffer's next dQ tile
     if OVERLAP_ENDS:  # the last block's stores have read shared memory
@@ -1780,12 +1790,11 @@ HEAD_DIMS = (64, 128, 192, 256)  # q·k
 # the wide kernels (BLOCK_N_WIDE): SPLIT_HEAD_DIM_PAIRS. Past Dqk=128 the other pairs
 # the forward takes (a narrower V) run the wide kernels, each warpgroup half of dV's
 # columns and its share of dK's (at 192 the split's), as at D=256.
-# V wider than q·k (64/128, which the forward takes) is not here: the D 64/128 kernel
-# stages dK's and dV's tiles for their TMA stores in one of its dQ buffers, which at
-# Dqk=64 holds 8 KiB, and dV's tile at Dv=128 takes 16 (dV in two halves through it, or
-# through a dO slot as in the wide kernels, would take it).
-HEAD_DIM_PAIRS = ((64, 64), (128, 128), (128, 64), (192, 64), (256, 256), (256, 128),
-                  (256, 64))
+# V wider than q·k (64/128): the D 64/128 kernel stages dK's and dV's tiles for their
+# TMA stores in one of its dQ buffers, which at Dqk=64 holds 8 KiB, where dV's tile at
+# Dv=128 takes 16: dV leaves by plain stores there (DV_STAGED).
+HEAD_DIM_PAIRS = ((64, 64), (128, 128), (128, 64), (64, 128), (192, 64), (256, 256),
+                  (256, 128), (256, 64))
 SPLIT_HEAD_DIM_PAIRS: tuple[tuple[int, int], ...] = ((192, 128),)
 
 
@@ -2100,12 +2109,13 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
 
 
 def block_m(spec: AttentionSpec, bias_row: bool) -> int:
-    """Query rows a step of the D 64/128 kernel: 128 at D=64 where they fit (not beside
+    """Query rows a step of the D 64/128 kernel: 128 at D=64 where they fit (not at
+    64/128, whose dV takes D=128's registers; not beside
     bias tiles: shared memory; nor with dropout, ALiBi or softcap: their registers,
     750-3400 bytes of spills in the sm_90 compile for the first two; softcap's tanh
     lives across dP's wait), else 64. bias_row: hopper.bias_row's."""
     bias_tiles = spec.has_bias and not bias_row
-    wide = (spec.head_dim_qk == 64 and not bias_tiles and spec.dropout_p == 0
+    wide = (spec.head_dim_qk == spec.head_dim_v == 64 and not bias_tiles and spec.dropout_p == 0
             and not spec.has_alibi and spec.softcap == 0)
     return BLOCK_M_D64 if wide else BLOCK_M
 
