@@ -12,7 +12,15 @@ import zlib
 import pytest
 import torch
 
-from memattn.check import FEATURE_CASES, Case, check_backward, check_forward
+from memattn import reference
+from memattn.check import (
+    FEATURE_CASES,
+    FLOOR,
+    Case,
+    check_backward,
+    check_forward,
+    relative_error,
+)
 from memattn.kernels import decode
 
 from .conftest import DEVICE
@@ -147,3 +155,51 @@ def test_repeat_decode_calls_launch_prepared_and_match_gpu(monkeypatch):
     assert all(launcher.fn.runs == 1 for launcher in launchers)
     for a, b in zip(first, result, strict=True):
         assert torch.equal(a, b)
+
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "cuda_graph"])
+def test_decode_steps_see_the_kernels_before_them_gpu(graphed):
+    """On sm_90 both kernels launch as programmatic dependents (decode.PDL): each may
+    start while the kernel before it in the stream ends, and must wait for that
+    kernel's writes before it reads. Decode steps that each copy their query into place
+    and write a key into the cache just before the call, a key that takes most of the
+    step's attention, eager and replayed from a CUDA graph, against each step in
+    float64 on the inputs it should have seen."""
+    import memattn
+
+    torch.manual_seed(0)
+    steps, batch, heads, kv_heads, keys = 4, 2, 16, 4, 12288
+    new = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    k0, v = new(batch, keys, kv_heads, 128), new(batch, keys, kv_heads, 128)
+    queries = new(steps, batch, 1, heads, 128)
+    # each step's key: its group's mean query, scaled (scores ~17 against the others'
+    # ~1: e^17 outweighs 12288 keys' e^0.5 a hundredfold)
+    fresh = queries[:, :, 0].unflatten(2, (kv_heads, heads // kv_heads)).mean(3) * 6
+    q, k = torch.empty_like(queries[0]), k0.clone()
+    outs = torch.empty_like(queries)
+
+    def run():
+        for s in range(steps):
+            q.copy_(queries[s])
+            k[:, keys - steps + s] = fresh[s]
+            outs[s] = memattn.attention(q, k, v)
+
+    run()  # compiles, outside any capture
+    if graphed:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        k.copy_(k0)
+        outs.fill_(float("nan"))
+        graph.replay()
+    torch.cuda.synchronize()
+    seen = k0.clone()
+    for s in range(steps):
+        seen[:, keys - steps + s] = fresh[s]
+        ref = reference.attention(queries[s].double(), seen.double(), v.double())
+        low = reference.attention(queries[s], seen, v)
+        err = relative_error(outs[s], ref)
+        allowed = 2 * relative_error(low, ref) + FLOOR[torch.bfloat16]
+        assert err <= allowed, f"step {s}: error {err:.3g} > allowed {allowed:.3g}"

@@ -22,6 +22,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.errors import OutOfResources
 
 from ..spec import AttentionSpec
@@ -40,6 +41,11 @@ MAX_QUERIES = 64  # per sequence: more run the tile or Gluon forward
 MIN_KEYS = 4096  # fewer, and a program per query block fills the GPU well enough
 MIN_SPLIT_KEYS = 512  # keys per split at least: each split costs a partial output
 MAX_SPLITS = 128  # the merge holds every split's partial row in registers
+# Programmatic dependent launch (sm_90+): each kernel may start while the one before it
+# in the stream ends, and waits for its results (griddepcontrol.wait) before its first
+# global access; the split-KV kernel lets the merge start once its tiles are done. A
+# decode step is a few hundred µs, and each launch's gap and ramp a few of them.
+PDL = True
 
 
 def takes(spec: AttentionSpec) -> bool:
@@ -67,9 +73,12 @@ def _split_kv_kernel(
     BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # One program per (sequence, KV head, row block, split) on a 1-D grid; the splits
     # of one (sequence, KV head) run side by side.
+    if PDL:  # the kernel before this one may still run: its writes (q, k, v) first
+        gdc_wait()
     pid = tl.program_id(0)
     split = pid % num_splits
     rest = pid // num_splits
@@ -133,6 +142,8 @@ def _split_kv_kernel(
         seed, rng_offset, bh, dropout_p, 0, 0,
         DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, BOUNDED_LEFT,
         BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
+    if PDL:  # the merge may launch now: it waits for this grid's stores itself
+        gdc_launch_dependents()
 
     out, lse = normalised(acc, m_i, l_i, dropout_p, HAS_DROPOUT)
     out_mask = row_ok[:, None] & (offs_dv[None, :] < DV)
@@ -153,12 +164,14 @@ def _merge_kernel(
     stride_lb, stride_lh, stride_lm,
     H, SQ, num_splits, split_rows,
     DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out and lse of one query of one (sequence, head) from every split's partial
     results, all splits at once (a loop over them waits on each load in turn):
     lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s. A split that saw no
     key has lse_s = -inf and weighs 0; a row no split saw gets out 0 and lse -inf."""
+    if PDL:  # launched while the split-KV kernel ends: its partial results first
+        gdc_wait()
     pid = tl.program_id(0)
     i = pid % SQ
     bh = pid // SQ
@@ -278,17 +291,18 @@ def _make_plans(spec: AttentionSpec, device_index: int, level: int):
     cfg = configs(spec, False)[level]
     num_m_blocks, programs, splits, split_keys = plan(spec, cfg, torch.device("cuda", device_index))
     switches = feature_switches(spec)
+    pdl = PDL and torch.cuda.get_device_capability(device_index)[0] >= 9
     split_plan = hopper.Plan(
         programs * splits, (num_m_blocks, splits, split_keys),
-        dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=splits > 1,
-             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **switches))
+        dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=splits > 1, PDL=pdl,
+             launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **switches))
     merge_plan = None
     if splits > 1:
         merge_plan = hopper.Plan(
             spec.batch * spec.heads * spec.seqlen_q, (splits,),
             dict(DV=spec.head_dim_v, BLOCK_S=triton.next_power_of_2(splits),
-                 BLOCK_DV=switches["BLOCK_DV"], IS_VARLEN=spec.varlen,
-                 num_warps=4 if splits <= 32 else 8))  # fmt: skip
+                 BLOCK_DV=switches["BLOCK_DV"], IS_VARLEN=spec.varlen, PDL=pdl,
+                 launch_pdl=pdl, num_warps=4 if splits <= 32 else 8))  # fmt: skip
     return split_plan, merge_plan
 
 
@@ -368,7 +382,7 @@ def _forward_by_triton(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_sta
             *_split_ints(spec, q, k, v, out, lse, bias, alibi_slopes,
                          (num_m_blocks, splits, split_keys)),
             *_floats(spec), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=splits > 1,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **switches,
+            PDL=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **switches,
         )  # fmt: skip
         parts.update(splits=splits, out=out_part, lse=lse_part)
 
@@ -379,6 +393,6 @@ def _forward_by_triton(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_sta
             parts["out"], parts["lse"], out, lse, cu_seqlens_q,
             *_merge_ints(spec, out, lse, splits),
             DV=spec.head_dim_v, BLOCK_S=triton.next_power_of_2(splits),
-            BLOCK_DV=switches["BLOCK_DV"], IS_VARLEN=spec.varlen,
+            BLOCK_DV=switches["BLOCK_DV"], IS_VARLEN=spec.varlen, PDL=False,
             num_warps=1 if interpreting else (4 if splits <= 32 else 8),
         )  # fmt: skip
