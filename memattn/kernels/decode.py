@@ -22,7 +22,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_wait
 from triton.runtime.errors import OutOfResources
 
 from ..spec import AttentionSpec
@@ -41,10 +41,10 @@ MAX_QUERIES = 64  # per sequence: more run the tile or Gluon forward
 MIN_KEYS = 4096  # fewer, and a program per query block fills the GPU well enough
 MIN_SPLIT_KEYS = 512  # keys per split at least: each split costs a partial output
 MAX_SPLITS = 128  # the merge holds every split's partial row in registers
-# Programmatic dependent launch (sm_90+): each kernel may start while the one before it
-# in the stream ends, and waits for its results (griddepcontrol.wait) before its first
-# global access; the split-KV kernel lets the merge start once its tiles are done. A
-# decode step is a few hundred µs, and each launch's gap and ramp a few of them.
+# Programmatic dependent launch (sm_90+): each kernel is launched while the one before
+# it in the stream ends, and waits for its writes (griddepcontrol.wait) before its first
+# global access. A decode step is a few hundred µs, and each launch's gap a few of them.
+# (The split-KV kernel does not let the merge launch early: that cost more than it hid.)
 PDL = True
 
 
@@ -142,8 +142,6 @@ def _split_kv_kernel(
         seed, rng_offset, bh, dropout_p, 0, 0,
         DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, BOUNDED_LEFT,
         BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
-    if PDL:  # the merge may launch now: it waits for this grid's stores itself
-        gdc_launch_dependents()
 
     out, lse = normalised(acc, m_i, l_i, dropout_p, HAS_DROPOUT)
     out_mask = row_ok[:, None] & (offs_dv[None, :] < DV)
@@ -170,7 +168,7 @@ def _merge_kernel(
     results, all splits at once (a loop over them waits on each load in turn):
     lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s. A split that saw no
     key has lse_s = -inf and weighs 0; a row no split saw gets out 0 and lse -inf."""
-    if PDL:  # launched while the split-KV kernel ends: its partial results first
+    if PDL:  # launched as the split-KV kernel ends: its partial results first
         gdc_wait()
     pid = tl.program_id(0)
     i = pid % SQ
