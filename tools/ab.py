@@ -15,6 +15,8 @@ bench's packed documents (causal and not, H=16, D=128), "docs/N" and "docs/N-ful
 16384 tokens of documents N long; "docs+1HQK.grad" adds a bias the documents share,
 "docs@192/128" other head dims; a "d" after the documents' part
 ("docs-fulld", "docs/512d") makes the call deterministic, as after a dense shape.
+"decodeBqSQkSK" is a decode row of the bench (H32/8, D128, forward only, no autograd;
+"decode8q16k32768": B8 Sq16 Sk32768), rated in GB/s of K and V read once.
 
 --rounds N times the variants N times more, in turn, and prints each one's median.
 
@@ -33,10 +35,10 @@ from triton.testing import do_bench, do_bench_cudagraph
 import memattn
 from memattn import bench, reference
 from memattn.check import relative_error
-from memattn.kernels import backward_sm90, forward_sm90, hopper
+from memattn.kernels import backward_sm90, decode, forward_sm90, hopper
 
-# name -> Gluon knobs, "fwd.NAME" of forward_sm90, "bwd.NAME" of backward_sm90 (over the
-# shipped values); "tile" runs the tile kernels
+# name -> knobs, "fwd.NAME" of forward_sm90, "bwd.NAME" of backward_sm90, "decode.NAME" of
+# decode (over the shipped values); "tile" runs the tile kernels
 VARIANTS = {
     "tile": None,
     "default": {},
@@ -81,8 +83,9 @@ VARIANTS = {
     "position2": {"fwd.POSITION_HEADS": 2},
     "position8": {"fwd.POSITION_HEADS": 8},
     "position16": {"fwd.POSITION_HEADS": 16},
+    "no_pdl": {"decode.PDL": False},  # decode's kernels launched after the last one ends
 }
-MODULES = {"fwd": forward_sm90, "bwd": backward_sm90}
+MODULES = {"fwd": forward_sm90, "bwd": backward_sm90, "decode": decode}
 DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
     ("fwd", ("FOLD", "OWN_KEY_RANGES", "BLOCK_M_D64", "PERSISTENT", "MAX_Q_STAGES",
              "RESCALE_THRESHOLD", "TURNS_MAX_HEAD_DIM", "MIN_SEQLEN_Q_D64_MASKED",
@@ -90,7 +93,8 @@ DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
     ("bwd", ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "PACKED_BIAS_ADDS", "SKIP_EMPTY_KEY_BLOCKS",
              "SPLIT_HEAD_DIM_PAIRS", "DQ_BLOCK_N", "DQ_WRITER", "ORDERED_DQ",
              "PERSISTENT_BLOCKS", "MASKED_BY_RANK_BLOCKS", "FUSED_SPLIT", "SPLIT_HEADS_TOGETHER",
-             "SPLIT_WARPGROUPS", "BIAS_TILES_BATCH_INNER", "MASKED_PERSISTENT_MAX_BLOCKS")))
+             "SPLIT_WARPGROUPS", "BIAS_TILES_BATCH_INNER", "MASKED_PERSISTENT_MAX_BLOCKS")),
+    ("decode", ("PDL",)))
     for name in names}  # fmt: skip
 # A/B the kernels themselves, at every size
 DEFAULTS["bwd.MIN_KEYS_PER_QUERY"] = dict.fromkeys(backward_sm90.HEAD_DIMS, 0)
@@ -109,6 +113,11 @@ def inputs(shape: str, device: str = "cuda"):
     """(q, k, v, grad_out, options, flops of the forward) for "Dqk[/Dv]xS[c][+BIAS]" or
     "docs[/N][-full]" (see the module's docstring)."""
     new = lambda *s: torch.randn(*s, device=device, dtype=torch.bfloat16)  # noqa: E731
+    if shape.startswith("decode"):  # the bench's decode rows: bytes of K and V, not flops
+        b, rest = shape.removeprefix("decode").split("q")
+        sq, sk = (int(x) for x in rest.split("k"))
+        k, v = new(int(b), sk, 8, 128), new(int(b), sk, 8, 128)
+        return new(int(b), sq, 32, 128), k, v, None, {}, 2 * k.numel() * k.element_size()
     if shape.startswith("docs"):
         shape, _, bias = shape.partition("+")
         shape, _, dims = shape.partition("@")
@@ -171,15 +180,18 @@ def main():
     is_bwd = args.which == "bwd"
     torch.manual_seed(0)
     print(f"{args.which}: {'shape':12s} {'variant':10s} {'error':>26s} {'bench':>6s} "
-          f"{'GPU':>6s} {'host us':>8s}  (TFLOP/s)")
+          f"{'GPU':>6s} {'host us':>8s}  (TFLOP/s; GB/s for decode)")
     for shape in args.shapes.split(","):
         q, k, v, do, kw, flops = inputs(shape)
-        flops *= 2.5 if is_bwd else 1
-        leaves = [t.requires_grad_() for t in (q, k, v)]
+        decoding = do is None  # flops: K's and V's bytes, rated in GB/s (flops / ms / 1e9
+        if decoding and is_bwd:  # is TFLOP/s, bytes / ms / 1e6 GB/s)
+            raise SystemExit(f"{shape}: decode rows time the forward only")
+        flops *= 2.5 if is_bwd else (1e3 if decoding else 1)
+        leaves = [t.requires_grad_(not decoding) for t in (q, k, v)]
         if "bias" in kw and kw["bias"].requires_grad:
             leaves.append(kw["bias"])
         expect = None
-        if "cu_seqlens_q" not in kw and q.shape[1] <= 4096:
+        if "cu_seqlens_q" not in kw and (q.shape[1] <= 4096 or decoding):
             first = [t[:1].detach().double().requires_grad_() for t in (q, k, v)]
             first_kw = dict(kw)
             if "bias" in kw:  # the first batch's
