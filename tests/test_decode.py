@@ -157,7 +157,6 @@ def test_repeat_decode_calls_launch_prepared_and_match_gpu(monkeypatch):
         assert torch.equal(a, b)
 
 
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "cuda_graph"])
 def test_decode_steps_see_the_kernels_before_them_gpu(graphed):

@@ -111,7 +111,8 @@ def use(knobs) -> None:
 
 def inputs(shape: str, device: str = "cuda"):
     """(q, k, v, grad_out, options, flops of the forward) for "Dqk[/Dv]xS[c][+BIAS]" or
-    "docs[/N][-full]" (see the module's docstring)."""
+    "docs[/N][-full]"; for "decodeBqSQkSK" (q, k, v, None, {}, bytes of K and V) (see the
+    module's docstring)."""
     new = lambda *s: torch.randn(*s, device=device, dtype=torch.bfloat16)  # noqa: E731
     if shape.startswith("decode"):  # the bench's decode rows: bytes of K and V, not flops
         b, rest = shape.removeprefix("decode").split("q")
@@ -183,8 +184,8 @@ def main():
           f"{'GPU':>6s} {'host us':>8s}  (TFLOP/s; GB/s for decode)")
     for shape in args.shapes.split(","):
         q, k, v, do, kw, flops = inputs(shape)
-        decoding = do is None  # flops: K's and V's bytes, rated in GB/s (flops / ms / 1e9
-        if decoding and is_bwd:  # is TFLOP/s, bytes / ms / 1e6 GB/s)
+        decoding = do is None  # "flops" are K's and V's bytes: x 1e3 makes the TFLOP/s
+        if decoding and is_bwd:  # columns (flops / ms / 1e9) GB/s (bytes / ms / 1e6)
             raise SystemExit(f"{shape}: decode rows time the forward only")
         flops *= 2.5 if is_bwd else (1e3 if decoding else 1)
         leaves = [t.requires_grad_(not decoding) for t in (q, k, v)]
