@@ -479,12 +479,13 @@ def test_hopper_backward_gpu(case, dtype, hopper_backward_launches):
     from memattn.kernels import backward_sm90
 
     assert_results(check_backward(case, dtype, "cuda", seed=7))
-    # backward.py runs by design: past Dqk=128 a bias, ALiBi, dropout, softcap or packed
-    # sequences (but at 192/128), a bias gradient of rows not whole 16 bytes, and softcap
-    # with a bias gradient.
+    # backward.py runs by design: past 128 columns (q·k's or V's) a bias, ALiBi, dropout,
+    # softcap or packed sequences (but at 192/128), a bias gradient of rows not whole 16
+    # bytes, and softcap with a bias gradient.
     softcap = case.options.get("softcap", 0) > 0
-    wide_plain = case.dqk <= 128 or (case.bias is None and case.alibi is None and not softcap
-                                     and "dropout_p" not in case.options and not case.varlen)
+    wide_plain = max(case.dqk, case.dv) <= 128 or (
+        case.bias is None and case.alibi is None and not softcap
+        and "dropout_p" not in case.options and not case.varlen)
     wide_plain = wide_plain and not (softcap and case.bias is not None)
     dims = (case.dqk, case.dv) in (backward_sm90.HEAD_DIM_PAIRS
                                    + backward_sm90.SPLIT_HEAD_DIM_PAIRS)

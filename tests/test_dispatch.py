@@ -420,15 +420,18 @@ def test_only_packed_programs_past_their_end_may_return_first(varlen, inner, mon
         # the head dims alone: gluon_backward_computes turns this bias away past Dqk=128
         (256, 128, (2, 2, 16, 16), {}, True, True),
         (64, 128, None, {}, True, True),  # V wider than q·k: O and dV as at D=128
-        (128, 256, None, {}, False, False),  # ... but not past 128 columns
+        (128, 256, None, {}, True, True),  # V of 256 columns: D=256's tiles, the wide kernels
+        (64, 256, None, dict(causal=True), True, True),
+        (192, 256, None, {}, True, True),  # O in a buffer of its own: 224 KiB
+        (192, 256, (2, 2, 16, 16), {}, False, True),  # bias tiles: no room
         (192, 192, None, {}, False, False),  # V's head dims: 64, 128, 256
         (96, 96, None, {}, False, False),
     ],
 )  # fmt: skip
 def test_gluon_head_dims(dqk, dv, bias_shape, options, forward, backward):
-    """The Gluon forward's head dims: q·k's 64, 128, 192 or 256, V's 64, 128 or 256 up
-    to q·k's or 128, where shared memory holds the buffers; the backward's: the same pairs
-    (past Dqk=128, bias, ALiBi and dropout are what gluon_backward_computes turns
+    """The Gluon forward's head dims: any pair of q·k's 64, 128, 192 or 256 and V's 64,
+    128 or 256, where shared memory holds the buffers; the backward's: the same pairs
+    (past 128 columns, bias, ALiBi and dropout are what gluon_backward_computes turns
     away)."""
     q = torch.randn(2, 16, 2, dqk, dtype=torch.float16)
     v = torch.randn(2, 16, 2, dv, dtype=torch.float16)
@@ -449,7 +452,7 @@ def test_dk_dv_tiles_fit_their_staging_buffer():
     from memattn.kernels import backward_sm90 as m
 
     for dqk, dv in m.HEAD_DIM_PAIRS:
-        if dqk > 128:  # the wide kernels stage through a Q or dO slot
+        if max(dqk, dv) > 128:  # the wide kernels stage through a Q or dO slot
             continue
         for rows in {m.BLOCK_M, m.BLOCK_M_D64} if dqk == 64 else {m.BLOCK_M}:
             part_rows, part_cols = m.dq_split(dqk, rows)
@@ -486,6 +489,31 @@ def test_split_head_dims_take_the_split_backward():
     assert dispatch.gluon_backward_computes(varlen, None, None, False)
     varlen_det = check_call(q[0], q[0], v[0], causal=True, deterministic=True, **packed)
     assert not dispatch.gluon_backward_computes(varlen_det, None, None, False)
+
+
+@gluon
+@pytest.mark.parametrize("dqk", [64, 128, 192])
+def test_wide_v_takes_the_wide_backward(dqk):
+    """V of 256 columns beside a narrower q·k: the wide kernels, dQ written in the
+    output dtype (deterministic as it is), what they compute (no bias, dropout or packed
+    sequences); the forward on D=256's tiles with O in a buffer of its own."""
+    backward_sm90, forward_sm90 = dispatch.backward_sm90, dispatch.forward_sm90
+    q = torch.randn(2, 16, 2, dqk, dtype=torch.float16)
+    v = torch.randn(2, 16, 2, 256, dtype=torch.float16)
+    spec = check_call(q, q, v, causal=True)
+    assert backward_sm90.is_wide(spec) and not backward_sm90.fuses_split_dq(spec)
+    assert not backward_sm90.dq_in_fp32(spec)
+    assert backward_sm90.dq_block_n(spec) == backward_sm90.DQ_BLOCK_N[256]
+    assert dispatch._gluon_deterministic(check_call(q, q, v, deterministic=True), None, False)
+    assert dispatch.gluon_backward_computes(spec, None, None, False)
+    assert not dispatch.gluon_backward_computes(check_call(q, q, v, dropout_p=0.1), None,
+                                                None, False)  # fmt: skip
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    varlen = check_call(q[0], q[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=11,
+                        max_seqlen_k=11)
+    assert not dispatch.gluon_backward_computes(varlen, None, None, False)
+    assert forward_sm90.tile_dim(dqk, 256) == 256 and not forward_sm90.o_in_q(dqk, 256)
+    assert forward_sm90.o_in_q(dqk, 128) is (dqk == 192)
 
 
 

@@ -302,6 +302,17 @@ HOPPER_CASES = [
     Case("Dqk256 Dv64 GQA", heads=4, kv_heads=1, seqlen_q=333, seqlen_k=1000, dqk=256, dv=64),
     Case("Dqk192 Dv64 window", seqlen_q=700, seqlen_k=500, dqk=192, dv=64,
          options=dict(window=(150, 20))),
+    # V of 256 columns beside a narrower q·k: the forward's D=256 tiles with O in a
+    # buffer of its own (wider than Q's), the backward's wide kernels (at Dqk=64 Q's
+    # tiles with a 64-byte swizzle, each warpgroup's dK columns a 32-column slice)
+    Case("Dqk128 Dv256 causal GQA", heads=4, kv_heads=2, seqlen_q=700, seqlen_k=901,
+         dqk=128, dv=256, options=dict(causal=True)),
+    Case("Dqk64 Dv256 window", seqlen_q=600, seqlen_k=1000, dqk=64, dv=256,
+         options=dict(window=(300, 40))),
+    Case("Dqk192 Dv256 bottom-right", seqlen_q=300, seqlen_k=650, dqk=192, dv=256,
+         options=dict(causal=True, align="bottom_right")),
+    Case("Dqk128 Dv256 varlen bias dropout", lengths_q=(300, 0, 517), lengths_k=(400, 9, 517),
+         dqk=128, dv=256, bias="B11K", options=dict(dropout_p=0.1)),
     # bias and dropout at D=256: the Gluon forward, backward.py's backward
     Case("D256 bias BHQK causal", seqlen_q=500, seqlen_k=504, dqk=256, dv=256, bias="BHQK",
          options=dict(causal=True)),

@@ -1041,7 +1041,10 @@ def _bwd_sm90_kernel(
 # are powers of 2, as in the forward), the first warpgroup making dK's first 128
 # columns, the second dK's last 64, and each half of dV: 192 against 128 columns of dK
 # and dV a warpgroup (FA3/FA4 split 96 keys instead, a shape Gluon has no tile for).
-# Shared memory at 192/128: 141 KiB (dK/dV), 145 KiB (dQ).
+# Shared memory at 192/128: 141 KiB (dK/dV), 145 KiB (dQ). They take V of 256 columns
+# beside a narrower q·k too (64/256, 128/256, 192/256: is_wide), each warpgroup half of
+# dV's columns as at D=256; at Dqk=64 a warpgroup's dK columns (32) span half of Q's
+# 128-byte swizzle, so Q's tiles there take a 64-byte one.
 BLOCK_N_WIDE = 64
 
 
@@ -1218,9 +1221,17 @@ def _bwd_wide_kernel(
 # slower (S=512: 301 against 210 us a call, H100); issuing a tile's S
 # and dP ahead of the previous tile's dQ changed nothing. At Dqk=192 / Dv=128, K and V
 # tiles of 64 keys fit (206 KiB) and paid: 328 -> 343 TFLOP/s causal S=4096, 366 -> 388
-# S=16384 (tools/ab.py, H100). Keyed by Dqk.
+# S=16384 (tools/ab.py, H100). Keyed by Dqk; V of 256 columns (dO's 64 KiB) takes
+# D=256's 32 whatever q·k's width (dq_block_n).
 DQ_BLOCK_N = {256: 32, 192: 64}
 DQ_STAGES = gl.constexpr(3)
+
+
+def dq_block_n(spec: AttentionSpec) -> int:
+    """Keys per K and V tile of _bwd_dq_wide_kernel (DQ_BLOCK_N)."""
+    return DQ_BLOCK_N[256] if spec.head_dim_v > 128 else DQ_BLOCK_N[spec.head_dim_qk]
+
+
 # Under a mask a program takes a pair of query blocks of equal work from this many
 # blocks on, as the forward's D=256 grid does (forward_sm90.MIN_BLOCKS_TO_FOLD).
 DQ_MIN_BLOCKS_TO_FOLD = 5
@@ -1792,10 +1803,17 @@ HEAD_DIMS = (64, 128, 192, 256)  # q·k
 # columns and its share of dK's (at 192 the split's), as at D=256.
 # V wider than q·k (64/128): the D 64/128 kernel stages dK's and dV's tiles for their
 # TMA stores in one of its dQ buffers, which at Dqk=64 holds 8 KiB, where dV's tile at
-# Dv=128 takes 16: dV leaves by plain stores there (DV_STAGED).
+# Dv=128 takes 16: dV leaves by plain stores there (DV_STAGED). V of 256 columns (dV's
+# 128 registers a thread) runs the wide kernels whatever q·k's width.
 HEAD_DIM_PAIRS = ((64, 64), (128, 128), (128, 64), (64, 128), (192, 64), (256, 256),
-                  (256, 128), (256, 64))
+                  (256, 128), (256, 64), (64, 256), (128, 256), (192, 256))
 SPLIT_HEAD_DIM_PAIRS: tuple[tuple[int, int], ...] = ((192, 128),)
+
+
+def is_wide(spec: AttentionSpec) -> bool:
+    """Whether the call runs the wide kernels (_bwd_wide_kernel, _bwd_dq_wide_kernel):
+    head dims past 128, q·k's or V's (but fuses_split_dq's)."""
+    return max(spec.head_dim_qk, spec.head_dim_v) > 128 and not fuses_split_dq(spec)
 
 
 def takes_head_dims(spec: AttentionSpec) -> bool:
@@ -2022,9 +2040,9 @@ def fuses_split_dq(spec: AttentionSpec) -> bool:
 
 def dq_in_fp32(spec: AttentionSpec) -> bool:
     """Whether `backward` adds dQ into an fp32 buffer (zeroed beforehand, converted
-    after: D 64 and 128, fuses_split_dq's) rather than writing the output itself (D=256,
-    deterministic Dqk=192)."""
-    return spec.head_dim_qk <= 128 or fuses_split_dq(spec)
+    after: D 64 and 128, fuses_split_dq's) rather than writing the output itself (the
+    wide kernels: is_wide)."""
+    return not is_wide(spec)
 
 
 def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_state,
@@ -2041,7 +2059,7 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
     if fuses_split_dq(spec):
         return _backward_split(spec, q, k, v, grad_out, cu_seqlens_q, cu_seqlens_k, stats, dq,
                                dk, dv)
-    if spec.head_dim_qk > 128:
+    if is_wide(spec):
         return _backward_wide(spec, q, k, v, grad_out, stats, dq, dk, dv)
     bias_row = hopper.bias_row(spec, bias)
     dbias_kind = None if dbias is None else dbias_kind_of(spec, bias)
@@ -2276,13 +2294,19 @@ def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, stats, dq, dk, dv) ->
     do_desc = hopper.descriptor(grad_out, BLOCK_M)
     stats_desc = _row_stats_descriptor(stats, spec.seqlen_q)
     if not dkdv_launched:
+        # A warpgroup's dK columns are a slice of Q's tile, which its swizzle may not span
+        # more than (Dqk=64: 32 columns, 64 bytes)
+        q_cols = q_desc
+        half_bytes = spec.head_dim_qk // 2 * q.element_size()
+        if not split and half_bytes < 128:
+            q_cols = hopper.descriptor(q, BLOCK_M, swizzle=half_bytes)
         k_desc, k2_desc = parts(k, BLOCK_N_WIDE)
         # dK's columns a warpgroup stores: half of them, or with a split each buffer's
         dk_parts = parts(dk, BLOCK_N_WIDE) if split else (
             hopper.descriptor(dk, BLOCK_N_WIDE, cols=spec.head_dim_qk // 2),) * 2
         _launch_backward_wide(
             (dkdv.programs,),
-            q_desc, k_desc, hopper.descriptor(v, BLOCK_N_WIDE), do_desc, stats_desc, q2_desc,
+            q_cols, k_desc, hopper.descriptor(v, BLOCK_N_WIDE), do_desc, stats_desc, q2_desc,
             k2_desc, *dk_parts, hopper.descriptor(dv, BLOCK_N_WIDE, cols=spec.head_dim_v // 2),
             spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k,
             *dkdv.counts, spec.scale, spec.window_left, spec.window_right,
@@ -2382,7 +2406,7 @@ def _plans_wide(spec: AttentionSpec, device_index: int) -> tuple[hopper.Plan, ho
     masked = spec.window_left >= 0 or spec.window_right >= 0
     fold = masked and num_m >= DQ_MIN_BLOCKS_TO_FOLD
     dq = hopper.Plan(hopper.programs(num_items, fold, False, device_index), (num_m, num_items),
-                     dict(BLOCK_M=block_m, BLOCK_N=DQ_BLOCK_N[spec.head_dim_qk], FOLD=fold,
+                     dict(BLOCK_M=block_m, BLOCK_N=dq_block_n(spec), FOLD=fold,
                           **bounds, num_warps=4))  # fmt: skip
     return dkdv, dq
 

@@ -87,15 +87,17 @@ def gluon_backward_computes(spec: AttentionSpec, bias, alibi_slopes, need_dbias:
     device: a bias gradient of a bias constant along queries (summed in registers), or
     of one read by tiles (every query and key; dS stored, or added up by TMA where the
     bias broadcasts over batch or heads) with rows of whole 16 bytes for those copies;
-    at D=256 and Dqk=192 no bias, ALiBi, dropout or softcap, and packed sequences only at
-    Dqk=192 where dQ is fused (backward_sm90.fuses_split_dq: not deterministic); softcap
-    without a bias gradient (its dS for dK and dQ is not the bias gradient's)."""
-    if spec.head_dim_qk > 128 and (bias is not None or alibi_slopes is not None
-                                    or spec.dropout_p > 0 or spec.softcap > 0):  # fmt: skip
+    with a head dim past 128 (D=256, Dqk=192, V of 256 columns) no bias, ALiBi, dropout
+    or softcap, and packed sequences only at Dqk=192 where dQ is fused
+    (backward_sm90.fuses_split_dq: not deterministic); softcap without a bias gradient
+    (its dS for dK and dQ is not the bias gradient's)."""
+    if max(spec.head_dim_qk, spec.head_dim_v) > 128 and (
+            bias is not None or alibi_slopes is not None or spec.dropout_p > 0
+            or spec.softcap > 0):  # fmt: skip
         return False
     if spec.softcap > 0 and need_dbias:
         return False
-    if spec.head_dim_qk > 128 and spec.varlen and not backward_sm90.fuses_split_dq(spec):
+    if spec.varlen and backward_sm90.is_wide(spec):
         return False
     if not need_dbias or hopper.bias_row(spec, bias):
         return True

@@ -113,15 +113,16 @@ TURN_BARRIER = gl.constexpr(8)  # the first warpgroup's; Gluon's partitions use 
 # slots of INFO_FIELDS int32 (_hand_item, _taken_item): 128 bytes.
 INFO_STAGES = gl.constexpr(4)
 INFO_FIELDS = gl.constexpr(8)
-# The tables below go by the q·k head dim; V's may be smaller (Dqk != Dv: 192/128 as
-# in MLA, 128/64, 256/128), never larger (O's registers and buffer are sized by it).
+# The tables below go by tile_dim: the q·k head dim (V's may be narrower: 192/128 as in
+# MLA, 128/64, 256/128), or 256 where V is 256 columns wide (64/256, 128/256, 192/256):
+# O's 128 registers a thread take D=256's 64-key tiles.
 # Keys per tile. At D=256 a warpgroup's O takes 128 registers a thread, so S takes 64
 # keys (32 more), and K and V tiles are 32 KiB each, as at D=128.
 BLOCK_N = {64: 128, 128: 128, 192: 128, 256: 64}
 STAGES = 2  # K and V each: 2 x 32 KiB at D=128 and 256, plus Q's and O's 32 KiB each
 # At D=256 Q's and O's buffers would be 64 KiB each, and at 192/128 K's ring is 96 KiB:
 # O goes out through Q's buffer (each warpgroup's own rows), whose next fill then waits
-# for the store to have read them.
+# for the store to have read them; where O's tile fits there (o_in_q).
 O_IN_Q = {64: False, 128: False, 192: True, 256: True}
 # A bias's tiles (ROWS x BLOCK_N per warpgroup) take what shared memory is left: one
 # slot at D=128 (224 KiB in all) and 256 (208 KiB), two at D=64; none at 192 (q_stages
@@ -846,35 +847,49 @@ _launch_forward = hopper.Launcher(_fwd_sm90_kernel)
 
 
 @hopper.plan_cache  # dispatch asks on every call (takes_head_dims); made from the knobs
+def tile_dim(head_dim_qk: int, head_dim_v: int) -> int:
+    """The head dim whose tiles (BLOCK_N and the tables beside it) a call takes: Dqk's,
+    or D=256's where V is wider than 128 columns."""
+    return 256 if head_dim_v > 128 else head_dim_qk
+
+
+def o_in_q(head_dim_qk: int, head_dim_v: int) -> bool:
+    """Whether O leaves through Q's buffer (O_IN_Q): where its tile fits Q's first
+    columns' (not at 64/256, 128/256 or 192/256)."""
+    main = head_dim_qk - hopper.qk_split(head_dim_qk)
+    return O_IN_Q[tile_dim(head_dim_qk, head_dim_v)] and head_dim_v <= main
+
+
 def q_stages(head_dim_qk: int, head_dim_v: int, parts: int, has_bias: bool, bias_row: bool,
              dropout: bool) -> int:  # fmt: skip
     """Q buffers a program gets: two where shared memory holds them beside the K and V
     rings, O's buffer and the bias's (tiles or rows), else one (always one with O in
     Q's buffer), 0 where not even one fits: dispatch then runs forward.py. Dropout's
     exchange of keep bits takes scratch of its own: 32 KiB kept clear."""
-    rows, block_n = ROWS.value, BLOCK_N[head_dim_qk]
+    tile = tile_dim(head_dim_qk, head_dim_v)
+    rows, block_n = ROWS.value, BLOCK_N[tile]
     q_tile = rows * head_dim_qk * 2  # one warpgroup's rows of Q
     fixed = STAGES * block_n * (head_dim_qk + head_dim_v) * 2  # the K and V rings
-    if not O_IN_Q[head_dim_qk]:
+    with_o = o_in_q(head_dim_qk, head_dim_v)
+    if not with_o:
         fixed += parts * rows * head_dim_v * 2
     if has_bias:
-        fixed += BIAS_STAGES[head_dim_qk] * parts * rows * block_n * 2
+        fixed += BIAS_STAGES[tile] * parts * rows * block_n * 2
     if bias_row:  # fp32, a row beside each K slot
         fixed += STAGES * block_n * 4
     # 2 KiB for the barriers and the compiler's own (~400 bytes at D=128, sm_90 build)
     budget = SHARED_MEMORY - 2 * 1024 - (32 * 1024 if dropout else 0)
-    most = 1 if O_IN_Q[head_dim_qk] else MAX_Q_STAGES
+    most = 1 if with_o else MAX_Q_STAGES
     fits = [s for s in range(1, most + 1) if fixed + s * parts * q_tile <= budget]
     return max(fits, default=0)
 
 
 def takes_head_dims(spec: AttentionSpec, bias_row: bool) -> bool:
-    """Whether the kernel is built for these head dims (HEAD_DIMS, HEAD_DIMS_V, Dv up to
-    Dqk or 128: the tiles and O_IN_Q go by Dqk, and O of 128 columns takes D=128's 64
-    registers a thread beside S) and shared memory holds this call's buffers
+    """Whether the kernel is built for these head dims (HEAD_DIMS, HEAD_DIMS_V: any pair
+    of them, tiles by tile_dim) and shared memory holds this call's buffers
     (q_stages)."""
     dqk, dv = spec.head_dim_qk, spec.head_dim_v
-    if dqk not in HEAD_DIMS or dv not in HEAD_DIMS_V or dv > max(dqk, 128):
+    if dqk not in HEAD_DIMS or dv not in HEAD_DIMS_V:
         return False
     return q_stages(dqk, dv, 2, spec.has_bias and not bias_row, bias_row,
                     spec.dropout_p > 0) > 0  # fmt: skip
@@ -897,12 +912,13 @@ def plan(spec: AttentionSpec, bias_row: bool, bias_dims: tuple[int, int], tokens
                    and spec.seqlen_q >= (MIN_SEQLEN_Q_D64_MASKED if masked
                                          else MIN_SEQLEN_Q_D64))
     block_m = BLOCK_M_D64 if three_parts else BLOCK_M
-    block_n = BLOCK_N[spec.head_dim_qk]
+    tile = tile_dim(spec.head_dim_qk, spec.head_dim_v)
+    block_n = BLOCK_N[tile]
     num_m_blocks = cdiv(spec.seqlen_q, block_m)
     # Packed sequences walk their blocks sequence by sequence instead (hopper.query_block).
     fold = not spec.varlen and (FOLD is True or (
-        FOLD == "masked" and masked and num_m_blocks >= MIN_BLOCKS_TO_FOLD[spec.head_dim_qk]))
-    persistent = PERSISTENT and (not masked or MASKED_PERSISTENT[spec.head_dim_qk])
+        FOLD == "masked" and masked and num_m_blocks >= MIN_BLOCKS_TO_FOLD[tile]))
+    persistent = PERSISTENT and (not masked or MASKED_PERSISTENT[tile])
     num_items = num_m_blocks * spec.batch * spec.heads
     counts = (num_m_blocks, num_items)
     if spec.varlen:
@@ -914,15 +930,15 @@ def plan(spec: AttentionSpec, bias_row: bool, bias_dims: tuple[int, int], tokens
         STAGES=STAGES,
         Q_STAGES=q_stages(spec.head_dim_qk, spec.head_dim_v, block_m // ROWS.value, tile_bias,
                           bias_row, spec.dropout_p > 0),
-        FOLD=fold, O_IN_Q=O_IN_Q[spec.head_dim_qk], HAS_BIAS=tile_bias,
-        BIAS_STAGES=BIAS_STAGES[spec.head_dim_qk], BIAS_ROW=bias_row,
+        FOLD=fold, O_IN_Q=o_in_q(spec.head_dim_qk, spec.head_dim_v), HAS_BIAS=tile_bias,
+        BIAS_STAGES=BIAS_STAGES[tile], BIAS_ROW=bias_row,
         HAS_ALIBI=spec.has_alibi, HAS_SOFTCAP=spec.softcap > 0,
         HAS_DROPOUT=spec.dropout_p > 0, IS_VARLEN=spec.varlen,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
         BOUNDED_RIGHT=spec.window_right >= 0,
         THRESHOLD=(float(RESCALE_THRESHOLD)
                    if spec.head_dim_v >= LAZY_RESCALE_MIN_COLUMNS * block_n else 0.0),
-        TURNS=not spec.varlen and spec.head_dim_qk <= TURNS_MAX_HEAD_DIM,
+        TURNS=not spec.varlen and tile <= TURNS_MAX_HEAD_DIM,
         OWN_RANGES=OWN_KEY_RANGES and spec.window_right >= 0 and block_m > 2 * ROWS.value,
         POSITION_HEADS=(min(POSITION_HEADS, spec.heads)
                         if spec.varlen and tile_bias and bias_dims[0] == 1
