@@ -476,19 +476,20 @@ def hopper_backward_launches(monkeypatch):
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: c.name)
 def test_hopper_backward_gpu(case, dtype, hopper_backward_launches):
-    from memattn.kernels import backward_sm90
+    from memattn.kernels import backward_sm90, dispatch
 
     assert_results(check_backward(case, dtype, "cuda", seed=7))
+    dqk, dv = dispatch.kernel_head_dims(case.dqk, case.dv, "backward")  # D=96 as 128
     # backward.py runs by design: past 128 columns (q·k's or V's) a bias, ALiBi, dropout,
     # softcap or packed sequences (but at 192/128), a bias gradient of rows not whole 16
     # bytes, and softcap with a bias gradient.
     softcap = case.options.get("softcap", 0) > 0
-    wide_plain = max(case.dqk, case.dv) <= 128 or (
+    split = (dqk, dv) in backward_sm90.SPLIT_HEAD_DIM_PAIRS
+    wide_plain = max(dqk, dv) <= 128 or (
         case.bias is None and case.alibi is None and not softcap
-        and "dropout_p" not in case.options and not case.varlen)
+        and "dropout_p" not in case.options and (not case.varlen or split))
     wide_plain = wide_plain and not (softcap and case.bias is not None)
-    dims = (case.dqk, case.dv) in (backward_sm90.HEAD_DIM_PAIRS
-                                   + backward_sm90.SPLIT_HEAD_DIM_PAIRS)
+    dims = (dqk, dv) in backward_sm90.HEAD_DIM_PAIRS or split
     keys = max(case.lengths_k) if case.varlen else case.seqlen_k
     dbias = case.bias is None or _bias_row(case) or keys % 8 == 0
     gluon = wide_plain and dims and dbias

@@ -492,6 +492,38 @@ def test_split_head_dims_take_the_split_backward():
 
 
 @gluon
+@pytest.mark.parametrize(
+    "dqk, dv, forward, backward",
+    [
+        (128, 128, (128, 128), (128, 128)),  # the kernels' own
+        (192, 64, (192, 64), (192, 64)),
+        (96, 96, (128, 128), (128, 128)),  # the next wider: Phi-3's 96, Phi-2's 80
+        (80, 80, (128, 128), (128, 128)),
+        (40, 40, (64, 64), (64, 64)),
+        (32, 32, (32, 32), (64, 64)),  # twice the work: the backward alone
+        (24, 24, (24, 24), (24, 24)),  # no kernel's (the tile kernels)
+        (64, 17, (64, 17), (64, 17)),
+        (160, 128, (192, 128), (192, 128)),  # Q and K split, 128 + 64 columns
+        (200, 200, (256, 256), (256, 256)),
+        (48, 112, (64, 128), (64, 128)),
+        (128, 192, (128, 256), (128, 256)),  # V: 64, 128, 256
+    ],
+)  # fmt: skip
+def test_kernel_head_dims(dqk, dv, forward, backward):
+    """Head dims the Gluon kernels are not built for run as the next wider ones
+    (kernel_spec) within MAX_PADDED_WORK; the spec is the call's but for them."""
+    q = torch.randn(2, 16, 2, dqk, dtype=torch.float16)
+    v = torch.randn(2, 16, 2, dv, dtype=torch.float16)
+    spec = check_call(q, q, v, causal=True)
+    for which, kernel in (("forward", forward), ("backward", backward)):
+        assert dispatch.kernel_head_dims(dqk, dv, which) == kernel
+        kspec = dispatch.kernel_spec(spec, which)
+        assert (kspec.head_dim_qk, kspec.head_dim_v) == kernel
+        assert dataclasses.replace(kspec, head_dim_qk=dqk, head_dim_v=dv) == spec
+        assert kspec.scale == pytest.approx(dqk**-0.5)  # the call's own
+
+
+@gluon
 @pytest.mark.parametrize("dqk", [64, 128, 192])
 def test_wide_v_takes_the_wide_backward(dqk):
     """V of 256 columns beside a narrower q·k: the wide kernels, dQ written in the

@@ -313,6 +313,24 @@ HOPPER_CASES = [
          options=dict(causal=True, align="bottom_right")),
     Case("Dqk128 Dv256 varlen bias dropout", lengths_q=(300, 0, 517), lengths_k=(400, 9, 517),
          dqk=128, dv=256, bias="B11K", options=dict(dropout_p=0.1)),
+    # head dims the kernels are not built for, as the next wider (dispatch.kernel_spec):
+    # TMA zero-fills the columns past the tensors' own and clips its stores there; the
+    # pointer stores (packed sequences' last blocks, dV at Dqk=64) mask them
+    Case("D96 causal GQA", heads=4, kv_heads=2, seqlen_q=700, seqlen_k=901, dqk=96, dv=96,
+         options=dict(causal=True)),
+    Case("D80 varlen key bias dropout", lengths_q=(300, 0, 517), lengths_k=(400, 9, 517),
+         dqk=80, dv=80, bias="B11K", options=dict(dropout_p=0.1)),
+    Case("D96 bias BHQK window", seqlen_q=600, seqlen_k=1000, dqk=96, dv=96, bias="BHQK",
+         options=dict(window=(300, 40))),
+    Case("D40 Sq=777 Sk=1030", seqlen_q=777, seqlen_k=1030, dqk=40, dv=40),
+    Case("Dqk48 Dv112 varlen causal", lengths_q=(300, 0, 517), lengths_k=(300, 0, 517),
+         dqk=48, dv=112, options=dict(causal=True)),
+    Case("Dqk160 Dv128 causal", seqlen_q=700, seqlen_k=901, dqk=160, dv=128,
+         options=dict(causal=True)),
+    Case("Dqk160 Dv128 varlen", lengths_q=(300, 0, 517), lengths_k=(400, 9, 517), dqk=160,
+         dv=128),
+    Case("D200 bottom-right", seqlen_q=300, seqlen_k=650, dqk=200, dv=200,
+         options=dict(causal=True, align="bottom_right")),
     # bias and dropout at D=256: the Gluon forward, backward.py's backward
     Case("D256 bias BHQK causal", seqlen_q=500, seqlen_k=504, dqk=256, dv=256, bias="BHQK",
          options=dict(causal=True)),

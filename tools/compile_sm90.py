@@ -140,9 +140,10 @@ HOPPER_MASKS = ({}, dict(causal=True), dict(causal=True, align="bottom_right"),
 def compile_hopper_forward() -> int:
     """The Gluon forward (kernels/forward_sm90.py), which the cases above never reach
     on CPU tensors: every head dim and mask variant it takes."""
-    from memattn.kernels import forward_sm90
+    from memattn.kernels import dispatch, forward_sm90
 
     def launch(spec, q, k, v, bias, alibi, cu_seqlens=(None, None)):
+        spec = dispatch.kernel_spec(spec, "forward")  # other head dims as the next wider
         if not forward_sm90.takes_head_dims(spec, forward_sm90.hopper.bias_row(spec, bias)):
             return  # forward.py's call: shared memory does not hold the buffers
         lse = torch.empty(*spec.bias_shape[1:3]) if spec.varlen else torch.empty(
@@ -159,6 +160,7 @@ def compile_hopper_backward() -> int:
     from memattn.kernels import backward_sm90, dispatch, hopper
 
     def launch(spec, q, k, v, bias, alibi, cu_seqlens=(None, None)):
+        spec = dispatch.kernel_spec(spec, "backward")  # other head dims as the next wider
         if not backward_sm90.takes_head_dims(spec) or not dispatch.gluon_backward_computes(
                 spec, bias, alibi, bias is not None):
             return  # backward.py's call: other Dqk/Dv; D=256 with a bias, ALiBi, dropout...

@@ -145,9 +145,11 @@ def delta_launch(spec: AttentionSpec, out, grad_out, lse, grad_lse, cu_seqlens_q
         *(lse_strides(grad_lse, spec.varlen) if grad_lse is not None else (0, 0, 0)),
         cu_seqlens_q, spec.heads, spec.seqlen_q, num_m,
     )  # fmt: skip
+    # O's own columns (the Gluon backward's spec may count more: dispatch.kernel_spec);
+    # dq_acc's tiles span the spec's
     constexprs = dict(
-        DV=spec.head_dim_v, DQK=spec.head_dim_qk, BLOCK_M=_DELTA_BLOCK_M,
-        BLOCK_DV=tuning.padded_head_dim(spec.head_dim_v), IS_VARLEN=spec.varlen,
+        DV=out.shape[-1], DQK=spec.head_dim_qk, BLOCK_M=_DELTA_BLOCK_M,
+        BLOCK_DV=tuning.padded_head_dim(out.shape[-1]), IS_VARLEN=spec.varlen,
         FOR_SM90=lse2 is not None, ZERO_DQ=zero_dq, DQ_BLOCK_M=dq_block_m,
         HAS_GRAD_LSE=grad_lse is not None,
     )  # fmt: skip
@@ -602,7 +604,7 @@ def dq_from_ds(dq: torch.Tensor, ds: torch.Tensor, k: torch.Tensor, spec: Attent
     (_band_chunks) takes only the keys in its band (causal S4096: 10 / 16 of the
     product)."""
     b, hkv, g, h = spec.batch, spec.kv_heads, spec.group, spec.heads
-    sq, sk, d = spec.seqlen_q, spec.seqlen_k, spec.head_dim_qk
+    sq, sk, d = spec.seqlen_q, spec.seqlen_k, k.shape[-1]
     ds3 = ds.view(b * h, sq, sk)
     k5 = k.transpose(1, 2)[:, :, None]  # (B, Hkv, 1, Sk, D)
     dq4 = dq.view(b, sq, h, d).transpose(1, 2)  # (B, H, Sq, D)

@@ -200,13 +200,13 @@ def _dq_tile_row(b, q_start, start_m, part, BLOCK_M: gl.constexpr, TILE_ROWS: gl
 
 
 @gluon.jit
-def _store_key_rows(x, X, b, hk, stride_b, stride_n, stride_h, seqlen_k, rows, cols,
-                    COLS: gl.constexpr):  # fmt: skip
+def _store_key_rows(x, X, b, hk, stride_b, stride_n, stride_h, seqlen_k, rows, cols, width):
     """x (dK or dV, in the output dtype) of keys ``rows`` and columns ``cols`` of (b, kv
     head hk), by plain stores: a packed sequence's key block that ends past its keys
     (elsewhere TMA stores, which clip at the packed tensor's end, not the sequence's);
-    keys past the sequence are not written."""
-    ok = (rows < seqlen_k)[:, None] & (cols < COLS)[None, :]
+    keys past the sequence, and columns from ``width`` on (the tensor's own, where the
+    kernel's head dims span more: dispatch.kernel_spec), are not written."""
+    ok = (rows < seqlen_k)[:, None] & (cols < width)[None, :]
     rows64 = rows.to(gl.int64)[:, None]
     ptrs = (X + b.to(gl.int64) * stride_b + hk.to(gl.int64) * stride_h + rows64 * stride_n
             + cols[None, :])
@@ -643,12 +643,12 @@ def _bwd_compute_partition(
                             stride_kn, stride_kh, seqlen_k,
                             row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dk_layout)),
                             gl.arange(0, HEAD_DIM_QK, layout=gl.SliceLayout(0, dk_layout)),
-                            HEAD_DIM_QK)  # fmt: skip
+                            dk_desc.shape[3])  # fmt: skip
             _store_key_rows(dv_out, DV + k_start.to(gl.int64) * stride_vn, b, hk, stride_vb,
                             stride_vn, stride_vh, seqlen_k,
                             row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dv_layout)),
                             gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, dv_layout)),
-                            HEAD_DIM_V)  # fmt: skip
+                            dv_desc.shape[3])  # fmt: skip
         else:  # the TMA store clips a dense batch's keys past Sk
             if DQ_BUFS > 0:  # the writer warp has read the buffer's last dQ tile
                 if OVERLAP_ENDS:  # the buffer of the next block's first dQ tile
@@ -681,7 +681,7 @@ def _bwd_compute_partition(
                         stride_vn, stride_vh, seqlen_k,
                         row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dv_layout)),
                         gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, dv_layout)),
-                        HEAD_DIM_V)  # fmt: skip
+                        dv_desc.shape[3])  # fmt: skip
             if DQ_BUFS == 0 or not OVERLAP_ENDS:
                 tma.store_wait(0)  # before the buffer's next dQ tile
     if OVERLAP_ENDS:  # the last block's stores have read shared memory
@@ -1612,11 +1612,13 @@ def _bwd_split_compute_partition(
     row = start_n + WG * KEYS
     if IS_VARLEN and row + KEYS > seqlen_k:
         dk_ptr = DK + k_start.to(gl.int64) * stride_kn
+        dk_width = dk_desc.shape[3]  # dK's and dV's own columns (dispatch.kernel_spec)
         _store_key_cols(dvt, DV + k_start.to(gl.int64) * stride_vn, hk, stride_vn, stride_vh,
-                        seqlen_k, row, HEAD_DIM_V)
-        _store_key_cols(dkt * scale, dk_ptr, hk, stride_kn, stride_kh, seqlen_k, row, QK_MAIN)
+                        seqlen_k, row, dv_desc.shape[3], HEAD_DIM_V)
+        _store_key_cols(dkt * scale, dk_ptr, hk, stride_kn, stride_kh, seqlen_k, row, dk_width,
+                        QK_MAIN)
         _store_key_cols(dk2t * scale, dk_ptr + QK_MAIN, hk, stride_kn, stride_kh, seqlen_k, row,
-                        QK_SPLIT)
+                        dk_width - QK_MAIN, QK_SPLIT)
     else:
         krow = k_start + row
         _store_transposed(dvt, dq_buf, dv_desc, [b_tma, hk, krow, 0])
@@ -1637,14 +1639,16 @@ def _dq_add(dq, buf, desc, coords, order: gl.constexpr, ROWS: gl.constexpr, COLS
 
 
 @gluon.jit
-def _store_key_cols(xt, X, hk, stride_n, stride_h, seqlen_k, row0, COLS: gl.constexpr):
+def _store_key_cols(xt, X, hk, stride_n, stride_h, seqlen_k, row0, width, COLS: gl.constexpr):
     """xt (fp32, registers, (COLS columns, keys from row0)) as _store_key_rows stores a
-    tile of keys along its rows, in X's dtype: keys past seqlen_k are not written."""
+    tile of keys along its rows, in X's dtype: keys past seqlen_k and columns from
+    ``width`` on are not written."""
     x = gl.permute(xt, (1, 0)).to(X.dtype.element_ty)
     layout: gl.constexpr = x.type.layout
     rows = row0 + gl.arange(0, x.shape[0], layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
-    _store_key_rows(x, X, gl.to_tensor(0), hk, 0, stride_n, stride_h, seqlen_k, rows, cols, COLS)
+    _store_key_rows(x, X, gl.to_tensor(0), hk, 0, stride_n, stride_h, seqlen_k, rows, cols,
+                    width)
 
 
 @gluon.jit
@@ -2087,7 +2091,7 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
         q, k, v, grad_out, dk_tma, dv_tma = (
             t.unsqueeze(0) for t in (q, k, v, grad_out, dk, dv))
     block_m = how.constexprs["BLOCK_M"]
-    q_desc = hopper.descriptor(q, block_m)
+    q_desc = hopper.descriptor(q, block_m, spec.head_dim_qk)
     bias_desc = dbias_desc = q_desc  # stand-ins, never read without a bias (gradient)
     bias_batches = bias_heads = 1
     if bias_row:
@@ -2109,13 +2113,15 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
                else None, hopper.aligned(cu_seqlens_q), hopper.aligned(cu_seqlens_k))  # fmt: skip
     _launch_backward(
         (how.programs,),
-        q_desc, hopper.descriptor(k, BLOCK_N, swizzle=k_swizzle),
-        hopper.descriptor(v, BLOCK_N), hopper.descriptor(grad_out, block_m),
+        q_desc, hopper.descriptor(k, BLOCK_N, spec.head_dim_qk, k_swizzle),
+        hopper.descriptor(v, BLOCK_N, spec.head_dim_v),
+        hopper.descriptor(grad_out, block_m, spec.head_dim_v),
         _dq_tiles_descriptor(dq, block_m * half_d // 256),
         _row_stats_descriptor(stats, stats.shape[-1] if spec.varlen else spec.seqlen_q,
                               block_m),
-        bias_desc, dbias_desc, hopper.descriptor(dk_tma, BLOCK_N // 2),
-        hopper.descriptor(dv_tma, BLOCK_N // 2), dk, dv, rng_state, alibi_slopes,
+        bias_desc, dbias_desc, hopper.descriptor(dk_tma, BLOCK_N // 2, spec.head_dim_qk),
+        hopper.descriptor(dv_tma, BLOCK_N // 2, spec.head_dim_v), dk, dv, rng_state,
+        alibi_slopes,
         cu_seqlens_q, cu_seqlens_k, dq_locks,
         bias if bias_row else dk, dbias if dbias_kind == "row" else dk,
         *k_strides, *v_strides,
@@ -2164,7 +2170,7 @@ def _dq_tiles_descriptor(dq: torch.Tensor, tile_rows: int) -> TensorDescriptor:
 @triton.jit
 def _dq_from_tiles_kernel(
     Tiles, DQ, CuSeqQ, stride_tb, stride_th, stride_qb, stride_qm, stride_qh, H, seqlen_q,
-    num_m, scale, DQK: tl.constexpr, BLOCK_M: tl.constexpr, ROWS_SPLIT: tl.constexpr,
+    num_m, scale, dq_cols, DQK: tl.constexpr, BLOCK_M: tl.constexpr, ROWS_SPLIT: tl.constexpr,
     BLOCK_D: tl.constexpr, PART_COLS: tl.constexpr, C_BITS: tl.constexpr,
     R_BITS: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
@@ -2172,7 +2178,8 @@ def _dq_from_tiles_kernel(
     parts (dq_split) hold PART_COLS columns each, or with ROWS_SPLIT half the rows. The
     tiles hold dS K without the softmax scale: it goes in here, once a value, where the
     main kernels would pay a multiply per value and step (FA4's postprocess does the
-    same)."""
+    same). Columns from dq_cols on (past dQ's own, where DQK spans more:
+    dispatch.kernel_spec) are not written."""
     b, h, _, m_block = row_block(num_m, H, False)
     start_m = m_block * BLOCK_M
     q_start, _, seqlen_q, _ = sequence_bounds(CuSeqQ, CuSeqQ, b, seqlen_q, seqlen_q, IS_VARLEN)
@@ -2194,7 +2201,7 @@ def _dq_from_tiles_kernel(
         row64 = (q_start + start_m + rows).to(tl.int64)
         tl.store(DQ + b64 * stride_qb + h64 * stride_qh + row64 * stride_qm + cols,
                  (x * scale).to(DQ.dtype.element_ty),
-                 mask=(rows < seqlen_q - start_m) & (cols < DQK))
+                 mask=(rows < seqlen_q - start_m) & (cols < dq_cols))
 
 
 _launch_dq_from_tiles = hopper.Launcher(_dq_from_tiles_kernel)
@@ -2207,7 +2214,8 @@ def dq_from_tiles_launch(spec: AttentionSpec, buffer: torch.Tensor, rows: int,
     num_m = cdiv(spec.seqlen_q, rows)
     split = dq_split(spec.head_dim_qk, rows)
     args = (buffer, dq, cu_seqlens_q, 0 if spec.varlen else buffer.stride(0), buffer.stride(1),
-            *dense_strides(dq, spec.varlen)[:3], spec.heads, spec.seqlen_q, num_m, spec.scale)
+            *dense_strides(dq, spec.varlen)[:3], spec.heads, spec.seqlen_q, num_m, spec.scale,
+            dq.shape[-1])
     constexprs = dict(DQK=spec.head_dim_qk, BLOCK_M=rows, ROWS_SPLIT=split[0] < rows,
                       BLOCK_D=triton.next_power_of_2(spec.head_dim_qk), PART_COLS=split[1],
                       C_BITS=(split[1] // 8).bit_length() - 1,
@@ -2287,11 +2295,11 @@ def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, stats, dq, dk, dv) ->
         return
     split = hopper.qk_split(spec.head_dim_qk)
 
-    def parts(t, rows):
-        return _split_descriptors(t, rows, split)
+    def parts(t, rows):  # Q's, K's, dK's or dQ's
+        return _split_descriptors(t, rows, spec.head_dim_qk, split)
 
     q_desc, q2_desc = parts(q, BLOCK_M)
-    do_desc = hopper.descriptor(grad_out, BLOCK_M)
+    do_desc = hopper.descriptor(grad_out, BLOCK_M, spec.head_dim_v)
     stats_desc = _row_stats_descriptor(stats, spec.seqlen_q)
     if not dkdv_launched:
         # A warpgroup's dK columns are a slice of Q's tile, which its swizzle may not span
@@ -2299,14 +2307,15 @@ def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, stats, dq, dk, dv) ->
         q_cols = q_desc
         half_bytes = spec.head_dim_qk // 2 * q.element_size()
         if not split and half_bytes < 128:
-            q_cols = hopper.descriptor(q, BLOCK_M, swizzle=half_bytes)
+            q_cols = hopper.descriptor(q, BLOCK_M, spec.head_dim_qk, half_bytes)
         k_desc, k2_desc = parts(k, BLOCK_N_WIDE)
         # dK's columns a warpgroup stores: half of them, or with a split each buffer's
         dk_parts = parts(dk, BLOCK_N_WIDE) if split else (
             hopper.descriptor(dk, BLOCK_N_WIDE, cols=spec.head_dim_qk // 2),) * 2
         _launch_backward_wide(
             (dkdv.programs,),
-            q_cols, k_desc, hopper.descriptor(v, BLOCK_N_WIDE), do_desc, stats_desc, q2_desc,
+            q_cols, k_desc, hopper.descriptor(v, BLOCK_N_WIDE, spec.head_dim_v), do_desc,
+            stats_desc, q2_desc,
             k2_desc, *dk_parts, hopper.descriptor(dv, BLOCK_N_WIDE, cols=spec.head_dim_v // 2),
             spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k,
             *dkdv.counts, spec.scale, spec.window_left, spec.window_right,
@@ -2318,18 +2327,19 @@ def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, stats, dq, dk, dv) ->
         dq_desc, dq2_desc = parts(dq, ROWS.value)
         _launch_dq_wide(
             (dq_plan.programs,),
-            q_desc, k_desc, hopper.descriptor(v, dq_block_n), do_desc, dq_desc, stats_desc,
+            q_desc, k_desc, hopper.descriptor(v, dq_block_n, spec.head_dim_v), do_desc, dq_desc,
+            stats_desc,
             q2_desc, k2_desc, dq2_desc, spec.heads, spec.group,
             spec.seqlen_q, spec.seqlen_k, *dq_plan.counts, spec.scale, spec.window_left,
             spec.window_right, variant=dq_plan, prepare=dq_call, **dq_plan.constexprs,
         )  # fmt: skip
 
 
-def _split_descriptors(t: torch.Tensor, rows: int, split: int) -> tuple:
+def _split_descriptors(t: torch.Tensor, rows: int, width: int, split: int) -> tuple:
     """With a split (Dqk=192: hopper.qk_split's 64), descriptors of Q's, K's or dQ's
-    first columns and of their last ``split``; without, the second is a stand-in, never
-    read."""
-    first = hopper.descriptor(t, rows, t.shape[-1] - split)
+    first columns and of the last ``split`` of the kernel's ``width``; without, the second
+    is a stand-in, never read."""
+    first = hopper.descriptor(t, rows, width - split)
     return first, hopper.descriptor(t, rows, split) if split else first
 
 
@@ -2351,17 +2361,18 @@ def _backward_split(spec: AttentionSpec, q, k, v, grad_out, cu_seqlens_q, cu_seq
     if spec.varlen:  # one batch of all tokens to TMA
         q, k, v, grad_out, dk_tma, dv_tma = (
             t.unsqueeze(0) for t in (q, k, v, grad_out, dk, dv))
-    q_desc, q2_desc = _split_descriptors(q, rows, split)
-    k_desc, k2_desc = _split_descriptors(k, keys, split)
+    q_desc, q2_desc = _split_descriptors(q, rows, spec.head_dim_qk, split)
+    k_desc, k2_desc = _split_descriptors(k, keys, spec.head_dim_qk, split)
     part = dq_split(spec.head_dim_qk, rows)
     _launch_split(
         (how.programs,),
-        q_desc, k_desc, hopper.descriptor(v, keys), hopper.descriptor(grad_out, rows),
+        q_desc, k_desc, hopper.descriptor(v, keys, spec.head_dim_v),
+        hopper.descriptor(grad_out, rows, spec.head_dim_v),
         _dq_tiles_descriptor(dq, part[0] * part[1] // 256),
         _row_stats_descriptor(stats, stats.shape[-1] if spec.varlen else spec.seqlen_q),
-        q2_desc, k2_desc, *_split_descriptors(dk_tma, keys, split),
-        hopper.descriptor(dv_tma, keys), dk, dv, cu_seqlens_q, cu_seqlens_k, *k_strides,
-        *v_strides, spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k, spec.batch,
+        q2_desc, k2_desc, *_split_descriptors(dk_tma, keys, spec.head_dim_qk, split),
+        hopper.descriptor(dv_tma, keys, spec.head_dim_v), dk, dv, cu_seqlens_q, cu_seqlens_k,
+        *k_strides, *v_strides, spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k, spec.batch,
         *how.counts,
         spec.scale, spec.window_left, spec.window_right,
         variant=(how, hopper.aligned(cu_seqlens_q), hopper.aligned(cu_seqlens_k)),
@@ -2525,14 +2536,14 @@ def bias_grad_tiles(mode: int, spec: AttentionSpec, buf, out, cu_seqlens_q,
 def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes,
         cu_seqlens_q, cu_seqlens_k, rng_state, needs) -> tuple:  # fmt: skip
     """The backward through this module's kernels, for a call dispatch.gluon_backward
-    took: the preprocess fills the row statistics, padded for TMA, and, where the kernel
-    adds dQ into an fp32 buffer, zeroes it; dQ is then converted at the end (or, for a
-    deterministic call with a bias gradient by tiles, made from the stored dS:
-    dq_from_full_bias). Returns
-    (dq, dk, dv, dbias), None for what ``needs`` does not ask. Only what this path reads
-    is computed, and the preprocess launches first, before the outputs are allocated:
-    every line here is host time on each call, and what comes before the first launch
-    is what a call waits for."""
+    took (spec's head dims the kernels', dispatch.kernel_spec: the tensors' may be
+    narrower): the preprocess fills the row statistics, padded for TMA, and, where the
+    kernel adds dQ into an fp32 buffer, zeroes it; dQ is then converted at the end (or,
+    for a deterministic call with a bias gradient by tiles, made from the stored dS:
+    dq_from_full_bias). Returns (dq, dk, dv, dbias), None for what ``needs`` does not
+    ask. Only what this path reads is computed, and the preprocess launches first,
+    before the outputs are allocated: every line here is host time on each call, and
+    what comes before the first launch is what a call waits for."""
     stats = row_stats_buffer(spec, lse)
     # (B, H, Sq padded) planes, packed sequences' (H, padded): lse * log2(e), delta
     lse2, delta = stats[:, 0] if spec.varlen else stats.unbind(0)
@@ -2547,8 +2558,8 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
     grid, args, constexprs = tiles.delta_launch(
         spec, out, grad_out, lse, grad_lse, cu_seqlens_q, delta, lse2, zeroed, zeroed_rows)
     # the stats and dq_acc fresh: what the spec does not fix is here
-    variant = (spec, zeroed_rows, *out.stride(), *grad_out.stride(), *lse.stride(),
-               *map(hopper.aligned, (out, grad_out, lse, cu_seqlens_q)),
+    variant = (spec, zeroed_rows, out.shape[-1], *out.stride(), *grad_out.stride(),
+               *lse.stride(), *map(hopper.aligned, (out, grad_out, lse, cu_seqlens_q)),
                None if grad_lse is None else (*grad_lse.stride(), hopper.aligned(grad_lse)))
     _launch_delta(grid, *args, variant=variant, **constexprs)
     dq = new_output(q.shape, q.dtype, q.device)
@@ -2574,7 +2585,7 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
         tiles.dq_from_ds(dq, dbias, k, spec)
     elif dq_acc is not None:
         grid, args, constexprs = dq_from_tiles_launch(spec, dq_acc, rows, dq, cu_seqlens_q)
-        _launch_dq_from_tiles(grid, *args, variant=(spec, rows, *dq.stride(),
+        _launch_dq_from_tiles(grid, *args, variant=(spec, rows, dq.shape[-1], *dq.stride(),
                                                     hopper.aligned(cu_seqlens_q)),
                               num_warps=4, **constexprs)  # fmt: skip
     if dbias_kind == "row":

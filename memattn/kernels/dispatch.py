@@ -2,21 +2,23 @@
 backward alike.
 
 - The Gluon kernels (forward_sm90.py, backward_sm90.py): Hopper GPUs (sm_90) with
-  Triton 3.6's Gluon, bf16/fp16, head dims the kernel is built for (64, 128, 192 or
-  256 for q·k, 64, 128 or 256 for v up to q·k's (the forward also 64/128), where
-  shared memory holds the forward's buffers: forward_sm90.takes_head_dims and
-  backward_sm90.takes_head_dims), tensors TMA can read, and for the
+  Triton 3.6's Gluon, bf16/fp16, head dims the kernels are built for (64, 128, 192 or
+  256 for q·k, 64, 128 or 256 for v, any pair) or that run as the next wider of them
+  (kernel_spec: D=96 as 128), where shared memory holds the forward's buffers
+  (forward_sm90.takes_head_dims and backward_sm90.takes_head_dims), tensors TMA can
+  read, and for the
   backward at D=64 enough keys per query to beat the tile kernels
   (backward_sm90.MIN_KEYS_PER_QUERY). Options: causal masks either way, windows, GQA,
-  ALiBi, softcap (the forward not at D=64 nor with a key row, the backward not at
-  D=256 or Dqk=192 nor with a bias gradient), dropout, packed (varlen) batches, and a
+  ALiBi, softcap (the forward not at D=64 nor with a key row, the backward not past
+  128 columns nor with a bias gradient), dropout, packed (varlen) batches, and a
   bias:
   one constant along queries ((B or 1, H or 1, 1, Sk): key padding) as a row of keys,
   any other by TMA tiles (not together with dropout). The backward computes a bias
   gradient of a key row (summed in registers) or of a bias read by tiles (dS stored,
-  or added up across the batch or heads it broadcasts over), at D=256 and Dqk=192
-  nothing of bias, ALiBi or dropout, and no packed batches at D=256 nor deterministic
-  ones at Dqk=192; deterministic mode only where dQ is not
+  or added up across the batch or heads it broadcasts over), past 128 columns (D=256,
+  Dqk=192, V of 256) nothing of bias, ALiBi or dropout, and no packed batches there
+  (but at 192/128) nor deterministic ones at 192/128; deterministic mode only where dQ
+  is not
   added up in fp32 across programs, or is in a fixed order (backward_sm90.ORDERED_DQ),
   or comes from dS stored whole (a full bias gradient, or one summed over batch or heads
   stored expanded first) by one matmul (backward_sm90.dq_from_full_bias).
@@ -35,6 +37,7 @@ outputs, answer empty calls without a launch, and hand the call to one family.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -72,6 +75,40 @@ def _gluon_takes(spec: AttentionSpec, q, k, v, bias) -> bool:
     return all(hopper.tma_readable(t) for t in (q, k, v))
 
 
+# Head dims the Gluon kernels are not built for run as the next wider ones where that
+# takes at most this many times the matmuls' work (kernel_spec: the wider dims over the
+# call's). H100, tools/ab.py, B4 S4096 (16k tokens, H = 2048 / D), tile kernels ->
+# Gluon, TFLOP/s of the call's own work, fwd / bwd: D=96 causal 320 -> 473 / 238 -> 402,
+# not causal 373 -> 493 / 303 -> 447; D=80 causal 268 -> 383 / 200 -> 342; D=40 causal
+# 85 -> 263 / 70 -> 292; Dqk=160 / Dv=128 causal 264 -> 577 / 137 -> 341; D=200 causal
+# 54 -> 468 / 14 -> 279; D=32 causal (as 64: twice the work) 241 -> 226 / 197 -> 239,
+# where the forward keeps the tile kernel.
+MAX_PADDED_WORK = {"forward": 1.75, "backward": 2.0}
+
+
+def kernel_head_dims(head_dim_qk: int, head_dim_v: int, which: str) -> tuple[int, int]:
+    """The (q·k, V) head dims the Gluon ``which`` ("forward" or "backward") runs a
+    call's as: its own where the kernels are built for them (forward_sm90.HEAD_DIMS,
+    HEAD_DIMS_V), else the next wider within MAX_PADDED_WORK (D=96 as 128, 160 as 192,
+    80/256 as 128/256); its own otherwise (which no kernel takes then)."""
+    wider = (next((n for n in forward_sm90.HEAD_DIMS if n >= head_dim_qk), head_dim_qk),
+             next((n for n in forward_sm90.HEAD_DIMS_V if n >= head_dim_v), head_dim_v))
+    if max(wider[0] / head_dim_qk, wider[1] / head_dim_v) > MAX_PADDED_WORK[which]:
+        return head_dim_qk, head_dim_v
+    return wider
+
+
+def kernel_spec(spec: AttentionSpec, which: str) -> AttentionSpec:
+    """The call as the Gluon ``which`` runs it, head dims by kernel_head_dims. The
+    kernels' TMA boxes then span the wider dims: loads zero-fill the columns past the
+    tensors' own, which add nothing to Q Kᵀ or P V, and stores clip them (pointer stores
+    mask them); the scale stays the call's."""
+    dqk, dv = kernel_head_dims(spec.head_dim_qk, spec.head_dim_v, which)
+    if (dqk, dv) == (spec.head_dim_qk, spec.head_dim_v):
+        return spec
+    return dataclasses.replace(spec, head_dim_qk=dqk, head_dim_v=dv)
+
+
 def gluon_forward(spec: AttentionSpec, q, k, v, bias) -> bool:
     """Whether the Gluon forward runs this call (else forward.py's tile kernel)."""
     bias_row = hopper.bias_row(spec, bias)
@@ -79,7 +116,8 @@ def gluon_forward(spec: AttentionSpec, q, k, v, bias) -> bool:
         return False  # units (b / scale), where S starts: before softcap's cap
     if spec.softcap > 0 and spec.head_dim_qk <= 64:  # three MUFU ops a score (tanh's two)
         return False  # against D=64's matmuls: the tile forward ran faster (233 / 182)
-    return _gluon_takes(spec, q, k, v, bias) and forward_sm90.takes_head_dims(spec, bias_row)
+    return _gluon_takes(spec, q, k, v, bias) and forward_sm90.takes_head_dims(
+        kernel_spec(spec, "forward"), bias_row)
 
 
 def gluon_backward_computes(spec: AttentionSpec, bias, alibi_slopes, need_dbias: bool) -> bool:
@@ -118,9 +156,10 @@ def gluon_backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, n
     """Whether the Gluon backward runs this call (else backward.py's tile kernels): it
     computes dQ, dK and dV together, so a call that needs dQ and dK or dV."""
     need_dq, need_dk, need_dv, need_dbias = needs
-    return (need_dq and (need_dk or need_dv)
-            and _gluon_takes(spec, q, k, v, bias)
-            and backward_sm90.takes_head_dims(spec)
+    if not (need_dq and (need_dk or need_dv) and _gluon_takes(spec, q, k, v, bias)):
+        return False
+    spec = kernel_spec(spec, "backward")
+    return (backward_sm90.takes_head_dims(spec)
             and gluon_backward_computes(spec, bias, alibi_slopes, need_dbias)
             and (not spec.deterministic or _gluon_deterministic(spec, bias, need_dbias))
             and hopper.keys_per_query(spec) >= backward_sm90.MIN_KEYS_PER_QUERY[spec.head_dim_qk]
@@ -140,7 +179,7 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_s
     if decode.takes(spec):
         run = decode.forward
     elif gluon_forward(spec, q, k, v, bias):
-        run = forward_sm90.forward
+        run, spec = forward_sm90.forward, kernel_spec(spec, "forward")
     else:
         run = tiles_forward.forward
     run(spec, q, k, v, bias, alibi_slopes, rng_state, cu_seqlens_q, cu_seqlens_k, out, lse)
@@ -157,7 +196,7 @@ def backward(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, a
                      for t, need in zip((q, k, v, bias), needs))  # fmt: skip
     rng_state = rng_state if spec.dropout_p > 0 else None
     if gluon_backward(spec, q, k, v, grad_out, bias, alibi_slopes, needs):
-        run = backward_sm90.run
+        run, spec = backward_sm90.run, kernel_spec(spec, "backward")
     else:
         run = tiles_backward.backward
     return run(spec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q,

@@ -696,7 +696,9 @@ def _softmax_block(
         tokens = (q_start + row0 + rows).to(gl.int64)
         o_ptrs = (Out + tokens[:, None] * stride_om + h.to(gl.int64) * stride_oh
                   + cols[None, :])
-        gl.store(o_ptrs, out.to(dtype), mask=(row0 + rows < seqlen_q)[:, None])
+        # O's own columns: HEAD_DIM_V may span more (dispatch.kernel_spec)
+        gl.store(o_ptrs, out.to(dtype),
+                 mask=(row0 + rows < seqlen_q)[:, None] & (cols < o_desc.shape[3])[None, :])
         if O_IN_Q:
             mbarrier.arrive(q_empty.index(q_slot))
     else:
@@ -955,8 +957,9 @@ def plan(spec: AttentionSpec, bias_row: bool, bias_dims: tuple[int, int], tokens
 def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seqlens_q,
             cu_seqlens_k, out, lse) -> None:
     """Fills out (B, Sq, H, D), or (Tq, H, D) packed, and lse (B, H, Sq), or (H, Tq), for
-    a call dispatch.gluon_forward took; rng_state: dropout's [seed, offset] (memattn.dropout),
-    None without dropout."""
+    a call dispatch.gluon_forward took; spec's head dims are the kernel's
+    (dispatch.kernel_spec: the tensors' may be narrower); rng_state: dropout's [seed,
+    offset] (memattn.dropout), None without dropout."""
     bias_row = hopper.bias_row(spec, bias)
     bias_dims = (0, 0) if bias is None else hopper.bias_dims(bias)
     how = plan(spec, bias_row, bias_dims, q.shape[0] if spec.varlen else 0, q.device.index)
@@ -986,7 +989,8 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
     if split:
         q2_desc = hopper.descriptor(q, ROWS.value, split)
         k2_desc = hopper.descriptor(k, block_n, split)
-    o_desc = hopper.descriptor(out.unsqueeze(0) if spec.varlen else out, ROWS.value)
+    o_desc = hopper.descriptor(out.unsqueeze(0) if spec.varlen else out, ROWS.value,
+                               spec.head_dim_v)
     bias_desc, bias_batches, bias_heads = q_desc, 1, 1  # a stand-in, never read
     if bias_row:
         bias_batches, bias_heads = bias.shape[:2]
@@ -1005,7 +1009,8 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
                hopper.aligned(cu_seqlens_q), hopper.aligned(cu_seqlens_k))  # fmt: skip
     _launch_forward(
         (how.programs,),
-        q_desc, k_desc, hopper.descriptor(v, block_n), o_desc, bias_desc, q2_desc, k2_desc,
+        q_desc, k_desc, hopper.descriptor(v, block_n, spec.head_dim_v), o_desc, bias_desc,
+        q2_desc, k2_desc,
         out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k, tickets,
         stride_om, stride_oh, *lse_strides, alibi_batch_stride, alibi_head_stride,
         spec.heads, spec.group, bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k,
