@@ -499,6 +499,7 @@ def test_split_head_dims_take_the_split_backward():
         (192, 64, (192, 64), (192, 64)),
         (96, 96, (128, 128), (128, 128)),  # the next wider: Phi-3's 96, Phi-2's 80
         (80, 80, (128, 128), (128, 128)),
+        (72, 64, (72, 64), (128, 64)),  # 1.78x the work: the backward alone
         (40, 40, (64, 64), (64, 64)),
         (32, 32, (32, 32), (64, 64)),  # twice the work: the backward alone
         (24, 24, (24, 24), (24, 24)),  # no kernel's (the tile kernels)

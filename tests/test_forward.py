@@ -331,6 +331,10 @@ HOPPER_CASES = [
          dv=128),
     Case("D200 bottom-right", seqlen_q=300, seqlen_k=650, dqk=200, dv=200,
          options=dict(causal=True, align="bottom_right")),
+    Case("Dqk144 Dv128 window", seqlen_q=600, seqlen_k=1000, dqk=144, dv=128,
+         options=dict(window=(300, 40))),
+    Case("Dqk88 Dv64 causal GQA", heads=4, kv_heads=2, seqlen_q=700, seqlen_k=901, dqk=88,
+         dv=64, options=dict(causal=True)),
     # bias and dropout at D=256: the Gluon forward, backward.py's backward
     Case("D256 bias BHQK causal", seqlen_q=500, seqlen_k=504, dqk=256, dv=256, bias="BHQK",
          options=dict(causal=True)),

@@ -88,10 +88,12 @@ MAX_PADDED_WORK = {"forward": 1.75, "backward": 2.0}
 
 def kernel_head_dims(head_dim_qk: int, head_dim_v: int, which: str) -> tuple[int, int]:
     """The (q·k, V) head dims the Gluon ``which`` ("forward" or "backward") runs a
-    call's as: its own where the kernels are built for them (forward_sm90.HEAD_DIMS,
-    HEAD_DIMS_V), else the next wider within MAX_PADDED_WORK (D=96 as 128, 160 as 192,
-    80/256 as 128/256); its own otherwise (which no kernel takes then)."""
-    wider = (next((n for n in forward_sm90.HEAD_DIMS if n >= head_dim_qk), head_dim_qk),
+    call's as: its own where its kernels are built for them (forward_sm90.HEAD_DIMS,
+    backward_sm90.HEAD_DIMS; forward_sm90.HEAD_DIMS_V), else the next wider within
+    MAX_PADDED_WORK (D=96 as 128, 160 as 192, 80/256 as 128/256); its own otherwise
+    (which no kernel takes then)."""
+    qk_dims = (forward_sm90 if which == "forward" else backward_sm90).HEAD_DIMS
+    wider = (next((n for n in qk_dims if n >= head_dim_qk), head_dim_qk),
              next((n for n in forward_sm90.HEAD_DIMS_V if n >= head_dim_v), head_dim_v))
     if max(wider[0] / head_dim_qk, wider[1] / head_dim_v) > MAX_PADDED_WORK[which]:
         return head_dim_qk, head_dim_v
