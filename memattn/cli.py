@@ -96,7 +96,8 @@ def info(args) -> int:
     elif device == "cuda" and torch.cuda.get_device_capability(0)[0] == 9:
         fewest = ", ".join(f"at D={d} from {n}" for d, n in backward_sm90.MIN_KEYS_PER_QUERY.items()
                            if n > 0)  # fmt: skip
-        hopper = (f"on: bf16/fp16, D 64/128/256 (the backward {fewest} keys a query); "
+        hopper = (f"on: bf16/fp16, D 64/128/192/256, others as the next of them (the "
+                  f"backward {fewest} keys a query); "
                   "memattn/kernels/dispatch.py says which calls; the rest run the tile "
                   "kernels")
     else:
