@@ -6,8 +6,7 @@ backward alike.
   256 for q·k, 64, 128 or 256 for v, any pair) or that run as the next wider of them
   (kernel_spec: D=96 as 128), where shared memory holds the forward's buffers
   (forward_sm90.takes_head_dims and backward_sm90.takes_head_dims), tensors TMA can
-  read, and for the
-  backward at D=64 enough keys per query to beat the tile kernels
+  read, and for the backward at D=64 enough keys per query to beat the tile kernels
   (backward_sm90.MIN_KEYS_PER_QUERY). Options: causal masks either way, windows, GQA,
   ALiBi, softcap (the forward not at D=64 nor with a key row, the backward not past
   128 columns nor with a bias gradient), dropout, packed (varlen) batches, and a
@@ -18,8 +17,7 @@ backward alike.
   or added up across the batch or heads it broadcasts over), past 128 columns (D=256,
   Dqk=192, V of 256) nothing of bias, ALiBi or dropout, and no packed batches there
   (but at 192/128) nor deterministic ones at 192/128; deterministic mode only where dQ
-  is not
-  added up in fp32 across programs, or is in a fixed order (backward_sm90.ORDERED_DQ),
+  is not added up in fp32 across programs, or is in a fixed order (backward_sm90.ORDERED_DQ),
   or comes from dS stored whole (a full bias gradient, or one summed over batch or heads
   stored expanded first) by one matmul (backward_sm90.dq_from_full_bias).
   Neither takes global positions for ALiBi or dropout (AttentionSpec.positioned).
