@@ -6,7 +6,8 @@ first batch), TFLOP/s as `memattn bench` times it (do_bench, autograd recording,
 included), TFLOP/s of the GPU alone (CUDA graph replay) and host µs per call in a loop;
 --kernels adds torch.profiler's table of GPU time per kernel. bf16, 16k tokens a shape
 (B = 16384 / S, H = 2048 / Dqk): "DxS", "c" for causal, then "d" for deterministic,
-"Dqk/DvxS" for a narrower V, "sN" for a softcap of N ("128x4096s30": the bench's
+"Dqk/DvxS" for another V (any head dims: "96x4096c" runs as 128, dispatch.kernel_spec),
+"sN" for a softcap of N ("128x4096s30": the bench's
 softcap row), "wN" for a window of N keys ending at the query (the bench's window row:
 "128x4096w1024"), "+BHQK"-style letters for a bias of that shape (1 where
 it broadcasts; no gradient asked of it, but with ".grad": "+1HQK.grad"; the error
