@@ -80,10 +80,12 @@ def _gluon_takes(spec: AttentionSpec, q, k, v, bias) -> bool:
 # not causal 373 -> 493 / 303 -> 447; D=80 causal 268 -> 383 / 200 -> 342; D=40 causal
 # 85 -> 263 / 70 -> 292; Dqk=160 / Dv=128 causal 264 -> 577 / 137 -> 341; D=200 causal
 # 54 -> 468 / 14 -> 279; D=32 causal (as 64: twice the work) 241 -> 226 / 197 -> 239,
-# where the forward keeps the tile kernel.
+# where the forward keeps the tile kernel. Read once per head dims (kernel_head_dims is
+# cached).
 MAX_PADDED_WORK = {"forward": 1.75, "backward": 2.0}
 
 
+@functools.cache  # asked twice a call, forward and backward: host time
 def kernel_head_dims(head_dim_qk: int, head_dim_v: int, which: str) -> tuple[int, int]:
     """The (q·k, V) head dims the Gluon ``which`` ("forward" or "backward") runs a
     call's as: its own where its kernels are built for them (forward_sm90.HEAD_DIMS,
