@@ -480,14 +480,14 @@ def test_hopper_backward_gpu(case, dtype, hopper_backward_launches):
 
     assert_results(check_backward(case, dtype, "cuda", seed=7))
     dqk, dv = dispatch.kernel_head_dims(case.dqk, case.dv, "backward")  # D=96 as 128
-    # backward.py runs by design: past 128 columns (q·k's or V's) a bias, ALiBi, dropout,
-    # softcap or packed sequences (but at 192/128), a bias gradient of rows not whole 16
-    # bytes, and softcap with a bias gradient.
+    # backward.py runs by design: past 128 columns (q·k's or V's) a bias, or packed
+    # sequences (but at 192/128 without ALiBi, dropout or softcap: the fused kernel), a
+    # bias gradient of rows not whole 16 bytes, and softcap with a bias gradient.
     softcap = case.options.get("softcap", 0) > 0
     split = (dqk, dv) in backward_sm90.SPLIT_HEAD_DIM_PAIRS
+    features = case.alibi is not None or softcap or "dropout_p" in case.options
     wide_plain = max(dqk, dv) <= 128 or (
-        case.bias is None and case.alibi is None and not softcap
-        and "dropout_p" not in case.options and (not case.varlen or split))
+        case.bias is None and (not case.varlen or (split and not features)))
     wide_plain = wide_plain and not (softcap and case.bias is not None)
     dims = (dqk, dv) in backward_sm90.HEAD_DIM_PAIRS or split
     keys = max(case.lengths_k) if case.varlen else case.seqlen_k

@@ -48,7 +48,9 @@ def test_cpu_calls_run_the_tile_kernels():
         (128, None, {}, False, True),
         (256, None, {}, False, True),
         (256, (2, 2, 16, 16), {}, False, False),  # D=256: no bias,
-        (256, None, dict(dropout_p=0.1), False, False),  # no dropout
+        (256, None, dict(dropout_p=0.1), False, True),  # dropout, ALiBi, softcap: yes
+        (256, None, dict(alibi_slopes=torch.rand(2)), False, True),
+        (256, None, dict(softcap=5.0, causal=True), False, True),
         (128, (2, 2, 16, 16), {}, True, True),  # a full bias's gradient is dS
         (128, (1, 2, 16, 16), {}, True, True),  # one over the batch: TMA reduce-adds
         (64, (2, 1, 16, 16), {}, True, True),  # over the heads
@@ -67,13 +69,12 @@ def test_cpu_calls_run_the_tile_kernels():
         (64, (2, 2, 16, 16), dict(softcap=5.0), False, True),
         (128, (2, 2, 16, 16), dict(softcap=5.0), True, False),  # (not the bias gradient's)
         (128, (2, 2, 1, 16), dict(softcap=5.0), True, False),
-        (256, None, dict(softcap=5.0), False, False),  # not in D=256's kernels
     ],
 )  # fmt: skip
 def test_gluon_backward_computes(d, bias_shape, options, need_dbias, computes):
     sk = bias_shape[-1] if bias_shape else 16
     spec, _, _, _, bias = spec_and_inputs(d=d, sk=sk, bias_shape=bias_shape, **options)
-    assert dispatch.gluon_backward_computes(spec, bias, None, need_dbias) is computes
+    assert dispatch.gluon_backward_computes(spec, bias, need_dbias) is computes
 
 
 @gluon
@@ -462,10 +463,10 @@ def test_dk_dv_tiles_fit_their_staging_buffer():
 
 
 def test_split_head_dims_take_the_split_backward():
-    """Dqk=192 / Dv=128 (SPLIT_HEAD_DIM_PAIRS), Q and K split: no bias, ALiBi or
-    dropout. _bwd_split_kernel adds dQ into the fp32 buffer, packed sequences too;
-    deterministic calls take the D=256 kernels, whose dQ is written in the output dtype
-    in one order (dense batches only)."""
+    """Dqk=192 / Dv=128 (SPLIT_HEAD_DIM_PAIRS), Q and K split: no bias.
+    _bwd_split_kernel adds dQ into the fp32 buffer, packed sequences too; deterministic
+    calls and those with dropout, ALiBi or softcap take the D=256 kernels, whose dQ is
+    written in the output dtype in one order (dense batches only)."""
     backward_sm90 = dispatch.backward_sm90
     q = torch.randn(2, 16, 2, 192, dtype=torch.float16)
     v = torch.randn(2, 16, 2, 128, dtype=torch.float16)
@@ -478,17 +479,20 @@ def test_split_head_dims_take_the_split_backward():
     assert not backward_sm90.fuses_split_dq(deterministic)
     assert not backward_sm90.dq_in_fp32(deterministic)
     assert dispatch._gluon_deterministic(deterministic, None, False)
-    assert dispatch.gluon_backward_computes(spec, None, None, False)
-    dropout = check_call(q, q, v, dropout_p=0.1)
-    assert not dispatch.gluon_backward_computes(dropout, None, None, False)
+    assert dispatch.gluon_backward_computes(spec, None, False)
+    for features in (dict(dropout_p=0.1), dict(softcap=5.0), dict(alibi_slopes=torch.rand(2))):
+        with_feature = check_call(q, q, v, **features)  # the wide kernels take these
+        assert dispatch.gluon_backward_computes(with_feature, None, False)
+        assert not backward_sm90.fuses_split_dq(with_feature)
+        assert backward_sm90.is_wide(with_feature)
     assert backward_sm90.hopper.qk_split(192) == 64
     # packed sequences: on the fused kernel, not the wide ones (deterministic)
     cu = torch.tensor([0, 5, 16], dtype=torch.int32)
     packed = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=11, max_seqlen_k=11)
     varlen = check_call(q[0], q[0], v[0], causal=True, **packed)
-    assert dispatch.gluon_backward_computes(varlen, None, None, False)
+    assert dispatch.gluon_backward_computes(varlen, None, False)
     varlen_det = check_call(q[0], q[0], v[0], causal=True, deterministic=True, **packed)
-    assert not dispatch.gluon_backward_computes(varlen_det, None, None, False)
+    assert not dispatch.gluon_backward_computes(varlen_det, None, False)
 
 
 @gluon
@@ -528,7 +532,7 @@ def test_kernel_head_dims(dqk, dv, forward, backward):
 @pytest.mark.parametrize("dqk", [64, 128, 192])
 def test_wide_v_takes_the_wide_backward(dqk):
     """V of 256 columns beside a narrower q·k: the wide kernels, dQ written in the
-    output dtype (deterministic as it is), what they compute (no bias, dropout or packed
+    output dtype (deterministic as it is), what they compute (dropout, no bias, no packed
     sequences); the forward on D=256's tiles with O in a buffer of its own."""
     backward_sm90, forward_sm90 = dispatch.backward_sm90, dispatch.forward_sm90
     q = torch.randn(2, 16, 2, dqk, dtype=torch.float16)
@@ -538,13 +542,14 @@ def test_wide_v_takes_the_wide_backward(dqk):
     assert not backward_sm90.dq_in_fp32(spec)
     assert backward_sm90.dq_block_n(spec) == backward_sm90.DQ_BLOCK_N[256]
     assert dispatch._gluon_deterministic(check_call(q, q, v, deterministic=True), None, False)
-    assert dispatch.gluon_backward_computes(spec, None, None, False)
-    assert not dispatch.gluon_backward_computes(check_call(q, q, v, dropout_p=0.1), None,
-                                                None, False)  # fmt: skip
+    assert dispatch.gluon_backward_computes(spec, None, False)
+    assert dispatch.gluon_backward_computes(check_call(q, q, v, dropout_p=0.1), None, False)
+    bias = torch.randn(2, 2, 16, 16, dtype=torch.float16)
+    assert not dispatch.gluon_backward_computes(check_call(q, q, v, bias=bias), bias, False)
     cu = torch.tensor([0, 5, 16], dtype=torch.int32)
     varlen = check_call(q[0], q[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=11,
                         max_seqlen_k=11)
-    assert not dispatch.gluon_backward_computes(varlen, None, None, False)
+    assert not dispatch.gluon_backward_computes(varlen, None, False)
     assert forward_sm90.tile_dim(dqk, 256) == 256 and not forward_sm90.o_in_q(dqk, 256)
     assert forward_sm90.o_in_q(dqk, 128) is (dqk == 192)
 

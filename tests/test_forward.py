@@ -19,7 +19,7 @@ from memattn.check import (
     check_forward_on,
     gpu_sized,
 )
-from memattn.kernels import forward_sm90, hopper
+from memattn.kernels import dispatch, forward_sm90, hopper
 
 from .conftest import DEVICE
 
@@ -335,13 +335,26 @@ HOPPER_CASES = [
          options=dict(window=(300, 40))),
     Case("Dqk88 Dv64 causal GQA", heads=4, kv_heads=2, seqlen_q=700, seqlen_k=901, dqk=88,
          dv=64, options=dict(causal=True)),
-    # bias and dropout at D=256: the Gluon forward, backward.py's backward
+    # a bias at D=256: the Gluon forward, backward.py's backward; dropout, ALiBi and
+    # softcap past 128 columns in the wide backward kernels too (192/128 leaves its fused
+    # kernel for them), dropout's keep bits drawn in both, bit for bit the forward's
     Case("D256 bias BHQK causal", seqlen_q=500, seqlen_k=504, dqk=256, dv=256, bias="BHQK",
          options=dict(causal=True)),
     Case("D256 dropout", seqlen_q=500, seqlen_k=600, dqk=256, dv=256,
          options=dict(dropout_p=0.2)),
-    # ALiBi in both Gluon kernels (at D=256 the forward only): slopes per head or per
-    # (batch, head), with a bias, a window, GQA
+    Case("D256 dropout alibi softcap GQA bottom-right", heads=4, kv_heads=2, seqlen_q=333,
+         seqlen_k=700, dqk=256, dv=256, alibi="BH",
+         options=dict(causal=True, align="bottom_right", dropout_p=0.2, softcap=2.0)),
+    Case("Dqk192 Dv128 dropout softcap causal", seqlen_q=700, seqlen_k=901, dqk=192, dv=128,
+         options=dict(causal=True, dropout_p=0.2, softcap=2.0)),
+    Case("Dqk192 Dv128 alibi window", seqlen_q=600, seqlen_k=1000, dqk=192, dv=128,
+         alibi="H", options=dict(window=(300, 40))),
+    Case("Dqk128 Dv256 dropout GQA", heads=4, kv_heads=2, seqlen_q=700, seqlen_k=901,
+         dqk=128, dv=256, options=dict(dropout_p=0.2)),
+    Case("Dqk160 Dv128 softcap alibi", seqlen_q=500, seqlen_k=777, dqk=160, dv=128,
+         alibi="BH", options=dict(softcap=2.0)),
+    # ALiBi in both Gluon kernels: slopes per head or per (batch, head), with a bias, a
+    # window, GQA
     Case("alibi H causal GQA", heads=4, kv_heads=2, seqlen_q=700, seqlen_k=900, dqk=128,
          dv=128, alibi="H", options=dict(causal=True)),
     Case("alibi BH bias D64 window", seqlen_q=600, seqlen_k=1000, dqk=64, dv=64, alibi="BH",
@@ -432,8 +445,12 @@ def test_hopper_kernel_gpu(case, dtype, monkeypatch):
     run = forward_sm90.forward
     monkeypatch.setattr(forward_sm90, "forward", lambda *a: launched.append(1) or run(*a))
     assert_results(check_forward(case, dtype, "cuda", seed=7))
-    # forward.py runs by design: softcap at D=64 (dispatch.gluon_forward)
-    gluon = not (case.options.get("softcap", 0) > 0 and case.dqk <= 64)
+    # forward.py runs by design: softcap at D=64 (dispatch.gluon_forward), dropout at
+    # Dqk=192 / Dv=128 (no shared memory left for its scratch: forward_sm90.q_stages)
+    softcap_d64 = case.options.get("softcap", 0) > 0 and case.dqk <= 64
+    dims = dispatch.kernel_head_dims(case.dqk, case.dv, "forward")
+    dropout_192 = "dropout_p" in case.options and dims == (192, 128)
+    gluon = not (softcap_d64 or dropout_192)
     assert bool(launched) == gluon, "the call fell back to forward.py, or ran Gluon at D=64"
 
 

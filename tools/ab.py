@@ -8,7 +8,8 @@ included), TFLOP/s of the GPU alone (CUDA graph replay) and host µs per call in
 (B = 16384 / S, H = 2048 / Dqk): "DxS", "c" for causal, then "d" for deterministic,
 "Dqk/DvxS" for another V (any head dims: "96x4096c" runs as 128, dispatch.kernel_spec),
 "sN" for a softcap of N ("128x4096s30": the bench's
-softcap row), "wN" for a window of N keys ending at the query (the bench's window row:
+softcap row), "pP" after it for dropout of P ("256x4096cs30p0.1"; no error column: the
+reference draws no mask), "wN" for a window of N keys ending at the query (the bench's window row:
 "128x4096w1024"), "+BHQK"-style letters for a bias of that shape (1 where
 it broadcasts; no gradient asked of it, but with ".grad": "+1HQK.grad"; the error
 column then covers dQ, dK and dV only); the shapes "docs" and "docs-full" are the
@@ -141,6 +142,7 @@ def inputs(shape: str, device: str = "cuda"):
         return q, k, v, do, kw, sum(2 * 16 * (d + dv) * p for p in pairs)
     shape, _, bias = shape.partition("+")
     shape, _, window = shape.partition("w")
+    shape, _, dropout = shape.partition("p")
     shape, _, softcap = shape.partition("s")
     deterministic = shape.endswith("d")
     shape = shape.removesuffix("d")
@@ -151,7 +153,8 @@ def inputs(shape: str, device: str = "cuda"):
     b, h = max(1, 16384 // s), 2048 // d
     q, k = new(b, s, h, d), new(b, s, h, d)
     v, do = new(b, s, h, dv), new(b, s, h, dv)
-    kw = dict(causal=causal, deterministic=deterministic, softcap=float(softcap or 0))
+    kw = dict(causal=causal, deterministic=deterministic, softcap=float(softcap or 0),
+              dropout_p=float(dropout or 0))
     pairs = s * s / (2 if causal else 1)
     if window:  # the bench's window row: each query sees itself and the N - 1 keys before
         kw.update(causal=True, window=(int(window) - 1, 0))
@@ -193,7 +196,8 @@ def main():
         if "bias" in kw and kw["bias"].requires_grad:
             leaves.append(kw["bias"])
         expect = None
-        if "cu_seqlens_q" not in kw and (q.shape[1] <= 4096 or decoding):
+        if "cu_seqlens_q" not in kw and not kw.get("dropout_p") and (q.shape[1] <= 4096
+                                                                     or decoding):
             first = [t[:1].detach().double().requires_grad_() for t in (q, k, v)]
             first_kw = dict(kw)
             if "bias" in kw:  # the first batch's

@@ -162,8 +162,8 @@ def compile_hopper_backward() -> int:
     def launch(spec, q, k, v, bias, alibi, cu_seqlens=(None, None)):
         spec = dispatch.kernel_spec(spec, "backward")  # other head dims as the next wider
         if not backward_sm90.takes_head_dims(spec) or not dispatch.gluon_backward_computes(
-                spec, bias, alibi, bias is not None):
-            return  # backward.py's call: other Dqk/Dv; D=256 with a bias, ALiBi, dropout...
+                spec, bias, bias is not None):
+            return  # backward.py's call: other Dqk/Dv; D=256 with a bias...
         lse = (torch.empty(spec.heads, q.shape[0]) if spec.varlen
                else torch.empty(*spec.bias_shape[:3]))  # fmt: skip
         stats = backward_sm90.row_stats_buffer(spec, lse)
@@ -195,7 +195,7 @@ def _compile_hopper(name, launch) -> int:
     packed sequences (varlen: 2100 and 704 tokens, cu_seqlens given; varlen_bias with a
     full bias, varlen_addbias with a plane per head the sequences share (its gradient
     added in bf16), varlen_sumbias with one plane for all, varlen_all with a key
-    row, dropout and ALiBi), GQA 4:2, Sq=2100 (D=64's three warpgroups), Sk=704; returns
+    row, dropout and ALiBi), softcap, GQA 4:2, Sq=2100 (D=64's three warpgroups), Sk=704; returns
     the number of failures. MEMATTN_HOPPER_FEATURES=dropout (comma-separated from those
     names) and MEMATTN_HOPPER_DIMS=256 compile a subset."""
     from memattn.kernels import hopper
@@ -203,8 +203,8 @@ def _compile_hopper(name, launch) -> int:
 
     hopper.sm_count = lambda device_index: 132  # an H100's; no GPU here to ask
     features = os.environ.get("MEMATTN_HOPPER_FEATURES",
-                              "none,bias,sumbias,rowbias,dropout,alibi,varlen,varlen_bias,"
-                              "varlen_addbias,varlen_sumbias,varlen_all").split(",")
+                              "none,bias,sumbias,rowbias,dropout,alibi,softcap,varlen,"
+                              "varlen_bias,varlen_addbias,varlen_sumbias,varlen_all").split(",")
     dims = [(int(d.split("/")[0]), int(d.split("/")[-1]))
             for d in os.environ.get("MEMATTN_HOPPER_DIMS", "64,128,256").split(",")]
     failures = 0
@@ -228,6 +228,7 @@ def _compile_hopper(name, launch) -> int:
                     bias = torch.randn(2, 1, 1, 504, dtype=torch.bfloat16)
                 dropout_p = 0.1 if feature in ("dropout", "varlen_all") else 0.0
                 alibi = torch.rand(4) if feature in ("alibi", "varlen_all") else None
+                softcap = 30.0 if feature == "softcap" else 0.0
                 varlen = {}
                 if feature.startswith("varlen"):  # the same tokens as two packed sequences
                     q, k, v = q[:1].flatten(0, 1), k[:1].flatten(0, 1), v[:1].flatten(0, 1)
@@ -239,7 +240,8 @@ def _compile_hopper(name, launch) -> int:
                 case = f"D={d}/{dv} {options} {feature}"
                 try:
                     spec = check_call(q, k, v, bias=bias, dropout_p=dropout_p,
-                                      alibi_slopes=alibi, **options, **varlen)
+                                      alibi_slopes=alibi, softcap=softcap, **options,
+                                      **varlen)  # fmt: skip
                     launch(spec, q, k, v, bias, alibi, (varlen.get("cu_seqlens_q"),
                                                         varlen.get("cu_seqlens_k")))
                 except Exception as e:  # noqa: BLE001

@@ -52,8 +52,10 @@ masks either way, sliding windows, a bias, ALiBi, softcap, dropout, dense and pa
 batches) minus a bias gradient summed over keys, minus softcap beside a bias gradient,
 minus deterministic calls at D 64 and 128 other than orders_dq's (TMA reduce-adds land
 in any order; ORDERED_DQ puts them in one) and dq_from_full_bias's (dS stored whole, dQ
-from it), at D=256 and Dqk=192 minus a bias, ALiBi, softcap and dropout, and packed
-batches only at Dqk=192 outside deterministic calls. Every other call runs backward.py.
+from it), past 128 columns minus a bias (the wide kernels apply ALiBi, softcap and
+dropout as the D 64/128 kernel does: _wide_probs), and packed batches there only at
+Dqk=192 in the fused kernel (not deterministic, no ALiBi, dropout or softcap). Every
+other call runs backward.py.
 """
 
 from __future__ import annotations
@@ -1049,18 +1051,69 @@ BLOCK_N_WIDE = 64
 
 
 @gluon.jit
+def _wide_probs(
+    s, lse2, masked, offs_m, offs_n, features, b, h, seqlen_k, off, scale, window_left,
+    window_right, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    HAS_ALIBI: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+):  # fmt: skip
+    """P of a wide kernel's (queries, keys) tile from S (raw q·k, fp32) as the D 64/128
+    kernel makes it: softcap's cap, then ALiBi, then the mask (``masked``: the tile
+    crosses the mask's edge); and tanh's derivative for dS (1.0 without softcap).
+    features: the kernels' (seed, rng offset, heads, dropout_p, Alibi, its batch and head
+    strides, softcap) for query head h of batch b."""
+    Alibi = features[4]
+    softcap = features[7]
+    p_scale = scale * LOG2E
+    cap_slope = 1.0
+    if HAS_SOFTCAP:  # log2 units from here, as the forwards' scores
+        t_cap = tanh(s * (scale / softcap))
+        s = t_cap * (softcap * LOG2E)
+        cap_slope = 1.0 - t_cap * t_cap
+        p_scale = 1.0
+    if HAS_ALIBI:  # the scale goes in first, as in the forward
+        slope = gl.load(Alibi + b.to(gl.int64) * features[5] + h.to(gl.int64) * features[6])
+        s = add_bias_alibi_log2(s * p_scale, offs_m[:, None], offs_n[None, :], off, slope, 0.0,
+                                False, True)  # fmt: skip
+        p_scale = 1.0
+    if masked:
+        mask = visible(offs_m[:, None], offs_n[None, :], seqlen_k, off, window_left,
+                       window_right, BOUNDED_LEFT, BOUNDED_RIGHT)
+        s = gl.where(mask, s, float("-inf"))
+    return gl.exp2(s * p_scale - lse2[:, None]), cap_slope
+
+
+@gluon.jit
+def _wide_grad_scores(p, dp, delta, keep, cap_slope, dropout_p, HAS_DROPOUT: gl.constexpr,
+                      HAS_SOFTCAP: gl.constexpr):  # fmt: skip
+    """P as dV takes it (dropout's zeros; its 1 / (1 - p) at the block's end) and dS
+    (unscaled: the softmax scale goes in once, at the end) from a wide kernel's P, dP,
+    the rows' delta, dropout's keep tile and _wide_probs' cap slope."""
+    p_kept = p
+    if HAS_DROPOUT:  # dP Z / (1 - p)
+        dp = gl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+        p_kept = gl.where(keep, p, 0.0)
+    ds = p * (dp - delta[:, None])
+    if HAS_SOFTCAP:  # d(softcap * tanh(x / softcap)) / dx
+        ds = ds * cap_slope
+    return p_kept, ds
+
+
+@gluon.jit
 def _bwd_wide_compute_partition(
     shared, HALF: gl.constexpr, HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     QK_SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup at D=256 (or 192/128): S and dP of keys [start_n + HALF * 32, + 32),
     then dK and dV of this warpgroup's head-dim columns over all 64 keys: half of each at
-    D=256; with QK_SPLIT, dK's first (HALF 0) or split columns and half of dV's."""
+    D=256; with QK_SPLIT, dK's first (HALF 0) or split columns and half of dV's. P and
+    dS as the D 64/128 kernel makes them (_wide_probs)."""
     (dk_desc, dk2_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, q2_smem, k2_smem,
      lse_smem, delta_smem, pt_smem, dst_smem,
      kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, pds_free, b, hk, GROUP, start_n,
-     lo, full_lo, full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right) = shared
+     lo, full_lo, full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right,
+     features) = shared
     dtype: gl.constexpr = k_smem.dtype
     HALF_N: gl.constexpr = BLOCK_N // 2
     QK_MAIN: gl.constexpr = HEAD_DIM_QK - QK_SPLIT  # Q's and K's columns in q_smem, k_smem
@@ -1093,7 +1146,6 @@ def _bwd_wide_compute_partition(
     dk = gl.zeros([BLOCK_N, DK_COLS], gl.float32, layout=dk_layout)
     dv = gl.zeros([BLOCK_N, DV_COLS], gl.float32, layout=dv_layout)
     s_init = gl.zeros([BLOCK_M, HALF_N], gl.float32, layout=s_layout)
-    scale_log2 = scale * LOG2E
     mbarrier.wait(kv_bar, 0)
 
     for i in range(GROUP * n_tiles):
@@ -1109,21 +1161,26 @@ def _bwd_wide_compute_partition(
         hopper.arrived(do_ready, i, STAGES)
         do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_V])
         dp = warpgroup_mma(do, v_keys, s_init, use_acc=False, is_async=True)
+        keep = 0
+        if HAS_DROPOUT:  # Philox's integer work runs while the tensor cores do S and dP
+            keep = hopper.dropout_keep(features[0], features[1], b * features[2] + h, start_m,
+                                       start_n + HALF * HALF_N, features[3], BLOCK_M, HALF_N,
+                                       False, s_layout)  # fmt: skip
         s = warpgroup_mma_wait(1, deps=(s,))
         lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(rows_layout)
-        if (start_m < full_lo) | (start_m >= full_hi):
-            mask = visible(offs_m[:, None], offs_n[None, :], seqlen_k, off, window_left,
-                           window_right, BOUNDED_LEFT, BOUNDED_RIGHT)
-            s = gl.where(mask, s, float("-inf"))
-        p = gl.exp2(s * scale_log2 - lse2[:, None])
+        p, cap_slope = _wide_probs(s, lse2, (start_m < full_lo) | (start_m >= full_hi),
+                                   offs_m, offs_n, features, b, h, seqlen_k, off, scale,
+                                   window_left, window_right, BOUNDED_LEFT, BOUNDED_RIGHT,
+                                   HAS_ALIBI, HAS_SOFTCAP)  # fmt: skip
         dp = warpgroup_mma_wait(0, deps=(dp,))
         delta = delta_smem.index(slot).reshape([BLOCK_M]).load(rows_layout)
-        ds = p * (dp - delta[:, None])
+        p_kept, ds = _wide_grad_scores(p, dp, delta, keep, cap_slope, features[3], HAS_DROPOUT,
+                                       HAS_SOFTCAP)
 
         # This warpgroup's keys of P and dS into the shared (keys, queries) tiles (both
         # warpgroups' reads of the previous step's are done: pds_free), then wait for
         # the other warpgroup's keys.
-        pt_own.store(p.to(dtype))
+        pt_own.store(p_kept.to(dtype))
         dst_own.store(ds.to(dtype))
         fence_async_shared()
         mbarrier.arrive(ds_bar)
@@ -1152,6 +1209,8 @@ def _bwd_wide_compute_partition(
                                              out_desc.layout)
     dv_buf = do_smem.index(HALF)._reinterpret(dtype, dv_desc.block_type.shape,
                                               dv_desc.layout)
+    if HAS_DROPOUT:  # P's kept entries were stored unscaled
+        dv = dv * (1.0 / (1.0 - features[3]))
     dk_buf.reshape([BLOCK_N, DK_COLS]).store((dk * scale).to(dtype))
     dv_buf.reshape([BLOCK_N, DV_COLS]).store(dv.to(dtype))
     fence_async_shared()
@@ -1163,10 +1222,12 @@ def _bwd_wide_compute_partition(
 @gluon.jit
 def _bwd_wide_kernel(
     q_desc, k_desc, v_desc, do_desc, stats_desc, q2_desc, k2_desc, dk_desc, dk2_desc,
-    dv_desc, HKV, GROUP, seqlen_q, seqlen_k, num_n_blocks, scale, window_left, window_right,
-    HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    dv_desc, Rng, Alibi, stride_ab, stride_ah, HKV, GROUP, seqlen_q, seqlen_k, num_n_blocks,
+    scale, window_left, window_right, dropout_p, softcap, HEAD_DIM_QK: gl.constexpr,
+    HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr,
+    HAS_DROPOUT: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     # Dense batches only: no cu_seqlens (the 0s), IS_VARLEN off.
     b, hk, start_n, _, _, _, seqlen_k, off, lo, full_lo, full_hi, n_tiles = _key_block(
@@ -1191,18 +1252,20 @@ def _bwd_wide_kernel(
     pds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(pds_free, count=2)  # both warpgroups' matmuls on P and dS done
 
+    seed, rng_offset = philox_key(Rng, HAS_DROPOUT)
+    features = (seed, rng_offset, HKV * GROUP, dropout_p, Alibi, stride_ab, stride_ah, softcap)
     shared = (dk_desc, dk2_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, q2_smem, k2_smem,
               lse_smem,
               delta_smem, pt_smem, dst_smem, kv_bar, q_ready, do_ready, q_empty, do_empty,
               ds_bar, pds_free, b, hk, GROUP, start_n, lo, full_lo, full_hi, n_tiles,
-              seqlen_k, off, scale, window_left, window_right)
+              seqlen_k, off, scale, window_left, window_right, features)
     gl.warp_specialize(
         [(_bwd_wide_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
                                         BLOCK_M, BLOCK_N, STAGES, BOUNDED_LEFT,
-                                        BOUNDED_RIGHT)),
+                                        BOUNDED_RIGHT, HAS_ALIBI, HAS_DROPOUT, HAS_SOFTCAP)),
          (_bwd_wide_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
                                         BLOCK_M, BLOCK_N, STAGES, BOUNDED_LEFT,
-                                        BOUNDED_RIGHT)),
+                                        BOUNDED_RIGHT, HAS_ALIBI, HAS_DROPOUT, HAS_SOFTCAP)),
          (_bwd_load_partition, (
             q_desc, do_desc, k_desc, v_desc, stats_desc, q_desc, q_smem, do_smem, k_smem,
             v_smem, lse_smem, delta_smem, q_smem, kv_bar, q_ready, do_ready, q_empty,
@@ -1222,14 +1285,21 @@ def _bwd_wide_kernel(
 # and dP ahead of the previous tile's dQ changed nothing. At Dqk=192 / Dv=128, K and V
 # tiles of 64 keys fit (206 KiB) and paid: 328 -> 343 TFLOP/s causal S=4096, 366 -> 388
 # S=16384 (tools/ab.py, H100). Keyed by Dqk; V of 256 columns (dO's 64 KiB) takes
-# D=256's 32 whatever q·k's width (dq_block_n).
+# D=256's 32 whatever q·k's width (dq_block_n). With dropout the K and V rings take two
+# stages (dq_kv_stages): its keep bits' exchange into the wgmma layout needs shared
+# memory of its own.
 DQ_BLOCK_N = {256: 32, 192: 64}
-DQ_STAGES = gl.constexpr(3)
+DQ_STAGES = 3
 
 
 def dq_block_n(spec: AttentionSpec) -> int:
     """Keys per K and V tile of _bwd_dq_wide_kernel (DQ_BLOCK_N)."""
     return DQ_BLOCK_N[256] if spec.head_dim_v > 128 else DQ_BLOCK_N[spec.head_dim_qk]
+
+
+def dq_kv_stages(spec: AttentionSpec) -> int:
+    """Stages of _bwd_dq_wide_kernel's K and V rings (DQ_STAGES; one fewer with dropout)."""
+    return DQ_STAGES - 1 if spec.dropout_p > 0 else DQ_STAGES
 
 
 # Under a mask a program takes a pair of query blocks of equal work from this many
@@ -1239,9 +1309,9 @@ DQ_MIN_BLOCKS_TO_FOLD = 5
 
 @gluon.jit
 def _dq_load_partition(
-    loads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr,
-    BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
-    QK_SPLIT: gl.constexpr,
+    loads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
+    FOLD: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
+    BOUNDED_RIGHT: gl.constexpr, QK_SPLIT: gl.constexpr,
 ):  # fmt: skip
     """One warp: each query block's Q and dO (with their rows' lse and delta), then its
     K and V tiles as their rings' slots come free; with QK_SPLIT, Q's and K's last
@@ -1279,14 +1349,14 @@ def _dq_load_partition(
                                             delta_smem.index(i))
         for t in range(n_tiles):
             start_n = lo + t * BLOCK_N
-            slot = hopper.claim(k_ready, k_empty, kv + t, k_bytes, DQ_STAGES)
+            slot = hopper.claim(k_ready, k_empty, kv + t, k_bytes, KV_STAGES)
             tma.async_copy_global_to_shared(k_desc, [b, hk, start_n, 0], k_ready.index(slot),
                                             k_smem.index(slot))
             if QK_SPLIT > 0:
                 tma.async_copy_global_to_shared(k2_desc, [b, hk, start_n, split_col],
                                                 k_ready.index(slot), k2_smem.index(slot))
             slot = hopper.claim(v_ready, v_empty, kv + t, v_desc.block_type.nbytes,
-                                DQ_STAGES)
+                                KV_STAGES)
             tma.async_copy_global_to_shared(v_desc, [b, hk, start_n, 0], v_ready.index(slot),
                                             v_smem.index(slot))
         kv += n_tiles
@@ -1296,8 +1366,9 @@ def _dq_load_partition(
 def _dq_compute_partition(
     shared, PART: gl.constexpr, HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     QK_SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    FOLD: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
-    BOUNDED_RIGHT: gl.constexpr,
+    KV_STAGES: gl.constexpr, FOLD: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr,
+    HAS_DROPOUT: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: dQ of query rows [start_m + PART * 64, + 64) of each of the
     program's query blocks, over every key tile: S = Q Kᵀ and dP = dO Vᵀ together,
@@ -1306,7 +1377,7 @@ def _dq_compute_partition(
     (dq_desc, dq2_desc, q_smem, do_smem, k_smem, v_smem, q2_smem, k2_smem, lse_smem,
      delta_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, pid, programs, H,
      GROUP, num_m_blocks, n_items, seqlen_q, seqlen_k, scale, window_left,
-     window_right) = shared
+     window_right, features) = shared
     dtype: gl.constexpr = q_smem.dtype
     QK_MAIN: gl.constexpr = HEAD_DIM_QK - QK_SPLIT  # Q's and K's columns in q_smem, k_smem
     # With a split both dQ accumulators take the split's wgmma width, so that dS is one
@@ -1318,7 +1389,6 @@ def _dq_compute_partition(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_N, 16])
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
     rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    scale_log2 = scale * LOG2E
     q_tile = q_smem.index(PART).reshape([ROWS, QK_MAIN])
     q2_tile = q_tile  # a stand-in without a split
     if QK_SPLIT > 0:
@@ -1341,7 +1411,7 @@ def _dq_compute_partition(
             dq2 = gl.zeros([ROWS, QK_SPLIT], gl.float32, layout=dq_layout)
         for t in range(n_tiles):
             start_n = lo + t * BLOCK_N
-            k_slot = hopper.arrived(k_ready, kv + t, DQ_STAGES)
+            k_slot = hopper.arrived(k_ready, kv + t, KV_STAGES)
             k = k_smem.index(k_slot).reshape([BLOCK_N, QK_MAIN])
             # Zero accumulators made here, not held across the loop: registers are short.
             s_init = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
@@ -1349,20 +1419,25 @@ def _dq_compute_partition(
             if QK_SPLIT > 0:
                 k2 = k2_smem.index(k_slot).reshape([BLOCK_N, QK_SPLIT])
                 s = warpgroup_mma(q2_tile, k2.permute((1, 0)), s, is_async=True)
-            v_slot = hopper.arrived(v_ready, kv + t, DQ_STAGES)
+            v_slot = hopper.arrived(v_ready, kv + t, KV_STAGES)
             v = v_smem.index(v_slot).reshape([BLOCK_N, HEAD_DIM_V])
             dp = warpgroup_mma(do_tile, v.permute((1, 0)), s_init, use_acc=False,
                                is_async=True)
+            keep = 0
+            if HAS_DROPOUT:  # Philox's integer work runs while the tensor cores do S and dP
+                keep = hopper.dropout_keep(features[0], features[1], b * H + h, row0, start_n,
+                                           features[3], ROWS, BLOCK_N, False, s_layout)
             s = warpgroup_mma_wait(1, deps=(s,))
-            if (start_n < full_lo) | (start_n >= full_hi):
-                offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-                mask = visible(offs_m[:, None], offs_n[None, :], seqlen_k, off, window_left,
-                               window_right, BOUNDED_LEFT, BOUNDED_RIGHT)
-                s = gl.where(mask, s, float("-inf"))
-            p = gl.exp2(s * scale_log2 - lse2[:, None])
+            offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            p, cap_slope = _wide_probs(s, lse2, (start_n < full_lo) | (start_n >= full_hi),
+                                       offs_m, offs_n, features, b, h, seqlen_k, off, scale,
+                                       window_left, window_right, BOUNDED_LEFT, BOUNDED_RIGHT,
+                                       HAS_ALIBI, HAS_SOFTCAP)  # fmt: skip
             dp = warpgroup_mma_wait(0, deps=(dp,))
             mbarrier.arrive(v_empty.index(v_slot))
-            ds = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), ds_layout)
+            ds = _wide_grad_scores(p, dp, delta, keep, cap_slope, features[3], HAS_DROPOUT,
+                                   HAS_SOFTCAP)[1]
+            ds = gl.convert_layout(ds.to(dtype), ds_layout)
             dq = warpgroup_mma(ds, k, dq, is_async=True)
             if QK_SPLIT > 0:
                 dq2 = warpgroup_mma(ds, k2, dq2, is_async=True)
@@ -1390,10 +1465,12 @@ def _dq_compute_partition(
 @gluon.jit
 def _bwd_dq_wide_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, q2_desc, k2_desc, dq2_desc, H,
-    GROUP, seqlen_q, seqlen_k, num_m_blocks, num_items, scale, window_left, window_right,
-    HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr,
+    Rng, Alibi, stride_ab, stride_ah, GROUP, seqlen_q, seqlen_k, num_m_blocks, num_items, scale,
+    window_left, window_right, dropout_p, softcap, HEAD_DIM_QK: gl.constexpr,
+    HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr, FOLD: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
@@ -1407,37 +1484,41 @@ def _bwd_dq_wide_kernel(
                                          stats_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [PARTS] + stats_desc.block_type.shape,
                                            stats_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [DQ_STAGES] + k_desc.block_type.shape,
+    k_smem = gl.allocate_shared_memory(dtype, [KV_STAGES] + k_desc.block_type.shape,
                                        k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [DQ_STAGES] + v_desc.block_type.shape,
+    v_smem = gl.allocate_shared_memory(dtype, [KV_STAGES] + v_desc.block_type.shape,
                                        v_desc.layout)
     if QK_SPLIT > 0:  # Q's and K's last columns
         q2_smem = gl.allocate_shared_memory(dtype, [PARTS] + q2_desc.block_type.shape,
                                             q2_desc.layout)
-        k2_smem = gl.allocate_shared_memory(dtype, [DQ_STAGES] + k2_desc.block_type.shape,
+        k2_smem = gl.allocate_shared_memory(dtype, [KV_STAGES] + k2_desc.block_type.shape,
                                             k2_desc.layout)
     else:  # stand-ins, never touched
         q2_smem = q_smem
         k2_smem = k_smem
     q_ready, q_empty = hopper.ring(1, PARTS)
-    k_ready, k_empty = hopper.ring(DQ_STAGES, PARTS)
-    v_ready, v_empty = hopper.ring(DQ_STAGES, PARTS)
+    k_ready, k_empty = hopper.ring(KV_STAGES, PARTS)
+    v_ready, v_empty = hopper.ring(KV_STAGES, PARTS)
 
+    seed, rng_offset = philox_key(Rng, HAS_DROPOUT)
+    features = (seed, rng_offset, H, dropout_p, Alibi, stride_ab, stride_ah, softcap)
     shared = (dq_desc, dq2_desc, q_smem, do_smem, k_smem, v_smem, q2_smem, k2_smem, lse_smem,
               delta_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, pid, programs,
               H, GROUP, num_m_blocks, n_items, seqlen_q, seqlen_k, scale, window_left,
-              window_right)
+              window_right, features)
     loads = (q_desc, do_desc, k_desc, v_desc, stats_desc, q2_desc, k2_desc, q_smem, do_smem,
              k_smem, v_smem, q2_smem, k2_smem, lse_smem, delta_smem, q_ready, q_empty, k_ready,
              k_empty, v_ready, v_empty, pid, programs, H, GROUP, num_m_blocks, n_items,
              seqlen_q, seqlen_k, window_left, window_right)
     gl.warp_specialize(
         [(_dq_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M,
-                                  BLOCK_N, FOLD, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                  BLOCK_N, KV_STAGES, FOLD, BOTTOM_RIGHT, BOUNDED_LEFT,
+                                  BOUNDED_RIGHT, HAS_ALIBI, HAS_DROPOUT, HAS_SOFTCAP)),
          (_dq_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M,
-                                  BLOCK_N, FOLD, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)),
-         (_dq_load_partition, (loads, BLOCK_M, BLOCK_N, FOLD, BOTTOM_RIGHT, BOUNDED_LEFT,
-                               BOUNDED_RIGHT, QK_SPLIT))],
+                                  BLOCK_N, KV_STAGES, FOLD, BOTTOM_RIGHT, BOUNDED_LEFT,
+                                  BOUNDED_RIGHT, HAS_ALIBI, HAS_DROPOUT, HAS_SOFTCAP)),
+         (_dq_load_partition, (loads, BLOCK_M, BLOCK_N, KV_STAGES, FOLD, BOTTOM_RIGHT,
+                               BOUNDED_LEFT, BOUNDED_RIGHT, QK_SPLIT))],
         # dQ alone takes 128 registers a thread: the second warpgroup gets the most
         # there is, and Triton gives the first (the default partition) 224 of the rest.
         worker_num_warps=[4, 1], worker_num_regs=[256, 24])  # fmt: skip
@@ -2037,9 +2118,10 @@ _launch_split = hopper.Launcher(_bwd_split_kernel)
 
 def fuses_split_dq(spec: AttentionSpec) -> bool:
     """Whether the call runs _bwd_split_kernel (FUSED_SPLIT): Dqk=192 / Dv=128, not
-    deterministic."""
+    deterministic, without ALiBi, dropout or softcap (which the wide kernels take)."""
     return (FUSED_SPLIT and (spec.head_dim_qk, spec.head_dim_v) in SPLIT_HEAD_DIM_PAIRS
-            and not spec.deterministic)
+            and not spec.deterministic and not spec.has_alibi and spec.dropout_p == 0
+            and spec.softcap == 0)
 
 
 def dq_in_fp32(spec: AttentionSpec) -> bool:
@@ -2064,7 +2146,8 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
         return _backward_split(spec, q, k, v, grad_out, cu_seqlens_q, cu_seqlens_k, stats, dq,
                                dk, dv)
     if is_wide(spec):
-        return _backward_wide(spec, q, k, v, grad_out, stats, dq, dk, dv)
+        return _backward_wide(spec, q, k, v, grad_out, alibi_slopes, rng_state, stats, dq, dk,
+                              dv)
     bias_row = hopper.bias_row(spec, bias)
     dbias_kind = None if dbias is None else dbias_kind_of(spec, bias)
     how = _plan(spec, bias_row, dbias_kind, inner_dims(spec, bias, dbias_kind),
@@ -2280,13 +2363,19 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
                        constexprs)
 
 
-def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, stats, dq, dk, dv) -> None:
-    """`backward` at D=256 and Dqk=192 (no bias, ALiBi or dropout: dispatch keeps them
-    off it): dK and dV from _bwd_wide_kernel, dQ from _bwd_dq_wide_kernel."""
+def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, alibi_slopes, rng_state, stats, dq,
+                   dk, dv) -> None:  # fmt: skip
+    """`backward` at head dims past 128 (is_wide; no bias: dispatch keeps it off these
+    kernels): dK and dV from _bwd_wide_kernel, dQ from _bwd_dq_wide_kernel."""
     dkdv, dq_plan = _plans_wide(spec, q.device.index)
     # What each launch's arguments are made of beside its plan:
     # hopper.Launcher.launch_prepared.
-    inputs = tuple(map(hopper.tensor_key, (q, k, v, grad_out, stats)))
+    inputs = tuple(map(hopper.tensor_key, (q, k, v, grad_out, stats, alibi_slopes, rng_state)))
+    alibi_batch_stride, alibi_head_stride = alibi_strides(alibi_slopes)
+    features = (rng_state, alibi_slopes, alibi_batch_stride, alibi_head_stride)
+    # What fixes the launches' specialisation beside their plans (hopper.Launcher)
+    variant = (alibi_batch_stride, alibi_head_stride, hopper.aligned(rng_state),
+               hopper.aligned(alibi_slopes))
     dkdv_call = (dkdv, *inputs, hopper.tensor_key(dk), hopper.tensor_key(dv))
     dq_call = (dq_plan, *inputs, hopper.tensor_key(dq))
     dkdv_launched = _launch_backward_wide.launch_prepared(dkdv.programs, dkdv_call)
@@ -2317,9 +2406,9 @@ def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, stats, dq, dk, dv) ->
             q_cols, k_desc, hopper.descriptor(v, BLOCK_N_WIDE, spec.head_dim_v), do_desc,
             stats_desc, q2_desc,
             k2_desc, *dk_parts, hopper.descriptor(dv, BLOCK_N_WIDE, cols=spec.head_dim_v // 2),
-            spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k,
-            *dkdv.counts, spec.scale, spec.window_left, spec.window_right,
-            variant=dkdv, prepare=dkdv_call, **dkdv.constexprs,
+            *features, spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k,
+            *dkdv.counts, spec.scale, spec.window_left, spec.window_right, spec.dropout_p,
+            spec.softcap, variant=(dkdv, *variant), prepare=dkdv_call, **dkdv.constexprs,
         )  # fmt: skip
     if not dq_launched:
         dq_block_n = dq_plan.constexprs["BLOCK_N"]
@@ -2329,9 +2418,10 @@ def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, stats, dq, dk, dv) ->
             (dq_plan.programs,),
             q_desc, k_desc, hopper.descriptor(v, dq_block_n, spec.head_dim_v), do_desc, dq_desc,
             stats_desc,
-            q2_desc, k2_desc, dq2_desc, spec.heads, spec.group,
+            q2_desc, k2_desc, dq2_desc, spec.heads, *features, spec.group,
             spec.seqlen_q, spec.seqlen_k, *dq_plan.counts, spec.scale, spec.window_left,
-            spec.window_right, variant=dq_plan, prepare=dq_call, **dq_plan.constexprs,
+            spec.window_right, spec.dropout_p, spec.softcap, variant=(dq_plan, *variant),
+            prepare=dq_call, **dq_plan.constexprs,
         )  # fmt: skip
 
 
@@ -2406,7 +2496,9 @@ def _plans_wide(spec: AttentionSpec, device_index: int) -> tuple[hopper.Plan, ho
     or per pair of them folded under a mask (counts: query blocks per head, work items)."""
     bounds = dict(BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
                   BOUNDED_RIGHT=spec.window_right >= 0, HEAD_DIM_QK=spec.head_dim_qk,
-                  HEAD_DIM_V=spec.head_dim_v, QK_SPLIT=hopper.qk_split(spec.head_dim_qk))
+                  HEAD_DIM_V=spec.head_dim_v, QK_SPLIT=hopper.qk_split(spec.head_dim_qk),
+                  HAS_ALIBI=spec.has_alibi, HAS_DROPOUT=spec.dropout_p > 0,
+                  HAS_SOFTCAP=spec.softcap > 0)
     num_n = cdiv(spec.seqlen_k, BLOCK_N_WIDE)
     dkdv = hopper.Plan(num_n * spec.batch * spec.kv_heads, (num_n,),
                        dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N_WIDE, STAGES=STAGES, **bounds,
@@ -2417,8 +2509,9 @@ def _plans_wide(spec: AttentionSpec, device_index: int) -> tuple[hopper.Plan, ho
     masked = spec.window_left >= 0 or spec.window_right >= 0
     fold = masked and num_m >= DQ_MIN_BLOCKS_TO_FOLD
     dq = hopper.Plan(hopper.programs(num_items, fold, False, device_index), (num_m, num_items),
-                     dict(BLOCK_M=block_m, BLOCK_N=dq_block_n(spec), FOLD=fold,
-                          **bounds, num_warps=4))  # fmt: skip
+                     dict(BLOCK_M=block_m, BLOCK_N=dq_block_n(spec),
+                          KV_STAGES=dq_kv_stages(spec), FOLD=fold, **bounds,
+                          num_warps=4))  # fmt: skip
     return dkdv, dq
 
 

@@ -8,18 +8,18 @@ backward alike.
   (forward_sm90.takes_head_dims and backward_sm90.takes_head_dims), tensors TMA can
   read, and for the backward at D=64 enough keys per query to beat the tile kernels
   (backward_sm90.MIN_KEYS_PER_QUERY). Options: causal masks either way, windows, GQA,
-  ALiBi, softcap (the forward not at D=64 nor with a key row, the backward not past
-  128 columns nor with a bias gradient), dropout, packed (varlen) batches, and a
-  bias:
+  ALiBi, softcap (the forward not at D=64 nor with a key row, the backward not with a
+  bias gradient), dropout, packed (varlen) batches, and a bias:
   one constant along queries ((B or 1, H or 1, 1, Sk): key padding) as a row of keys,
   any other by TMA tiles (not together with dropout). The backward computes a bias
   gradient of a key row (summed in registers) or of a bias read by tiles (dS stored,
   or added up across the batch or heads it broadcasts over), past 128 columns (D=256,
-  Dqk=192, V of 256) nothing of bias, ALiBi or dropout, and no packed batches there
-  (but at 192/128) nor deterministic ones at 192/128; deterministic mode only where dQ
-  is not added up in fp32 across programs, or is in a fixed order (backward_sm90.ORDERED_DQ),
-  or comes from dS stored whole (a full bias gradient, or one summed over batch or heads
-  stored expanded first) by one matmul (backward_sm90.dq_from_full_bias).
+  Dqk=192, V of 256) no bias, and no packed batches there (but at 192/128 without
+  ALiBi, dropout or softcap) nor deterministic ones at 192/128; deterministic mode only
+  where dQ is not added up in fp32 across programs, or is in a fixed order
+  (backward_sm90.ORDERED_DQ), or comes from dS stored whole (a full bias gradient, or
+  one summed over batch or heads stored expanded first) by one matmul
+  (backward_sm90.dq_from_full_bias).
   Neither takes global positions for ALiBi or dropout (AttentionSpec.positioned).
 - The split-KV forward (decode.py), before either: few queries a sequence (Sq <= 64)
   against many keys (Sk >= 4096), every option but global positions; the query heads
@@ -122,18 +122,16 @@ def gluon_forward(spec: AttentionSpec, q, k, v, bias) -> bool:
         kernel_spec(spec, "forward"), bias_row)
 
 
-def gluon_backward_computes(spec: AttentionSpec, bias, alibi_slopes, need_dbias: bool) -> bool:
+def gluon_backward_computes(spec: AttentionSpec, bias, need_dbias: bool) -> bool:
     """Whether the Gluon backward for this head dim computes these features, whatever the
     device: a bias gradient of a bias constant along queries (summed in registers), or
     of one read by tiles (every query and key; dS stored, or added up by TMA where the
     bias broadcasts over batch or heads) with rows of whole 16 bytes for those copies;
-    with a head dim past 128 (D=256, Dqk=192, V of 256 columns) no bias, ALiBi, dropout
-    or softcap, and packed sequences only at Dqk=192 where dQ is fused
-    (backward_sm90.fuses_split_dq: not deterministic); softcap without a bias gradient
-    (its dS for dK and dQ is not the bias gradient's)."""
-    if max(spec.head_dim_qk, spec.head_dim_v) > 128 and (
-            bias is not None or alibi_slopes is not None or spec.dropout_p > 0
-            or spec.softcap > 0):  # fmt: skip
+    with a head dim past 128 (D=256, Dqk=192, V of 256 columns) no bias, and packed
+    sequences only at Dqk=192 where dQ is fused (backward_sm90.fuses_split_dq: not
+    deterministic, no ALiBi, dropout or softcap); softcap without a bias gradient (its
+    dS for dK and dQ is not the bias gradient's)."""
+    if max(spec.head_dim_qk, spec.head_dim_v) > 128 and bias is not None:
         return False
     if spec.softcap > 0 and need_dbias:
         return False
@@ -162,7 +160,7 @@ def gluon_backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, n
         return False
     spec = kernel_spec(spec, "backward")
     return (backward_sm90.takes_head_dims(spec)
-            and gluon_backward_computes(spec, bias, alibi_slopes, need_dbias)
+            and gluon_backward_computes(spec, bias, need_dbias)
             and (not spec.deterministic or _gluon_deterministic(spec, bias, need_dbias))
             and hopper.keys_per_query(spec) >= backward_sm90.MIN_KEYS_PER_QUERY[spec.head_dim_qk]
             and hopper.tma_readable(grad_out))  # fmt: skip
