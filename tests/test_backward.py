@@ -480,9 +480,10 @@ def test_hopper_backward_gpu(case, dtype, hopper_backward_launches):
 
     assert_results(check_backward(case, dtype, "cuda", seed=7))
     dqk, dv = dispatch.kernel_head_dims(case.dqk, case.dv, "backward")  # D=96 as 128
-    # backward.py runs by design: past 128 columns (q·k's or V's) a bias, or packed
-    # sequences (but at 192/128 without ALiBi, dropout or softcap: the fused kernel), a
-    # bias gradient of rows not whole 16 bytes, and softcap with a bias gradient.
+    # backward.py runs by design: past 128 columns (q·k's or V's) a bias's gradient (the
+    # suite's calls ask for it), or packed sequences (but at 192/128 without ALiBi,
+    # dropout or softcap: the fused kernel), a bias gradient of rows not whole 16 bytes,
+    # and softcap with a bias gradient.
     softcap = case.options.get("softcap", 0) > 0
     split = (dqk, dv) in backward_sm90.SPLIT_HEAD_DIM_PAIRS
     features = case.alibi is not None or softcap or "dropout_p" in case.options
@@ -516,6 +517,39 @@ def test_hopper_backward_bias_without_grad_gpu(name, dtype, hopper_backward_laun
     assert [r.what for r in results] == ["dq", "dk", "dv"]
     assert_results(results)
     assert hopper_backward_launches and orders == [(True, False)]
+
+
+# A bias that asks no gradient past 128 columns (a padding mask from transformers at
+# D=256): the wide kernels read it, by TMA tiles beside Q's (dK/dV) and K's (dQ) or,
+# constant along queries, as a row of keys by pointer; with dropout, ALiBi, softcap.
+WIDE_BIAS_CASES = [
+    Case("wide bias BHQK causal", seqlen_q=500, seqlen_k=504, dqk=256, dv=256, bias="BHQK",
+         options=dict(causal=True)),
+    Case("wide bias 1HQK GQA softcap", heads=4, kv_heads=2, seqlen_q=333, seqlen_k=700,
+         dqk=128, dv=256, bias="1HQK", alibi="H", options=dict(softcap=2.0)),
+    Case("wide bias B11K window dropout", seqlen_q=600, seqlen_k=1000, dqk=192, dv=128,
+         bias="B11K", options=dict(window=(300, 40), dropout_p=0.2)),
+    Case("wide bias 1H1K bottom-right", seqlen_q=300, seqlen_k=650, dqk=256, dv=64,
+         bias="1H1K", options=dict(causal=True, align="bottom_right")),
+]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("case", WIDE_BIAS_CASES, ids=lambda c: c.name)
+def test_hopper_wide_backward_bias_read_gpu(case, dtype, monkeypatch):
+    from memattn.kernels import backward_sm90
+
+    if not hopper_kernel_runs_here():
+        pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
+    dkdv = record_launches(monkeypatch, backward_sm90, "_launch_backward_wide")
+    dq = record_launches(monkeypatch, backward_sm90, "_launch_dq_wide")
+    results = check_backward(case, dtype, "cuda", seed=11, bias_grad=False)
+    assert [r.what for r in results] == ["dq", "dk", "dv"]
+    assert_results(results)
+    row = _bias_row(case)
+    for launches in (dkdv, dq):
+        assert [(c["HAS_BIAS"], c["BIAS_ROW"]) for _, c in launches] == [(not row, row)]
 
 
 # Persistent backward programs (PERSISTENT_BLOCKS): with five of them, each walks key

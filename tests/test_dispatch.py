@@ -47,7 +47,8 @@ def test_cpu_calls_run_the_tile_kernels():
     [
         (128, None, {}, False, True),
         (256, None, {}, False, True),
-        (256, (2, 2, 16, 16), {}, False, False),  # D=256: no bias,
+        (256, (2, 2, 16, 16), {}, False, True),  # D=256: a bias read,
+        (256, (2, 2, 16, 16), {}, True, False),  # not its gradient
         (256, None, dict(dropout_p=0.1), False, True),  # dropout, ALiBi, softcap: yes
         (256, None, dict(alibi_slopes=torch.rand(2)), False, True),
         (256, None, dict(softcap=5.0, causal=True), False, True),
@@ -62,7 +63,8 @@ def test_cpu_calls_run_the_tile_kernels():
         (128, (1, 2, 1, 16), {}, True, True),  # also over the batch (partial sums)
         (128, (2, 1, 1, 12), {}, True, True),  # any key count: stored by pointer
         (128, (2, 2, 16, 1), {}, True, False),  # one over the keys is not
-        (256, (2, 1, 1, 16), {}, False, False),  # D=256: no bias of any shape
+        (256, (2, 1, 1, 16), {}, False, True),  # D=256: a key row read (by pointer)
+        (256, (2, 1, 1, 16), {}, True, False),
         (128, (2, 2, 16, 12), {}, True, False),  # rows of whole 16 bytes for TMA stores
         (128, (2, 2, 16, 12), {}, False, True),  # (without its gradient, any)
         (128, None, dict(softcap=5.0), False, True),  # softcap: tanh' in dS
@@ -532,8 +534,8 @@ def test_kernel_head_dims(dqk, dv, forward, backward):
 @pytest.mark.parametrize("dqk", [64, 128, 192])
 def test_wide_v_takes_the_wide_backward(dqk):
     """V of 256 columns beside a narrower q·k: the wide kernels, dQ written in the
-    output dtype (deterministic as it is), what they compute (dropout, no bias, no packed
-    sequences); the forward on D=256's tiles with O in a buffer of its own."""
+    output dtype (deterministic as it is), what they compute (dropout, a bias but not its
+    gradient, no packed sequences); the forward on D=256's tiles with O in a buffer of its own."""
     backward_sm90, forward_sm90 = dispatch.backward_sm90, dispatch.forward_sm90
     q = torch.randn(2, 16, 2, dqk, dtype=torch.float16)
     v = torch.randn(2, 16, 2, 256, dtype=torch.float16)
@@ -544,8 +546,9 @@ def test_wide_v_takes_the_wide_backward(dqk):
     assert dispatch._gluon_deterministic(check_call(q, q, v, deterministic=True), None, False)
     assert dispatch.gluon_backward_computes(spec, None, False)
     assert dispatch.gluon_backward_computes(check_call(q, q, v, dropout_p=0.1), None, False)
-    bias = torch.randn(2, 2, 16, 16, dtype=torch.float16)
-    assert not dispatch.gluon_backward_computes(check_call(q, q, v, bias=bias), bias, False)
+    bias = torch.randn(2, 2, 16, 16, dtype=torch.float16)  # read, but not its gradient
+    assert dispatch.gluon_backward_computes(check_call(q, q, v, bias=bias), bias, False)
+    assert not dispatch.gluon_backward_computes(check_call(q, q, v, bias=bias), bias, True)
     cu = torch.tensor([0, 5, 16], dtype=torch.int32)
     varlen = check_call(q[0], q[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=11,
                         max_seqlen_k=11)

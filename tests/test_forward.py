@@ -335,9 +335,10 @@ HOPPER_CASES = [
          options=dict(window=(300, 40))),
     Case("Dqk88 Dv64 causal GQA", heads=4, kv_heads=2, seqlen_q=700, seqlen_k=901, dqk=88,
          dv=64, options=dict(causal=True)),
-    # a bias at D=256: the Gluon forward, backward.py's backward; dropout, ALiBi and
-    # softcap past 128 columns in the wide backward kernels too (192/128 leaves its fused
-    # kernel for them), dropout's keep bits drawn in both, bit for bit the forward's
+    # a bias's gradient at D=256: the Gluon forward, backward.py's backward (a bias read
+    # alone, the wide kernels: test_backward.py); dropout, ALiBi and softcap past 128
+    # columns in the wide backward kernels too (192/128 leaves its fused kernel for
+    # them), dropout's keep bits drawn in both, bit for bit the forward's
     Case("D256 bias BHQK causal", seqlen_q=500, seqlen_k=504, dqk=256, dv=256, bias="BHQK",
          options=dict(causal=True)),
     Case("D256 dropout", seqlen_q=500, seqlen_k=600, dqk=256, dv=256,

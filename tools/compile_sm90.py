@@ -142,7 +142,7 @@ def compile_hopper_forward() -> int:
     on CPU tensors: every head dim and mask variant it takes."""
     from memattn.kernels import dispatch, forward_sm90
 
-    def launch(spec, q, k, v, bias, alibi, cu_seqlens=(None, None)):
+    def launch(spec, q, k, v, bias, alibi, cu_seqlens=(None, None), dbias=True):
         spec = dispatch.kernel_spec(spec, "forward")  # other head dims as the next wider
         if not forward_sm90.takes_head_dims(spec, forward_sm90.hopper.bias_row(spec, bias)):
             return  # forward.py's call: shared memory does not hold the buffers
@@ -159,15 +159,16 @@ def compile_hopper_backward() -> int:
     """The Gluon backward (kernels/backward_sm90.py): every head dim and mask variant."""
     from memattn.kernels import backward_sm90, dispatch, hopper
 
-    def launch(spec, q, k, v, bias, alibi, cu_seqlens=(None, None)):
+    def launch(spec, q, k, v, bias, alibi, cu_seqlens=(None, None), dbias=True):
         spec = dispatch.kernel_spec(spec, "backward")  # other head dims as the next wider
+        dbias = dbias and bias is not None
         if not backward_sm90.takes_head_dims(spec) or not dispatch.gluon_backward_computes(
-                spec, bias, bias is not None):
+                spec, bias, dbias):
             return  # backward.py's call: other Dqk/Dv; D=256 with a bias...
         lse = (torch.empty(spec.heads, q.shape[0]) if spec.varlen
                else torch.empty(*spec.bias_shape[:3]))  # fmt: skip
         stats = backward_sm90.row_stats_buffer(spec, lse)
-        kind = None if bias is None else backward_sm90.dbias_kind_of(spec, bias)
+        kind = backward_sm90.dbias_kind_of(spec, bias) if dbias else None
         dbias = None  # as backward_sm90.run makes it
         if kind == "row":
             dbias = torch.empty(*spec.bias_shape[:2], spec.seqlen_k)
@@ -188,29 +189,33 @@ def compile_hopper_backward() -> int:
 
 
 def _compile_hopper(name, launch) -> int:
-    """Calls launch(spec, q, k, v, bias, alibi_slopes, cu_seqlens) for D 64, 128 and 256
-    (and Dqk/Dv pairs: MEMATTN_HOPPER_DIMS=192/128,128/64),
-    every mask of HOPPER_MASKS, no bias, a full one, one broadcast over the batch
-    (sumbias: its gradient summed), a key-padding row (B, 1, 1, Sk), dropout, ALiBi,
+    """Calls launch(spec, q, k, v, bias, alibi_slopes, cu_seqlens, dbias) for D 64, 128
+    and 256 (and Dqk/Dv pairs: MEMATTN_HOPPER_DIMS=192/128,128/64), every mask of
+    HOPPER_MASKS, no bias, a full one, one broadcast over the batch (sumbias: its
+    gradient summed), a key-padding row (B, 1, 1, Sk), the full one and the row without
+    their gradients (bias_read, rowbias_read: dbias False), dropout, ALiBi, softcap,
     packed sequences (varlen: 2100 and 704 tokens, cu_seqlens given; varlen_bias with a
     full bias, varlen_addbias with a plane per head the sequences share (its gradient
-    added in bf16), varlen_sumbias with one plane for all, varlen_all with a key
-    row, dropout and ALiBi), softcap, GQA 4:2, Sq=2100 (D=64's three warpgroups), Sk=704; returns
-    the number of failures. MEMATTN_HOPPER_FEATURES=dropout (comma-separated from those
+    added in bf16), varlen_sumbias with one plane for all, varlen_all with a key row,
+    dropout and ALiBi), GQA 4:2, Sq=2100 (D=64's three warpgroups), Sk=704; returns the
+    number of failures. MEMATTN_HOPPER_FEATURES=dropout (comma-separated from those
     names) and MEMATTN_HOPPER_DIMS=256 compile a subset."""
     from memattn.kernels import hopper
     from memattn.spec import check_call
 
     hopper.sm_count = lambda device_index: 132  # an H100's; no GPU here to ask
     features = os.environ.get("MEMATTN_HOPPER_FEATURES",
-                              "none,bias,sumbias,rowbias,dropout,alibi,softcap,varlen,"
-                              "varlen_bias,varlen_addbias,varlen_sumbias,varlen_all").split(",")
+                              "none,bias,sumbias,rowbias,bias_read,rowbias_read,dropout,"
+                              "alibi,softcap,varlen,varlen_bias,varlen_addbias,varlen_sumbias,"
+                              "varlen_all").split(",")
     dims = [(int(d.split("/")[0]), int(d.split("/")[-1]))
             for d in os.environ.get("MEMATTN_HOPPER_DIMS", "64,128,256").split(",")]
     failures = 0
     for d, dv in dims:
         for options in HOPPER_MASKS:
             for feature in features:
+                read = feature.endswith("_read")  # the bias without its gradient
+                feature = feature.removesuffix("_read")
                 q = torch.randn(2, 2100, 4, d, dtype=torch.bfloat16)
                 k = torch.randn(2, 704, 2, d, dtype=torch.bfloat16)
                 v = torch.randn(2, 704, 2, dv, dtype=torch.bfloat16)
@@ -243,7 +248,7 @@ def _compile_hopper(name, launch) -> int:
                                       alibi_slopes=alibi, softcap=softcap, **options,
                                       **varlen)  # fmt: skip
                     launch(spec, q, k, v, bias, alibi, (varlen.get("cu_seqlens_q"),
-                                                        varlen.get("cu_seqlens_k")))
+                                                        varlen.get("cu_seqlens_k")), not read)
                 except Exception as e:  # noqa: BLE001
                     failures += 1
                     while e.__cause__ is not None:  # the innermost error says what failed

@@ -1052,17 +1052,18 @@ BLOCK_N_WIDE = 64
 
 @gluon.jit
 def _wide_probs(
-    s, lse2, masked, offs_m, offs_n, features, b, h, seqlen_k, off, scale, window_left,
+    s, lse2, masked, offs_m, offs_n, bias, features, b, h, seqlen_k, off, scale, window_left,
     window_right, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
-    HAS_ALIBI: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+    HAS_BIAS: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     """P of a wide kernel's (queries, keys) tile from S (raw q·k, fp32) as the D 64/128
-    kernel makes it: softcap's cap, then ALiBi, then the mask (``masked``: the tile
-    crosses the mask's edge); and tanh's derivative for dS (1.0 without softcap).
-    features: the kernels' (seed, rng offset, heads, dropout_p, Alibi, its batch and head
-    strides, softcap) for query head h of batch b."""
-    Alibi = features[4]
-    softcap = features[7]
+    kernel makes it: softcap's cap, then the bias (HAS_BIAS: ``bias``, fp32, the tile's
+    or a row of keys) and ALiBi, then the mask (``masked``: the tile crosses the mask's
+    edge); and tanh's derivative for dS (1.0 without softcap). features: the kernels'
+    options (dropout's seed, offset, heads and rate, ALiBi's slopes and their strides,
+    softcap, a key row bias's pointer, strides and (batch, head) sizes) for query head h
+    of batch b."""
+    _, _, _, _, Alibi, stride_ab, stride_ah, softcap = features[:8]
     p_scale = scale * LOG2E
     cap_slope = 1.0
     if HAS_SOFTCAP:  # log2 units from here, as the forwards' scores
@@ -1070,16 +1071,28 @@ def _wide_probs(
         s = t_cap * (softcap * LOG2E)
         cap_slope = 1.0 - t_cap * t_cap
         p_scale = 1.0
-    if HAS_ALIBI:  # the scale goes in first, as in the forward
-        slope = gl.load(Alibi + b.to(gl.int64) * features[5] + h.to(gl.int64) * features[6])
-        s = add_bias_alibi_log2(s * p_scale, offs_m[:, None], offs_n[None, :], off, slope, 0.0,
-                                False, True)  # fmt: skip
+    if HAS_BIAS or HAS_ALIBI:  # the scale goes in first, as in the forward
+        slope = 0.0
+        if HAS_ALIBI:
+            slope = gl.load(Alibi + b.to(gl.int64) * stride_ab + h.to(gl.int64) * stride_ah)
+        s = add_bias_alibi_log2(s * p_scale, offs_m[:, None], offs_n[None, :], off, slope, bias,
+                                HAS_BIAS, HAS_ALIBI)  # fmt: skip
         p_scale = 1.0
     if masked:
         mask = visible(offs_m[:, None], offs_n[None, :], seqlen_k, off, window_left,
                        window_right, BOUNDED_LEFT, BOUNDED_RIGHT)
         s = gl.where(mask, s, float("-inf"))
     return gl.exp2(s * p_scale - lse2[:, None]), cap_slope
+
+
+@gluon.jit
+def _wide_bias_row(features, b, h, offs_n, seqlen_k):
+    """Keys offs_n of a bias constant along queries (hopper.bias_row), query head h of
+    batch b, in fp32 as a (1, keys) row; 0 past Sk."""
+    BiasRow, stride_rb, stride_rh, stride_rn, bias_batches, bias_heads = features[8:]
+    ptrs = (BiasRow + (b % bias_batches).to(gl.int64) * stride_rb
+            + (h % bias_heads).to(gl.int64) * stride_rh + offs_n.to(gl.int64) * stride_rn)
+    return gl.load(ptrs, mask=offs_n < seqlen_k, other=0.0).to(gl.float32)[None, :]
 
 
 @gluon.jit
@@ -1103,14 +1116,15 @@ def _bwd_wide_compute_partition(
     shared, HALF: gl.constexpr, HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     QK_SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
-    HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+    HAS_BIAS: gl.constexpr, BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr,
+    HAS_DROPOUT: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup at D=256 (or 192/128): S and dP of keys [start_n + HALF * 32, + 32),
     then dK and dV of this warpgroup's head-dim columns over all 64 keys: half of each at
     D=256; with QK_SPLIT, dK's first (HALF 0) or split columns and half of dV's. P and
     dS as the D 64/128 kernel makes them (_wide_probs)."""
     (dk_desc, dk2_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, q2_smem, k2_smem,
-     lse_smem, delta_smem, pt_smem, dst_smem,
+     lse_smem, delta_smem, pt_smem, dst_smem, bias_smem,
      kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, pds_free, b, hk, GROUP, start_n,
      lo, full_lo, full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right,
      features) = shared
@@ -1166,12 +1180,18 @@ def _bwd_wide_compute_partition(
             keep = hopper.dropout_keep(features[0], features[1], b * features[2] + h, start_m,
                                        start_n + HALF * HALF_N, features[3], BLOCK_M, HALF_N,
                                        False, s_layout)  # fmt: skip
+        bias = 0.0
+        if HAS_BIAS:  # this warpgroup's keys of the (queries, keys) tile beside Q's
+            bias = (bias_smem.index(slot).reshape([BLOCK_M, BLOCK_N])
+                    .slice(HALF * HALF_N, HALF_N, dim=1).load(s_layout).to(gl.float32))
+        if BIAS_ROW:
+            bias = _wide_bias_row(features, b, h, offs_n, seqlen_k)
         s = warpgroup_mma_wait(1, deps=(s,))
         lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(rows_layout)
         p, cap_slope = _wide_probs(s, lse2, (start_m < full_lo) | (start_m >= full_hi),
-                                   offs_m, offs_n, features, b, h, seqlen_k, off, scale,
+                                   offs_m, offs_n, bias, features, b, h, seqlen_k, off, scale,
                                    window_left, window_right, BOUNDED_LEFT, BOUNDED_RIGHT,
-                                   HAS_ALIBI, HAS_SOFTCAP)  # fmt: skip
+                                   HAS_BIAS or BIAS_ROW, HAS_ALIBI, HAS_SOFTCAP)  # fmt: skip
         dp = warpgroup_mma_wait(0, deps=(dp,))
         delta = delta_smem.index(slot).reshape([BLOCK_M]).load(rows_layout)
         p_kept, ds = _wide_grad_scores(p, dp, delta, keep, cap_slope, features[3], HAS_DROPOUT,
@@ -1222,12 +1242,14 @@ def _bwd_wide_compute_partition(
 @gluon.jit
 def _bwd_wide_kernel(
     q_desc, k_desc, v_desc, do_desc, stats_desc, q2_desc, k2_desc, dk_desc, dk2_desc,
-    dv_desc, Rng, Alibi, stride_ab, stride_ah, HKV, GROUP, seqlen_q, seqlen_k, num_n_blocks,
-    scale, window_left, window_right, dropout_p, softcap, HEAD_DIM_QK: gl.constexpr,
+    dv_desc, bias_desc, Rng, Alibi, BiasRow, stride_ab, stride_ah, stride_rb, stride_rh,
+    stride_rn, bias_batches, bias_heads, HKV, GROUP, seqlen_q, seqlen_k, num_n_blocks, scale,
+    window_left, window_right, dropout_p, softcap, HEAD_DIM_QK: gl.constexpr,
     HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
-    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr,
-    HAS_DROPOUT: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, HAS_BIAS: gl.constexpr,
+    BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
+    HAS_SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     # Dense batches only: no cu_seqlens (the 0s), IS_VARLEN off.
     b, hk, start_n, _, _, _, seqlen_k, off, lo, full_lo, full_hi, n_tiles = _key_block(
@@ -1251,26 +1273,36 @@ def _bwd_wide_kernel(
     dst_smem = gl.allocate_shared_memory(dtype, pds_block, pds_layout)
     pds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(pds_free, count=2)  # both warpgroups' matmuls on P and dS done
+    if HAS_BIAS:  # a (queries, keys) tile beside each Q tile
+        bias_smem = gl.allocate_shared_memory(dtype, [STAGES] + bias_desc.block_type.shape,
+                                              bias_desc.layout)
+    else:  # a stand-in, never touched
+        bias_smem = q_smem
 
+    # The options the partitions take (_wide_probs, _wide_bias_row)
     seed, rng_offset = philox_key(Rng, HAS_DROPOUT)
-    features = (seed, rng_offset, HKV * GROUP, dropout_p, Alibi, stride_ab, stride_ah, softcap)
+    features = (seed, rng_offset, HKV * GROUP, dropout_p, Alibi, stride_ab, stride_ah, softcap,
+                BiasRow, stride_rb, stride_rh, stride_rn, bias_batches, bias_heads)
     shared = (dk_desc, dk2_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, q2_smem, k2_smem,
-              lse_smem,
-              delta_smem, pt_smem, dst_smem, kv_bar, q_ready, do_ready, q_empty, do_empty,
+              lse_smem, delta_smem, pt_smem, dst_smem, bias_smem, kv_bar, q_ready, do_ready,
+              q_empty, do_empty,
               ds_bar, pds_free, b, hk, GROUP, start_n, lo, full_lo, full_hi, n_tiles,
               seqlen_k, off, scale, window_left, window_right, features)
     gl.warp_specialize(
         [(_bwd_wide_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
                                         BLOCK_M, BLOCK_N, STAGES, BOUNDED_LEFT,
-                                        BOUNDED_RIGHT, HAS_ALIBI, HAS_DROPOUT, HAS_SOFTCAP)),
+                                        BOUNDED_RIGHT, HAS_BIAS, BIAS_ROW, HAS_ALIBI,
+                                        HAS_DROPOUT, HAS_SOFTCAP)),
          (_bwd_wide_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
                                         BLOCK_M, BLOCK_N, STAGES, BOUNDED_LEFT,
-                                        BOUNDED_RIGHT, HAS_ALIBI, HAS_DROPOUT, HAS_SOFTCAP)),
+                                        BOUNDED_RIGHT, HAS_BIAS, BIAS_ROW, HAS_ALIBI,
+                                        HAS_DROPOUT, HAS_SOFTCAP)),
          (_bwd_load_partition, (
-            q_desc, do_desc, k_desc, v_desc, stats_desc, q_desc, q_smem, do_smem, k_smem,
-            v_smem, lse_smem, delta_smem, q_smem, kv_bar, q_ready, do_ready, q_empty,
-            do_empty, b, hk, 0, 0, 0, GROUP, 0, 1, start_n, lo, n_tiles, q2_desc, k2_desc,
-            q2_smem, k2_smem, BLOCK_M, STAGES, False, QK_SPLIT))],
+            q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem,
+            v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready, q_empty,
+            do_empty, b, hk, 0, 0, 0, GROUP, b % bias_batches, bias_heads, start_n, lo,
+            n_tiles, q2_desc, k2_desc, q2_smem, k2_smem, BLOCK_M, STAGES, HAS_BIAS,
+            QK_SPLIT))],
         worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
 
 
@@ -1297,9 +1329,10 @@ def dq_block_n(spec: AttentionSpec) -> int:
     return DQ_BLOCK_N[256] if spec.head_dim_v > 128 else DQ_BLOCK_N[spec.head_dim_qk]
 
 
-def dq_kv_stages(spec: AttentionSpec) -> int:
-    """Stages of _bwd_dq_wide_kernel's K and V rings (DQ_STAGES; one fewer with dropout)."""
-    return DQ_STAGES - 1 if spec.dropout_p > 0 else DQ_STAGES
+def dq_kv_stages(spec: AttentionSpec, bias_tiles: bool) -> int:
+    """Stages of _bwd_dq_wide_kernel's K and V rings (DQ_STAGES; one fewer with dropout or
+    bias tiles beside them)."""
+    return DQ_STAGES - 1 if spec.dropout_p > 0 or bias_tiles else DQ_STAGES
 
 
 # Under a mask a program takes a pair of query blocks of equal work from this many
@@ -1311,22 +1344,24 @@ DQ_MIN_BLOCKS_TO_FOLD = 5
 def _dq_load_partition(
     loads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
     FOLD: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
-    BOUNDED_RIGHT: gl.constexpr, QK_SPLIT: gl.constexpr,
+    BOUNDED_RIGHT: gl.constexpr, QK_SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
 ):  # fmt: skip
     """One warp: each query block's Q and dO (with their rows' lse and delta), then its
     K and V tiles as their rings' slots come free; with QK_SPLIT, Q's and K's last
-    columns into buffers of their own (q2, k2) on the same barriers."""
-    (q_desc, do_desc, k_desc, v_desc, stats_desc, q2_desc, k2_desc, q_smem, do_smem, k_smem,
-     v_smem, q2_smem, k2_smem, lse_smem, delta_smem, q_ready, q_empty, k_ready, k_empty,
-     v_ready, v_empty, pid, programs, H, GROUP, num_m_blocks, n_items, seqlen_q, seqlen_k,
-     window_left, window_right) = loads
+    columns into buffers of their own (q2, k2) on the same barriers; HAS_BIAS, the
+    block's (queries, keys) bias tile beside each K tile."""
+    (q_desc, do_desc, k_desc, v_desc, stats_desc, q2_desc, k2_desc, bias_desc, q_smem, do_smem,
+     k_smem, v_smem, q2_smem, k2_smem, bias_smem, lse_smem, delta_smem, q_ready, q_empty,
+     k_ready, k_empty, v_ready, v_empty, pid, programs, H, GROUP, num_m_blocks, n_items,
+     seqlen_q, seqlen_k, window_left, window_right, bias_batches, bias_heads) = loads
     PARTS: gl.constexpr = BLOCK_M // ROWS
     split_col: gl.constexpr = q_desc.block_type.shape[3]  # where Q's and K's split starts
     block_bytes: gl.constexpr = PARTS * (
         q_desc.block_type.nbytes + do_desc.block_type.nbytes + 2 * stats_desc.block_type.nbytes
         + (q2_desc.block_type.nbytes if QK_SPLIT > 0 else 0))
     k_bytes: gl.constexpr = k_desc.block_type.nbytes + (
-        k2_desc.block_type.nbytes if QK_SPLIT > 0 else 0)
+        k2_desc.block_type.nbytes if QK_SPLIT > 0 else 0) + (
+        bias_desc.block_type.nbytes if HAS_BIAS else 0)
     kv = 0
     for j in range(n_items):
         b, h, hk, start_m, _, _, _, _, off, lo, full_lo, full_hi, n_tiles = hopper.query_block(
@@ -1355,6 +1390,10 @@ def _dq_load_partition(
             if QK_SPLIT > 0:
                 tma.async_copy_global_to_shared(k2_desc, [b, hk, start_n, split_col],
                                                 k_ready.index(slot), k2_smem.index(slot))
+            if HAS_BIAS:
+                tma.async_copy_global_to_shared(
+                    bias_desc, [b % bias_batches, h % bias_heads, start_m, start_n],
+                    k_ready.index(slot), bias_smem.index(slot))
             slot = hopper.claim(v_ready, v_empty, kv + t, v_desc.block_type.nbytes,
                                 KV_STAGES)
             tma.async_copy_global_to_shared(v_desc, [b, hk, start_n, 0], v_ready.index(slot),
@@ -1367,14 +1406,15 @@ def _dq_compute_partition(
     shared, PART: gl.constexpr, HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     QK_SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     KV_STAGES: gl.constexpr, FOLD: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
-    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr,
-    HAS_DROPOUT: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, HAS_BIAS: gl.constexpr,
+    BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
+    HAS_SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: dQ of query rows [start_m + PART * 64, + 64) of each of the
     program's query blocks, over every key tile: S = Q Kᵀ and dP = dO Vᵀ together,
     P and dS from them, dQ += dS K with dS straight from registers (with QK_SPLIT, dQ's
     last columns in an accumulator of their own, from K's)."""
-    (dq_desc, dq2_desc, q_smem, do_smem, k_smem, v_smem, q2_smem, k2_smem, lse_smem,
+    (dq_desc, dq2_desc, q_smem, do_smem, k_smem, v_smem, q2_smem, k2_smem, bias_smem, lse_smem,
      delta_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, pid, programs, H,
      GROUP, num_m_blocks, n_items, seqlen_q, seqlen_k, scale, window_left,
      window_right, features) = shared
@@ -1427,12 +1467,19 @@ def _dq_compute_partition(
             if HAS_DROPOUT:  # Philox's integer work runs while the tensor cores do S and dP
                 keep = hopper.dropout_keep(features[0], features[1], b * H + h, row0, start_n,
                                            features[3], ROWS, BLOCK_N, False, s_layout)
-            s = warpgroup_mma_wait(1, deps=(s,))
             offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            bias = 0.0
+            if HAS_BIAS:  # this warpgroup's rows of the tile beside K's
+                bias = (bias_smem.index(k_slot).reshape([BLOCK_M, BLOCK_N])
+                        .slice(PART * ROWS, ROWS, dim=0).load(s_layout).to(gl.float32))
+            if BIAS_ROW:
+                bias = _wide_bias_row(features, b, h, offs_n, seqlen_k)
+            s = warpgroup_mma_wait(1, deps=(s,))
             p, cap_slope = _wide_probs(s, lse2, (start_n < full_lo) | (start_n >= full_hi),
-                                       offs_m, offs_n, features, b, h, seqlen_k, off, scale,
-                                       window_left, window_right, BOUNDED_LEFT, BOUNDED_RIGHT,
-                                       HAS_ALIBI, HAS_SOFTCAP)  # fmt: skip
+                                       offs_m, offs_n, bias, features, b, h, seqlen_k, off,
+                                       scale, window_left, window_right, BOUNDED_LEFT,
+                                       BOUNDED_RIGHT, HAS_BIAS or BIAS_ROW, HAS_ALIBI,
+                                       HAS_SOFTCAP)  # fmt: skip
             dp = warpgroup_mma_wait(0, deps=(dp,))
             mbarrier.arrive(v_empty.index(v_slot))
             ds = _wide_grad_scores(p, dp, delta, keep, cap_slope, features[3], HAS_DROPOUT,
@@ -1464,13 +1511,15 @@ def _dq_compute_partition(
 
 @gluon.jit
 def _bwd_dq_wide_kernel(
-    q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, q2_desc, k2_desc, dq2_desc, H,
-    Rng, Alibi, stride_ab, stride_ah, GROUP, seqlen_q, seqlen_k, num_m_blocks, num_items, scale,
+    q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, q2_desc, k2_desc, dq2_desc,
+    bias_desc, Rng, Alibi, BiasRow, stride_ab, stride_ah, stride_rb, stride_rh, stride_rn,
+    bias_batches, bias_heads, H, GROUP, seqlen_q, seqlen_k, num_m_blocks, num_items, scale,
     window_left, window_right, dropout_p, softcap, HEAD_DIM_QK: gl.constexpr,
     HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr, FOLD: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
-    HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+    HAS_BIAS: gl.constexpr, BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr,
+    HAS_DROPOUT: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
@@ -1496,29 +1545,40 @@ def _bwd_dq_wide_kernel(
     else:  # stand-ins, never touched
         q2_smem = q_smem
         k2_smem = k_smem
+    if HAS_BIAS:  # the query block's (queries, keys) tile beside each K tile
+        bias_smem = gl.allocate_shared_memory(dtype, [KV_STAGES] + bias_desc.block_type.shape,
+                                              bias_desc.layout)
+    else:  # a stand-in, never touched
+        bias_smem = k_smem
     q_ready, q_empty = hopper.ring(1, PARTS)
     k_ready, k_empty = hopper.ring(KV_STAGES, PARTS)
     v_ready, v_empty = hopper.ring(KV_STAGES, PARTS)
 
+    # The options the partitions take (_wide_probs, _wide_bias_row)
     seed, rng_offset = philox_key(Rng, HAS_DROPOUT)
-    features = (seed, rng_offset, H, dropout_p, Alibi, stride_ab, stride_ah, softcap)
-    shared = (dq_desc, dq2_desc, q_smem, do_smem, k_smem, v_smem, q2_smem, k2_smem, lse_smem,
+    features = (seed, rng_offset, H, dropout_p, Alibi, stride_ab, stride_ah, softcap, BiasRow,
+                stride_rb, stride_rh, stride_rn, bias_batches, bias_heads)
+    shared = (dq_desc, dq2_desc, q_smem, do_smem, k_smem, v_smem, q2_smem, k2_smem, bias_smem,
+              lse_smem,
               delta_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, pid, programs,
               H, GROUP, num_m_blocks, n_items, seqlen_q, seqlen_k, scale, window_left,
               window_right, features)
-    loads = (q_desc, do_desc, k_desc, v_desc, stats_desc, q2_desc, k2_desc, q_smem, do_smem,
-             k_smem, v_smem, q2_smem, k2_smem, lse_smem, delta_smem, q_ready, q_empty, k_ready,
-             k_empty, v_ready, v_empty, pid, programs, H, GROUP, num_m_blocks, n_items,
-             seqlen_q, seqlen_k, window_left, window_right)
+    loads = (q_desc, do_desc, k_desc, v_desc, stats_desc, q2_desc, k2_desc, bias_desc, q_smem,
+             do_smem, k_smem, v_smem, q2_smem, k2_smem, bias_smem, lse_smem, delta_smem,
+             q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, pid, programs, H, GROUP,
+             num_m_blocks, n_items, seqlen_q, seqlen_k, window_left, window_right,
+             bias_batches, bias_heads)
     gl.warp_specialize(
         [(_dq_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M,
                                   BLOCK_N, KV_STAGES, FOLD, BOTTOM_RIGHT, BOUNDED_LEFT,
-                                  BOUNDED_RIGHT, HAS_ALIBI, HAS_DROPOUT, HAS_SOFTCAP)),
+                                  BOUNDED_RIGHT, HAS_BIAS, BIAS_ROW, HAS_ALIBI, HAS_DROPOUT,
+                                  HAS_SOFTCAP)),
          (_dq_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M,
                                   BLOCK_N, KV_STAGES, FOLD, BOTTOM_RIGHT, BOUNDED_LEFT,
-                                  BOUNDED_RIGHT, HAS_ALIBI, HAS_DROPOUT, HAS_SOFTCAP)),
+                                  BOUNDED_RIGHT, HAS_BIAS, BIAS_ROW, HAS_ALIBI, HAS_DROPOUT,
+                                  HAS_SOFTCAP)),
          (_dq_load_partition, (loads, BLOCK_M, BLOCK_N, KV_STAGES, FOLD, BOTTOM_RIGHT,
-                               BOUNDED_LEFT, BOUNDED_RIGHT, QK_SPLIT))],
+                               BOUNDED_LEFT, BOUNDED_RIGHT, QK_SPLIT, HAS_BIAS))],
         # dQ alone takes 128 registers a thread: the second warpgroup gets the most
         # there is, and Triton gives the first (the default partition) 224 of the rest.
         worker_num_warps=[4, 1], worker_num_regs=[256, 24])  # fmt: skip
@@ -2118,10 +2178,11 @@ _launch_split = hopper.Launcher(_bwd_split_kernel)
 
 def fuses_split_dq(spec: AttentionSpec) -> bool:
     """Whether the call runs _bwd_split_kernel (FUSED_SPLIT): Dqk=192 / Dv=128, not
-    deterministic, without ALiBi, dropout or softcap (which the wide kernels take)."""
+    deterministic, without a bias, ALiBi, dropout or softcap (which the wide kernels
+    take)."""
     return (FUSED_SPLIT and (spec.head_dim_qk, spec.head_dim_v) in SPLIT_HEAD_DIM_PAIRS
-            and not spec.deterministic and not spec.has_alibi and spec.dropout_p == 0
-            and spec.softcap == 0)
+            and not spec.deterministic and not spec.has_bias and not spec.has_alibi
+            and spec.dropout_p == 0 and spec.softcap == 0)
 
 
 def dq_in_fp32(spec: AttentionSpec) -> bool:
@@ -2146,8 +2207,8 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
         return _backward_split(spec, q, k, v, grad_out, cu_seqlens_q, cu_seqlens_k, stats, dq,
                                dk, dv)
     if is_wide(spec):
-        return _backward_wide(spec, q, k, v, grad_out, alibi_slopes, rng_state, stats, dq, dk,
-                              dv)
+        return _backward_wide(spec, q, k, v, grad_out, bias, alibi_slopes, rng_state, stats, dq,
+                              dk, dv)
     bias_row = hopper.bias_row(spec, bias)
     dbias_kind = None if dbias is None else dbias_kind_of(spec, bias)
     how = _plan(spec, bias_row, dbias_kind, inner_dims(spec, bias, dbias_kind),
@@ -2363,19 +2424,17 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
                        constexprs)
 
 
-def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, alibi_slopes, rng_state, stats, dq,
-                   dk, dv) -> None:  # fmt: skip
-    """`backward` at head dims past 128 (is_wide; no bias: dispatch keeps it off these
-    kernels): dK and dV from _bwd_wide_kernel, dQ from _bwd_dq_wide_kernel."""
-    dkdv, dq_plan = _plans_wide(spec, q.device.index)
+def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_state,
+                   stats, dq, dk, dv) -> None:  # fmt: skip
+    """`backward` at head dims past 128 (is_wide; a bias read, its gradient not: dispatch
+    keeps those calls off these kernels): dK and dV from _bwd_wide_kernel, dQ from
+    _bwd_dq_wide_kernel."""
+    bias_row = hopper.bias_row(spec, bias)
+    dkdv, dq_plan = _plans_wide(spec, bias_row, q.device.index)
     # What each launch's arguments are made of beside its plan:
     # hopper.Launcher.launch_prepared.
-    inputs = tuple(map(hopper.tensor_key, (q, k, v, grad_out, stats, alibi_slopes, rng_state)))
-    alibi_batch_stride, alibi_head_stride = alibi_strides(alibi_slopes)
-    features = (rng_state, alibi_slopes, alibi_batch_stride, alibi_head_stride)
-    # What fixes the launches' specialisation beside their plans (hopper.Launcher)
-    variant = (alibi_batch_stride, alibi_head_stride, hopper.aligned(rng_state),
-               hopper.aligned(alibi_slopes))
+    inputs = tuple(map(hopper.tensor_key, (q, k, v, grad_out, stats, bias, alibi_slopes,
+                                           rng_state)))  # fmt: skip
     dkdv_call = (dkdv, *inputs, hopper.tensor_key(dk), hopper.tensor_key(dv))
     dq_call = (dq_plan, *inputs, hopper.tensor_key(dq))
     dkdv_launched = _launch_backward_wide.launch_prepared(dkdv.programs, dkdv_call)
@@ -2390,6 +2449,20 @@ def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, alibi_slopes, rng_sta
     q_desc, q2_desc = parts(q, BLOCK_M)
     do_desc = hopper.descriptor(grad_out, BLOCK_M, spec.head_dim_v)
     stats_desc = _row_stats_descriptor(stats, spec.seqlen_q)
+    row_strides = hopper.bias_row_strides(bias if bias_row else None)
+    bias_batches, bias_heads = hopper.bias_dims(bias) if bias is not None else (1, 1)
+    alibi_batch_stride, alibi_head_stride = alibi_strides(alibi_slopes)
+    options = (rng_state, alibi_slopes, bias if bias_row else dk, alibi_batch_stride,
+               alibi_head_stride, *row_strides, bias_batches, bias_heads)
+    # What fixes the launches' specialisation beside their plans (hopper.Launcher)
+    variant = (bias_batches, bias_heads, alibi_batch_stride, alibi_head_stride, *row_strides,
+               hopper.aligned(rng_state), hopper.aligned(alibi_slopes),
+               (bias.dtype, hopper.aligned(bias)) if bias_row else None)  # fmt: skip
+
+    def bias_tiles(rows, cols):  # a (queries, keys) tile a copy; a stand-in without
+        tiles = bias is not None and not bias_row
+        return hopper.bias_descriptor(bias, rows, cols) if tiles else q_desc
+
     if not dkdv_launched:
         # A warpgroup's dK columns are a slice of Q's tile, which its swizzle may not span
         # more than (Dqk=64: 32 columns, 64 bytes)
@@ -2406,9 +2479,10 @@ def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, alibi_slopes, rng_sta
             q_cols, k_desc, hopper.descriptor(v, BLOCK_N_WIDE, spec.head_dim_v), do_desc,
             stats_desc, q2_desc,
             k2_desc, *dk_parts, hopper.descriptor(dv, BLOCK_N_WIDE, cols=spec.head_dim_v // 2),
-            *features, spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k,
-            *dkdv.counts, spec.scale, spec.window_left, spec.window_right, spec.dropout_p,
-            spec.softcap, variant=(dkdv, *variant), prepare=dkdv_call, **dkdv.constexprs,
+            bias_tiles(BLOCK_M, BLOCK_N_WIDE), *options, spec.kv_heads, spec.group,
+            spec.seqlen_q, spec.seqlen_k, *dkdv.counts, spec.scale, spec.window_left,
+            spec.window_right, spec.dropout_p, spec.softcap, variant=(dkdv, *variant),
+            prepare=dkdv_call, **dkdv.constexprs,
         )  # fmt: skip
     if not dq_launched:
         dq_block_n = dq_plan.constexprs["BLOCK_N"]
@@ -2418,10 +2492,10 @@ def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, alibi_slopes, rng_sta
             (dq_plan.programs,),
             q_desc, k_desc, hopper.descriptor(v, dq_block_n, spec.head_dim_v), do_desc, dq_desc,
             stats_desc,
-            q2_desc, k2_desc, dq2_desc, spec.heads, *features, spec.group,
-            spec.seqlen_q, spec.seqlen_k, *dq_plan.counts, spec.scale, spec.window_left,
-            spec.window_right, spec.dropout_p, spec.softcap, variant=(dq_plan, *variant),
-            prepare=dq_call, **dq_plan.constexprs,
+            q2_desc, k2_desc, dq2_desc, bias_tiles(dq_plan.constexprs["BLOCK_M"], dq_block_n),
+            *options, spec.heads, spec.group, spec.seqlen_q, spec.seqlen_k, *dq_plan.counts,
+            spec.scale, spec.window_left, spec.window_right, spec.dropout_p, spec.softcap,
+            variant=(dq_plan, *variant), prepare=dq_call, **dq_plan.constexprs,
         )  # fmt: skip
 
 
@@ -2490,15 +2564,18 @@ def _plan_split(spec: AttentionSpec, tokens_k: int, device_index: int) -> hopper
 
 
 @hopper.plan_cache
-def _plans_wide(spec: AttentionSpec, device_index: int) -> tuple[hopper.Plan, hopper.Plan]:
+def _plans_wide(spec: AttentionSpec, bias_row: bool,
+                device_index: int) -> tuple[hopper.Plan, hopper.Plan]:  # fmt: skip
     """The D=256 (and 192/128) launches (hopper.Plan): dK/dV, a program per key block
     and key head (counts: key blocks per head); dQ, a program per query block and head,
-    or per pair of them folded under a mask (counts: query blocks per head, work items)."""
+    or per pair of them folded under a mask (counts: query blocks per head, work items).
+    bias_row: the bias is one row of keys (hopper.bias_row), read by pointer."""
+    bias_tiles = spec.has_bias and not bias_row
     bounds = dict(BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
                   BOUNDED_RIGHT=spec.window_right >= 0, HEAD_DIM_QK=spec.head_dim_qk,
                   HEAD_DIM_V=spec.head_dim_v, QK_SPLIT=hopper.qk_split(spec.head_dim_qk),
-                  HAS_ALIBI=spec.has_alibi, HAS_DROPOUT=spec.dropout_p > 0,
-                  HAS_SOFTCAP=spec.softcap > 0)
+                  HAS_BIAS=bias_tiles, BIAS_ROW=bias_row, HAS_ALIBI=spec.has_alibi,
+                  HAS_DROPOUT=spec.dropout_p > 0, HAS_SOFTCAP=spec.softcap > 0)
     num_n = cdiv(spec.seqlen_k, BLOCK_N_WIDE)
     dkdv = hopper.Plan(num_n * spec.batch * spec.kv_heads, (num_n,),
                        dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N_WIDE, STAGES=STAGES, **bounds,
@@ -2510,7 +2587,7 @@ def _plans_wide(spec: AttentionSpec, device_index: int) -> tuple[hopper.Plan, ho
     fold = masked and num_m >= DQ_MIN_BLOCKS_TO_FOLD
     dq = hopper.Plan(hopper.programs(num_items, fold, False, device_index), (num_m, num_items),
                      dict(BLOCK_M=block_m, BLOCK_N=dq_block_n(spec),
-                          KV_STAGES=dq_kv_stages(spec), FOLD=fold, **bounds,
+                          KV_STAGES=dq_kv_stages(spec, bias_tiles), FOLD=fold, **bounds,
                           num_warps=4))  # fmt: skip
     return dkdv, dq
 
