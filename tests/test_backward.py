@@ -525,7 +525,7 @@ def test_hopper_backward_bias_without_grad_gpu(name, dtype, hopper_backward_laun
 WIDE_BIAS_CASES = [
     Case("wide bias BHQK causal", seqlen_q=500, seqlen_k=504, dqk=256, dv=256, bias="BHQK",
          options=dict(causal=True)),
-    Case("wide bias 1HQK GQA softcap", heads=4, kv_heads=2, seqlen_q=333, seqlen_k=700,
+    Case("wide bias 1HQK GQA softcap", heads=4, kv_heads=2, seqlen_q=333, seqlen_k=704,
          dqk=128, dv=256, bias="1HQK", alibi="H", options=dict(softcap=2.0)),
     Case("wide bias B11K window dropout", seqlen_q=600, seqlen_k=1000, dqk=192, dv=128,
          bias="B11K", options=dict(window=(300, 40), dropout_p=0.2)),

@@ -52,10 +52,10 @@ masks either way, sliding windows, a bias, ALiBi, softcap, dropout, dense and pa
 batches) minus a bias gradient summed over keys, minus softcap beside a bias gradient,
 minus deterministic calls at D 64 and 128 other than orders_dq's (TMA reduce-adds land
 in any order; ORDERED_DQ puts them in one) and dq_from_full_bias's (dS stored whole, dQ
-from it), past 128 columns minus a bias (the wide kernels apply ALiBi, softcap and
-dropout as the D 64/128 kernel does: _wide_probs), and packed batches there only at
-Dqk=192 in the fused kernel (not deterministic, no ALiBi, dropout or softcap). Every
-other call runs backward.py.
+from it), past 128 columns minus a bias gradient (the wide kernels read a bias and
+apply ALiBi, softcap and dropout as the D 64/128 kernel does: _wide_probs), and packed
+batches there only at Dqk=192 in the fused kernel (not deterministic, no bias, ALiBi,
+dropout or softcap). Every other call runs backward.py.
 """
 
 from __future__ import annotations
