@@ -481,14 +481,11 @@ def test_hopper_backward_gpu(case, dtype, hopper_backward_launches):
     assert_results(check_backward(case, dtype, "cuda", seed=7))
     dqk, dv = dispatch.kernel_head_dims(case.dqk, case.dv, "backward")  # D=96 as 128
     # backward.py runs by design: past 128 columns (q·k's or V's) a bias's gradient (the
-    # suite's calls ask for it), or packed sequences (but at 192/128 without ALiBi,
-    # dropout or softcap: the fused kernel), a bias gradient of rows not whole 16 bytes,
-    # and softcap with a bias gradient.
+    # suite's calls ask for it), a bias gradient of rows not whole 16 bytes, and softcap
+    # with a bias gradient.
     softcap = case.options.get("softcap", 0) > 0
     split = (dqk, dv) in backward_sm90.SPLIT_HEAD_DIM_PAIRS
-    features = case.alibi is not None or softcap or "dropout_p" in case.options
-    wide_plain = max(dqk, dv) <= 128 or (
-        case.bias is None and (not case.varlen or (split and not features)))
+    wide_plain = max(dqk, dv) <= 128 or case.bias is None
     wide_plain = wide_plain and not (softcap and case.bias is not None)
     dims = (dqk, dv) in backward_sm90.HEAD_DIM_PAIRS or split
     keys = max(case.lengths_k) if case.varlen else case.seqlen_k
@@ -531,6 +528,10 @@ WIDE_BIAS_CASES = [
          bias="B11K", options=dict(window=(300, 40), dropout_p=0.2)),
     Case("wide bias 1H1K bottom-right", seqlen_q=300, seqlen_k=650, dqk=256, dv=64,
          bias="1H1K", options=dict(causal=True, align="bottom_right")),
+    Case("wide varlen bias B11K causal", lengths_q=(300, 0, 517), lengths_k=(400, 9, 517),
+         dqk=256, dv=256, bias="B11K", options=dict(causal=True)),
+    Case("wide varlen bias 1HQK window", lengths_q=(130, 600, 1), lengths_k=(200, 600, 77),
+         dqk=192, dv=128, bias="1HQK", options=dict(window=(100, 20))),
 ]  # fmt: skip
 
 

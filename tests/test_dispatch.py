@@ -468,7 +468,7 @@ def test_split_head_dims_take_the_split_backward():
     """Dqk=192 / Dv=128 (SPLIT_HEAD_DIM_PAIRS), Q and K split: no bias.
     _bwd_split_kernel adds dQ into the fp32 buffer, packed sequences too; deterministic
     calls and those with dropout, ALiBi or softcap take the D=256 kernels, whose dQ is
-    written in the output dtype in one order (dense batches only)."""
+    written in the output dtype in one order (packed sequences too)."""
     backward_sm90 = dispatch.backward_sm90
     q = torch.randn(2, 16, 2, 192, dtype=torch.float16)
     v = torch.randn(2, 16, 2, 128, dtype=torch.float16)
@@ -488,13 +488,15 @@ def test_split_head_dims_take_the_split_backward():
         assert not backward_sm90.fuses_split_dq(with_feature)
         assert backward_sm90.is_wide(with_feature)
     assert backward_sm90.hopper.qk_split(192) == 64
-    # packed sequences: on the fused kernel, not the wide ones (deterministic)
+    # packed sequences: on the fused kernel, deterministic ones on the wide kernels
     cu = torch.tensor([0, 5, 16], dtype=torch.int32)
     packed = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=11, max_seqlen_k=11)
     varlen = check_call(q[0], q[0], v[0], causal=True, **packed)
     assert dispatch.gluon_backward_computes(varlen, None, False)
+    assert backward_sm90.fuses_split_dq(varlen)
     varlen_det = check_call(q[0], q[0], v[0], causal=True, deterministic=True, **packed)
-    assert not dispatch.gluon_backward_computes(varlen_det, None, False)
+    assert dispatch.gluon_backward_computes(varlen_det, None, False)
+    assert backward_sm90.is_wide(varlen_det)
 
 
 @gluon
@@ -534,8 +536,8 @@ def test_kernel_head_dims(dqk, dv, forward, backward):
 @pytest.mark.parametrize("dqk", [64, 128, 192])
 def test_wide_v_takes_the_wide_backward(dqk):
     """V of 256 columns beside a narrower q·k: the wide kernels, dQ written in the
-    output dtype (deterministic as it is), what they compute (dropout, a bias but not its
-    gradient, no packed sequences); the forward on D=256's tiles with O in a buffer of its own."""
+    output dtype (deterministic as it is), what they compute (dropout, packed sequences,
+    a bias but not its gradient); the forward on D=256's tiles with O in a buffer of its own."""
     backward_sm90, forward_sm90 = dispatch.backward_sm90, dispatch.forward_sm90
     q = torch.randn(2, 16, 2, dqk, dtype=torch.float16)
     v = torch.randn(2, 16, 2, 256, dtype=torch.float16)
@@ -552,7 +554,7 @@ def test_wide_v_takes_the_wide_backward(dqk):
     cu = torch.tensor([0, 5, 16], dtype=torch.int32)
     varlen = check_call(q[0], q[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=11,
                         max_seqlen_k=11)
-    assert not dispatch.gluon_backward_computes(varlen, None, False)
+    assert dispatch.gluon_backward_computes(varlen, None, False)
     assert forward_sm90.tile_dim(dqk, 256) == 256 and not forward_sm90.o_in_q(dqk, 256)
     assert forward_sm90.o_in_q(dqk, 128) is (dqk == 192)
 

@@ -385,6 +385,17 @@ HOPPER_CASES = [
     Case("varlen D64 three warpgroups window", lengths_q=(2100, 300), lengths_k=(333, 900),
          dqk=64, dv=64, options=dict(window=(100, 20))),
     Case("varlen D256", lengths_q=(130, 600, 1), lengths_k=(200, 600, 77), dqk=256, dv=256),
+    # past 128 columns the wide backward kernels (192/128 with any of ALiBi, dropout or
+    # softcap, or deterministic): key blocks on the packed grid, dQ's query blocks on the
+    # forward's, the last rows of a sequence by plain stores
+    Case("varlen D256 causal GQA softcap alibi", heads=4, kv_heads=2,
+         lengths_q=(700, 0, 1300, 64), lengths_k=(700, 5, 1300, 64), dqk=256, dv=256,
+         alibi="BH", options=dict(causal=True, softcap=2.0)),
+    Case("varlen Dqk192 Dv128 dropout bottom-right", lengths_q=(300, 1000, 17),
+         lengths_k=(500, 900, 40), dqk=192, dv=128,
+         options=dict(causal=True, align="bottom_right", dropout_p=0.2)),
+    Case("varlen Dqk128 Dv256 window", heads=4, kv_heads=1, lengths_q=(300, 0, 517),
+         lengths_k=(400, 9, 517), dqk=128, dv=256, options=dict(window=(150, 30))),
     # without a mask each head's blocks of a sequence go back to back (packed_block)
     Case("varlen D128 GQA", heads=4, kv_heads=2, lengths_q=(700, 0, 1300, 64),
          lengths_k=(500, 5, 1304, 64), dqk=128, dv=128),

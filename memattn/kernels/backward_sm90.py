@@ -40,22 +40,21 @@ backward.py's preprocess zeroes it and _dq_from_tiles_kernel converts it to the 
 
 At Dqk=192 / Dv=128 (SPLIT_HEAD_DIM_PAIRS) _bwd_split_kernel runs, the same dQ
 buffer and reduce-adds in FlashAttention-4's orientation for these head dims (see
-FUSED_SPLIT). At D=256 (and the narrower V's 256/128, 256/64, 192/64), and for
-deterministic calls at 192/128, two other kernels run: _bwd_wide_kernel splits dK and
-dV's work the other way round (64 keys a program, each warpgroup part of the head
-dims, see BLOCK_N_WIDE), and _bwd_dq_wide_kernel
-computes dQ apart, a program per block of queries (see DQ_BLOCK_N), writing it in the
-output dtype: no fp32 buffer, and no atomics.
+FUSED_SPLIT). At D=256 (and the other pairs past 128 columns), and for 192/128's
+deterministic calls and those with a bias, ALiBi, dropout or softcap, two other
+kernels run: _bwd_wide_kernel splits dK and dV's work the other way round (64 keys a
+program, each warpgroup part of the head dims, see BLOCK_N_WIDE), and
+_bwd_dq_wide_kernel computes dQ apart, a program per block of queries (see
+DQ_BLOCK_N), writing it in the output dtype: no fp32 buffer, and no atomics.
 
 Covers what forward_sm90 covers (bf16/fp16, head dims 64, 128 and 256, GQA, causal
 masks either way, sliding windows, a bias, ALiBi, softcap, dropout, dense and packed
 batches) minus a bias gradient summed over keys, minus softcap beside a bias gradient,
 minus deterministic calls at D 64 and 128 other than orders_dq's (TMA reduce-adds land
 in any order; ORDERED_DQ puts them in one) and dq_from_full_bias's (dS stored whole, dQ
-from it), past 128 columns minus a bias gradient (the wide kernels read a bias and
-apply ALiBi, softcap and dropout as the D 64/128 kernel does: _wide_probs), and packed
-batches there only at Dqk=192 in the fused kernel (not deterministic, no bias, ALiBi,
-dropout or softcap). Every other call runs backward.py.
+from it), and past 128 columns minus a bias gradient (the wide kernels read a bias and
+apply ALiBi, softcap and dropout as the D 64/128 kernel does: _wide_probs). Every
+other call runs backward.py.
 """
 
 from __future__ import annotations
@@ -202,15 +201,16 @@ def _dq_tile_row(b, q_start, start_m, part, BLOCK_M: gl.constexpr, TILE_ROWS: gl
 
 
 @gluon.jit
-def _store_key_rows(x, X, b, hk, stride_b, stride_n, stride_h, seqlen_k, rows, cols, width):
-    """x (dK or dV, in the output dtype) of keys ``rows`` and columns ``cols`` of (b, kv
-    head hk), by plain stores: a packed sequence's key block that ends past its keys
-    (elsewhere TMA stores, which clip at the packed tensor's end, not the sequence's);
-    keys past the sequence, and columns from ``width`` on (the tensor's own, where the
-    kernel's head dims span more: dispatch.kernel_spec), are not written."""
-    ok = (rows < seqlen_k)[:, None] & (cols < width)[None, :]
+def _store_rows(x, X, b, h, stride_b, stride_n, stride_h, seqlen, rows, cols, width):
+    """x (dK, dV or the wide kernels' dQ, in the output dtype) of tokens ``rows`` and
+    columns ``cols`` of (b, head h), by plain stores: a packed sequence's block that ends
+    past its tokens (elsewhere TMA stores, which clip at the packed tensor's end, not the
+    sequence's); tokens past the sequence's ``seqlen``, and columns from ``width`` on (the
+    tensor's own, where the kernel's head dims span more: dispatch.kernel_spec), are not
+    written."""
+    ok = (rows < seqlen)[:, None] & (cols < width)[None, :]
     rows64 = rows.to(gl.int64)[:, None]
-    ptrs = (X + b.to(gl.int64) * stride_b + hk.to(gl.int64) * stride_h + rows64 * stride_n
+    ptrs = (X + b.to(gl.int64) * stride_b + h.to(gl.int64) * stride_h + rows64 * stride_n
             + cols[None, :])
     gl.store(ptrs, x, mask=ok)
 
@@ -641,12 +641,12 @@ def _bwd_compute_partition(
         dk_out = (dk * scale).to(dtype)
         dv_out = dv.to(dtype)
         if IS_VARLEN and row0 + HALF_N > seqlen_k:
-            _store_key_rows(dk_out, DK + k_start.to(gl.int64) * stride_kn, b, hk, stride_kb,
+            _store_rows(dk_out, DK + k_start.to(gl.int64) * stride_kn, b, hk, stride_kb,
                             stride_kn, stride_kh, seqlen_k,
                             row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dk_layout)),
                             gl.arange(0, HEAD_DIM_QK, layout=gl.SliceLayout(0, dk_layout)),
                             dk_desc.shape[3])  # fmt: skip
-            _store_key_rows(dv_out, DV + k_start.to(gl.int64) * stride_vn, b, hk, stride_vb,
+            _store_rows(dv_out, DV + k_start.to(gl.int64) * stride_vn, b, hk, stride_vb,
                             stride_vn, stride_vh, seqlen_k,
                             row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dv_layout)),
                             gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, dv_layout)),
@@ -678,7 +678,7 @@ def _bwd_compute_partition(
                     _store_by_tma(dv_out, stage._reinterpret(dtype, dv_desc.block_type.shape,
                                                              dv_desc.layout), dv_desc, rows)
                 else:
-                    _store_key_rows(
+                    _store_rows(
                         dv_out, DV + k_start.to(gl.int64) * stride_vn, b, hk, stride_vb,
                         stride_vn, stride_vh, seqlen_k,
                         row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dv_layout)),
@@ -1117,7 +1117,7 @@ def _bwd_wide_compute_partition(
     QK_SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
     HAS_BIAS: gl.constexpr, BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr,
-    HAS_DROPOUT: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+    HAS_DROPOUT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_VARLEN: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup at D=256 (or 192/128): S and dP of keys [start_n + HALF * 32, + 32),
     then dK and dV of this warpgroup's head-dim columns over all 64 keys: half of each at
@@ -1127,7 +1127,7 @@ def _bwd_wide_compute_partition(
      lse_smem, delta_smem, pt_smem, dst_smem, bias_smem,
      kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, pds_free, b, hk, GROUP, start_n,
      lo, full_lo, full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right,
-     features) = shared
+     features, k_start, DK, DV, key_strides) = shared
     dtype: gl.constexpr = k_smem.dtype
     HALF_N: gl.constexpr = BLOCK_N // 2
     QK_MAIN: gl.constexpr = HEAD_DIM_QK - QK_SPLIT  # Q's and K's columns in q_smem, k_smem
@@ -1223,39 +1223,71 @@ def _bwd_wide_compute_partition(
 
     # Both warpgroups are past the last step's pds_free: the Q and dO rings are free,
     # and slot HALF of each takes this warpgroup's dK and dV for their TMA stores (which
-    # clip the keys past Sk; dense batches only here).
+    # clip a dense batch's keys past Sk); a packed sequence's block that ends past its
+    # keys by plain stores (a TMA store clips at the packed tensor's end).
     out_desc = dk2_desc if QK_SPLIT > 0 and HALF == 1 else dk_desc
-    dk_buf = q_smem.index(HALF)._reinterpret(dtype, out_desc.block_type.shape,
-                                             out_desc.layout)
-    dv_buf = do_smem.index(HALF)._reinterpret(dtype, dv_desc.block_type.shape,
-                                              dv_desc.layout)
     if HAS_DROPOUT:  # P's kept entries were stored unscaled
         dv = dv * (1.0 / (1.0 - features[3]))
-    dk_buf.reshape([BLOCK_N, DK_COLS]).store((dk * scale).to(dtype))
-    dv_buf.reshape([BLOCK_N, DV_COLS]).store(dv.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(out_desc, [b, hk, start_n, DK_COL0], dk_buf)
-    tma.async_copy_shared_to_global(dv_desc, [b, hk, start_n, HALF * DV_COLS], dv_buf)
-    tma.store_wait(0)
+    dk_out = (dk * scale).to(dtype)
+    dv_out = dv.to(dtype)
+    if IS_VARLEN and start_n + BLOCK_N > seqlen_k:
+        stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh = key_strides
+        _store_rows(dk_out, DK + k_start.to(gl.int64) * stride_kn + DK_COL0, b, hk,
+                        stride_kb, stride_kn, stride_kh, seqlen_k,
+                        start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout)),
+                        gl.arange(0, DK_COLS, layout=gl.SliceLayout(0, dk_layout)),
+                        out_desc.shape[3] - DK_COL0)  # fmt: skip
+        _store_rows(dv_out, DV + k_start.to(gl.int64) * stride_vn + HALF * DV_COLS, b, hk,
+                        stride_vb, stride_vn, stride_vh, seqlen_k,
+                        start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dv_layout)),
+                        gl.arange(0, DV_COLS, layout=gl.SliceLayout(0, dv_layout)),
+                        dv_desc.shape[3] - HALF * DV_COLS)  # fmt: skip
+    else:
+        b_tma = b
+        if IS_VARLEN:  # one batch of all tokens
+            b_tma = 0
+        dk_buf = q_smem.index(HALF)._reinterpret(dtype, out_desc.block_type.shape,
+                                                 out_desc.layout)
+        dv_buf = do_smem.index(HALF)._reinterpret(dtype, dv_desc.block_type.shape,
+                                                  dv_desc.layout)
+        dk_buf.reshape([BLOCK_N, DK_COLS]).store(dk_out)
+        dv_buf.reshape([BLOCK_N, DV_COLS]).store(dv_out)
+        fence_async_shared()
+        krow = k_start + start_n
+        tma.async_copy_shared_to_global(out_desc, [b_tma, hk, krow, DK_COL0], dk_buf)
+        tma.async_copy_shared_to_global(dv_desc, [b_tma, hk, krow, HALF * DV_COLS], dv_buf)
+        tma.store_wait(0)
 
 
 @gluon.jit
 def _bwd_wide_kernel(
     q_desc, k_desc, v_desc, do_desc, stats_desc, q2_desc, k2_desc, dk_desc, dk2_desc,
-    dv_desc, bias_desc, Rng, Alibi, BiasRow, stride_ab, stride_ah, stride_rb, stride_rh,
-    stride_rn, bias_batches, bias_heads, HKV, GROUP, seqlen_q, seqlen_k, num_n_blocks, scale,
-    window_left, window_right, dropout_p, softcap, HEAD_DIM_QK: gl.constexpr,
-    HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
-    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, HAS_BIAS: gl.constexpr,
-    BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
-    HAS_SOFTCAP: gl.constexpr,
+    dv_desc, bias_desc, DK, DV, Rng, Alibi, BiasRow, CuSeqQ, CuSeqK, stride_kb, stride_kn,
+    stride_kh, stride_vb, stride_vn, stride_vh, stride_ab, stride_ah, stride_rb, stride_rh,
+    stride_rn, bias_batches, bias_heads, HKV, GROUP, seqlen_q, seqlen_k, num_seqs,
+    num_n_blocks, scale, window_left, window_right, dropout_p, softcap,
+    HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    HAS_BIAS: gl.constexpr, BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr,
+    HAS_DROPOUT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_VARLEN: gl.constexpr,
 ):  # fmt: skip
-    # Dense batches only: no cu_seqlens (the 0s), IS_VARLEN off.
-    b, hk, start_n, _, _, _, seqlen_k, off, lo, full_lo, full_hi, n_tiles = _key_block(
-        gl.program_id(0), HKV, 0, 0, seqlen_q, seqlen_k, num_n_blocks, window_left,
-        window_right, BLOCK_M, BLOCK_N, False, BOTTOM_RIGHT, BOUNDED_LEFT,
-        BOUNDED_RIGHT)  # fmt: skip
+    # A program per key block; packed sequences (IS_VARLEN) on _bwd_sm90_kernel's packed
+    # grid (an item past a sequence's blocks done at once), one batch of all tokens to
+    # TMA, the row statistics from common.packed_stats_start on.
+    item = gl.program_id(0)
+    if IS_VARLEN:
+        item = _packed_key_item(item, HKV, CuSeqK, num_seqs, num_n_blocks, BLOCK_N)
+        if item < 0:
+            return
+    b, hk, start_n, q_start, k_start, _, seqlen_k, off, lo, full_lo, full_hi, n_tiles = _key_block(
+        item, HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right,
+        BLOCK_M, BLOCK_N, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+    b_tma = b
+    stats_start = 0
+    if IS_VARLEN:
+        b_tma = 0
+        stats_start = packed_stats_start(q_start, b)
 
     dtype: gl.constexpr = q_desc.dtype
     (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, ds_bar, q_ready, q_empty,
@@ -1287,22 +1319,23 @@ def _bwd_wide_kernel(
               lse_smem, delta_smem, pt_smem, dst_smem, bias_smem, kv_bar, q_ready, do_ready,
               q_empty, do_empty,
               ds_bar, pds_free, b, hk, GROUP, start_n, lo, full_lo, full_hi, n_tiles,
-              seqlen_k, off, scale, window_left, window_right, features)
+              seqlen_k, off, scale, window_left, window_right, features, k_start, DK, DV,
+              (stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh))
     gl.warp_specialize(
         [(_bwd_wide_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
                                         BLOCK_M, BLOCK_N, STAGES, BOUNDED_LEFT,
                                         BOUNDED_RIGHT, HAS_BIAS, BIAS_ROW, HAS_ALIBI,
-                                        HAS_DROPOUT, HAS_SOFTCAP)),
+                                        HAS_DROPOUT, HAS_SOFTCAP, IS_VARLEN)),
          (_bwd_wide_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
                                         BLOCK_M, BLOCK_N, STAGES, BOUNDED_LEFT,
                                         BOUNDED_RIGHT, HAS_BIAS, BIAS_ROW, HAS_ALIBI,
-                                        HAS_DROPOUT, HAS_SOFTCAP)),
+                                        HAS_DROPOUT, HAS_SOFTCAP, IS_VARLEN)),
          (_bwd_load_partition, (
             q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem,
             v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready, q_empty,
-            do_empty, b, hk, 0, 0, 0, GROUP, b % bias_batches, bias_heads, start_n, lo,
-            n_tiles, q2_desc, k2_desc, q2_smem, k2_smem, BLOCK_M, STAGES, HAS_BIAS,
-            QK_SPLIT))],
+            do_empty, b_tma, hk, q_start, k_start, stats_start, GROUP, b % bias_batches,
+            bias_heads, start_n, lo, n_tiles, q2_desc, k2_desc, q2_smem, k2_smem, BLOCK_M,
+            STAGES, HAS_BIAS, QK_SPLIT))],
         worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
 
 
@@ -1341,10 +1374,27 @@ DQ_MIN_BLOCKS_TO_FOLD = 5
 
 
 @gluon.jit
+def _dq_block(j, blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr,
+              BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
+              BOUNDED_RIGHT: gl.constexpr, IS_VARLEN: gl.constexpr):  # fmt: skip
+    """_bwd_dq_wide_kernel's j-th query block of its program, as hopper.query_block gives
+    one: the dense grid's, or packed sequences' (the program's one item of
+    hopper.packed_block's grid, worked out before the partitions)."""
+    (pid, programs, H, GROUP, num_m_blocks, seqlen_q, seqlen_k, window_left, window_right,
+     packed) = blocks
+    if IS_VARLEN:
+        return packed
+    return hopper.query_block(pid, j, programs, H, GROUP, num_m_blocks, seqlen_q, seqlen_k,
+                              window_left, window_right, BLOCK_M, BLOCK_N, FOLD, BOTTOM_RIGHT,
+                              BOUNDED_LEFT, BOUNDED_RIGHT)
+
+
+@gluon.jit
 def _dq_load_partition(
     loads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
     FOLD: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
     BOUNDED_RIGHT: gl.constexpr, QK_SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
+    IS_VARLEN: gl.constexpr,
 ):  # fmt: skip
     """One warp: each query block's Q and dO (with their rows' lse and delta), then its
     K and V tiles as their rings' slots come free; with QK_SPLIT, Q's and K's last
@@ -1352,8 +1402,7 @@ def _dq_load_partition(
     block's (queries, keys) bias tile beside each K tile."""
     (q_desc, do_desc, k_desc, v_desc, stats_desc, q2_desc, k2_desc, bias_desc, q_smem, do_smem,
      k_smem, v_smem, q2_smem, k2_smem, bias_smem, lse_smem, delta_smem, q_ready, q_empty,
-     k_ready, k_empty, v_ready, v_empty, pid, programs, H, GROUP, num_m_blocks, n_items,
-     seqlen_q, seqlen_k, window_left, window_right, bias_batches, bias_heads) = loads
+     k_ready, k_empty, v_ready, v_empty, blocks, n_items, bias_batches, bias_heads) = loads
     PARTS: gl.constexpr = BLOCK_M // ROWS
     split_col: gl.constexpr = q_desc.block_type.shape[3]  # where Q's and K's split starts
     block_bytes: gl.constexpr = PARTS * (
@@ -1364,31 +1413,37 @@ def _dq_load_partition(
         bias_desc.block_type.nbytes if HAS_BIAS else 0)
     kv = 0
     for j in range(n_items):
-        b, h, hk, start_m, _, _, _, _, off, lo, full_lo, full_hi, n_tiles = hopper.query_block(
-            pid, j, programs, H, GROUP, num_m_blocks, seqlen_q, seqlen_k, window_left,
-            window_right, BLOCK_M, BLOCK_N, FOLD, BOTTOM_RIGHT, BOUNDED_LEFT,
-            BOUNDED_RIGHT)  # fmt: skip
+        b, h, hk, start_m, q_start, k_start, _, _, off, lo, full_lo, full_hi, n_tiles = _dq_block(
+            j, blocks, BLOCK_M, BLOCK_N, FOLD, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
+            IS_VARLEN)  # fmt: skip
+        b_tma = b
+        stats_start = 0
+        if IS_VARLEN:  # one batch of all tokens; row statistics from packed_stats_start
+            b_tma = 0
+            stats_start = packed_stats_start(q_start, b)
         hopper.claim(q_ready, q_empty, j, block_bytes, 1)
         for i in gl.static_range(PARTS):
-            row = start_m + i * ROWS
-            tma.async_copy_global_to_shared(q_desc, [b, h, row, 0], q_ready.index(0),
+            row = q_start + start_m + i * ROWS
+            tma.async_copy_global_to_shared(q_desc, [b_tma, h, row, 0], q_ready.index(0),
                                             q_smem.index(i))
             if QK_SPLIT > 0:
-                tma.async_copy_global_to_shared(q2_desc, [b, h, row, split_col],
+                tma.async_copy_global_to_shared(q2_desc, [b_tma, h, row, split_col],
                                                 q_ready.index(0), q2_smem.index(i))
-            tma.async_copy_global_to_shared(do_desc, [b, h, row, 0], q_ready.index(0),
+            tma.async_copy_global_to_shared(do_desc, [b_tma, h, row, 0], q_ready.index(0),
                                             do_smem.index(i))
-            tma.async_copy_global_to_shared(stats_desc, [0, b, h, row], q_ready.index(0),
-                                            lse_smem.index(i))
-            tma.async_copy_global_to_shared(stats_desc, [1, b, h, row], q_ready.index(0),
-                                            delta_smem.index(i))
+            stats_row = stats_start + start_m + i * ROWS
+            tma.async_copy_global_to_shared(stats_desc, [0, b_tma, h, stats_row],
+                                            q_ready.index(0), lse_smem.index(i))
+            tma.async_copy_global_to_shared(stats_desc, [1, b_tma, h, stats_row],
+                                            q_ready.index(0), delta_smem.index(i))
         for t in range(n_tiles):
             start_n = lo + t * BLOCK_N
+            krow = k_start + start_n
             slot = hopper.claim(k_ready, k_empty, kv + t, k_bytes, KV_STAGES)
-            tma.async_copy_global_to_shared(k_desc, [b, hk, start_n, 0], k_ready.index(slot),
+            tma.async_copy_global_to_shared(k_desc, [b_tma, hk, krow, 0], k_ready.index(slot),
                                             k_smem.index(slot))
             if QK_SPLIT > 0:
-                tma.async_copy_global_to_shared(k2_desc, [b, hk, start_n, split_col],
+                tma.async_copy_global_to_shared(k2_desc, [b_tma, hk, krow, split_col],
                                                 k_ready.index(slot), k2_smem.index(slot))
             if HAS_BIAS:
                 tma.async_copy_global_to_shared(
@@ -1396,7 +1451,7 @@ def _dq_load_partition(
                     k_ready.index(slot), bias_smem.index(slot))
             slot = hopper.claim(v_ready, v_empty, kv + t, v_desc.block_type.nbytes,
                                 KV_STAGES)
-            tma.async_copy_global_to_shared(v_desc, [b, hk, start_n, 0], v_ready.index(slot),
+            tma.async_copy_global_to_shared(v_desc, [b_tma, hk, krow, 0], v_ready.index(slot),
                                             v_smem.index(slot))
         kv += n_tiles
 
@@ -1408,16 +1463,15 @@ def _dq_compute_partition(
     KV_STAGES: gl.constexpr, FOLD: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, HAS_BIAS: gl.constexpr,
     BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
-    HAS_SOFTCAP: gl.constexpr,
+    HAS_SOFTCAP: gl.constexpr, IS_VARLEN: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: dQ of query rows [start_m + PART * 64, + 64) of each of the
     program's query blocks, over every key tile: S = Q Kᵀ and dP = dO Vᵀ together,
     P and dS from them, dQ += dS K with dS straight from registers (with QK_SPLIT, dQ's
     last columns in an accumulator of their own, from K's)."""
     (dq_desc, dq2_desc, q_smem, do_smem, k_smem, v_smem, q2_smem, k2_smem, bias_smem, lse_smem,
-     delta_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, pid, programs, H,
-     GROUP, num_m_blocks, n_items, seqlen_q, seqlen_k, scale, window_left,
-     window_right, features) = shared
+     delta_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, blocks, n_items, scale,
+     window_left, window_right, features, DQ, dq_strides) = shared
     dtype: gl.constexpr = q_smem.dtype
     QK_MAIN: gl.constexpr = HEAD_DIM_QK - QK_SPLIT  # Q's and K's columns in q_smem, k_smem
     # With a split both dQ accumulators take the split's wgmma width, so that dS is one
@@ -1437,10 +1491,9 @@ def _dq_compute_partition(
 
     kv = 0
     for j in range(n_items):
-        b, h, hk, start_m, _, _, _, _, off, lo, full_lo, full_hi, n_tiles = hopper.query_block(
-            pid, j, programs, H, GROUP, num_m_blocks, seqlen_q, seqlen_k, window_left,
-            window_right, BLOCK_M, BLOCK_N, FOLD, BOTTOM_RIGHT, BOUNDED_LEFT,
-            BOUNDED_RIGHT)  # fmt: skip
+        (b, h, hk, start_m, q_start, _, seq_q, seq_k, off, lo, full_lo, full_hi,
+         n_tiles) = _dq_block(j, blocks, BLOCK_M, BLOCK_N, FOLD, BOTTOM_RIGHT, BOUNDED_LEFT,
+                              BOUNDED_RIGHT, IS_VARLEN)  # fmt: skip
         row0 = start_m + PART * ROWS
         offs_m = row0 + gl.arange(0, ROWS, layout=rows_layout)
         hopper.arrived(q_ready, j, 1)
@@ -1465,18 +1518,19 @@ def _dq_compute_partition(
                                is_async=True)
             keep = 0
             if HAS_DROPOUT:  # Philox's integer work runs while the tensor cores do S and dP
-                keep = hopper.dropout_keep(features[0], features[1], b * H + h, row0, start_n,
-                                           features[3], ROWS, BLOCK_N, False, s_layout)
+                keep = hopper.dropout_keep(features[0], features[1], b * features[2] + h, row0,
+                                           start_n, features[3], ROWS, BLOCK_N, False,
+                                           s_layout)  # fmt: skip
             offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             bias = 0.0
             if HAS_BIAS:  # this warpgroup's rows of the tile beside K's
                 bias = (bias_smem.index(k_slot).reshape([BLOCK_M, BLOCK_N])
                         .slice(PART * ROWS, ROWS, dim=0).load(s_layout).to(gl.float32))
             if BIAS_ROW:
-                bias = _wide_bias_row(features, b, h, offs_n, seqlen_k)
+                bias = _wide_bias_row(features, b, h, offs_n, seq_k)
             s = warpgroup_mma_wait(1, deps=(s,))
             p, cap_slope = _wide_probs(s, lse2, (start_n < full_lo) | (start_n >= full_hi),
-                                       offs_m, offs_n, bias, features, b, h, seqlen_k, off,
+                                       offs_m, offs_n, bias, features, b, h, seq_k, off,
                                        scale, window_left, window_right, BOUNDED_LEFT,
                                        BOUNDED_RIGHT, HAS_BIAS or BIAS_ROW, HAS_ALIBI,
                                        HAS_SOFTCAP)  # fmt: skip
@@ -1496,15 +1550,34 @@ def _dq_compute_partition(
 
         # dQ leaves through this warpgroup's Q buffer (its S are all done), refilled
         # for the next block once the store has read it. Rows with no visible key
-        # get zeros; the store clips rows past Sq.
-        q_tile.store((dq * scale).to(dtype))
-        if QK_SPLIT > 0:
-            q2_tile.store((dq2 * scale).to(dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(dq_desc, [b, h, row0, 0], q_smem.index(PART))
-        if QK_SPLIT > 0:
-            tma.async_copy_shared_to_global(dq2_desc, [b, h, row0, QK_MAIN], q2_smem.index(PART))
-        tma.store_wait(0)
+        # get zeros; the store clips a dense batch's rows past Sq, a packed sequence's
+        # last rows go by plain stores (a TMA store clips at the packed tensor's end).
+        if IS_VARLEN and row0 + ROWS > seq_q:
+            stride_b, stride_n, stride_h = dq_strides
+            rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, dq_layout))
+            X = DQ + q_start.to(gl.int64) * stride_n
+            _store_rows((dq * scale).to(dtype), X, b, h, stride_b, stride_n, stride_h, seq_q,
+                        rows, gl.arange(0, QK_MAIN, layout=gl.SliceLayout(0, dq_layout)),
+                        dq_desc.shape[3])  # fmt: skip
+            if QK_SPLIT > 0:
+                _store_rows((dq2 * scale).to(dtype), X + QK_MAIN, b, h, stride_b, stride_n,
+                            stride_h, seq_q, rows,
+                            gl.arange(0, QK_SPLIT, layout=gl.SliceLayout(0, dq_layout)),
+                            dq_desc.shape[3] - QK_MAIN)  # fmt: skip
+        else:
+            b_tma = b
+            if IS_VARLEN:  # one batch of all tokens
+                b_tma = 0
+            q_tile.store((dq * scale).to(dtype))
+            if QK_SPLIT > 0:
+                q2_tile.store((dq2 * scale).to(dtype))
+            fence_async_shared()
+            qrow = q_start + row0
+            tma.async_copy_shared_to_global(dq_desc, [b_tma, h, qrow, 0], q_smem.index(PART))
+            if QK_SPLIT > 0:
+                tma.async_copy_shared_to_global(dq2_desc, [b_tma, h, qrow, QK_MAIN],
+                                                q2_smem.index(PART))
+            tma.store_wait(0)
         gl.thread_barrier()
         mbarrier.arrive(q_empty.index(0))
 
@@ -1512,18 +1585,27 @@ def _dq_compute_partition(
 @gluon.jit
 def _bwd_dq_wide_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, q2_desc, k2_desc, dq2_desc,
-    bias_desc, Rng, Alibi, BiasRow, stride_ab, stride_ah, stride_rb, stride_rh, stride_rn,
-    bias_batches, bias_heads, H, GROUP, seqlen_q, seqlen_k, num_m_blocks, num_items, scale,
-    window_left, window_right, dropout_p, softcap, HEAD_DIM_QK: gl.constexpr,
-    HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr, FOLD: gl.constexpr,
-    BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
-    HAS_BIAS: gl.constexpr, BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr,
-    HAS_DROPOUT: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+    bias_desc, DQ, Rng, Alibi, BiasRow, CuSeqQ, CuSeqK, stride_qb, stride_qn, stride_qh,
+    stride_ab, stride_ah, stride_rb, stride_rh, stride_rn, bias_batches, bias_heads, H, GROUP,
+    seqlen_q, seqlen_k, num_seqs, num_m_blocks, num_items, scale, window_left, window_right,
+    dropout_p, softcap, HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+    QK_SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    KV_STAGES: gl.constexpr, FOLD: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, HAS_BIAS: gl.constexpr,
+    BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
+    HAS_SOFTCAP: gl.constexpr, IS_VARLEN: gl.constexpr,
 ):  # fmt: skip
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
     n_items = hopper.work_items(pid, programs, num_items, FOLD)
+    packed = pid  # a stand-in for dense batches
+    if IS_VARLEN:  # a program per item of the packed grid; one past its sequence's blocks
+        # is done at once
+        packed = hopper.packed_block(pid, H, GROUP, num_seqs, CuSeqQ, CuSeqK, window_left,
+                                     window_right, BLOCK_M, BLOCK_N, BOTTOM_RIGHT, BOUNDED_LEFT,
+                                     BOUNDED_RIGHT)  # fmt: skip
+        if packed[3] >= packed[6]:  # start_m past seqlen_q
+            return
     PARTS: gl.constexpr = BLOCK_M // ROWS
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [PARTS] + q_desc.block_type.shape, q_desc.layout)
@@ -1558,27 +1640,27 @@ def _bwd_dq_wide_kernel(
     seed, rng_offset = philox_key(Rng, HAS_DROPOUT)
     features = (seed, rng_offset, H, dropout_p, Alibi, stride_ab, stride_ah, softcap, BiasRow,
                 stride_rb, stride_rh, stride_rn, bias_batches, bias_heads)
+    blocks = (pid, programs, H, GROUP, num_m_blocks, seqlen_q, seqlen_k, window_left,
+              window_right, packed)  # _dq_block's
     shared = (dq_desc, dq2_desc, q_smem, do_smem, k_smem, v_smem, q2_smem, k2_smem, bias_smem,
-              lse_smem,
-              delta_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, pid, programs,
-              H, GROUP, num_m_blocks, n_items, seqlen_q, seqlen_k, scale, window_left,
-              window_right, features)
+              lse_smem, delta_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+              blocks, n_items, scale, window_left, window_right, features, DQ,
+              (stride_qb, stride_qn, stride_qh))
     loads = (q_desc, do_desc, k_desc, v_desc, stats_desc, q2_desc, k2_desc, bias_desc, q_smem,
              do_smem, k_smem, v_smem, q2_smem, k2_smem, bias_smem, lse_smem, delta_smem,
-             q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, pid, programs, H, GROUP,
-             num_m_blocks, n_items, seqlen_q, seqlen_k, window_left, window_right,
+             q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, blocks, n_items,
              bias_batches, bias_heads)
     gl.warp_specialize(
         [(_dq_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M,
                                   BLOCK_N, KV_STAGES, FOLD, BOTTOM_RIGHT, BOUNDED_LEFT,
                                   BOUNDED_RIGHT, HAS_BIAS, BIAS_ROW, HAS_ALIBI, HAS_DROPOUT,
-                                  HAS_SOFTCAP)),
+                                  HAS_SOFTCAP, IS_VARLEN)),
          (_dq_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M,
                                   BLOCK_N, KV_STAGES, FOLD, BOTTOM_RIGHT, BOUNDED_LEFT,
                                   BOUNDED_RIGHT, HAS_BIAS, BIAS_ROW, HAS_ALIBI, HAS_DROPOUT,
-                                  HAS_SOFTCAP)),
+                                  HAS_SOFTCAP, IS_VARLEN)),
          (_dq_load_partition, (loads, BLOCK_M, BLOCK_N, KV_STAGES, FOLD, BOTTOM_RIGHT,
-                               BOUNDED_LEFT, BOUNDED_RIGHT, QK_SPLIT, HAS_BIAS))],
+                               BOUNDED_LEFT, BOUNDED_RIGHT, QK_SPLIT, HAS_BIAS, IS_VARLEN))],
         # dQ alone takes 128 registers a thread: the second warpgroup gets the most
         # there is, and Triton gives the first (the default partition) 224 of the rest.
         worker_num_warps=[4, 1], worker_num_regs=[256, 24])  # fmt: skip
@@ -1781,14 +1863,14 @@ def _dq_add(dq, buf, desc, coords, order: gl.constexpr, ROWS: gl.constexpr, COLS
 
 @gluon.jit
 def _store_key_cols(xt, X, hk, stride_n, stride_h, seqlen_k, row0, width, COLS: gl.constexpr):
-    """xt (fp32, registers, (COLS columns, keys from row0)) as _store_key_rows stores a
+    """xt (fp32, registers, (COLS columns, keys from row0)) as _store_rows stores a
     tile of keys along its rows, in X's dtype: keys past seqlen_k and columns from
     ``width`` on are not written."""
     x = gl.permute(xt, (1, 0)).to(X.dtype.element_ty)
     layout: gl.constexpr = x.type.layout
     rows = row0 + gl.arange(0, x.shape[0], layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
-    _store_key_rows(x, X, gl.to_tensor(0), hk, 0, stride_n, stride_h, seqlen_k, rows, cols,
+    _store_rows(x, X, gl.to_tensor(0), hk, 0, stride_n, stride_h, seqlen_k, rows, cols,
                     width)
 
 
@@ -2207,8 +2289,8 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
         return _backward_split(spec, q, k, v, grad_out, cu_seqlens_q, cu_seqlens_k, stats, dq,
                                dk, dv)
     if is_wide(spec):
-        return _backward_wide(spec, q, k, v, grad_out, bias, alibi_slopes, rng_state, stats, dq,
-                              dk, dv)
+        return _backward_wide(spec, q, k, v, grad_out, bias, alibi_slopes, rng_state,
+                              cu_seqlens_q, cu_seqlens_k, stats, dq, dk, dv)
     bias_row = hopper.bias_row(spec, bias)
     dbias_kind = None if dbias is None else dbias_kind_of(spec, bias)
     how = _plan(spec, bias_row, dbias_kind, inner_dims(spec, bias, dbias_kind),
@@ -2425,16 +2507,17 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
 
 
 def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_state,
-                   stats, dq, dk, dv) -> None:  # fmt: skip
+                   cu_seqlens_q, cu_seqlens_k, stats, dq, dk, dv) -> None:  # fmt: skip
     """`backward` at head dims past 128 (is_wide; a bias read, its gradient not: dispatch
     keeps those calls off these kernels): dK and dV from _bwd_wide_kernel, dQ from
-    _bwd_dq_wide_kernel."""
+    _bwd_dq_wide_kernel, dense or packed batches."""
     bias_row = hopper.bias_row(spec, bias)
-    dkdv, dq_plan = _plans_wide(spec, bias_row, q.device.index)
+    tokens = (q.shape[0], k.shape[0]) if spec.varlen else (0, 0)
+    dkdv, dq_plan = _plans_wide(spec, bias_row, *tokens, q.device.index)
     # What each launch's arguments are made of beside its plan:
     # hopper.Launcher.launch_prepared.
     inputs = tuple(map(hopper.tensor_key, (q, k, v, grad_out, stats, bias, alibi_slopes,
-                                           rng_state)))  # fmt: skip
+                                           rng_state, cu_seqlens_q, cu_seqlens_k)))  # fmt: skip
     dkdv_call = (dkdv, *inputs, hopper.tensor_key(dk), hopper.tensor_key(dv))
     dq_call = (dq_plan, *inputs, hopper.tensor_key(dq))
     dkdv_launched = _launch_backward_wide.launch_prepared(dkdv.programs, dkdv_call)
@@ -2442,21 +2525,29 @@ def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, r
     if dkdv_launched and dq_launched:
         return
     split = hopper.qk_split(spec.head_dim_qk)
+    key_strides = (*dense_strides(dk, spec.varlen)[:3], *dense_strides(dv, spec.varlen)[:3])
+    dq_strides = dense_strides(dq, spec.varlen)[:3]
+    stats_rows = stats.shape[-1] if spec.varlen else spec.seqlen_q
+    dq_out, dk_out, dv_out = dq, dk, dv
+    if spec.varlen:  # one batch of all tokens to TMA
+        q, k, v, grad_out, dq, dk, dv = (t.unsqueeze(0) for t in (q, k, v, grad_out, dq, dk, dv))
 
     def parts(t, rows):  # Q's, K's, dK's or dQ's
         return _split_descriptors(t, rows, spec.head_dim_qk, split)
 
     q_desc, q2_desc = parts(q, BLOCK_M)
     do_desc = hopper.descriptor(grad_out, BLOCK_M, spec.head_dim_v)
-    stats_desc = _row_stats_descriptor(stats, spec.seqlen_q)
+    stats_desc = _row_stats_descriptor(stats, stats_rows)
     row_strides = hopper.bias_row_strides(bias if bias_row else None)
     bias_batches, bias_heads = hopper.bias_dims(bias) if bias is not None else (1, 1)
     alibi_batch_stride, alibi_head_stride = alibi_strides(alibi_slopes)
-    options = (rng_state, alibi_slopes, bias if bias_row else dk, alibi_batch_stride,
-               alibi_head_stride, *row_strides, bias_batches, bias_heads)
+    options = (rng_state, alibi_slopes, bias if bias_row else dk_out, cu_seqlens_q,
+               cu_seqlens_k)
+    strides = (alibi_batch_stride, alibi_head_stride, *row_strides, bias_batches, bias_heads)
     # What fixes the launches' specialisation beside their plans (hopper.Launcher)
-    variant = (bias_batches, bias_heads, alibi_batch_stride, alibi_head_stride, *row_strides,
-               hopper.aligned(rng_state), hopper.aligned(alibi_slopes),
+    variant = (*strides, *key_strides, *dq_strides, hopper.aligned(rng_state),
+               hopper.aligned(alibi_slopes), hopper.aligned(cu_seqlens_q),
+               hopper.aligned(cu_seqlens_k),
                (bias.dtype, hopper.aligned(bias)) if bias_row else None)  # fmt: skip
 
     def bias_tiles(rows, cols):  # a (queries, keys) tile a copy; a stand-in without
@@ -2479,10 +2570,10 @@ def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, r
             q_cols, k_desc, hopper.descriptor(v, BLOCK_N_WIDE, spec.head_dim_v), do_desc,
             stats_desc, q2_desc,
             k2_desc, *dk_parts, hopper.descriptor(dv, BLOCK_N_WIDE, cols=spec.head_dim_v // 2),
-            bias_tiles(BLOCK_M, BLOCK_N_WIDE), *options, spec.kv_heads, spec.group,
-            spec.seqlen_q, spec.seqlen_k, *dkdv.counts, spec.scale, spec.window_left,
-            spec.window_right, spec.dropout_p, spec.softcap, variant=(dkdv, *variant),
-            prepare=dkdv_call, **dkdv.constexprs,
+            bias_tiles(BLOCK_M, BLOCK_N_WIDE), dk_out, dv_out, *options, *key_strides,
+            *strides, spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k, spec.batch,
+            *dkdv.counts, spec.scale, spec.window_left, spec.window_right, spec.dropout_p,
+            spec.softcap, variant=(dkdv, *variant), prepare=dkdv_call, **dkdv.constexprs,
         )  # fmt: skip
     if not dq_launched:
         dq_block_n = dq_plan.constexprs["BLOCK_N"]
@@ -2493,9 +2584,10 @@ def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, r
             q_desc, k_desc, hopper.descriptor(v, dq_block_n, spec.head_dim_v), do_desc, dq_desc,
             stats_desc,
             q2_desc, k2_desc, dq2_desc, bias_tiles(dq_plan.constexprs["BLOCK_M"], dq_block_n),
-            *options, spec.heads, spec.group, spec.seqlen_q, spec.seqlen_k, *dq_plan.counts,
-            spec.scale, spec.window_left, spec.window_right, spec.dropout_p, spec.softcap,
-            variant=(dq_plan, *variant), prepare=dq_call, **dq_plan.constexprs,
+            dq_out, *options, *dq_strides, *strides, spec.heads, spec.group, spec.seqlen_q,
+            spec.seqlen_k, spec.batch, *dq_plan.counts, spec.scale, spec.window_left,
+            spec.window_right, spec.dropout_p, spec.softcap, variant=(dq_plan, *variant),
+            prepare=dq_call, **dq_plan.constexprs,
         )  # fmt: skip
 
 
@@ -2564,27 +2656,33 @@ def _plan_split(spec: AttentionSpec, tokens_k: int, device_index: int) -> hopper
 
 
 @hopper.plan_cache
-def _plans_wide(spec: AttentionSpec, bias_row: bool,
+def _plans_wide(spec: AttentionSpec, bias_row: bool, tokens_q: int, tokens_k: int,
                 device_index: int) -> tuple[hopper.Plan, hopper.Plan]:  # fmt: skip
     """The D=256 (and 192/128) launches (hopper.Plan): dK/dV, a program per key block
     and key head (counts: key blocks per head); dQ, a program per query block and head,
     or per pair of them folded under a mask (counts: query blocks per head, work items).
-    bias_row: the bias is one row of keys (hopper.bias_row), read by pointer."""
+    Packed sequences (tokens_q, tokens_k: their tokens in all; 0 for dense batches): a
+    program per item of the packed grids (hopper.packed_items over the keys, and over
+    the queries as the forward's). bias_row: the bias is one row of keys
+    (hopper.bias_row), read by pointer."""
     bias_tiles = spec.has_bias and not bias_row
     bounds = dict(BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
                   BOUNDED_RIGHT=spec.window_right >= 0, HEAD_DIM_QK=spec.head_dim_qk,
                   HEAD_DIM_V=spec.head_dim_v, QK_SPLIT=hopper.qk_split(spec.head_dim_qk),
                   HAS_BIAS=bias_tiles, BIAS_ROW=bias_row, HAS_ALIBI=spec.has_alibi,
-                  HAS_DROPOUT=spec.dropout_p > 0, HAS_SOFTCAP=spec.softcap > 0)
+                  HAS_DROPOUT=spec.dropout_p > 0, HAS_SOFTCAP=spec.softcap > 0,
+                  IS_VARLEN=spec.varlen)
     num_n = cdiv(spec.seqlen_k, BLOCK_N_WIDE)
-    dkdv = hopper.Plan(num_n * spec.batch * spec.kv_heads, (num_n,),
-                       dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N_WIDE, STAGES=STAGES, **bounds,
-                            num_warps=4))  # fmt: skip
+    dkdv = hopper.Plan(
+        _key_block_items(spec, num_n, BLOCK_N_WIDE, tokens_k if spec.varlen else None), (num_n,),
+        dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N_WIDE, STAGES=STAGES, **bounds, num_warps=4))
     block_m = 2 * ROWS.value
     num_m = cdiv(spec.seqlen_q, block_m)
     num_items = num_m * spec.batch * spec.heads
+    if spec.varlen:
+        num_items = hopper.packed_items(spec.batch, tokens_q, spec.heads, block_m)
     masked = spec.window_left >= 0 or spec.window_right >= 0
-    fold = masked and num_m >= DQ_MIN_BLOCKS_TO_FOLD
+    fold = masked and num_m >= DQ_MIN_BLOCKS_TO_FOLD and not spec.varlen
     dq = hopper.Plan(hopper.programs(num_items, fold, False, device_index), (num_m, num_items),
                      dict(BLOCK_M=block_m, BLOCK_N=dq_block_n(spec),
                           KV_STAGES=dq_kv_stages(spec, bias_tiles), FOLD=fold, **bounds,

@@ -14,12 +14,10 @@ backward alike.
   any other by TMA tiles (not together with dropout). The backward computes a bias
   gradient of a key row (summed in registers) or of a bias read by tiles (dS stored,
   or added up across the batch or heads it broadcasts over), past 128 columns (D=256,
-  Dqk=192, V of 256) none (a bias only read), and no packed batches there (but at
-  192/128 without a bias, ALiBi, dropout or softcap) nor deterministic ones at 192/128;
-  deterministic mode only where dQ is not added up in fp32 across programs, or is in a
-  fixed order (backward_sm90.ORDERED_DQ), or comes from dS stored whole (a full bias
-  gradient, or one summed over batch or heads stored expanded first) by one matmul
-  (backward_sm90.dq_from_full_bias).
+  Dqk=192, V of 256) none (a bias only read); deterministic mode only where dQ is not
+  added up in fp32 across programs, or is in a fixed order (backward_sm90.ORDERED_DQ),
+  or comes from dS stored whole (a full bias gradient, or one summed over batch or
+  heads stored expanded first) by one matmul (backward_sm90.dq_from_full_bias).
   Neither takes global positions for ALiBi or dropout (AttentionSpec.positioned).
 - The split-KV forward (decode.py), before either: few queries a sequence (Sq <= 64)
   against many keys (Sk >= 4096), every option but global positions; the query heads
@@ -128,15 +126,11 @@ def gluon_backward_computes(spec: AttentionSpec, bias, need_dbias: bool) -> bool
     of one read by tiles (every query and key; dS stored, or added up by TMA where the
     bias broadcasts over batch or heads) with rows of whole 16 bytes for those copies;
     with a head dim past 128 (D=256, Dqk=192, V of 256 columns) a bias read but not its
-    gradient, and packed sequences only at Dqk=192 where dQ is fused
-    (backward_sm90.fuses_split_dq: not deterministic, no bias, ALiBi, dropout or
-    softcap); softcap without a bias gradient (its dS for dK and dQ is not the bias
+    gradient; softcap without a bias gradient (its dS for dK and dQ is not the bias
     gradient's)."""
     if max(spec.head_dim_qk, spec.head_dim_v) > 128 and need_dbias:
         return False
     if spec.softcap > 0 and need_dbias:
-        return False
-    if spec.varlen and backward_sm90.is_wide(spec):
         return False
     if not need_dbias or hopper.bias_row(spec, bias):
         return True
