@@ -533,6 +533,30 @@ def test_kernel_head_dims(dqk, dv, forward, backward):
 
 
 @gluon
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("bias_shape, kv_stages",
+                         [(None, 3), ((3, 1, 1024, 1024), 2), ((3, 1, 1, 1024), 3)])
+def test_wide_backward_plans(varlen, bias_shape, kv_stages):
+    """The wide kernels' launches: dK/dV a program per 64-key block, dQ one per 128-query
+    block (packed sequences: hopper.packed_items over the keys and over the queries, one
+    item more a (sequence, head)); bias tiles beside K's in the dQ kernel take a stage
+    of its K and V rings, a key row (read by pointer) none."""
+    bsm = dispatch.backward_sm90
+    spec, _, _, _, bias = spec_and_inputs(b=3, sq=1024, sk=1024, h=2, d=256, varlen=varlen,
+                                          bias_shape=bias_shape)  # fmt: skip
+    row = bsm.hopper.bias_row(spec, bias)
+    tokens = (3 * 1024, 3 * 1024) if varlen else (0, 0)
+    dkdv, dq = bsm._plans_wide(spec, row, *tokens, 0)
+    assert dkdv.programs == 3 * 2 * (1024 // bsm.BLOCK_N_WIDE + varlen)
+    assert dq.programs == 3 * 2 * (1024 // 128 + varlen)
+    for plan in (dkdv, dq):
+        assert plan.constexprs["IS_VARLEN"] is varlen
+        assert plan.constexprs["HAS_BIAS"] is (bias is not None and not row)
+        assert plan.constexprs["BIAS_ROW"] is row
+    assert dq.constexprs["KV_STAGES"] == kv_stages
+
+
+@gluon
 @pytest.mark.parametrize("dqk", [64, 128, 192])
 def test_wide_v_takes_the_wide_backward(dqk):
     """V of 256 columns beside a narrower q·k: the wide kernels, dQ written in the
