@@ -354,6 +354,19 @@ HOPPER_CASES = [
          dqk=128, dv=256, options=dict(dropout_p=0.2)),
     Case("Dqk160 Dv128 softcap alibi", seqlen_q=500, seqlen_k=777, dqk=160, dv=128,
          alibi="BH", options=dict(softcap=2.0)),
+    # bias tiles beside dropout's scratch where shared memory holds both (D=64: T5's
+    # relative position bias with attention dropout; 128/64; the forward not at 64/128,
+    # neither kernel at D=128)
+    Case("bias 1HQK D64 dropout", seqlen_q=600, seqlen_k=904, dqk=64, dv=64, bias="1HQK",
+         options=dict(dropout_p=0.1)),
+    Case("bias BHQK D64 causal dropout GQA", heads=4, kv_heads=2, seqlen_q=777, seqlen_k=1032,
+         dqk=64, dv=64, bias="BHQK", options=dict(causal=True, dropout_p=0.2)),
+    Case("bias B1QK Dqk128 Dv64 window dropout", seqlen_q=500, seqlen_k=704, dqk=128, dv=64,
+         bias="B1QK", options=dict(window=(150, 30), dropout_p=0.2)),
+    Case("bias 1HQK Dqk64 Dv128 dropout", seqlen_q=500, seqlen_k=704, dqk=64, dv=128,
+         bias="1HQK", options=dict(causal=True, dropout_p=0.2)),
+    Case("bias BHQK D128 dropout", seqlen_q=500, seqlen_k=704, dqk=128, dv=128, bias="BHQK",
+         options=dict(dropout_p=0.2)),
     # ALiBi in both Gluon kernels: slopes per head or per (batch, head), with a bias, a
     # window, GQA
     Case("alibi H causal GQA", heads=4, kv_heads=2, seqlen_q=700, seqlen_k=900, dqk=128,
@@ -458,11 +471,14 @@ def test_hopper_kernel_gpu(case, dtype, monkeypatch):
     monkeypatch.setattr(forward_sm90, "forward", lambda *a: launched.append(1) or run(*a))
     assert_results(check_forward(case, dtype, "cuda", seed=7))
     # forward.py runs by design: softcap at D=64 (dispatch.gluon_forward), dropout at
-    # Dqk=192 / Dv=128 (no shared memory left for its scratch: forward_sm90.q_stages)
+    # Dqk=192 / Dv=128 and bias tiles beside it but at 64/64 and 128/64 (no shared memory
+    # left for its scratch: forward_sm90.q_stages)
     softcap_d64 = case.options.get("softcap", 0) > 0 and case.dqk <= 64
     dims = dispatch.kernel_head_dims(case.dqk, case.dv, "forward")
-    dropout_192 = "dropout_p" in case.options and dims == (192, 128)
-    gluon = not (softcap_d64 or dropout_192)
+    dropout = "dropout_p" in case.options
+    tiles = case.bias is not None and not case.bias.endswith("1K") and case.bias != "K"
+    no_room = dropout and (dims == (192, 128) or (tiles and dims not in ((64, 64), (128, 64))))
+    gluon = not (softcap_d64 or no_room)
     assert bool(launched) == gluon, "the call fell back to forward.py, or ran Gluon at D=64"
 
 

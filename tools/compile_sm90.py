@@ -220,7 +220,7 @@ def _compile_hopper(name, launch) -> int:
                 k = torch.randn(2, 704, 2, d, dtype=torch.bfloat16)
                 v = torch.randn(2, 704, 2, dv, dtype=torch.bfloat16)
                 bias = None
-                if feature == "bias":
+                if feature in ("bias", "bias_dropout"):
                     bias = torch.randn(2, 4, 2100, 704, dtype=torch.bfloat16)
                 elif feature == "sumbias":
                     bias = torch.randn(1, 4, 2100, 704, dtype=torch.bfloat16)
@@ -231,7 +231,7 @@ def _compile_hopper(name, launch) -> int:
                     bias = torch.randn(*planes, 1500, 504, dtype=torch.bfloat16)
                 elif feature == "varlen_all":
                     bias = torch.randn(2, 1, 1, 504, dtype=torch.bfloat16)
-                dropout_p = 0.1 if feature in ("dropout", "varlen_all") else 0.0
+                dropout_p = 0.1 if feature in ("dropout", "bias_dropout", "varlen_all") else 0.0
                 alibi = torch.rand(4) if feature in ("alibi", "varlen_all") else None
                 softcap = 30.0 if feature == "softcap" else 0.0
                 varlen = {}

@@ -2136,6 +2136,13 @@ MASKED_BY_RANK_BLOCKS = {64: 0, 128: 256}
 MASKED_PERSISTENT_MAX_BLOCKS = 64
 
 
+# Head dims whose D 64/128 kernel holds bias tiles beside dropout's scratch (sm_90
+# compile, shared memory of the 232,448 bytes a block may take: 64/64 156,784, 128/64
+# 205,936, 64/128 189,552; 128/128 238,704 does not fit). T5's relative position bias
+# with attention dropout, D=64.
+BIAS_TILES_WITH_DROPOUT = {(64, 64), (128, 64), (64, 128)}
+
+
 def dq_buffers(spec: AttentionSpec, bias_tiles: bool, dbias_kind: str | None) -> int:
     """The kernel's DQ_BUFS: 0 (each compute warpgroup sends its dQ tiles), or where
     DQ_WRITER says (and for ORDERED_DQ's calls) the dQ writer warp's buffers a warpgroup:

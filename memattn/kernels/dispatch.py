@@ -11,8 +11,9 @@ backward alike.
   ALiBi, softcap (the forward not at D=64 nor with a key row, the backward not with a
   bias gradient), dropout, packed (varlen) batches, and a bias:
   one constant along queries ((B or 1, H or 1, 1, Sk): key padding) as a row of keys,
-  any other by TMA tiles (not together with dropout). The backward computes a bias
-  gradient of a key row (summed in registers) or of a bias read by tiles (dS stored,
+  any other by TMA tiles (beside dropout's scratch where shared memory holds both:
+  forward_sm90.q_stages, backward_sm90.BIAS_TILES_WITH_DROPOUT). The backward computes
+  a bias gradient of a key row (summed in registers) or of a bias read by tiles (dS stored,
   or added up across the batch or heads it broadcasts over), past 128 columns (D=256,
   Dqk=192, V of 256) none (a bias only read); deterministic mode only where dQ is not
   added up in fp32 across programs, or is in a fixed order (backward_sm90.ORDERED_DQ),
@@ -65,8 +66,6 @@ def _gluon_takes(spec: AttentionSpec, q, k, v, bias) -> bool:
         return False
     if bias is not None and not hopper.bias_row(spec, bias):  # else by TMA tiles
         if not hopper.bias_readable(spec, bias):
-            return False
-        if spec.dropout_p > 0:  # shared memory holds the bias tiles or dropout's scratch
             return False
     return all(hopper.tma_readable(t) for t in (q, k, v))
 
@@ -126,10 +125,15 @@ def gluon_backward_computes(spec: AttentionSpec, bias, need_dbias: bool) -> bool
     of one read by tiles (every query and key; dS stored, or added up by TMA where the
     bias broadcasts over batch or heads) with rows of whole 16 bytes for those copies;
     with a head dim past 128 (D=256, Dqk=192, V of 256 columns) a bias read but not its
-    gradient; softcap without a bias gradient (its dS for dK and dQ is not the bias
-    gradient's)."""
+    gradient; bias tiles beside dropout where shared memory holds both
+    (backward_sm90.BIAS_TILES_WITH_DROPOUT); softcap without a bias gradient (its dS for
+    dK and dQ is not the bias gradient's)."""
     if max(spec.head_dim_qk, spec.head_dim_v) > 128 and need_dbias:
         return False
+    tiles = bias is not None and not hopper.bias_row(spec, bias)
+    if tiles and spec.dropout_p > 0 and (
+            (spec.head_dim_qk, spec.head_dim_v) not in backward_sm90.BIAS_TILES_WITH_DROPOUT):
+        return False  # shared memory holds the bias tiles or dropout's scratch
     if spec.softcap > 0 and need_dbias:
         return False
     if not need_dbias or hopper.bias_row(spec, bias):
