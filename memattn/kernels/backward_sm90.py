@@ -642,15 +642,15 @@ def _bwd_compute_partition(
         dv_out = dv.to(dtype)
         if IS_VARLEN and row0 + HALF_N > seqlen_k:
             _store_rows(dk_out, DK + k_start.to(gl.int64) * stride_kn, b, hk, stride_kb,
-                            stride_kn, stride_kh, seqlen_k,
-                            row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dk_layout)),
-                            gl.arange(0, HEAD_DIM_QK, layout=gl.SliceLayout(0, dk_layout)),
-                            dk_desc.shape[3])  # fmt: skip
+                        stride_kn, stride_kh, seqlen_k,
+                        row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dk_layout)),
+                        gl.arange(0, HEAD_DIM_QK, layout=gl.SliceLayout(0, dk_layout)),
+                        dk_desc.shape[3])  # fmt: skip
             _store_rows(dv_out, DV + k_start.to(gl.int64) * stride_vn, b, hk, stride_vb,
-                            stride_vn, stride_vh, seqlen_k,
-                            row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dv_layout)),
-                            gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, dv_layout)),
-                            dv_desc.shape[3])  # fmt: skip
+                        stride_vn, stride_vh, seqlen_k,
+                        row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dv_layout)),
+                        gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, dv_layout)),
+                        dv_desc.shape[3])  # fmt: skip
         else:  # the TMA store clips a dense batch's keys past Sk
             if DQ_BUFS > 0:  # the writer warp has read the buffer's last dQ tile
                 if OVERLAP_ENDS:  # the buffer of the next block's first dQ tile
@@ -1233,15 +1233,15 @@ def _bwd_wide_compute_partition(
     if IS_VARLEN and start_n + BLOCK_N > seqlen_k:
         stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh = key_strides
         _store_rows(dk_out, DK + k_start.to(gl.int64) * stride_kn + DK_COL0, b, hk,
-                        stride_kb, stride_kn, stride_kh, seqlen_k,
-                        start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout)),
-                        gl.arange(0, DK_COLS, layout=gl.SliceLayout(0, dk_layout)),
-                        out_desc.shape[3] - DK_COL0)  # fmt: skip
+                    stride_kb, stride_kn, stride_kh, seqlen_k,
+                    start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout)),
+                    gl.arange(0, DK_COLS, layout=gl.SliceLayout(0, dk_layout)),
+                    out_desc.shape[3] - DK_COL0)  # fmt: skip
         _store_rows(dv_out, DV + k_start.to(gl.int64) * stride_vn + HALF * DV_COLS, b, hk,
-                        stride_vb, stride_vn, stride_vh, seqlen_k,
-                        start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dv_layout)),
-                        gl.arange(0, DV_COLS, layout=gl.SliceLayout(0, dv_layout)),
-                        dv_desc.shape[3] - HALF * DV_COLS)  # fmt: skip
+                    stride_vb, stride_vn, stride_vh, seqlen_k,
+                    start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dv_layout)),
+                    gl.arange(0, DV_COLS, layout=gl.SliceLayout(0, dv_layout)),
+                    dv_desc.shape[3] - HALF * DV_COLS)  # fmt: skip
     else:
         b_tma = b
         if IS_VARLEN:  # one batch of all tokens
@@ -1870,8 +1870,7 @@ def _store_key_cols(xt, X, hk, stride_n, stride_h, seqlen_k, row0, width, COLS: 
     layout: gl.constexpr = x.type.layout
     rows = row0 + gl.arange(0, x.shape[0], layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
-    _store_rows(x, X, gl.to_tensor(0), hk, 0, stride_n, stride_h, seqlen_k, rows, cols,
-                    width)
+    _store_rows(x, X, gl.to_tensor(0), hk, 0, stride_n, stride_h, seqlen_k, rows, cols, width)
 
 
 @gluon.jit
