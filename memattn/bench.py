@@ -26,7 +26,8 @@ Inputs are fresh ``torch.randn`` in bfloat16, made once per row and shared by ev
 implementation. Each implementation is warmed up once (forward and backward: the first
 call compiles), then timed with ``triton.testing.do_bench`` medians: the forward with
 autograd recording (the training forward, whose output the backward uses), the backward
-as ``out.backward(grad, retain_graph=True)``.
+as ``out.backward(grad, retain_graph=True)``. ``--rounds N`` times a row's
+implementations N times in turn, the order rotated, and keeps each one's median.
 
 TFLOP/s count 4*B*H*Sq*Sk*D for the forward (2*B*H*Sq*Sk*(Dqk + Dv) when they differ),
 halved for causal as the peers count it; sliding-window and varlen rows count their
@@ -50,6 +51,7 @@ import fnmatch
 import functools
 import gc
 import json
+import statistics
 import sys
 import time
 import warnings
@@ -497,6 +499,10 @@ class Timing:
     fwd_error: str | None = None
     bwd_error: str | None = None
     first_call_s: float | None = None  # warm-up forward + backward: compiles included
+    # With --rounds N > 1: each round's median (the rounds that ran), fwd_ms / bwd_ms
+    # their median (median_timing)
+    fwd_rounds_ms: list[float] | None = None
+    bwd_rounds_ms: list[float] | None = None
 
 
 def _sync():
@@ -556,6 +562,23 @@ def measure(run: Callable[[], torch.Tensor], leaves: list[torch.Tensor],
     return timing
 
 
+def median_timing(rounds: list[Timing]) -> Timing:
+    """One implementation's rounds on a row (``--rounds``) as one Timing: per pass the
+    median of the rounds that ran (each a do_bench median), every round's kept beside
+    it; the first round's error where none ran; the first round's warm-up time."""
+    if len(rounds) == 1:
+        return rounds[0]
+    out = Timing(first_call_s=rounds[0].first_call_s)
+    for p in ("fwd", "bwd"):
+        ran = [getattr(t, f"{p}_ms") for t in rounds if getattr(t, f"{p}_ms") is not None]
+        if ran:
+            setattr(out, f"{p}_rounds_ms", ran)
+            setattr(out, f"{p}_ms", statistics.median(ran))
+        else:
+            setattr(out, f"{p}_error", getattr(rounds[0], f"{p}_error"))
+    return out
+
+
 # ------------------------------------------------------------------ the run
 
 
@@ -612,10 +635,15 @@ def collect(
     device="cuda",
     progress=None,
     on_row: Callable[[list[Result]], None] | None = None,
+    rounds: int = 1,
 ) -> list[Result]:
-    """Time every (row, implementation); ``on_row`` gets the results so far after each row."""
+    """Time every (row, implementation); ``on_row`` gets the results so far after each row.
+    ``rounds``: each row's implementations timed that many times in turn, the order
+    rotated each round (none always first after the row's inputs are made, nor always
+    after the same peer), and each kept as the median of its rounds (median_timing):
+    a device's clock drifts within a row, so one pass puts that drift into the ratios."""
     results: list[Result] = []
-    task = progress.add_task("", total=len(rows) * len(impls)) if progress else None
+    task = progress.add_task("", total=len(rows) * len(impls) * rounds) if progress else None
     for row in rows:
         torch.manual_seed(0)
         t, input_error = None, None
@@ -623,12 +651,16 @@ def collect(
             t = make_inputs(row, device)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: recorded per impl
             input_error = _reason(e, [])
-        for impl in impls:
-            if progress is not None:
-                progress.update(task, description=f"{row.name:<22} {impl:<15}")
-            results.append(bench_one(row, impl, t, quick, input_error))
-            if progress is not None:
-                progress.advance(task)
+        timings: dict[str, list[Timing]] = {impl: [] for impl in impls}
+        for k in range(rounds):
+            turn = k % len(impls)
+            for impl in impls[turn:] + impls[:turn]:
+                if progress is not None:
+                    progress.update(task, description=f"{row.name:<22} {impl:<15}")
+                timings[impl].append(bench_one(row, impl, t, quick, input_error).timing)
+                if progress is not None:
+                    progress.advance(task)
+        results.extend(Result(row, impl, median_timing(timings[impl])) for impl in impls)
         del t
         _free()
         if on_row is not None:
@@ -755,6 +787,9 @@ def result_json(r: Result) -> dict:
     if row.decode:
         d.update(bytes_kv=row.bytes_kv(), fwd_gbps=r.rate(False))
     d["first_call_s"] = r.timing.first_call_s
+    for pass_ in ("fwd", "bwd"):
+        if getattr(r.timing, f"{pass_}_rounds_ms") is not None:  # --rounds
+            d[f"{pass_}_rounds_ms"] = getattr(r.timing, f"{pass_}_rounds_ms")
     worst = [status(r.error(bwd)) for bwd in (False, True)]
     d["status"] = next((s for s in worst if s != "ok"), "ok")
     return d
@@ -776,13 +811,14 @@ def environment(device) -> dict:
                 cuda=torch.version.cuda, memattn=__version__)  # fmt: skip
 
 
-def report_json(results: list[Result], env: dict, quick: bool, started: str | None = None) -> dict:
+def report_json(results: list[Result], env: dict, quick: bool, started: str | None = None,
+                rounds: int = 1) -> dict:  # fmt: skip
     """The run's JSON. started: when a resumed run (``--resume``) began; date is when
-    its last row was saved."""
+    its last row was saved. rounds: each time the median of that many (--rounds)."""
     ratios = best_peers(results)
     now = time.strftime("%Y-%m-%d %H:%M:%S")
     return dict(
-        **env, quick=quick, started=started or now, date=now,
+        **env, quick=quick, rounds=rounds, started=started or now, date=now,
         flops="fwd 4*B*H*Sq*Sk*D (2*B*H*Sq*Sk*(Dqk+Dv)), causal /2, window and varlen exact "
               "visible pairs; bwd 2.5x fwd",
         timing="triton.testing.do_bench medians, bf16; fwd with autograd recording (decode "
@@ -929,16 +965,17 @@ class ResumeError(ValueError):
     """--resume's JSON is from another device, versions or --quick setting."""
 
 
-def resumed(path: Path, rows: list[Row], impls: list[str], env: dict,
-            quick: bool) -> tuple[list[Result], str | None]:  # fmt: skip
+def resumed(path: Path, rows: list[Row], impls: list[str], env: dict, quick: bool,
+            rounds: int = 1) -> tuple[list[Result], str | None]:  # fmt: skip
     """For ``--resume``: the results of ``rows`` that the JSON at ``path`` (an earlier,
     cut run) has for every one of ``impls``, and when that run started. None of them
-    without the file; a file from another device, versions or --quick setting is an
-    error (its figures would not compare with this process's)."""
+    without the file; a file from another device, versions, --quick or --rounds setting
+    is an error (its figures would not compare with this process's)."""
     if not path.exists():
         return [], None
     doc = json.loads(path.read_text())
-    for key, value in (*env.items(), ("quick", quick)):
+    doc.setdefault("rounds", 1)  # runs from before --rounds
+    for key, value in (*env.items(), ("quick", quick), ("rounds", rounds)):
         if doc.get(key) != value:
             raise ResumeError(f"--resume: {path} has {key}={doc.get(key)!r}, this run "
                              f"{value!r}; give another --json")  # fmt: skip
@@ -947,7 +984,8 @@ def resumed(path: Path, rows: list[Row], impls: list[str], env: dict,
     for e in doc["rows"]:
         if e["row"] in by_name and e["impl"] in impls:
             timing = Timing(e["fwd_ms"], e["bwd_ms"], e["fwd_error"], e["bwd_error"],
-                            e.get("first_call_s"))  # fmt: skip
+                            e.get("first_call_s"), e.get("fwd_rounds_ms"),
+                            e.get("bwd_rounds_ms"))  # fmt: skip
             entries.setdefault(e["row"], {})[e["impl"]] = Result(by_name[e["row"]], e["impl"],
                                                                  timing)  # fmt: skip
     done = [entries[r.name][i] for r in rows if len(entries.get(r.name, ())) == len(impls)
@@ -977,9 +1015,10 @@ def run(args, rows: list[Row], impls: list[str], device="cuda", console=None) ->
     title = (f"TFLOP/s on {env['device']}, bf16, fwd / bwd (torch {env['torch']}, "
              f"triton {env['triton']})")  # fmt: skip
 
+    rounds = getattr(args, "rounds", 1)
     done, started = [], None
     if args.resume:
-        done, started = resumed(json_path, rows, impls, env, args.quick)
+        done, started = resumed(json_path, rows, impls, env, args.quick, rounds)
     kept = {r.row.name for r in done}
     order = {row.name: i for i, row in enumerate(rows)}
 
@@ -987,7 +1026,7 @@ def run(args, rows: list[Row], impls: list[str], device="cuda", console=None) ->
         return sorted(done + results, key=lambda r: order[r.row.name])
 
     def save(results):
-        doc = report_json(with_kept(results), env, args.quick, started)
+        doc = report_json(with_kept(results), env, args.quick, started, rounds)
         json_path.write_text(json.dumps(doc, indent=1))
 
     def row_done(results):  # a log line per row (above the bar), and the JSON so far
@@ -997,7 +1036,8 @@ def run(args, rows: list[Row], impls: list[str], device="cuda", console=None) ->
         save(results)
 
     console.print(f"memattn bench: {len(rows)} rows x {len(impls)} implementations"
-                  f"{' (--quick)' if args.quick else ''} on {env['device']}"
+                  f"{' (--quick)' if args.quick else ''}"
+                  f"{f', {rounds} rounds each' if rounds > 1 else ''} on {env['device']}"
                   + (f", {len(kept)} rows kept from {json_path}" if kept else ""))  # fmt: skip
     rows = [r for r in rows if r.name not in kept]
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -1007,7 +1047,8 @@ def run(args, rows: list[Row], impls: list[str], device="cuda", console=None) ->
             compile_in_workers(rows, impls, args.quick, args.compile_workers, device,
                                progress, lambda line: console.print(Text(line, style="dim")))
             _compile_in_process()
-        results = collect(rows, impls, args.quick, device, progress, on_row=row_done)
+        results = collect(rows, impls, args.quick, device, progress, on_row=row_done,
+                          rounds=rounds)
     save(results)
     results = with_kept(results)
     console.print(make_table(results, impls, title))
@@ -1023,13 +1064,15 @@ def run(args, rows: list[Row], impls: list[str], device="cuda", console=None) ->
 
 def main(args) -> int:
     """``memattn bench [--quick] [--json PATH] [--plot PATH] [--rows GLOBS] [--impls NAMES]
-    [--compile-workers N] [--resume] [--list]``: 0 when the run completed (gaps in the
-    table are results, not failures)."""
+    [--compile-workers N] [--rounds N] [--resume] [--list]``: 0 when the run completed
+    (gaps in the table are results, not failures)."""
     try:
         rows = select_rows(args.quick, args.rows)
         impls = select_impls(args.impls)
         if args.compile_workers < 0:
             raise ValueError(f"--compile-workers must be >= 0, got {args.compile_workers}")
+        if getattr(args, "rounds", 1) < 1:
+            raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
         if args.resume and not args.json:
             raise ValueError("--resume needs --json: the file of the run to go on with")
     except ValueError as e:

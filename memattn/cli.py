@@ -175,6 +175,10 @@ def main(argv=None) -> int:
                    help="continue the run whose JSON is at --json: rows it has for every "
                         "implementation asked are kept, not run again (a full run spread "
                         "over several calls on one machine)")
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="time each row's implementations N times in turn, the order "
+                        "rotated each round, and keep each one's median: the ratios then "
+                        "rest on N samples each (a full run takes N times as long)")
     p.add_argument("--list", action="store_true", help="list the rows and exit")
     p.add_argument("--compile-workers", type=int, default=0, metavar="N",
                    help="first compile every row's kernels (memattn's and flex's) in N "

@@ -425,16 +425,18 @@ def test_json_has_every_row_with_times_and_errors(fake_run):
     assert dec["bwd_error"] == bench.FORWARD_ONLY
 
 
-def _fake_bench(tmp_path, rows, impls, resume, measured, env=None):
+def _fake_bench(tmp_path, rows, impls, resume, measured, env=None, rounds=1,
+                timings=_fake_measure):  # fmt: skip
     """_run_faked without a plot; ``measured`` collects the (row, impl) pairs it times,
-    ``env`` stands for the device's environment."""
+    ``env`` stands for the device's environment, ``timings`` for each call's Timing."""
     args = argparse.Namespace(quick=False, json=str(tmp_path / "r.json"), plot=None, rows=None,
-                              impls=None, compile_workers=0, resume=resume)  # fmt: skip
+                              impls=None, compile_workers=0, resume=resume,
+                              rounds=rounds)  # fmt: skip
 
     def measure(run, leaves, backward=True):
         impl, row = run()
         measured.append((row.name, impl))
-        return _fake_measure(run, leaves, backward)
+        return timings(run, leaves, backward)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(bench, "plot", lambda *a: None)
@@ -470,6 +472,46 @@ def test_resume_keeps_the_rows_the_json_has_and_runs_the_rest(tmp_path):
     with pytest.raises(bench.ResumeError, match="device"):
         _fake_bench(tmp_path, rows, impls, True, [], env=dict(bench.environment("meta"),
                                                              device="another"))  # fmt: skip
+
+
+def test_rounds_rotate_the_order_and_keep_each_ones_median(tmp_path):
+    """--rounds 3: each row's implementations timed three times in turn, the order
+    rotated each round, each kept as the median of its rounds (every round's time in
+    the JSON beside it); a pass no round ran keeps the first round's error; --resume
+    refuses a file of another --rounds."""
+    rows = [r for r in bench.select_rows(True) if r.name in ("D128_S4096", "bias_grad")]
+    impls = ["memattn", "flex", "sdpa_cudnn"]
+    calls: dict[str, int] = {}
+    times = {"memattn": [3.0, 1.0, 2.0], "flex": [5.0, 4.0, 9.0], "sdpa_cudnn": [1.0, 1.5, 1.2]}
+
+    def timings(run, leaves, backward=True):  # a time per call, and cuDNN's backward
+        impl, row = run()  # failing on the bias row as _fake_measure's does
+        k = calls[impl, row.name] = calls.get((impl, row.name), -1) + 1
+        fwd = times[impl][k]
+        if impl == "sdpa_cudnn" and row.bias:
+            return bench.Timing(fwd_ms=fwd, bwd_error="OutOfMemoryError: CUDA out of memory")
+        return bench.Timing(fwd_ms=fwd, bwd_ms=2 * fwd, first_call_s=0.1 * (k + 1))
+
+    measured = []
+    results = _fake_bench(tmp_path, rows, impls, False, measured, rounds=3, timings=timings)
+    first_row = [impl for name, impl in measured if name == rows[0].name]
+    assert first_row == ["memattn", "flex", "sdpa_cudnn", "flex", "sdpa_cudnn", "memattn",
+                         "sdpa_cudnn", "memattn", "flex"]  # fmt: skip
+    got = {(r.row.name, r.impl): r.timing for r in results}
+    assert len(results) == len(rows) * len(impls)
+    mine = got["D128_S4096", "memattn"]
+    assert (mine.fwd_ms, mine.bwd_ms, mine.first_call_s) == (2.0, 4.0, pytest.approx(0.1))
+    assert mine.fwd_rounds_ms == [3.0, 1.0, 2.0] and mine.bwd_rounds_ms == [6.0, 2.0, 4.0]
+    cudnn = got["bias_grad", "sdpa_cudnn"]
+    assert cudnn.fwd_ms == 1.2 and cudnn.bwd_ms is None and cudnn.bwd_rounds_ms is None
+    assert bench.status(cudnn.bwd_error) == "oom"
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["rounds"] == 3
+    entry = next(e for e in doc["rows"] if (e["row"], e["impl"]) == ("D128_S4096", "flex"))
+    assert (entry["fwd_ms"], entry["fwd_rounds_ms"]) == (5.0, [5.0, 4.0, 9.0])
+    with pytest.raises(bench.ResumeError, match="rounds"):
+        _fake_bench(tmp_path, rows, impls, True, [], rounds=1)
+    assert cli.main(["bench", "--rounds", "0", "--rows", "D128_S4096"]) == 2
 
 
 def test_resume_needs_a_json_path(capsys):
