@@ -33,6 +33,7 @@ from .conftest import DEVICE
 from .test_forward import (
     HOPPER_CASES,
     assert_results,
+    bias_row,
     hopper_kernel_runs_here,
     record_launches,
 )
@@ -488,12 +489,12 @@ def test_hopper_backward_gpu(case, dtype, hopper_backward_launches):
     wide_plain = max(dqk, dv) <= 128 or case.bias is None
     wide_plain = wide_plain and not (softcap and case.bias is not None)
     # bias tiles beside dropout's scratch: 64/64, 128/64, 64/128 alone
-    tiles = case.bias is not None and not _bias_row(case)
+    tiles = case.bias is not None and not bias_row(case)
     if tiles and "dropout_p" in case.options:
         wide_plain = wide_plain and (dqk, dv) in ((64, 64), (128, 64), (64, 128))
     dims = (dqk, dv) in backward_sm90.HEAD_DIM_PAIRS or split
     keys = max(case.lengths_k) if case.varlen else case.seqlen_k
-    dbias = case.bias is None or _bias_row(case) or keys % 8 == 0
+    dbias = case.bias is None or bias_row(case) or keys % 8 == 0
     gluon = wide_plain and dims and dbias
     assert bool(hopper_backward_launches) == gluon, (
         "the Gluon backward runs the bias gradients (rows of whole 16 bytes), and 128/64")
@@ -552,7 +553,7 @@ def test_hopper_wide_backward_bias_read_gpu(case, dtype, monkeypatch):
     results = check_backward(case, dtype, "cuda", seed=11, bias_grad=False)
     assert [r.what for r in results] == ["dq", "dk", "dv"]
     assert_results(results)
-    row = _bias_row(case)
+    row = bias_row(case)
     for launches in (dkdv, dq):
         assert [(c["HAS_BIAS"], c["BIAS_ROW"]) for _, c in launches] == [(not row, row)]
 
@@ -592,7 +593,7 @@ def test_hopper_backward_persistent_gpu(name, dtype, writer, hopper_backward_lau
         backward_sm90.hopper.forget_plans()
     # No writer beside a (queries, keys) bias's gradient: it leaves by TMA from the
     # compute warpgroups.
-    with_writer = writer and (case.bias is None or _bias_row(case))
+    with_writer = writer and (case.bias is None or bias_row(case))
     grids = [(grid, constexprs["PERSISTENT"], constexprs["DQ_BUFS"] > 0)
              for grid, constexprs in launches]  # fmt: skip
     assert grids and all(g == ((5,), True, with_writer) for g in grids), grids
@@ -832,15 +833,6 @@ def test_ordered_dq_backward_gpu(name):
     except subprocess.TimeoutExpired:
         pytest.fail("ORDERED_DQ hung (a turn never came) or ran past 180 s")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
-
-def _bias_letters(case) -> str:
-    return "1" * (4 - len(case.bias)) + case.bias
-
-
-def _bias_row(case) -> bool:
-    """A bias constant along queries: (B or 1, H or 1, 1, Sk)."""
-    return case.bias is not None and _bias_letters(case)[2:] == "1K"
 
 
 LSE_GRADIENT_CASES = [

@@ -1128,6 +1128,7 @@ def _bwd_wide_compute_partition(
      kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, pds_free, b, hk, GROUP, start_n,
      lo, full_lo, full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right,
      features, k_start, DK, DV, key_strides) = shared
+    seed, rng_offset, heads, dropout_p = features[:4]  # dropout's (_wide_probs' docstring)
     dtype: gl.constexpr = k_smem.dtype
     HALF_N: gl.constexpr = BLOCK_N // 2
     QK_MAIN: gl.constexpr = HEAD_DIM_QK - QK_SPLIT  # Q's and K's columns in q_smem, k_smem
@@ -1177,8 +1178,8 @@ def _bwd_wide_compute_partition(
         dp = warpgroup_mma(do, v_keys, s_init, use_acc=False, is_async=True)
         keep = 0
         if HAS_DROPOUT:  # Philox's integer work runs while the tensor cores do S and dP
-            keep = hopper.dropout_keep(features[0], features[1], b * features[2] + h, start_m,
-                                       start_n + HALF * HALF_N, features[3], BLOCK_M, HALF_N,
+            keep = hopper.dropout_keep(seed, rng_offset, b * heads + h, start_m,
+                                       start_n + HALF * HALF_N, dropout_p, BLOCK_M, HALF_N,
                                        False, s_layout)  # fmt: skip
         bias = 0.0
         if HAS_BIAS:  # this warpgroup's keys of the (queries, keys) tile beside Q's
@@ -1194,7 +1195,7 @@ def _bwd_wide_compute_partition(
                                    HAS_BIAS or BIAS_ROW, HAS_ALIBI, HAS_SOFTCAP)  # fmt: skip
         dp = warpgroup_mma_wait(0, deps=(dp,))
         delta = delta_smem.index(slot).reshape([BLOCK_M]).load(rows_layout)
-        p_kept, ds = _wide_grad_scores(p, dp, delta, keep, cap_slope, features[3], HAS_DROPOUT,
+        p_kept, ds = _wide_grad_scores(p, dp, delta, keep, cap_slope, dropout_p, HAS_DROPOUT,
                                        HAS_SOFTCAP)
 
         # This warpgroup's keys of P and dS into the shared (keys, queries) tiles (both
@@ -1227,7 +1228,7 @@ def _bwd_wide_compute_partition(
     # keys by plain stores (a TMA store clips at the packed tensor's end).
     out_desc = dk2_desc if QK_SPLIT > 0 and HALF == 1 else dk_desc
     if HAS_DROPOUT:  # P's kept entries were stored unscaled
-        dv = dv * (1.0 / (1.0 - features[3]))
+        dv = dv * (1.0 / (1.0 - dropout_p))
     dk_out = (dk * scale).to(dtype)
     dv_out = dv.to(dtype)
     if IS_VARLEN and start_n + BLOCK_N > seqlen_k:
@@ -1472,6 +1473,7 @@ def _dq_compute_partition(
     (dq_desc, dq2_desc, q_smem, do_smem, k_smem, v_smem, q2_smem, k2_smem, bias_smem, lse_smem,
      delta_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, blocks, n_items, scale,
      window_left, window_right, features, DQ, dq_strides) = shared
+    seed, rng_offset, heads, dropout_p = features[:4]  # dropout's (_wide_probs' docstring)
     dtype: gl.constexpr = q_smem.dtype
     QK_MAIN: gl.constexpr = HEAD_DIM_QK - QK_SPLIT  # Q's and K's columns in q_smem, k_smem
     # With a split both dQ accumulators take the split's wgmma width, so that dS is one
@@ -1518,9 +1520,8 @@ def _dq_compute_partition(
                                is_async=True)
             keep = 0
             if HAS_DROPOUT:  # Philox's integer work runs while the tensor cores do S and dP
-                keep = hopper.dropout_keep(features[0], features[1], b * features[2] + h, row0,
-                                           start_n, features[3], ROWS, BLOCK_N, False,
-                                           s_layout)  # fmt: skip
+                keep = hopper.dropout_keep(seed, rng_offset, b * heads + h, row0, start_n,
+                                           dropout_p, ROWS, BLOCK_N, False, s_layout)
             offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             bias = 0.0
             if HAS_BIAS:  # this warpgroup's rows of the tile beside K's
@@ -1536,7 +1537,7 @@ def _dq_compute_partition(
                                        HAS_SOFTCAP)  # fmt: skip
             dp = warpgroup_mma_wait(0, deps=(dp,))
             mbarrier.arrive(v_empty.index(v_slot))
-            ds = _wide_grad_scores(p, dp, delta, keep, cap_slope, features[3], HAS_DROPOUT,
+            ds = _wide_grad_scores(p, dp, delta, keep, cap_slope, dropout_p, HAS_DROPOUT,
                                    HAS_SOFTCAP)[1]
             ds = gl.convert_layout(ds.to(dtype), ds_layout)
             dq = warpgroup_mma(ds, k, dq, is_async=True)
