@@ -481,12 +481,12 @@ def test_hopper_backward_gpu(case, dtype, hopper_backward_launches):
 
     assert_results(check_backward(case, dtype, "cuda", seed=7))
     dqk, dv = dispatch.kernel_head_dims(case.dqk, case.dv, "backward")  # D=96 as 128
-    # backward.py runs by design: past 128 columns (q·k's or V's) a bias's gradient (the
-    # suite's calls ask for it), a bias gradient of rows not whole 16 bytes, and softcap
-    # with a bias gradient.
+    # backward.py runs by design: past 128 columns (q·k's or V's) the gradient of a bias
+    # broadcast over batch or heads with queries (the suite's calls ask for it), a bias
+    # gradient of rows not whole 16 bytes, and softcap with a bias gradient.
     softcap = case.options.get("softcap", 0) > 0
     split = (dqk, dv) in backward_sm90.SPLIT_HEAD_DIM_PAIRS
-    wide_plain = max(dqk, dv) <= 128 or case.bias is None
+    wide_plain = max(dqk, dv) <= 128 or case.bias in (None, "BHQK") or bias_row(case)
     wide_plain = wide_plain and not (softcap and case.bias is not None)
     # bias tiles beside dropout's scratch: 64/64, 128/64, 64/128 alone
     tiles = case.bias is not None and not bias_row(case)
@@ -521,9 +521,13 @@ def test_hopper_backward_bias_without_grad_gpu(name, dtype, hopper_backward_laun
     assert hopper_backward_launches and orders == [(True, False)]
 
 
-# A bias that asks no gradient past 128 columns (a padding mask from transformers at
-# D=256): the wide kernels read it, by TMA tiles beside Q's (dK/dV) and K's (dQ) or,
+# A bias past 128 columns (a padding mask from transformers at D=256, asking no
+# gradient): the wide kernels read it, by TMA tiles beside Q's (dK/dV) and K's (dQ) or,
 # constant along queries, as a row of keys by pointer; with dropout, ALiBi, softcap.
+# Its gradient ("grad"): a full bias's (dS, stored from registers; under a mask the
+# tiles no query sees zeroed by bias_grad_tiles) and a key row's (dS summed over each
+# head's queries in registers) from the dK/dV kernel, beside dropout and ALiBi; one
+# summed over batch or heads with queries, and softcap's, keep the tile kernels.
 WIDE_BIAS_CASES = [
     Case("wide bias BHQK causal", seqlen_q=500, seqlen_k=504, dqk=256, dv=256, bias="BHQK",
          options=dict(causal=True)),
@@ -537,25 +541,35 @@ WIDE_BIAS_CASES = [
          dqk=256, dv=256, bias="B11K", options=dict(causal=True)),
     Case("wide varlen bias 1HQK window", lengths_q=(130, 600, 1), lengths_k=(200, 600, 77),
          dqk=192, dv=128, bias="1HQK", options=dict(window=(100, 20))),
+    Case("wide varlen bias BHQK bottom-right GQA", heads=4, kv_heads=2, lengths_q=(300, 0, 517),
+         lengths_k=(400, 9, 520), dqk=256, dv=256, bias="BHQK",
+         options=dict(causal=True, align="bottom_right")),
+    Case("wide bias BH1K alibi dropout GQA", heads=4, kv_heads=2, seqlen_q=333, seqlen_k=704,
+         dqk=128, dv=256, bias="BH1K", alibi="H", options=dict(dropout_p=0.2)),
 ]  # fmt: skip
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("grad", [False, True], ids=["read", "grad"])
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("case", WIDE_BIAS_CASES, ids=lambda c: c.name)
-def test_hopper_wide_backward_bias_read_gpu(case, dtype, monkeypatch):
+def test_hopper_wide_backward_bias_gpu(case, dtype, grad, monkeypatch):
     from memattn.kernels import backward_sm90
 
     if not hopper_kernel_runs_here():
         pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
     dkdv = record_launches(monkeypatch, backward_sm90, "_launch_backward_wide")
     dq = record_launches(monkeypatch, backward_sm90, "_launch_dq_wide")
-    results = check_backward(case, dtype, "cuda", seed=11, bias_grad=False)
-    assert [r.what for r in results] == ["dq", "dk", "dv"]
+    results = check_backward(case, dtype, "cuda", seed=13 if grad else 11, bias_grad=grad)
+    assert [r.what for r in results] == ["dq", "dk", "dv"] + (["dbias"] if grad else [])
     assert_results(results)
-    row = bias_row(case)
+    full, row = grad and case.bias == "BHQK", bias_row(case)
+    if grad and ("softcap" in case.options or not (full or row)):
+        assert dkdv == [] and dq == []  # the tile kernels
+        return
     for launches in (dkdv, dq):
         assert [(c["HAS_BIAS"], c["BIAS_ROW"]) for _, c in launches] == [(not row, row)]
+    assert [(c["DBIAS_FULL"], c["DBIAS_ROW"]) for _, c in dkdv] == [(full, grad and row)]
 
 
 # Persistent backward programs (PERSISTENT_BLOCKS): with five of them, each walks key

@@ -48,7 +48,9 @@ def test_cpu_calls_run_the_tile_kernels():
         (128, None, {}, False, True),
         (256, None, {}, False, True),
         (256, (2, 2, 16, 16), {}, False, True),  # D=256: a bias read,
-        (256, (2, 2, 16, 16), {}, True, False),  # not its gradient
+        (256, (2, 2, 16, 16), {}, True, True),  # a full one's gradient (dS stored),
+        (256, (1, 2, 16, 16), {}, True, False),  # not one summed over batch or heads
+        (256, (2, 2, 16, 16), dict(softcap=5.0), True, False),  # nor beside softcap
         (256, None, dict(dropout_p=0.1), False, True),  # dropout, ALiBi, softcap: yes
         (256, None, dict(alibi_slopes=torch.rand(2)), False, True),
         (256, None, dict(softcap=5.0, causal=True), False, True),
@@ -64,7 +66,7 @@ def test_cpu_calls_run_the_tile_kernels():
         (128, (2, 1, 1, 12), {}, True, True),  # any key count: stored by pointer
         (128, (2, 2, 16, 1), {}, True, False),  # one over the keys is not
         (256, (2, 1, 1, 16), {}, False, True),  # D=256: a key row read (by pointer)
-        (256, (2, 1, 1, 16), {}, True, False),
+        (256, (2, 1, 1, 16), {}, True, True),  # and its gradient (summed in registers)
         (128, (2, 2, 16, 12), {}, True, False),  # rows of whole 16 bytes for TMA stores
         (64, (1, 2, 16, 16), dict(dropout_p=0.1), True, True),  # bias tiles beside dropout
         (128, (1, 2, 16, 16), dict(dropout_p=0.1), True, False),  # (no room at D=128)
@@ -537,25 +539,31 @@ def test_kernel_head_dims(dqk, dv, forward, backward):
 
 @gluon
 @pytest.mark.parametrize("varlen", [False, True])
-@pytest.mark.parametrize("bias_shape, kv_stages",
-                         [(None, 3), ((3, 1, 1024, 1024), 2), ((3, 1, 1, 1024), 3)])
+@pytest.mark.parametrize("bias_shape, kv_stages", [
+    (None, 3), ((3, 1, 1024, 1024), 2), ((3, 1, 1, 1024), 3), ((3, 2, 1024, 1024), 2)])
 def test_wide_backward_plans(varlen, bias_shape, kv_stages):
     """The wide kernels' launches: dK/dV a program per 64-key block, dQ one per 128-query
     block (packed sequences: hopper.packed_items over the keys and over the queries, one
     item more a (sequence, head)); bias tiles beside K's in the dQ kernel take a stage
-    of its K and V rings, a key row (read by pointer) none."""
+    of its K and V rings, a key row (read by pointer) none; the gradient of a full bias
+    or of a key row made by the dK/dV kernel (DBIAS_FULL, DBIAS_ROW)."""
     bsm = dispatch.backward_sm90
     spec, _, _, _, bias = spec_and_inputs(b=3, sq=1024, sk=1024, h=2, d=256, varlen=varlen,
                                           bias_shape=bias_shape)  # fmt: skip
     row = bsm.hopper.bias_row(spec, bias)
     tokens = (3 * 1024, 3 * 1024) if varlen else (0, 0)
-    dkdv, dq = bsm._plans_wide(spec, row, *tokens, 0)
-    assert dkdv.programs == 3 * 2 * (1024 // bsm.BLOCK_N_WIDE + varlen)
-    assert dq.programs == 3 * 2 * (1024 // 128 + varlen)
-    for plan in (dkdv, dq):
-        assert plan.constexprs["IS_VARLEN"] is varlen
-        assert plan.constexprs["HAS_BIAS"] is (bias is not None and not row)
-        assert plan.constexprs["BIAS_ROW"] is row
+    kinds = [None] + ([bsm.dbias_kind_of(spec, bias)] if bias is not None else [])
+    for kind in kinds:
+        dkdv, dq = bsm._plans_wide(spec, row, kind, *tokens, 0)
+        assert dkdv.programs == 3 * 2 * (1024 // bsm.BLOCK_N_WIDE + varlen)
+        assert dq.programs == 3 * 2 * (1024 // 128 + varlen)
+        for plan in (dkdv, dq):
+            assert plan.constexprs["IS_VARLEN"] is varlen
+            assert plan.constexprs["HAS_BIAS"] is (bias is not None and not row)
+            assert plan.constexprs["BIAS_ROW"] is row
+        flags = (dkdv.constexprs["DBIAS_FULL"], dkdv.constexprs["DBIAS_ROW"])
+        assert flags == (kind == "full", kind == "row")
+        assert "DBIAS_FULL" not in dq.constexprs and "DBIAS_ROW" not in dq.constexprs
     assert dq.constexprs["KV_STAGES"] == kv_stages
 
 
@@ -564,7 +572,8 @@ def test_wide_backward_plans(varlen, bias_shape, kv_stages):
 def test_wide_v_takes_the_wide_backward(dqk):
     """V of 256 columns beside a narrower q·k: the wide kernels, dQ written in the
     output dtype (deterministic as it is), what they compute (dropout, packed sequences,
-    a bias but not its gradient); the forward on D=256's tiles with O in a buffer of its own."""
+    a bias, the gradient of a full one or a key row); the forward on D=256's tiles with O
+    in a buffer of its own."""
     backward_sm90, forward_sm90 = dispatch.backward_sm90, dispatch.forward_sm90
     q = torch.randn(2, 16, 2, dqk, dtype=torch.float16)
     v = torch.randn(2, 16, 2, 256, dtype=torch.float16)
@@ -575,9 +584,11 @@ def test_wide_v_takes_the_wide_backward(dqk):
     assert dispatch._gluon_deterministic(check_call(q, q, v, deterministic=True), None, False)
     assert dispatch.gluon_backward_computes(spec, None, False)
     assert dispatch.gluon_backward_computes(check_call(q, q, v, dropout_p=0.1), None, False)
-    bias = torch.randn(2, 2, 16, 16, dtype=torch.float16)  # read, but not its gradient
+    bias = torch.randn(2, 2, 16, 16, dtype=torch.float16)  # read, and a full one's gradient
     assert dispatch.gluon_backward_computes(check_call(q, q, v, bias=bias), bias, False)
-    assert not dispatch.gluon_backward_computes(check_call(q, q, v, bias=bias), bias, True)
+    assert dispatch.gluon_backward_computes(check_call(q, q, v, bias=bias), bias, True)
+    shared = bias[:1]  # but not one summed over the batch
+    assert not dispatch.gluon_backward_computes(check_call(q, q, v, bias=shared), shared, True)
     cu = torch.tensor([0, 5, 16], dtype=torch.int32)
     varlen = check_call(q[0], q[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=11,
                         max_seqlen_k=11)

@@ -52,9 +52,10 @@ masks either way, sliding windows, a bias, ALiBi, softcap, dropout, dense and pa
 batches) minus a bias gradient summed over keys, minus softcap beside a bias gradient,
 minus deterministic calls at D 64 and 128 other than orders_dq's (TMA reduce-adds land
 in any order; ORDERED_DQ puts them in one) and dq_from_full_bias's (dS stored whole, dQ
-from it), and past 128 columns minus a bias gradient (the wide kernels read a bias and
-apply ALiBi, softcap and dropout as the D 64/128 kernel does: _wide_probs). Every
-other call runs backward.py.
+from it), and past 128 columns minus the gradient of a bias broadcast over batch or
+heads with queries (the wide kernels read a bias and apply ALiBi, softcap and dropout
+as the D 64/128 kernel does, _wide_probs; a full bias's gradient they store from
+registers, a key row's they sum in registers). Every other call runs backward.py.
 """
 
 from __future__ import annotations
@@ -1112,22 +1113,44 @@ def _wide_grad_scores(p, dp, delta, keep, cap_slope, dropout_p, HAS_DROPOUT: gl.
 
 
 @gluon.jit
+def _store_wide_bias_grad(ds, dbias_out, b, h, start_m, key0, offs_m, offs_n, seqlen_q,
+                          seqlen_k, BLOCK_M: gl.constexpr, KEYS: gl.constexpr):  # fmt: skip
+    """A full bias's gradient: dS's (queries, keys) tile of query head h, batch b, rows
+    [start_m, + BLOCK_M) and keys [key0, + KEYS) (offs_m, offs_n in dS's layout), in the
+    gradient's dtype, by pointer; rows and keys past the sequence's left out. Offsets
+    within the tile in 32 bits (registers), its corner in 64."""
+    DBias, stride_gb, stride_gh, stride_gm = dbias_out
+    corner = (DBias + b.to(gl.int64) * stride_gb + h.to(gl.int64) * stride_gh
+              + start_m.to(gl.int64) * stride_gm + key0)
+    within = (offs_m - start_m)[:, None] * stride_gm + (offs_n - key0)[None, :]
+    keep = (offs_m < seqlen_q)[:, None] & (offs_n < seqlen_k)[None, :]
+    gl.store(corner + within, ds.to(DBias.dtype.element_ty), mask=keep)
+
+
+@gluon.jit
 def _bwd_wide_compute_partition(
     shared, HALF: gl.constexpr, HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     QK_SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
-    HAS_BIAS: gl.constexpr, BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr,
-    HAS_DROPOUT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_VARLEN: gl.constexpr,
+    HAS_BIAS: gl.constexpr, BIAS_ROW: gl.constexpr, DBIAS_FULL: gl.constexpr,
+    DBIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
+    HAS_SOFTCAP: gl.constexpr, IS_VARLEN: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup at D=256 (or 192/128): S and dP of keys [start_n + HALF * 32, + 32),
     then dK and dV of this warpgroup's head-dim columns over all 64 keys: half of each at
     D=256; with QK_SPLIT, dK's first (HALF 0) or split columns and half of dV's. P and
-    dS as the D 64/128 kernel makes them (_wide_probs)."""
+    dS as the D 64/128 kernel makes them (_wide_probs). A bias gradient (not beside
+    softcap, whose dS for dK is not the bias's): DBIAS_FULL, dS is it, each tile stored
+    from registers by pointer (no shared memory for a copy beside D=256's tiles);
+    DBIAS_ROW, a key row's, dS summed over each query head's queries in registers and
+    stored once per head into a (B, H, Sk) fp32 buffer (as the D 64/128 kernel)."""
     (dk_desc, dk2_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, q2_smem, k2_smem,
      lse_smem, delta_smem, pt_smem, dst_smem, bias_smem,
      kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, pds_free, b, hk, GROUP, start_n,
-     lo, full_lo, full_hi, n_tiles, seqlen_k, off, scale, window_left, window_right,
-     features, k_start, DK, DV, key_strides) = shared
+     lo, full_lo, full_hi, n_tiles, seqlen_q, seqlen_k, off, scale, window_left,
+     window_right, features, k_start, DK, DV, key_strides, dbias_out) = shared
+    gl.static_assert(not HAS_SOFTCAP or not (DBIAS_FULL or DBIAS_ROW),
+                     "softcap's dS for dK is not the bias gradient's")
     seed, rng_offset, heads, dropout_p = features[:4]  # dropout's (_wide_probs' docstring)
     dtype: gl.constexpr = k_smem.dtype
     HALF_N: gl.constexpr = BLOCK_N // 2
@@ -1161,6 +1184,8 @@ def _bwd_wide_compute_partition(
     dk = gl.zeros([BLOCK_N, DK_COLS], gl.float32, layout=dk_layout)
     dv = gl.zeros([BLOCK_N, DV_COLS], gl.float32, layout=dv_layout)
     s_init = gl.zeros([BLOCK_M, HALF_N], gl.float32, layout=s_layout)
+    if DBIAS_ROW:  # this query head's dS summed over its query tiles so far
+        db_row = gl.zeros([HALF_N], gl.float32, layout=gl.SliceLayout(0, s_layout))
     mbarrier.wait(kv_bar, 0)
 
     for i in range(GROUP * n_tiles):
@@ -1197,6 +1222,17 @@ def _bwd_wide_compute_partition(
         delta = delta_smem.index(slot).reshape([BLOCK_M]).load(rows_layout)
         p_kept, ds = _wide_grad_scores(p, dp, delta, keep, cap_slope, dropout_p, HAS_DROPOUT,
                                        HAS_SOFTCAP)
+        if DBIAS_FULL:
+            _store_wide_bias_grad(ds, dbias_out, b, h, start_m, start_n + HALF * HALF_N,
+                                  offs_m, offs_n, seqlen_q, seqlen_k, BLOCK_M, HALF_N)
+        if DBIAS_ROW:  # summed over queries; stored once per query head, its last tile
+            db_row += gl.sum(ds, 0)
+            head_done = i % n_tiles == n_tiles - 1
+            if head_done:
+                DBias, stride_gb, stride_gh, _ = dbias_out
+                gl.store(DBias + b.to(gl.int64) * stride_gb + h.to(gl.int64) * stride_gh
+                         + offs_n, db_row, mask=offs_n < seqlen_k)
+            db_row = gl.where(head_done, 0.0, db_row)
 
         # This warpgroup's keys of P and dS into the shared (keys, queries) tiles (both
         # warpgroups' reads of the previous step's are done: pds_free), then wait for
@@ -1263,15 +1299,17 @@ def _bwd_wide_compute_partition(
 @gluon.jit
 def _bwd_wide_kernel(
     q_desc, k_desc, v_desc, do_desc, stats_desc, q2_desc, k2_desc, dk_desc, dk2_desc,
-    dv_desc, bias_desc, DK, DV, Rng, Alibi, BiasRow, CuSeqQ, CuSeqK, stride_kb, stride_kn,
-    stride_kh, stride_vb, stride_vn, stride_vh, stride_ab, stride_ah, stride_rb, stride_rh,
-    stride_rn, bias_batches, bias_heads, HKV, GROUP, seqlen_q, seqlen_k, num_seqs,
-    num_n_blocks, scale, window_left, window_right, dropout_p, softcap,
+    dv_desc, bias_desc, DK, DV, Rng, Alibi, BiasRow, DBias, CuSeqQ, CuSeqK, stride_kb,
+    stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ab, stride_ah, stride_rb,
+    stride_rh, stride_rn, stride_gb, stride_gh, stride_gm, bias_batches, bias_heads, HKV,
+    GROUP, seqlen_q, seqlen_k, num_seqs, num_n_blocks, scale, window_left, window_right,
+    dropout_p, softcap,
     HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
-    HAS_BIAS: gl.constexpr, BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr,
-    HAS_DROPOUT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_VARLEN: gl.constexpr,
+    HAS_BIAS: gl.constexpr, BIAS_ROW: gl.constexpr, DBIAS_FULL: gl.constexpr,
+    DBIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
+    HAS_SOFTCAP: gl.constexpr, IS_VARLEN: gl.constexpr,
 ):  # fmt: skip
     # A program per key block; packed sequences (IS_VARLEN) on _bwd_sm90_kernel's packed
     # grid (an item past a sequence's blocks done at once), one batch of all tokens to
@@ -1281,7 +1319,8 @@ def _bwd_wide_kernel(
         item = _packed_key_item(item, HKV, CuSeqK, num_seqs, num_n_blocks, BLOCK_N)
         if item < 0:
             return
-    b, hk, start_n, q_start, k_start, _, seqlen_k, off, lo, full_lo, full_hi, n_tiles = _key_block(
+    (b, hk, start_n, q_start, k_start, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
+     n_tiles) = _key_block(
         item, HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left, window_right,
         BLOCK_M, BLOCK_N, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
     b_tma = b
@@ -1320,17 +1359,20 @@ def _bwd_wide_kernel(
               lse_smem, delta_smem, pt_smem, dst_smem, bias_smem, kv_bar, q_ready, do_ready,
               q_empty, do_empty,
               ds_bar, pds_free, b, hk, GROUP, start_n, lo, full_lo, full_hi, n_tiles,
-              seqlen_k, off, scale, window_left, window_right, features, k_start, DK, DV,
-              (stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh))
+              seqlen_q, seqlen_k, off, scale, window_left, window_right, features, k_start,
+              DK, DV, (stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh),
+              (DBias, stride_gb, stride_gh, stride_gm))
     gl.warp_specialize(
         [(_bwd_wide_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
                                         BLOCK_M, BLOCK_N, STAGES, BOUNDED_LEFT,
-                                        BOUNDED_RIGHT, HAS_BIAS, BIAS_ROW, HAS_ALIBI,
-                                        HAS_DROPOUT, HAS_SOFTCAP, IS_VARLEN)),
+                                        BOUNDED_RIGHT, HAS_BIAS, BIAS_ROW, DBIAS_FULL,
+                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, HAS_SOFTCAP,
+                                        IS_VARLEN)),
          (_bwd_wide_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
                                         BLOCK_M, BLOCK_N, STAGES, BOUNDED_LEFT,
-                                        BOUNDED_RIGHT, HAS_BIAS, BIAS_ROW, HAS_ALIBI,
-                                        HAS_DROPOUT, HAS_SOFTCAP, IS_VARLEN)),
+                                        BOUNDED_RIGHT, HAS_BIAS, BIAS_ROW, DBIAS_FULL,
+                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, HAS_SOFTCAP,
+                                        IS_VARLEN)),
          (_bwd_load_partition, (
             q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem,
             v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready, q_empty,
@@ -2297,7 +2339,7 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
                                dk, dv)
     if is_wide(spec):
         return _backward_wide(spec, q, k, v, grad_out, bias, alibi_slopes, rng_state,
-                              cu_seqlens_q, cu_seqlens_k, stats, dq, dk, dv)
+                              cu_seqlens_q, cu_seqlens_k, stats, dq, dk, dv, dbias)
     bias_row = hopper.bias_row(spec, bias)
     dbias_kind = None if dbias is None else dbias_kind_of(spec, bias)
     how = _plan(spec, bias_row, dbias_kind, inner_dims(spec, bias, dbias_kind),
@@ -2514,18 +2556,19 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
 
 
 def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_state,
-                   cu_seqlens_q, cu_seqlens_k, stats, dq, dk, dv) -> None:  # fmt: skip
-    """`backward` at head dims past 128 (is_wide; a bias read, its gradient not: dispatch
-    keeps those calls off these kernels): dK and dV from _bwd_wide_kernel, dQ from
-    _bwd_dq_wide_kernel, dense or packed batches."""
+                   cu_seqlens_q, cu_seqlens_k, stats, dq, dk, dv, dbias) -> None:  # fmt: skip
+    """`backward` at head dims past 128 (is_wide): dK and dV (and a bias gradient, of a
+    full bias or a key row alone: dispatch keeps the others off these kernels) from
+    _bwd_wide_kernel, dQ from _bwd_dq_wide_kernel, dense or packed batches."""
     bias_row = hopper.bias_row(spec, bias)
+    dbias_kind = None if dbias is None else dbias_kind_of(spec, bias)
     tokens = (q.shape[0], k.shape[0]) if spec.varlen else (0, 0)
-    dkdv, dq_plan = _plans_wide(spec, bias_row, *tokens, q.device.index)
+    dkdv, dq_plan = _plans_wide(spec, bias_row, dbias_kind, *tokens, q.device.index)
     # What each launch's arguments are made of beside its plan:
     # hopper.Launcher.launch_prepared.
     inputs = tuple(map(hopper.tensor_key, (q, k, v, grad_out, stats, bias, alibi_slopes,
                                            rng_state, cu_seqlens_q, cu_seqlens_k)))  # fmt: skip
-    dkdv_call = (dkdv, *inputs, hopper.tensor_key(dk), hopper.tensor_key(dv))
+    dkdv_call = (dkdv, *inputs, *map(hopper.tensor_key, (dk, dv, dbias)))
     dq_call = (dq_plan, *inputs, hopper.tensor_key(dq))
     dkdv_launched = _launch_backward_wide.launch_prepared(dkdv.programs, dkdv_call)
     dq_launched = _launch_dq_wide.launch_prepared(dq_plan.programs, dq_call)
@@ -2562,6 +2605,10 @@ def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, r
         return hopper.bias_descriptor(bias, rows, cols) if tiles else q_desc
 
     if not dkdv_launched:
+        # The bias gradient's (batch, head, query) strides; a key row's (B, H, Sk) buffer
+        # has no query stride
+        dbias_strides = (0, 0, 0) if dbias is None else (*dbias.stride()[:2], (
+            dbias.stride(2) if dbias_kind == "full" else 0))
         # A warpgroup's dK columns are a slice of Q's tile, which its swizzle may not span
         # more than (Dqk=64: 32 columns, 64 bytes)
         q_cols = q_desc
@@ -2577,10 +2624,13 @@ def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, r
             q_cols, k_desc, hopper.descriptor(v, BLOCK_N_WIDE, spec.head_dim_v), do_desc,
             stats_desc, q2_desc,
             k2_desc, *dk_parts, hopper.descriptor(dv, BLOCK_N_WIDE, cols=spec.head_dim_v // 2),
-            bias_tiles(BLOCK_M, BLOCK_N_WIDE), dk_out, dv_out, *options, *key_strides,
-            *strides, spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k, spec.batch,
-            *dkdv.counts, spec.scale, spec.window_left, spec.window_right, spec.dropout_p,
-            spec.softcap, variant=(dkdv, *variant), prepare=dkdv_call, **dkdv.constexprs,
+            bias_tiles(BLOCK_M, BLOCK_N_WIDE), dk_out, dv_out, *options[:3],
+            dk_out if dbias is None else dbias, *options[3:], *key_strides, *strides[:5],
+            *dbias_strides, *strides[5:], spec.kv_heads, spec.group, spec.seqlen_q,
+            spec.seqlen_k, spec.batch, *dkdv.counts, spec.scale, spec.window_left,
+            spec.window_right, spec.dropout_p, spec.softcap,
+            variant=(dkdv, *variant, *dbias_strides, None if dbias is None else dbias.dtype),
+            prepare=dkdv_call, **dkdv.constexprs,
         )  # fmt: skip
     if not dq_launched:
         dq_block_n = dq_plan.constexprs["BLOCK_N"]
@@ -2663,15 +2713,16 @@ def _plan_split(spec: AttentionSpec, tokens_k: int, device_index: int) -> hopper
 
 
 @hopper.plan_cache
-def _plans_wide(spec: AttentionSpec, bias_row: bool, tokens_q: int, tokens_k: int,
-                device_index: int) -> tuple[hopper.Plan, hopper.Plan]:  # fmt: skip
+def _plans_wide(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None, tokens_q: int,
+                tokens_k: int, device_index: int) -> tuple[hopper.Plan, hopper.Plan]:  # fmt: skip
     """The D=256 (and 192/128) launches (hopper.Plan): dK/dV, a program per key block
     and key head (counts: key blocks per head); dQ, a program per query block and head,
     or per pair of them folded under a mask (counts: query blocks per head, work items).
     Packed sequences (tokens_q, tokens_k: their tokens in all; 0 for dense batches): a
     program per item of the packed grids (hopper.packed_items over the keys, and over
     the queries as the forward's). bias_row: the bias is one row of keys
-    (hopper.bias_row), read by pointer."""
+    (hopper.bias_row), read by pointer. dbias_kind: dbias_kind_of's ("full" or "row"),
+    None without a bias gradient; dK/dV's kernel makes it."""
     bias_tiles = spec.has_bias and not bias_row
     bounds = dict(BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
                   BOUNDED_RIGHT=spec.window_right >= 0, HEAD_DIM_QK=spec.head_dim_qk,
@@ -2682,7 +2733,8 @@ def _plans_wide(spec: AttentionSpec, bias_row: bool, tokens_q: int, tokens_k: in
     num_n = cdiv(spec.seqlen_k, BLOCK_N_WIDE)
     dkdv = hopper.Plan(
         _key_block_items(spec, num_n, BLOCK_N_WIDE, tokens_k if spec.varlen else None), (num_n,),
-        dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N_WIDE, STAGES=STAGES, **bounds, num_warps=4))
+        dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N_WIDE, STAGES=STAGES, **bounds,
+             DBIAS_FULL=dbias_kind == "full", DBIAS_ROW=dbias_kind == "row", num_warps=4))
     block_m = 2 * ROWS.value
     num_m = cdiv(spec.seqlen_q, block_m)
     num_items = num_m * spec.batch * spec.heads
@@ -2852,7 +2904,10 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
     elif dbias_kind in ("full", "expanded"):  # expanded: every (b, h)'s dS
         shape = bias.shape if dbias_kind == "full" else spec.bias_shape
         dbias = new_output(shape, bias.dtype, bias.device)
-        if spec.varlen:  # tiles no query sees (past a sequence too) are never written
+        # tiles no query sees (past a sequence too) are never written; the D 64/128
+        # kernel writes a dense batch's zeros itself (_zero_unseen_ds_tiles)
+        masked = spec.window_left >= 0 or spec.window_right >= 0
+        if spec.varlen or (masked and is_wide(spec)):
             bias_grad_tiles(ZERO_UNSEEN, spec, None, dbias, cu_seqlens_q, cu_seqlens_k)
     backward(spec, q, k, v, grad_out, bias, alibi_slopes, rng_state, cu_seqlens_q,
              cu_seqlens_k, stats, dq if dq_acc is None else dq_acc, dk, dv, dbias)

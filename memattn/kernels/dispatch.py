@@ -15,7 +15,8 @@ backward alike.
   forward_sm90.q_stages, backward_sm90.BIAS_TILES_WITH_DROPOUT). The backward computes
   a bias gradient of a key row (summed in registers) or of a bias read by tiles (dS stored,
   or added up across the batch or heads it broadcasts over), past 128 columns (D=256,
-  Dqk=192, V of 256) none (a bias only read); deterministic mode only where dQ is not
+  Dqk=192, V of 256) of a key row or a full bias alone (no shared memory for the sums'
+  tiles); deterministic mode only where dQ is not
   added up in fp32 across programs, or is in a fixed order (backward_sm90.ORDERED_DQ),
   or comes from dS stored whole (a full bias gradient, or one summed over batch or
   heads stored expanded first) by one matmul (backward_sm90.dq_from_full_bias).
@@ -124,11 +125,13 @@ def gluon_backward_computes(spec: AttentionSpec, bias, need_dbias: bool) -> bool
     device: a bias gradient of a bias constant along queries (summed in registers), or
     of one read by tiles (every query and key; dS stored, or added up by TMA where the
     bias broadcasts over batch or heads) with rows of whole 16 bytes for those copies;
-    with a head dim past 128 (D=256, Dqk=192, V of 256 columns) a bias read but not its
-    gradient; bias tiles beside dropout where shared memory holds both
-    (backward_sm90.BIAS_TILES_WITH_DROPOUT); softcap without a bias gradient (its dS for
-    dK and dQ is not the bias gradient's)."""
-    if max(spec.head_dim_qk, spec.head_dim_v) > 128 and need_dbias:
+    with a head dim past 128 (D=256, Dqk=192, V of 256 columns) the gradient of a key
+    row or of a full bias alone (stored from registers: no shared memory for the summed
+    gradients' tiles beside D=256's); bias tiles beside dropout where shared memory
+    holds both (backward_sm90.BIAS_TILES_WITH_DROPOUT); softcap without a bias gradient
+    (its dS for dK and dQ is not the bias gradient's)."""
+    if max(spec.head_dim_qk, spec.head_dim_v) > 128 and need_dbias and not (
+            hopper.bias_row(spec, bias) or hopper.bias_full(spec, bias)):
         return False
     tiles = bias is not None and not hopper.bias_row(spec, bias)
     if tiles and spec.dropout_p > 0 and (
