@@ -623,10 +623,41 @@ FLOAT32_CASES = [
 ]  # fmt: skip
 
 
+@pytest.mark.parametrize("allow_tf32", [False, True])
+def test_float32_dots_are_3xtf32(allow_tf32):
+    """float32's dots run as 3xTF32 (near float32) whatever allow_tf32 says, but in the
+    backward past 128 columns (IEEE: its tiles ran faster so) and in the split-KV kernel
+    (bound by memory); 16-bit inputs' setting is unused (their dots take them as they
+    are)."""
+    from memattn.kernels.forward import dot_precision
+    from memattn.spec import check_call
+
+    def spec(dqk, dv, dtype=torch.float32):
+        q, v = torch.empty(1, 8, 2, dqk, dtype=dtype), torch.empty(1, 8, 2, dv, dtype=dtype)
+        return check_call(q, q, v)
+
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+        for dims in [(64, 64), (128, 128), (96, 96), (128, 64)]:
+            assert dot_precision(spec(*dims)) == dot_precision(spec(*dims), "backward")
+            assert dot_precision(spec(*dims)) == "tf32x3"
+        for dims in [(256, 256), (192, 128), (128, 256), (160, 160)]:
+            assert dot_precision(spec(*dims)) == "tf32x3"
+            assert dot_precision(spec(*dims), "backward") == "ieee"
+        for dims in [(64, 64), (256, 256)]:
+            assert dot_precision(spec(*dims), "decode") == "ieee"
+        assert dot_precision(spec(128, 128, torch.bfloat16)) == "tf32"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", FLOAT32_CASES, ids=lambda c: c.name)
-def test_float32_follows_allow_tf32_gpu(case):
-    """float32 at every head dim: IEEE dots without allow_tf32, 3xTF32 with it."""
+def test_float32_gpu(case):
+    """float32 at every head dim (3xTF32 dots: forward.dot_precision) within float32's
+    tolerance whatever allow_tf32 says: the reference follows it (without: plain
+    float32's error), the kernels do not."""
     old = torch.backends.cuda.matmul.allow_tf32
     try:
         for allow in (False, True):

@@ -8,7 +8,8 @@ needs into Triton's on-disk cache; the timing then runs alone in this process.
                           [--dtype bfloat16|float32]
 
 On Hopper, bf16/fp16 calls the Gluon kernels take never reach these tiles; float32
-always does (checked with allow_tf32 off and on, timed off: torch's default).
+always does (checked against the reference with allow_tf32 off and on, whose tolerance
+follows it; the kernels' dots do not: forward.dot_precision).
 """
 
 import argparse
@@ -45,9 +46,10 @@ BWD = {
           B(32, 64, 8, 3, 64, 32, 8, 3), B(64, 64, 8, 2, 64, 32, 8, 3),
           B(64, 64, 8, 2, 128, 32, 8, 2)],
 }
-# float32: twice the bytes a tile, and with allow_tf32 off (torch's default) the dots
-# are FMA loops. The sm_90 compile of the table's configs (first of each list) reports
-# 32 registers and 39-118 KB of spill stores a kernel; these candidates 0-6 KB (fwd
+# float32: twice the bytes a tile; the candidates below were swept when its dots were FMA
+# loops (now 3xTF32 but in the backward past 128 columns). The sm_90 compile of the
+# table's configs (first of each list) reports 32 registers and 39-118 KB of spill
+# stores a kernel; these candidates 0-6 KB (fwd
 # D=128: 32x64/8 warps none; D=256: 32x32/4 3.8 KB. bwd D=128: 32x64/8 dK/dV none, dQ
 # 0.9 KB; D=256: 32x32/8 none, 8 bytes).
 FWD_FP32 = {

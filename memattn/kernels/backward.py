@@ -644,7 +644,7 @@ def backward(
     dv = new_output(v.shape, v.dtype, v.device) if need_dk or need_dv else None
     dbias = None
 
-    common = feature_switches(spec)
+    common = feature_switches(spec, "backward")
     options = (spec.scale, spec.softcap, spec.window_left, spec.window_right, spec.dropout_p,
                spec.position_q, spec.position_k)
     qkv_strides = (*dense_strides(q, spec.varlen), *dense_strides(k, spec.varlen),

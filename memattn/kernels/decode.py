@@ -288,7 +288,7 @@ def _make_plans(spec: AttentionSpec, device_index: int, level: int):
     ``configs(spec)[level]``; cached per spec, device and level (`_plans`)."""
     cfg = configs(spec, False)[level]
     num_m_blocks, programs, splits, split_keys = plan(spec, cfg, torch.device("cuda", device_index))
-    switches = feature_switches(spec)
+    switches = feature_switches(spec, "decode")
     pdl = PDL and torch.cuda.get_device_capability(device_index)[0] >= 9
     split_plan = hopper.Plan(
         programs * splits, (num_m_blocks, splits, split_keys),
@@ -367,7 +367,7 @@ def _merge_ints(spec, out, lse, splits) -> tuple:
 def _forward_by_triton(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state,
                        cu_seqlens_q, cu_seqlens_k, out, lse) -> None:  # fmt: skip
     """`forward` through Triton's own launches: the interpreter, or no Gluon API."""
-    switches = feature_switches(spec)
+    switches = feature_switches(spec, "decode")
     interpreting = q.device.type == "cpu"
     parts = {}
 

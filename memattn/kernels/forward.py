@@ -202,18 +202,30 @@ def _fwd_kernel(
     tl.store(l_base + arange_m * stride_lm, lse, mask=row_ok)
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """float32 inputs follow torch.backends.cuda.matmul.allow_tf32, like torch.matmul:
-    allowed, the dots run on tensor cores as 3xTF32. Plain TF32 was 4x less accurate
-    than torch's own TF32 matmul on an H100 (Triton truncates to TF32, which biases P
-    downwards), failing the same-precision tolerance; 3xTF32 is near float32."""
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+def dot_precision(spec: AttentionSpec, kernel: str = "forward") -> str:
+    """How ``kernel``'s dots ("forward", "backward": the tile kernels; "decode": the
+    split-KV kernel) take float32 inputs: on tensor cores as 3xTF32 (each
+    operand split into a TF32 high and low part, three products summed in fp32: near
+    float32, within float32's own tolerance in the GPU suite), as PyTorch's
+    memory-efficient kernel does for float32 whatever allow_tf32 says. IEEE dots (FMA)
+    ran 2-5x slower (H100, B2 S2048 H16, TFLOP/s fwd / bwd: D=128 11 / 6.4 against 29 /
+    14, D=64 10 / 7.7 against 49 / 16), but for the backward past 128 columns, whose
+    tiles (tuning's, swept with IEEE dots) ran 3.7 against 3xTF32's 1.0 (D=256 S1024
+    causal): it keeps them, as the split-KV kernel does (bound by memory; its 3xTF32 not
+    checked against float32's tolerance on a GPU). Plain TF32 was 4x less accurate than
+    torch's own TF32 matmul (Triton truncates to TF32, which biases P downwards). Other
+    dtypes: unused."""
+    if spec.dtype != torch.float32:
+        return "tf32"
+    widest = max(map(tuning.padded_head_dim, (spec.head_dim_qk, spec.head_dim_v)))
+    if kernel == "decode" or (kernel == "backward" and widest > 128):
         return "ieee"
-    return "tf32x3" if dtype == torch.float32 else "tf32"
+    return "tf32x3"
 
 
-def feature_switches(spec: AttentionSpec) -> dict:
-    """The compile-time switches every attention kernel takes, named alike in all."""
+def feature_switches(spec: AttentionSpec, kernel: str = "forward") -> dict:
+    """The compile-time switches every attention kernel takes, named alike in all;
+    ``kernel`` ("forward", "backward", "decode") decides float32's dots (dot_precision)."""
     return dict(
         DQK=spec.head_dim_qk, DV=spec.head_dim_v,
         BLOCK_DQK=tuning.padded_head_dim(spec.head_dim_qk),
@@ -222,7 +234,7 @@ def feature_switches(spec: AttentionSpec) -> dict:
         BOUNDED_LEFT=spec.window_left >= 0, BOUNDED_RIGHT=spec.window_right >= 0,
         HAS_BIAS=spec.has_bias, HAS_ALIBI=spec.has_alibi,
         HAS_SOFTCAP=spec.softcap > 0, HAS_DROPOUT=spec.dropout_p > 0,
-        DOT_PRECISION=dot_precision(spec.dtype),
+        DOT_PRECISION=dot_precision(spec, kernel),
     )  # fmt: skip
 
 

@@ -98,11 +98,12 @@ def backward_config(spec: AttentionSpec) -> BackwardConfig:
     # against 310-386 TFLOP/s at D=128), so the table leaves it off.
     d = max(padded_head_dim(spec.head_dim_qk), padded_head_dim(spec.head_dim_v))
     causal = spec.window_right >= 0
-    # float32 (FMA dots with allow_tf32 off, torch's default; tools/sweep.py --dtype
-    # float32, plain / causal TFLOP/s): tiles sized for 2-byte types spilled 39-118 KB a
-    # kernel. D=128 forward 32x64 8 warps 11 / 11 (128x64's 2 stages did not fit: 256
-    # KiB), backward 7 / 6 against 1 / 1 at 64x64 4 warps; D=256 forward 32x32 8 warps
-    # 7 / 6 (64x32 did not fit), backward 4 / 4 against 1 / 1 at 4 warps.
+    # float32 (swept with IEEE FMA dots, which the backward past 128 columns keeps:
+    # forward.dot_precision; tools/sweep.py --dtype float32, plain / causal TFLOP/s):
+    # tiles sized for 2-byte types spilled 39-118 KB a kernel. D=128 forward 32x64 8
+    # warps 11 / 11 (128x64's 2 stages did not fit: 256 KiB), backward 7 / 6 against
+    # 1 / 1 at 64x64 4 warps; D=256 forward 32x32 8 warps 7 / 6 (64x32 did not fit),
+    # backward 4 / 4 against 1 / 1 at 4 warps.
     if spec.dtype == torch.float32:
         if d <= 128:
             return BackwardConfig(32, 64, 8, 1, 64, 32, 8, 1)
