@@ -546,6 +546,8 @@ WIDE_BIAS_CASES = [
          options=dict(causal=True, align="bottom_right")),
     Case("wide bias BH1K alibi dropout GQA", heads=4, kv_heads=2, seqlen_q=333, seqlen_k=704,
          dqk=128, dv=256, bias="BH1K", alibi="H", options=dict(dropout_p=0.2)),
+    Case("wide bias HQK B1 window", batch=1, seqlen_q=300, seqlen_k=408, dqk=192, dv=128,
+         bias="HQK", options=dict(window=(100, 30))),
 ]  # fmt: skip
 
 
@@ -563,7 +565,7 @@ def test_hopper_wide_backward_bias_gpu(case, dtype, grad, monkeypatch):
     results = check_backward(case, dtype, "cuda", seed=13 if grad else 11, bias_grad=grad)
     assert [r.what for r in results] == ["dq", "dk", "dv"] + (["dbias"] if grad else [])
     assert_results(results)
-    full, row = grad and case.bias == "BHQK", bias_row(case)
+    full, row = grad and case.bias in ("BHQK", "HQK"), bias_row(case)  # HQK: at B = 1
     if grad and ("softcap" in case.options or not (full or row)):
         assert dkdv == [] and dq == []  # the tile kernels
         return

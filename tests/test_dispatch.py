@@ -568,6 +568,25 @@ def test_wide_backward_plans(varlen, bias_shape, kv_stages):
 
 
 @gluon
+@pytest.mark.parametrize("bias_shape", [(1, 2, 16, 16), (2, 16, 16), (1, 1, 1, 16)])
+def test_wide_grad_strides(bias_shape):
+    """The strides the wide dK/dV kernel stores a bias gradient by: a full one's as a
+    (B, H, Sq, Sk) view whatever dims the bias has (B = 1 here: (H, Sq, Sk) is full too),
+    a key row's (B, H, Sk) fp32 buffer's with no query stride."""
+    bsm = dispatch.backward_sm90
+    spec, _, _, _, bias = spec_and_inputs(b=1, h=2, d=256, bias_shape=bias_shape)
+    kind = bsm.dbias_kind_of(spec, bias)
+    assert kind == ("row" if bias_shape[-2] == 1 else "full")
+    if kind == "full":
+        dbias = torch.empty(bias.shape, dtype=bias.dtype)
+        assert bsm.wide_grad_strides(spec, dbias, kind) == (2 * 16 * 16, 16 * 16, 16)
+    else:
+        partial = torch.empty(spec.batch, spec.heads, spec.seqlen_k)
+        assert bsm.wide_grad_strides(spec, partial, kind) == (2 * 16, 16, 0)
+    assert bsm.wide_grad_strides(spec, None, None) == (0, 0, 0)
+
+
+@gluon
 @pytest.mark.parametrize("dqk", [64, 128, 192])
 def test_wide_v_takes_the_wide_backward(dqk):
     """V of 256 columns beside a narrower q·k: the wide kernels, dQ written in the

@@ -2605,10 +2605,7 @@ def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, r
         return hopper.bias_descriptor(bias, rows, cols) if tiles else q_desc
 
     if not dkdv_launched:
-        # The bias gradient's (batch, head, query) strides; a key row's (B, H, Sk) buffer
-        # has no query stride
-        dbias_strides = (0, 0, 0) if dbias is None else (*dbias.stride()[:2], (
-            dbias.stride(2) if dbias_kind == "full" else 0))
+        dbias_strides = wide_grad_strides(spec, dbias, dbias_kind)
         # A warpgroup's dK columns are a slice of Q's tile, which its swizzle may not span
         # more than (Dqk=64: 32 columns, 64 bytes)
         q_cols = q_desc
@@ -2646,6 +2643,19 @@ def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, r
             spec.window_right, spec.dropout_p, spec.softcap, variant=(dq_plan, *variant),
             prepare=dq_call, **dq_plan.constexprs,
         )  # fmt: skip
+
+
+def wide_grad_strides(spec: AttentionSpec, dbias: torch.Tensor | None,
+                      dbias_kind: str | None) -> tuple[int, int, int]:  # fmt: skip
+    """The (batch, head, query) strides _bwd_wide_kernel stores a bias gradient by: a full
+    one's as a (B, H, Sq, Sk) view (the bias, and so its gradient, may have fewer dims:
+    (H, Sq, Sk) at B = 1); a key row's (B, H, Sk) fp32 buffer's, no query stride; zeros
+    without a gradient."""
+    if dbias is None:
+        return (0, 0, 0)
+    if dbias_kind == "full":
+        return tuple(dbias.view(spec.bias_shape).stride()[:3])
+    return (*dbias.stride()[:2], 0)
 
 
 def _split_descriptors(t: torch.Tensor, rows: int, width: int, split: int) -> tuple:
