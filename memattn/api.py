@@ -35,8 +35,7 @@ def attention(
     v (Tk, Hkv, Dv), out (Tq, H, Dv); masks, ALiBi and alignment apply per sequence.
     H must be a multiple of Hkv (GQA/MQA); Dqk and Dv in [1, 256]. dtypes: float16,
     bfloat16, float32 (its dots as 3xTF32, near float32, as PyTorch's memory-efficient
-    kernel does, whatever allow_tf32 says). Any
-    strides.
+    kernel does, whatever allow_tf32 says). Any strides.
 
     Options (``off`` = 0 for align="top_left", Sk - Sq for "bottom_right", per sequence):
       causal:       key j visible from query i only when j <= i + off.

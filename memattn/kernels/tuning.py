@@ -31,6 +31,11 @@ def padded_head_dim(d: int) -> int:
     return max(16, 1 << (d - 1).bit_length())  # plain Python: this runs on every call
 
 
+def padded_width(spec: AttentionSpec) -> int:
+    """The padded head dim the tile kernels' tables are keyed by: q·k's or V's, the wider."""
+    return max(padded_head_dim(spec.head_dim_qk), padded_head_dim(spec.head_dim_v))
+
+
 # Under the interpreter: small tiles, so that tests at odd sizes cross several.
 INTERPRETER_FORWARD = Config(32, 16, 1, 1)
 
@@ -43,7 +48,7 @@ def forward_config(spec: AttentionSpec) -> Config:
         return forward_override
     if interpreting():
         return INTERPRETER_FORWARD
-    d = max(padded_head_dim(spec.head_dim_qk), padded_head_dim(spec.head_dim_v))
+    d = padded_width(spec)
     wide = spec.dtype == torch.float32  # twice the shared memory per tile
     # H100 sweeps (tools/sweep.py): the best correct configuration per head
     # dim. Bias tiles are pipelined with K and V, so a bias needs smaller tiles to fit
@@ -96,7 +101,7 @@ def backward_config(spec: AttentionSpec) -> BackwardConfig:
     # reference first: Triton 3.6 miscompiled dK/dV (old orientation) at 32x128/8 warps/
     # 2 stages and 16x128/4/2. dq_atomic lost everywhere (pointer atomics: 130-240
     # against 310-386 TFLOP/s at D=128), so the table leaves it off.
-    d = max(padded_head_dim(spec.head_dim_qk), padded_head_dim(spec.head_dim_v))
+    d = padded_width(spec)
     causal = spec.window_right >= 0
     # float32 (swept with IEEE FMA dots, which the backward past 128 columns keeps:
     # forward.dot_precision; tools/sweep.py --dtype float32, plain / causal TFLOP/s):
