@@ -481,12 +481,15 @@ def test_hopper_backward_gpu(case, dtype, hopper_backward_launches):
 
     assert_results(check_backward(case, dtype, "cuda", seed=7))
     dqk, dv = dispatch.kernel_head_dims(case.dqk, case.dv, "backward")  # D=96 as 128
-    # backward.py runs by design: past 128 columns (q·k's or V's) the gradient of a bias
-    # broadcast over batch or heads with queries (the suite's calls ask for it), a bias
-    # gradient of rows not whole 16 bytes, and softcap with a bias gradient.
+    # backward.py runs by design: a bias gradient of rows not whole 16 bytes, softcap with
+    # a bias gradient (the suite's calls ask for it), and past 128 columns (q·k's or V's)
+    # a deterministic gradient of a bias broadcast over batch or heads with queries (the
+    # wide kernels add it by atomics).
     softcap = case.options.get("softcap", 0) > 0
     split = (dqk, dv) in backward_sm90.SPLIT_HEAD_DIM_PAIRS
-    wide_plain = max(dqk, dv) <= 128 or case.bias in (None, "BHQK") or bias_row(case)
+    summed = case.bias not in (None, "BHQK", "HQK") and not bias_row(case)
+    deterministic = case.options.get("deterministic", False)
+    wide_plain = max(dqk, dv) <= 128 or not (summed and deterministic)
     wide_plain = wide_plain and not (softcap and case.bias is not None)
     # bias tiles beside dropout's scratch: 64/64, 128/64, 64/128 alone
     tiles = case.bias is not None and not bias_row(case)
@@ -524,10 +527,12 @@ def test_hopper_backward_bias_without_grad_gpu(name, dtype, hopper_backward_laun
 # A bias past 128 columns (a padding mask from transformers at D=256, asking no
 # gradient): the wide kernels read it, by TMA tiles beside Q's (dK/dV) and K's (dQ) or,
 # constant along queries, as a row of keys by pointer; with dropout, ALiBi, softcap.
-# Its gradient ("grad"): a full bias's (dS, stored from registers; under a mask the
-# tiles no query sees zeroed by bias_grad_tiles) and a key row's (dS summed over each
-# head's queries in registers) from the dK/dV kernel, beside dropout and ALiBi; one
-# summed over batch or heads with queries, and softcap's, keep the tile kernels.
+# Its gradient ("grad"), from the dK/dV kernel beside dropout and ALiBi: a full bias's
+# (dS, stored from registers; under a mask the tiles no query sees zeroed by
+# bias_grad_tiles), one broadcast over batch or heads with queries (dS added by atomics
+# from registers into an fp32 buffer, packed sequences' shared plane too) and a key
+# row's (dS summed over each head's queries in registers); softcap's keeps the tile
+# kernels.
 WIDE_BIAS_CASES = [
     Case("wide bias BHQK causal", seqlen_q=500, seqlen_k=504, dqk=256, dv=256, bias="BHQK",
          options=dict(causal=True)),
@@ -565,13 +570,16 @@ def test_hopper_wide_backward_bias_gpu(case, dtype, grad, monkeypatch):
     results = check_backward(case, dtype, "cuda", seed=13 if grad else 11, bias_grad=grad)
     assert [r.what for r in results] == ["dq", "dk", "dv"] + (["dbias"] if grad else [])
     assert_results(results)
-    full, row = grad and case.bias in ("BHQK", "HQK"), bias_row(case)  # HQK: at B = 1
-    if grad and ("softcap" in case.options or not (full or row)):
+    row = bias_row(case)
+    full = grad and case.bias in ("BHQK", "HQK")  # HQK: at B = 1
+    summed = grad and not (full or row)
+    if grad and "softcap" in case.options:
         assert dkdv == [] and dq == []  # the tile kernels
         return
     for launches in (dkdv, dq):
         assert [(c["HAS_BIAS"], c["BIAS_ROW"]) for _, c in launches] == [(not row, row)]
-    assert [(c["DBIAS_FULL"], c["DBIAS_ROW"]) for _, c in dkdv] == [(full, grad and row)]
+    flags = [(c["DBIAS_FULL"], c["DBIAS_SUM"], c["DBIAS_ROW"]) for _, c in dkdv]
+    assert flags == [(full, summed, grad and row)]
 
 
 # Persistent backward programs (PERSISTENT_BLOCKS): with five of them, each walks key

@@ -49,8 +49,8 @@ def test_cpu_calls_run_the_tile_kernels():
         (256, None, {}, False, True),
         (256, (2, 2, 16, 16), {}, False, True),  # D=256: a bias read,
         (256, (2, 2, 16, 16), {}, True, True),  # a full one's gradient (dS stored),
-        (256, (1, 2, 16, 16), {}, True, False),  # not one summed over batch or heads
-        (256, (2, 2, 16, 16), dict(softcap=5.0), True, False),  # nor beside softcap
+        (256, (1, 2, 16, 16), {}, True, True),  # one summed over batch or heads (atomics)
+        (256, (2, 2, 16, 16), dict(softcap=5.0), True, False),  # not beside softcap
         (256, None, dict(dropout_p=0.1), False, True),  # dropout, ALiBi, softcap: yes
         (256, None, dict(alibi_slopes=torch.rand(2)), False, True),
         (256, None, dict(softcap=5.0, causal=True), False, True),
@@ -545,8 +545,8 @@ def test_wide_backward_plans(varlen, bias_shape, kv_stages):
     """The wide kernels' launches: dK/dV a program per 64-key block, dQ one per 128-query
     block (packed sequences: hopper.packed_items over the keys and over the queries, one
     item more a (sequence, head)); bias tiles beside K's in the dQ kernel take a stage
-    of its K and V rings, a key row (read by pointer) none; the gradient of a full bias
-    or of a key row made by the dK/dV kernel (DBIAS_FULL, DBIAS_ROW)."""
+    of its K and V rings, a key row (read by pointer) none; a bias gradient made by the
+    dK/dV kernel (DBIAS_FULL, DBIAS_SUM, DBIAS_ROW)."""
     bsm = dispatch.backward_sm90
     spec, _, _, _, bias = spec_and_inputs(b=3, sq=1024, sk=1024, h=2, d=256, varlen=varlen,
                                           bias_shape=bias_shape)  # fmt: skip
@@ -561,28 +561,30 @@ def test_wide_backward_plans(varlen, bias_shape, kv_stages):
             assert plan.constexprs["IS_VARLEN"] is varlen
             assert plan.constexprs["HAS_BIAS"] is (bias is not None and not row)
             assert plan.constexprs["BIAS_ROW"] is row
-        flags = (dkdv.constexprs["DBIAS_FULL"], dkdv.constexprs["DBIAS_ROW"])
-        assert flags == (kind == "full", kind == "row")
-        assert "DBIAS_FULL" not in dq.constexprs and "DBIAS_ROW" not in dq.constexprs
+        flags = tuple(dkdv.constexprs[f"DBIAS_{k}"] for k in ("FULL", "SUM", "ROW"))
+        assert flags == (kind == "full", kind == "summed", kind == "row")
+        assert not any(f"DBIAS_{k}" in dq.constexprs for k in ("FULL", "SUM", "ROW"))
     assert dq.constexprs["KV_STAGES"] == kv_stages
 
 
 @gluon
-@pytest.mark.parametrize("bias_shape", [(1, 2, 16, 16), (2, 16, 16), (1, 1, 1, 16)])
-def test_wide_grad_strides(bias_shape):
-    """The strides the wide dK/dV kernel stores a bias gradient by: a full one's as a
-    (B, H, Sq, Sk) view whatever dims the bias has (B = 1 here: (H, Sq, Sk) is full too),
-    a key row's (B, H, Sk) fp32 buffer's with no query stride."""
+@pytest.mark.parametrize("b, bias_shape, kind, strides", [
+    (1, (1, 2, 16, 16), "full", (2 * 16 * 16, 16 * 16, 16)),
+    (1, (2, 16, 16), "full", (2 * 16 * 16, 16 * 16, 16)),  # (H, Sq, Sk) at B = 1
+    (2, (2, 16, 16), "summed", (2 * 16 * 16, 16 * 16, 16)),  # over the batch
+    (2, (16, 16), "summed", (16 * 16, 16 * 16, 16)),  # over both
+    (1, (1, 1, 1, 16), "row", (2 * 16, 16, 0)),  # the (B, H, Sk) buffer's
+])  # fmt: skip
+def test_wide_grad_strides(b, bias_shape, kind, strides):
+    """The (batch, head, query) strides the wide dK/dV kernel takes a bias gradient by: a
+    full one's, or a summed one's fp32 buffer in the bias's shape, as a 4-D view whatever
+    dims the bias has; a key row's (B, H, Sk) fp32 buffer's with no query stride."""
     bsm = dispatch.backward_sm90
-    spec, _, _, _, bias = spec_and_inputs(b=1, h=2, d=256, bias_shape=bias_shape)
-    kind = bsm.dbias_kind_of(spec, bias)
-    assert kind == ("row" if bias_shape[-2] == 1 else "full")
-    if kind == "full":
-        dbias = torch.empty(bias.shape, dtype=bias.dtype)
-        assert bsm.wide_grad_strides(spec, dbias, kind) == (2 * 16 * 16, 16 * 16, 16)
-    else:
-        partial = torch.empty(spec.batch, spec.heads, spec.seqlen_k)
-        assert bsm.wide_grad_strides(spec, partial, kind) == (2 * 16, 16, 0)
+    spec, _, _, _, bias = spec_and_inputs(b=b, h=2, d=256, bias_shape=bias_shape)
+    assert bsm.dbias_kind_of(spec, bias) == kind
+    grad = (torch.empty(spec.batch, spec.heads, spec.seqlen_k) if kind == "row"
+            else torch.empty(bias.shape))  # fmt: skip
+    assert bsm.wide_grad_strides(spec, grad, kind) == strides
     assert bsm.wide_grad_strides(spec, None, None) == (0, 0, 0)
 
 
@@ -606,8 +608,11 @@ def test_wide_v_takes_the_wide_backward(dqk):
     bias = torch.randn(2, 2, 16, 16, dtype=torch.float16)  # read, and a full one's gradient
     assert dispatch.gluon_backward_computes(check_call(q, q, v, bias=bias), bias, False)
     assert dispatch.gluon_backward_computes(check_call(q, q, v, bias=bias), bias, True)
-    shared = bias[:1]  # but not one summed over the batch
-    assert not dispatch.gluon_backward_computes(check_call(q, q, v, bias=shared), shared, True)
+    shared = bias[:1]  # and one summed over the batch (by atomics: not deterministic)
+    assert dispatch.gluon_backward_computes(check_call(q, q, v, bias=shared), shared, True)
+    det = check_call(q, q, v, bias=shared, deterministic=True)
+    assert not dispatch._gluon_deterministic(det, shared, True)
+    assert dispatch._gluon_deterministic(det, shared, False)
     cu = torch.tensor([0, 5, 16], dtype=torch.int32)
     varlen = check_call(q[0], q[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=11,
                         max_seqlen_k=11)

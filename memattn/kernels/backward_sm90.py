@@ -52,10 +52,11 @@ masks either way, sliding windows, a bias, ALiBi, softcap, dropout, dense and pa
 batches) minus a bias gradient summed over keys, minus softcap beside a bias gradient,
 minus deterministic calls at D 64 and 128 other than orders_dq's (TMA reduce-adds land
 in any order; ORDERED_DQ puts them in one) and dq_from_full_bias's (dS stored whole, dQ
-from it), and past 128 columns minus the gradient of a bias broadcast over batch or
-heads with queries (the wide kernels read a bias and apply ALiBi, softcap and dropout
-as the D 64/128 kernel does, _wide_probs; a full bias's gradient they store from
-registers, a key row's they sum in registers). Every other call runs backward.py.
+from it), and past 128 columns minus deterministic calls with the gradient of a bias
+broadcast over batch or heads with queries (the wide kernels read a bias and apply
+ALiBi, softcap and dropout as the D 64/128 kernel does, _wide_probs; a full bias's
+gradient they store from registers, a summed one's they add by atomics, a key row's
+they sum in registers). Every other call runs backward.py.
 """
 
 from __future__ import annotations
@@ -1114,17 +1115,23 @@ def _wide_grad_scores(p, dp, delta, keep, cap_slope, dropout_p, HAS_DROPOUT: gl.
 
 @gluon.jit
 def _store_wide_bias_grad(ds, dbias_out, b, h, start_m, key0, offs_m, offs_n, seqlen_q,
-                          seqlen_k, BLOCK_M: gl.constexpr, KEYS: gl.constexpr):  # fmt: skip
-    """A full bias's gradient: dS's (queries, keys) tile of query head h, batch b, rows
-    [start_m, + BLOCK_M) and keys [key0, + KEYS) (offs_m, offs_n in dS's layout), in the
-    gradient's dtype, by pointer; rows and keys past the sequence's left out. Offsets
-    within the tile in 32 bits (registers), its corner in 64."""
+                          seqlen_k, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
+                          ADD: gl.constexpr):  # fmt: skip
+    """A bias's gradient from dS's (queries, keys) tile of query head h, batch b, rows
+    [start_m, + BLOCK_M) and keys [key0, + KEYS) (offs_m, offs_n in dS's layout), by
+    pointer: a full bias's stored in its dtype; with ADD, one broadcast over batch or
+    heads, added into its fp32 buffer (at the bias's own batch and head, b and h taken
+    modulo its sizes by the caller) by atomics. Rows and keys past the sequence's left
+    out. Offsets within the tile in 32 bits (registers), its corner in 64."""
     DBias, stride_gb, stride_gh, stride_gm = dbias_out
     corner = (DBias + b.to(gl.int64) * stride_gb + h.to(gl.int64) * stride_gh
               + start_m.to(gl.int64) * stride_gm + key0)
     within = (offs_m - start_m)[:, None] * stride_gm + (offs_n - key0)[None, :]
     keep = (offs_m < seqlen_q)[:, None] & (offs_n < seqlen_k)[None, :]
-    gl.store(corner + within, ds.to(DBias.dtype.element_ty), mask=keep)
+    if ADD:
+        gl.atomic_add(corner + within, ds, mask=keep, sem="relaxed")
+    else:
+        gl.store(corner + within, ds.to(DBias.dtype.element_ty), mask=keep)
 
 
 @gluon.jit
@@ -1133,8 +1140,8 @@ def _bwd_wide_compute_partition(
     QK_SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
     HAS_BIAS: gl.constexpr, BIAS_ROW: gl.constexpr, DBIAS_FULL: gl.constexpr,
-    DBIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
-    HAS_SOFTCAP: gl.constexpr, IS_VARLEN: gl.constexpr,
+    DBIAS_SUM: gl.constexpr, DBIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr,
+    HAS_DROPOUT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_VARLEN: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup at D=256 (or 192/128): S and dP of keys [start_n + HALF * 32, + 32),
     then dK and dV of this warpgroup's head-dim columns over all 64 keys: half of each at
@@ -1142,14 +1149,16 @@ def _bwd_wide_compute_partition(
     dS as the D 64/128 kernel makes them (_wide_probs). A bias gradient (not beside
     softcap, whose dS for dK is not the bias's): DBIAS_FULL, dS is it, each tile stored
     from registers by pointer (no shared memory for a copy beside D=256's tiles);
-    DBIAS_ROW, a key row's, dS summed over each query head's queries in registers and
-    stored once per head into a (B, H, Sk) fp32 buffer (as the D 64/128 kernel)."""
+    DBIAS_SUM, one broadcast over batch or heads, dS added into its fp32 buffer by
+    atomics from registers; DBIAS_ROW, a key row's, dS summed over each query head's
+    queries in registers and stored once per head into a (B, H, Sk) fp32 buffer (as the
+    D 64/128 kernel)."""
     (dk_desc, dk2_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, q2_smem, k2_smem,
      lse_smem, delta_smem, pt_smem, dst_smem, bias_smem,
      kv_bar, q_ready, do_ready, q_empty, do_empty, ds_bar, pds_free, b, hk, GROUP, start_n,
      lo, full_lo, full_hi, n_tiles, seqlen_q, seqlen_k, off, scale, window_left,
      window_right, features, k_start, DK, DV, key_strides, dbias_out) = shared
-    gl.static_assert(not HAS_SOFTCAP or not (DBIAS_FULL or DBIAS_ROW),
+    gl.static_assert(not HAS_SOFTCAP or not (DBIAS_FULL or DBIAS_SUM or DBIAS_ROW),
                      "softcap's dS for dK is not the bias gradient's")
     seed, rng_offset, heads, dropout_p = features[:4]  # dropout's (_wide_probs' docstring)
     dtype: gl.constexpr = k_smem.dtype
@@ -1222,9 +1231,13 @@ def _bwd_wide_compute_partition(
         delta = delta_smem.index(slot).reshape([BLOCK_M]).load(rows_layout)
         p_kept, ds = _wide_grad_scores(p, dp, delta, keep, cap_slope, dropout_p, HAS_DROPOUT,
                                        HAS_SOFTCAP)
-        if DBIAS_FULL:
-            _store_wide_bias_grad(ds, dbias_out, b, h, start_m, start_n + HALF * HALF_N,
-                                  offs_m, offs_n, seqlen_q, seqlen_k, BLOCK_M, HALF_N)
+        if DBIAS_FULL or DBIAS_SUM:
+            gb, gh = b, h
+            if DBIAS_SUM:  # the bias's own batch and head (bias_batches, bias_heads)
+                gb, gh = b % features[12], h % features[13]
+            _store_wide_bias_grad(ds, dbias_out, gb, gh, start_m, start_n + HALF * HALF_N,
+                                  offs_m, offs_n, seqlen_q, seqlen_k, BLOCK_M, HALF_N,
+                                  DBIAS_SUM)
         if DBIAS_ROW:  # summed over queries; stored once per query head, its last tile
             db_row += gl.sum(ds, 0)
             head_done = i % n_tiles == n_tiles - 1
@@ -1308,8 +1321,8 @@ def _bwd_wide_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
     HAS_BIAS: gl.constexpr, BIAS_ROW: gl.constexpr, DBIAS_FULL: gl.constexpr,
-    DBIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
-    HAS_SOFTCAP: gl.constexpr, IS_VARLEN: gl.constexpr,
+    DBIAS_SUM: gl.constexpr, DBIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr,
+    HAS_DROPOUT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_VARLEN: gl.constexpr,
 ):  # fmt: skip
     # A program per key block; packed sequences (IS_VARLEN) on _bwd_sm90_kernel's packed
     # grid (an item past a sequence's blocks done at once), one batch of all tokens to
@@ -1366,13 +1379,13 @@ def _bwd_wide_kernel(
         [(_bwd_wide_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
                                         BLOCK_M, BLOCK_N, STAGES, BOUNDED_LEFT,
                                         BOUNDED_RIGHT, HAS_BIAS, BIAS_ROW, DBIAS_FULL,
-                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, HAS_SOFTCAP,
-                                        IS_VARLEN)),
+                                        DBIAS_SUM, DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT,
+                                        HAS_SOFTCAP, IS_VARLEN)),
          (_bwd_wide_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
                                         BLOCK_M, BLOCK_N, STAGES, BOUNDED_LEFT,
                                         BOUNDED_RIGHT, HAS_BIAS, BIAS_ROW, DBIAS_FULL,
-                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, HAS_SOFTCAP,
-                                        IS_VARLEN)),
+                                        DBIAS_SUM, DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT,
+                                        HAS_SOFTCAP, IS_VARLEN)),
          (_bwd_load_partition, (
             q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem,
             v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready, q_empty,
@@ -2249,19 +2262,20 @@ def dbias_kind_of(spec: AttentionSpec, bias: torch.Tensor) -> str:
     queries (hopper.bias_row: dS summed over each head's queries in registers), "full"
     for one with an element per (b, h, i, j) (dS is the gradient: each tile stored as it
     is), "added" for a plane per head that up to PACKED_BIAS_ADDS packed sequences share
-    (each tile added into the gradient by TMA reduce-add), "summed" for any other
-    broadcast over batch or heads (dS added into an fp32 buffer by TMA reduce-adds, as
-    dQ is), but for deterministic dense calls "expanded": each (b, h)'s dS stored as a
-    full gradient's is, into a (B, H, Sq, Sk) buffer that bias_grad_tiles' CONVERT then
-    sums over the broadcast dimensions in a fixed order (as backward.py's deterministic
-    calls do, in half its bytes: the bias's dtype, where it sums fp32), and dQ made from
-    it (dq_from_full_bias)."""
+    (each tile added into the gradient by TMA reduce-add; not past 128 columns), "summed"
+    for any other broadcast over batch or heads (dS added into an fp32 buffer by TMA
+    reduce-adds, as dQ is; past 128 columns by atomics: _bwd_wide_kernel), but for
+    deterministic dense calls "expanded": each (b, h)'s dS stored as a full gradient's
+    is, into a (B, H, Sq, Sk) buffer that bias_grad_tiles' CONVERT then sums over the
+    broadcast dimensions in a fixed order (as backward.py's deterministic calls do, in
+    half its bytes: the bias's dtype, where it sums fp32), and dQ made from it
+    (dq_from_full_bias)."""
     if hopper.bias_row(spec, bias):
         return "row"
     if hopper.bias_full(spec, bias):
         return "full"
-    if spec.varlen and spec.batch <= PACKED_BIAS_ADDS and hopper.bias_dims(bias) == (
-            1, spec.heads):
+    if (spec.varlen and spec.batch <= PACKED_BIAS_ADDS and not is_wide(spec)
+            and hopper.bias_dims(bias) == (1, spec.heads)):
         return "added"
     if spec.deterministic and not spec.varlen and dq_in_fp32(spec):
         return "expanded"
@@ -2557,9 +2571,9 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
 
 def _backward_wide(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_state,
                    cu_seqlens_q, cu_seqlens_k, stats, dq, dk, dv, dbias) -> None:  # fmt: skip
-    """`backward` at head dims past 128 (is_wide): dK and dV (and a bias gradient, of a
-    full bias or a key row alone: dispatch keeps the others off these kernels) from
-    _bwd_wide_kernel, dQ from _bwd_dq_wide_kernel, dense or packed batches."""
+    """`backward` at head dims past 128 (is_wide): dK and dV (and a bias gradient: stored,
+    added by atomics, or a key row's summed) from _bwd_wide_kernel, dQ from
+    _bwd_dq_wide_kernel, dense or packed batches."""
     bias_row = hopper.bias_row(spec, bias)
     dbias_kind = None if dbias is None else dbias_kind_of(spec, bias)
     tokens = (q.shape[0], k.shape[0]) if spec.varlen else (0, 0)
@@ -2649,12 +2663,14 @@ def wide_grad_strides(spec: AttentionSpec, dbias: torch.Tensor | None,
                       dbias_kind: str | None) -> tuple[int, int, int]:  # fmt: skip
     """The (batch, head, query) strides _bwd_wide_kernel stores a bias gradient by: a full
     one's as a (B, H, Sq, Sk) view (the bias, and so its gradient, may have fewer dims:
-    (H, Sq, Sk) at B = 1); a key row's (B, H, Sk) fp32 buffer's, no query stride; zeros
-    without a gradient."""
+    (H, Sq, Sk) at B = 1), a summed one's fp32 buffer as a 4-D view of the bias's shape;
+    a key row's (B, H, Sk) fp32 buffer's, no query stride; zeros without a gradient."""
     if dbias is None:
         return (0, 0, 0)
     if dbias_kind == "full":
         return tuple(dbias.view(spec.bias_shape).stride()[:3])
+    if dbias_kind == "summed":  # the fp32 buffer in the bias's shape, padded to 4-D
+        return tuple(dbias.view(hopper.bias_dims(dbias) + tuple(dbias.shape[-2:])).stride()[:3])
     return (*dbias.stride()[:2], 0)
 
 
@@ -2731,8 +2747,8 @@ def _plans_wide(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None, tok
     Packed sequences (tokens_q, tokens_k: their tokens in all; 0 for dense batches): a
     program per item of the packed grids (hopper.packed_items over the keys, and over
     the queries as the forward's). bias_row: the bias is one row of keys
-    (hopper.bias_row), read by pointer. dbias_kind: dbias_kind_of's ("full" or "row"),
-    None without a bias gradient; dK/dV's kernel makes it."""
+    (hopper.bias_row), read by pointer. dbias_kind: dbias_kind_of's ("full", "summed"
+    or "row"), None without a bias gradient; dK/dV's kernel makes it."""
     bias_tiles = spec.has_bias and not bias_row
     bounds = dict(BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
                   BOUNDED_RIGHT=spec.window_right >= 0, HEAD_DIM_QK=spec.head_dim_qk,
@@ -2744,7 +2760,8 @@ def _plans_wide(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None, tok
     dkdv = hopper.Plan(
         _key_block_items(spec, num_n, BLOCK_N_WIDE, tokens_k if spec.varlen else None), (num_n,),
         dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N_WIDE, STAGES=STAGES, **bounds,
-             DBIAS_FULL=dbias_kind == "full", DBIAS_ROW=dbias_kind == "row", num_warps=4))
+             DBIAS_FULL=dbias_kind == "full", DBIAS_SUM=dbias_kind == "summed",
+             DBIAS_ROW=dbias_kind == "row", num_warps=4))
     block_m = 2 * ROWS.value
     num_m = cdiv(spec.seqlen_q, block_m)
     num_items = num_m * spec.batch * spec.heads

@@ -14,12 +14,11 @@ backward alike.
   any other by TMA tiles (beside dropout's scratch where shared memory holds both:
   forward_sm90.q_stages, backward_sm90.BIAS_TILES_WITH_DROPOUT). The backward computes
   a bias gradient of a key row (summed in registers) or of a bias read by tiles (dS stored,
-  or added up across the batch or heads it broadcasts over), past 128 columns (D=256,
-  Dqk=192, V of 256) of a key row or a full bias alone (no shared memory for the sums'
-  tiles); deterministic mode only where dQ is not added up in fp32 across programs, or
-  is in a fixed order (backward_sm90.ORDERED_DQ), or comes from dS stored whole (a full
-  bias gradient, or one summed over batch or heads stored expanded first) by one matmul
-  (backward_sm90.dq_from_full_bias).
+  or added up across the batch or heads it broadcasts over: past 128 columns, D=256,
+  Dqk=192, V of 256, by atomics from registers); deterministic mode only where dQ is not
+  added up in fp32 across programs, or is in a fixed order (backward_sm90.ORDERED_DQ),
+  or comes from dS stored whole (a full bias gradient, or one summed over batch or
+  heads stored expanded first) by one matmul (backward_sm90.dq_from_full_bias).
   Neither takes global positions for ALiBi or dropout (AttentionSpec.positioned).
 - The split-KV forward (decode.py), before either: few queries a sequence (Sq <= 64)
   against many keys (Sk >= 4096), every option but global positions; the query heads
@@ -125,14 +124,11 @@ def gluon_backward_computes(spec: AttentionSpec, bias, need_dbias: bool) -> bool
     device: a bias gradient of a bias constant along queries (summed in registers), or
     of one read by tiles (every query and key; dS stored, or added up by TMA where the
     bias broadcasts over batch or heads) with rows of whole 16 bytes for those copies;
-    with a head dim past 128 (D=256, Dqk=192, V of 256 columns) the gradient of a key
-    row or of a full bias alone (stored from registers: no shared memory for the summed
-    gradients' tiles beside D=256's); bias tiles beside dropout where shared memory
-    holds both (backward_sm90.BIAS_TILES_WITH_DROPOUT); softcap without a bias gradient
-    (its dS for dK and dQ is not the bias gradient's)."""
-    if max(spec.head_dim_qk, spec.head_dim_v) > 128 and need_dbias and not (
-            hopper.bias_row(spec, bias) or hopper.bias_full(spec, bias)):
-        return False
+    with a head dim past 128 (D=256, Dqk=192, V of 256 columns) those gradients from
+    registers (stored, or added by atomics: no shared memory for tiles beside D=256's);
+    bias tiles beside dropout where shared memory holds both
+    (backward_sm90.BIAS_TILES_WITH_DROPOUT); softcap without a bias gradient (its dS for
+    dK and dQ is not the bias gradient's)."""
     tiles = bias is not None and not hopper.bias_row(spec, bias)
     if tiles and spec.dropout_p > 0 and (
             (spec.head_dim_qk, spec.head_dim_v) not in backward_sm90.BIAS_TILES_WITH_DROPOUT):
@@ -146,11 +142,12 @@ def gluon_backward_computes(spec: AttentionSpec, bias, need_dbias: bool) -> bool
 
 def _gluon_deterministic(spec: AttentionSpec, bias, need_dbias: bool) -> bool:
     """Whether the Gluon backward makes this deterministic call's gradients in a fixed
-    order: where dQ is not added up in fp32 across programs, is added in a fixed order,
-    or comes from a full bias gradient by one matmul."""
-    if not backward_sm90.dq_in_fp32(spec):
-        return True
+    order: where dQ is not added up in fp32 across programs (but for a bias gradient
+    added by atomics there), is added in a fixed order, or comes from a full bias
+    gradient by one matmul."""
     kind = backward_sm90.dbias_kind_of(spec, bias) if need_dbias else None
+    if not backward_sm90.dq_in_fp32(spec):  # the wide kernels
+        return kind != "summed"
     return backward_sm90.orders_dq(spec, kind) or backward_sm90.dq_from_full_bias(spec, kind)
 
 
