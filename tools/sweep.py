@@ -5,7 +5,7 @@ The checks run in worker processes, which also compile every kernel variant the 
 needs into Triton's on-disk cache; the timing then runs alone in this process.
 
     python tools/sweep.py [--dims 64,128,256] [--only fwd|bwd] [--rows plain,causal,bias,dropout]
-                          [--dtype bfloat16|float32]
+                          [--dtype bfloat16|float32] [--tf32x3]
 
 On Hopper, bf16/fp16 calls the Gluon kernels take never reach these tiles; float32
 always does (checked against the reference with allow_tf32 off and on, whose tolerance
@@ -46,21 +46,27 @@ BWD = {
           B(32, 64, 8, 3, 64, 32, 8, 3), B(64, 64, 8, 2, 64, 32, 8, 3),
           B(64, 64, 8, 2, 128, 32, 8, 2)],
 }
-# float32: twice the bytes a tile; the candidates below were swept when its dots were FMA
-# loops (now 3xTF32 but in the backward past 128 columns). The sm_90 compile of the
-# table's configs (first of each list) reports 32 registers and 39-118 KB of spill
-# stores a kernel; these candidates 0-6 KB (fwd
-# D=128: 32x64/8 warps none; D=256: 32x32/4 3.8 KB. bwd D=128: 32x64/8 dK/dV none, dQ
-# 0.9 KB; D=256: 32x32/8 none, 8 bytes).
+# float32: twice the bytes a tile, its dots 3xTF32 (forward.dot_precision; --tf32x3 for
+# the backward past 128 columns too): the shipped config first in each list, then
+# larger tiles than the IEEE sweep could hold.
 FWD_FP32 = {
-    128: [F(128, 64, 8, 2), F(32, 64, 8, 1), F(64, 32, 8, 1), F(32, 32, 4, 1)],
-    256: [F(64, 32, 4, 2), F(32, 32, 4, 1), F(32, 32, 8, 1)],
+    64: [F(128, 64, 8, 2), F(64, 64, 4, 2), F(64, 64, 4, 3), F(128, 32, 8, 2),
+         F(64, 32, 4, 2), F(128, 64, 8, 1)],
+    128: [F(32, 64, 8, 1), F(64, 64, 4, 2), F(64, 64, 8, 2), F(64, 64, 4, 1),
+          F(128, 64, 8, 1), F(64, 32, 4, 2), F(128, 32, 8, 2), F(32, 32, 4, 2)],
+    256: [F(32, 32, 8, 1), F(64, 32, 4, 1), F(64, 32, 8, 1), F(32, 64, 4, 1),
+          F(64, 64, 8, 1), F(32, 32, 4, 2)],
 }
 BWD_FP32 = {
-    128: [B(64, 64, 4, 1, 64, 64, 4, 1), B(32, 64, 8, 1, 64, 32, 8, 1),
-          B(32, 32, 4, 1, 32, 32, 4, 1)],
-    256: [B(32, 32, 4, 1, 32, 32, 4, 1), B(32, 32, 8, 1, 32, 32, 8, 1),
-          B(16, 32, 4, 1, 32, 16, 4, 1), B(16, 16, 4, 1, 16, 16, 4, 1)],
+    64: [B(32, 64, 8, 1, 64, 32, 8, 1), B(64, 64, 4, 1, 64, 64, 4, 1),
+         B(64, 64, 8, 2, 64, 64, 8, 2), B(32, 128, 8, 1, 128, 32, 8, 1),
+         B(64, 128, 8, 1, 128, 64, 8, 1), B(32, 64, 4, 2, 64, 32, 4, 2)],
+    128: [B(32, 64, 8, 1, 64, 32, 8, 1), B(64, 64, 4, 1, 64, 64, 4, 1),
+          B(64, 64, 8, 1, 64, 64, 8, 1), B(32, 128, 8, 1, 128, 32, 8, 1),
+          B(32, 64, 4, 2, 64, 32, 4, 2), B(64, 64, 8, 2, 64, 64, 8, 2)],
+    256: [B(32, 32, 8, 1, 32, 32, 8, 1), B(32, 32, 4, 1, 32, 32, 4, 1),
+          B(16, 32, 4, 1, 32, 16, 4, 1), B(32, 64, 8, 1, 64, 32, 8, 1),
+          B(64, 32, 8, 1, 32, 64, 8, 1)],
 }
 ROWS = {  # name: (causal, bias that needs a gradient, dropout_p)
     "plain": (False, False, 0.0), "causal": (True, False, 0.0), "bias": (False, True, 0.0),
@@ -68,8 +74,11 @@ ROWS = {  # name: (causal, bias that needs a gradient, dropout_p)
 }
 
 
-def _install(cfg):
-    from memattn.kernels import tuning
+def _install(cfg, tf32x3=False):
+    from memattn.kernels import forward, tuning
+
+    if tf32x3:  # float32's dots as 3xTF32 in every kernel, the backward past 128 too
+        forward.IEEE_FLOAT32_PAST = {}
 
     # Workers are reused across jobs: clear the other pass's override too.
     tuning.backward_override = cfg if isinstance(cfg, B) else None
@@ -94,9 +103,9 @@ def check_and_compile(job):
     import memattn
     from memattn.check import Case, check_backward, check_forward
 
-    d, cfg, rows, dtype = job
+    d, cfg, rows, dtype, tf32x3 = job
     dtype = getattr(torch, dtype)
-    _install(cfg)
+    _install(cfg, tf32x3)
     bwd = isinstance(cfg, B)
     try:
         checks = [Case(f"D{d}", batch=2, heads=4, kv_heads=2, seqlen_q=777, seqlen_k=1024,
@@ -126,12 +135,12 @@ def check_and_compile(job):
         return f"error {type(e).__name__}: {str(e)[:200]}"
 
 
-def time_config(d, cfg, row, dtype):
+def time_config(d, cfg, row, dtype, tf32x3=False):
     from triton.testing import do_bench
 
     import memattn
 
-    _install(cfg)
+    _install(cfg, tf32x3)
     q, k, v, kwargs, flops = _inputs(d, *ROWS[row], dtype=getattr(torch, dtype))
     if isinstance(cfg, F):
         with torch.no_grad():
@@ -152,24 +161,26 @@ def main():
     parser.add_argument("--rows", default="plain,causal,bias")
     parser.add_argument("--workers", type=int, default=12)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--tf32x3", action="store_true",
+                        help="float32: 3xTF32 dots where dot_precision keeps IEEE")
     args = parser.parse_args()
     rows = args.rows.split(",")
     fwd, bwd = (FWD_FP32, BWD_FP32) if args.dtype == "float32" else (FWD, BWD)
     jobs = []
     for d in map(int, args.dims.split(",")):
         if args.only != "bwd":
-            jobs += [(d, cfg, rows, args.dtype) for cfg in fwd[d]]
+            jobs += [(d, cfg, rows, args.dtype, args.tf32x3) for cfg in fwd[d]]
         if args.only != "fwd":
-            jobs += [(d, cfg, rows, args.dtype) for cfg in bwd[d]]
+            jobs += [(d, cfg, rows, args.dtype, args.tf32x3) for cfg in bwd[d]]
     ctx = torch.multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(args.workers, mp_context=ctx) as pool:
         verdicts = list(pool.map(check_and_compile, jobs))
-    for (d, cfg, _, dtype), verdict in zip(jobs, verdicts):
+    for (d, cfg, _, dtype, tf32x3), verdict in zip(jobs, verdicts):
         cells = []
         if verdict == "ok":
             for row in rows:
                 try:
-                    cells.append(f"{row} {time_config(d, cfg, row, dtype):.0f}")
+                    cells.append(f"{row} {time_config(d, cfg, row, dtype, tf32x3):.0f}")
                 except Exception as e:  # noqa: BLE001
                     cells.append(f"{row} error {type(e).__name__}")
         kind = "bwd" if isinstance(cfg, B) else "fwd"

@@ -53,20 +53,24 @@ def forward_config(spec: AttentionSpec) -> Config:
     # H100 sweeps (tools/sweep.py): the best correct configuration per head
     # dim. Bias tiles are pipelined with K and V, so a bias needs smaller tiles to fit
     # the 227 KiB of shared memory (tools/compile_sm90.py checks every variant).
+    # float32 (3xTF32 dots; tools/sweep.py --dtype float32, B4 S4096, plain / causal
+    # TFLOP/s): D=64 128x64 8 warps 54 / 50 (64x64 48 / 45); D=128 128x32 8 warps 2
+    # stages 40 / 38 (32x64, swept for IEEE dots, 31 / 29); D=256 64x32 4 warps 21 / 19
+    # (32x32 8 warps 16 / 16; 64x64 does not fit).
     if d <= 64:
         if wide:
             return Config(128, 64, 8, 2)
         return Config(128, 64, 4, 3) if spec.has_bias else Config(128, 64, 8, 3)
     if d <= 128:
-        if wide:  # 128x64, 8 warps, 2 stages needs 256 KiB at fp32
-            return Config(32, 64, 8, 1)
+        if wide:
+            return Config(128, 32, 8, 2)
         if spec.has_bias:
             return Config(128, 64, 8, 4)
         if spec.dropout_p > 0:  # the keep tile's reshape takes shared memory too
             return Config(128, 64, 8, 3)
         return Config(128, 128, 8, 3)
     if wide:
-        return Config(32, 32, 8, 1)
+        return Config(64, 32, 4, 1)
     return Config(128, 32, 8, 3)
 
 
@@ -103,15 +107,16 @@ def backward_config(spec: AttentionSpec) -> BackwardConfig:
     # against 310-386 TFLOP/s at D=128), so the table leaves it off.
     d = padded_width(spec)
     causal = spec.window_right >= 0
-    # float32 (swept with IEEE FMA dots, which the backward past 128 columns keeps:
-    # forward.dot_precision; tools/sweep.py --dtype float32, plain / causal TFLOP/s):
-    # tiles sized for 2-byte types spilled 39-118 KB a kernel. D=128 forward 32x64 8
-    # warps 11 / 11 (128x64's 2 stages did not fit: 256 KiB), backward 7 / 6 against
-    # 1 / 1 at 64x64 4 warps; D=256 forward 32x32 8 warps 7 / 6 (64x32 did not fit),
-    # backward 4 / 4 against 1 / 1 at 4 warps.
+    # float32 (tools/sweep.py --dtype float32 --tf32x3, B4 S4096, plain / causal
+    # TFLOP/s): D=64 64x128 8 warps 33 / 33 (32x64, swept for IEEE dots, 17 / 15); D=128
+    # 32x64 4 warps 2 stages 17 / 16 (32x64 8 warps 1 stage 14 / 11; two stages of 64x64
+    # at 8 warps do not fit); D=256 keeps IEEE dots (forward.dot_precision): 32x32 8
+    # warps 4 / 4 against 3xTF32's 1 / 1 at every candidate.
     if spec.dtype == torch.float32:
+        if d <= 64:
+            return BackwardConfig(64, 128, 8, 1, 128, 64, 8, 1)
         if d <= 128:
-            return BackwardConfig(32, 64, 8, 1, 64, 32, 8, 1)
+            return BackwardConfig(32, 64, 4, 2, 64, 32, 4, 2)
         return BackwardConfig(32, 32, 8, 1, 32, 32, 8, 1)
     if d <= 64:
         if causal or spec.has_bias:
