@@ -107,9 +107,11 @@ GPU_DECODE = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("case", GPU_DECODE, ids=lambda c: c.name)
-def test_decode_gpu(case, decode_runs):
-    assert_results(check_forward(case, torch.bfloat16, "cuda", seed=5))
+def test_decode_gpu(case, dtype, decode_runs):
+    """float32 too: its dots are 3xTF32 (forward.dot_precision) and its tiles its own."""
+    assert_results(check_forward(case, dtype, "cuda", seed=5))
     assert decode_runs
 
 

@@ -626,9 +626,8 @@ FLOAT32_CASES = [
 @pytest.mark.parametrize("allow_tf32", [False, True])
 def test_float32_dots_are_3xtf32(allow_tf32):
     """float32's dots run as 3xTF32 (near float32) whatever allow_tf32 says, but in the
-    backward past 128 columns (IEEE: its tiles ran faster so) and in the split-KV kernel
-    (bound by memory); 16-bit inputs' setting is unused (their dots take them as they
-    are)."""
+    backward past 128 columns (IEEE: its tiles ran faster so); 16-bit inputs' setting
+    is unused (their dots take them as they are)."""
     from memattn.kernels.forward import dot_precision
     from memattn.spec import check_call
 
@@ -646,7 +645,7 @@ def test_float32_dots_are_3xtf32(allow_tf32):
             assert dot_precision(spec(*dims)) == "tf32x3"
             assert dot_precision(spec(*dims), "backward") == "ieee"
         for dims in [(64, 64), (256, 256)]:
-            assert dot_precision(spec(*dims), "decode") == "ieee"
+            assert dot_precision(spec(*dims), "decode") == "tf32x3"
         assert dot_precision(spec(128, 128, torch.bfloat16)) == "tf32"
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old

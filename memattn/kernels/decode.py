@@ -221,6 +221,10 @@ def configs(spec: AttentionSpec, interpreting: bool) -> tuple[tuning.Config, ...
     if interpreting:
         return (tuning.Config(16, 16, 1, 1),)
     block_m = min(64, max(16, triton.next_power_of_2(spec.group * spec.seqlen_q)))
+    if spec.dtype == torch.float32:  # twice the bytes a tile: H100, H32/8 D128, GB/s
+        # at Sq=1 Sk=32768 / Sq=16: 32 keys 3 stages 2944 / 826, 64 keys 2 stages 2515 /
+        # 711 (the tiles below, 4 stages, do not fit)
+        return (tuning.Config(block_m, 32, 4, 3), tuning.Config(block_m, 32, 4, 2))
     block_n = 64 if max(spec.head_dim_qk, spec.head_dim_v) > 128 else 128
     fitting = (tuning.Config(block_m, 64, 4, 3), tuning.Config(block_m, 32, 4, 2))
     if block_m == 64 and block_n == 128:  # 64 rows of softmax a tile: eight warps

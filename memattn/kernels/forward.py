@@ -202,21 +202,26 @@ def _fwd_kernel(
     tl.store(l_base + arange_m * stride_lm, lse, mask=row_ok)
 
 
+# Kernels whose float32 dots stay IEEE past this padded width (dot_precision says why);
+# tools/sweep.py --tf32x3 empties it to time 3xTF32 there.
+IEEE_FLOAT32_PAST = {"backward": 128}
+
+
 def dot_precision(spec: AttentionSpec, kernel: str = "forward") -> str:
     """How ``kernel``'s dots ("forward", "backward": the tile kernels; "decode": the
     split-KV kernel) take float32 inputs: on tensor cores as 3xTF32 (each operand split
     into a TF32 high and low part, three products summed in fp32: near float32, within
     float32's own tolerance in the GPU suite), as PyTorch's memory-efficient kernel does
-    whatever allow_tf32 says. IEEE dots (FMA) ran 2-5x slower (H100, B2 S2048 H16,
-    TFLOP/s fwd / bwd: D=128 11 / 6.4 against 29 / 14, D=64 10 / 7.7 against 49 / 16).
-    Two keep them: the backward past 128 columns, whose tiles (tuning's, swept with IEEE
-    dots) ran 3.7 against 3xTF32's 1.0 (D=256 S1024 causal), and the split-KV kernel
-    (bound by memory; its 3xTF32 not checked against float32's tolerance on a GPU).
-    Plain TF32 was 4x less accurate than torch's own TF32 matmul (Triton truncates to
-    TF32, which biases P downwards). Other dtypes: unused."""
+    whatever allow_tf32 says. IEEE dots (FMA) ran 2-45x slower (H100; B2 S2048 H16,
+    TFLOP/s fwd / bwd: D=128 11 / 6.4 against 29 / 14, D=64 10 / 7.7 against 49 / 16;
+    split-KV, H32/8 D128, GB/s: Sq=1 Sk=32768 665 against 2789, Sq=16 17 against 763).
+    The backward past 128 columns keeps them (IEEE_FLOAT32_PAST): at every tile
+    tools/sweep.py tried there 3xTF32 ran 1 TFLOP/s against IEEE's 4 (D=256). Plain
+    TF32 was 4x less accurate than torch's own TF32 matmul (Triton truncates to TF32,
+    which biases P downwards). Other dtypes: unused."""
     if spec.dtype != torch.float32:
         return "tf32"
-    if kernel == "decode" or (kernel == "backward" and tuning.padded_width(spec) > 128):
+    if tuning.padded_width(spec) > IEEE_FLOAT32_PAST.get(kernel, 1 << 30):
         return "ieee"
     return "tf32x3"
 
