@@ -159,9 +159,7 @@ def visible_mask(spec: AttentionSpec, n_q: int, n_k: int, device) -> torch.Tenso
 def _scores(spec, q, k, bias, slopes):
     """s for q (B, Sq, H, Dqk), k (B, Sk, Hkv, Dqk): (B, H, Sq, Sk), -inf where hidden."""
     n_q, n_k = q.shape[1], k.shape[1]
-    q = q.transpose(1, 2)  # (B, H, Sq, Dqk)
-    k = k.transpose(1, 2).repeat_interleave(spec.group, dim=1)  # (B, H, Sk, Dqk)
-    s = (q @ k.transpose(-1, -2)) * spec.scale
+    s = _grouped(q.transpose(1, 2), k.transpose(1, 2).transpose(-1, -2)) * spec.scale
     if spec.softcap > 0:
         s = spec.softcap * torch.tanh(s / spec.softcap)
     if bias is not None:
@@ -188,6 +186,15 @@ def _attention_dense(spec, q, k, v, bias, slopes, keep):
     p, lse = _softmax(_scores(spec, q, k, bias, slopes))
     if spec.dropout_p > 0:
         p = p * keep.to(p.dtype) / (1.0 - spec.dropout_p)
-    v = v.transpose(1, 2).repeat_interleave(spec.group, dim=1)  # (B, H, Sk, Dv)
-    out = p.to(v.dtype) @ v  # (B, H, Sq, Dv)
+    out = _grouped(p.to(v.dtype), v.transpose(1, 2))  # (B, H, Sq, Dv)
     return out.transpose(1, 2), lse
+
+
+def _grouped(x, y):
+    """x (B, H, M, K) @ y (B, Hkv, K, N) -> (B, H, M, N), query head h against kv head
+    h // (H / Hkv): each kv head's query heads as one matmul, so that K and V are not
+    copied per query head (a float64 decode reference at Sk=32768 would take 17 GB)."""
+    b, h, m, _ = x.shape
+    hkv = y.shape[1]
+    out = x.reshape(b, hkv, (h // hkv) * m, x.shape[-1]) @ y
+    return out.view(b, h, m, y.shape[-1])
