@@ -216,7 +216,8 @@ def dot_precision(spec: AttentionSpec, kernel: str = "forward") -> str:
     TFLOP/s fwd / bwd: D=128 11 / 6.4 against 29 / 14, D=64 10 / 7.7 against 49 / 16;
     split-KV, H32/8 D128, GB/s: Sq=1 Sk=32768 665 against 2789, Sq=16 17 against 763).
     The backward past 128 columns keeps them (IEEE_FLOAT32_PAST): at every tile
-    tools/sweep.py tried there 3xTF32 ran 1 TFLOP/s against IEEE's 4 (D=256). Plain
+    tools/sweep.py tried there 3xTF32 ran 1 TFLOP/s against IEEE's 4 (D=256; its dK/dV
+    kernel spills 42-48 KB in an sm_90 compile, IEEE's 144 bytes). Plain
     TF32 was 4x less accurate than torch's own TF32 matmul (Triton truncates to TF32,
     which biases P downwards). Other dtypes: unused."""
     if spec.dtype != torch.float32:
