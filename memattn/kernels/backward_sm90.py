@@ -1233,8 +1233,9 @@ def _bwd_wide_compute_partition(
                                        HAS_SOFTCAP)
         if DBIAS_FULL or DBIAS_SUM:
             gb, gh = b, h
-            if DBIAS_SUM:  # the bias's own batch and head (bias_batches, bias_heads)
-                gb, gh = b % features[12], h % features[13]
+            if DBIAS_SUM:  # the bias's own batch and head
+                bias_batches, bias_heads = features[12:]
+                gb, gh = b % bias_batches, h % bias_heads
             _store_wide_bias_grad(ds, dbias_out, gb, gh, start_m, start_n + HALF * HALF_N,
                                   offs_m, offs_n, seqlen_q, seqlen_k, BLOCK_M, HALF_N,
                                   DBIAS_SUM)
