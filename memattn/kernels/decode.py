@@ -244,7 +244,8 @@ def num_splits(spec: AttentionSpec, programs: int, cfg: tuning.Config, device) -
     if device.type != "cuda":
         wave, min_keys = INTERPRETER_PROGRAMS, cfg.block_n
     else:
-        shared = cfg.num_stages * cfg.block_n * (spec.head_dim_qk + spec.head_dim_v) * 2
+        shared = (cfg.num_stages * cfg.block_n * (spec.head_dim_qk + spec.head_dim_v)
+                  * spec.dtype.itemsize)  # K's and V's rings
         per_sm = max(1, min(PROGRAMS_PER_SM, SHARED_MEMORY // shared))
         wave, min_keys = per_sm * _sm_count(device.index), MIN_SPLIT_KEYS
     return max(1, min(spec.seqlen_k // min_keys, wave // programs, MAX_SPLITS))
