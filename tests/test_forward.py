@@ -272,6 +272,10 @@ HOPPER_CASES = [
          dv=128, options=dict(causal=True, dropout_p=0.2)),
     Case("dropout D64 Sq=2100 window", batch=1, seqlen_q=2100, seqlen_k=777, dqk=64, dv=64,
          options=dict(window=(400, 100), dropout_p=0.3)),
+    # bias tiles beside dropout: at D=128 O leaves through Q's buffer (forward_sm90.buffers);
+    # the backward runs backward.py there
+    Case("bias 1HQK dropout causal", batch=2, seqlen_q=700, seqlen_k=904, dqk=128, dv=128,
+         bias="1HQK", options=dict(causal=True, dropout_p=0.2)),
     # D=256: the forward's 64-key tiles with O leaving through Q's buffer, two query
     # blocks a program under a mask; the backward's 64-key programs split by head dim
     Case("D256 causal GQA", heads=4, kv_heads=2, seqlen_q=700, seqlen_k=900, dqk=256,
@@ -475,14 +479,14 @@ def test_hopper_kernel_gpu(case, dtype, monkeypatch):
     run = forward_sm90.forward
     monkeypatch.setattr(forward_sm90, "forward", lambda *a: launched.append(1) or run(*a))
     assert_results(check_forward(case, dtype, "cuda", seed=7))
-    # forward.py runs by design: softcap at D=64 (dispatch.gluon_forward), dropout at
-    # Dqk=192 / Dv=128 and bias tiles beside it but at 64/64 and 128/64 (no shared memory
-    # left for its scratch: forward_sm90.q_stages)
+    # forward.py runs by design: softcap at D=64 (dispatch.gluon_forward), dropout or bias
+    # tiles at Dqk=192 / Dv=128, and bias tiles beside dropout past 128 columns (no
+    # shared memory left for its scratch: forward_sm90.buffers)
     softcap_d64 = case.options.get("softcap", 0) > 0 and case.dqk <= 64
     dims = dispatch.kernel_head_dims(case.dqk, case.dv, "forward")
     dropout = "dropout_p" in case.options
     tiles = case.bias is not None and not bias_row(case)
-    no_room = dropout and (dims == (192, 128) or (tiles and dims not in ((64, 64), (128, 64))))
+    no_room = (dropout or tiles) and dims == (192, 128) or (dropout and tiles and max(dims) > 128)
     gluon = not (softcap_d64 or no_room)
     assert bool(launched) == gluon, "the call fell back to forward.py, or ran Gluon at D=64"
 
@@ -586,23 +590,47 @@ def test_hopper_kernel_three_parts_under_masks_gpu(case, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "dqk, dv, parts, bias, row, dropout, stages",
-    [(64, 64, 2, False, False, False, 2), (64, 64, 3, True, False, False, 1),
-     (64, 64, 2, True, False, False, 2), (64, 64, 2, False, True, True, 2),
-     (128, 128, 2, False, False, False, 2), (128, 128, 2, True, False, False, 1),
-     (128, 128, 2, False, True, False, 2), (128, 128, 2, False, False, True, 1),
-     (256, 256, 2, False, False, False, 1), (256, 256, 2, False, False, True, 1),
-     (128, 64, 2, False, False, False, 2), (128, 64, 2, True, False, False, 2),
-     (192, 128, 2, False, False, False, 1), (192, 128, 2, False, True, False, 1),
-     (192, 128, 2, True, False, False, 0), (192, 128, 2, False, False, True, 0),
-     (192, 128, 2, False, True, True, 0)],
+    "dqk, dv, parts, bias, row, dropout, slots",
+    [
+        (64, 64, 2, False, False, False, (2, 0, False)),
+        (64, 64, 3, True, False, False, (1, 2, False)),
+        (64, 64, 2, True, False, False, (2, 2, False)),
+        (64, 64, 2, False, True, True, (2, 0, False)),
+        (64, 64, 2, True, False, True, (2, 2, False)),
+        (128, 128, 2, False, False, False, (2, 0, False)),
+        (128, 128, 2, True, False, False, (1, 1, False)),
+        (128, 128, 2, True, False, True, (1, 1, True)),
+        (128, 128, 2, False, True, False, (2, 0, False)),
+        (128, 128, 2, False, False, True, (1, 0, False)),
+        (256, 256, 2, False, False, False, (1, 0, True)),
+        (256, 256, 2, False, False, True, (1, 0, True)),
+        (256, 256, 2, True, False, False, (1, 1, True)),
+        (256, 256, 2, True, False, True, (0, 0, False)),
+        (128, 64, 2, False, False, False, (2, 0, False)),
+        (128, 64, 2, True, False, False, (2, 1, False)),
+        (128, 64, 2, True, False, True, (1, 1, False)),
+        (64, 128, 2, True, False, True, (2, 1, False)),
+        (192, 128, 2, False, False, False, (1, 0, True)),
+        (192, 128, 2, False, True, False, (1, 0, True)),
+        (192, 128, 2, True, False, False, (0, 0, False)),
+        (192, 128, 2, False, False, True, (0, 0, False)),
+        (192, 128, 2, False, True, True, (0, 0, False)),
+    ],
 )  # fmt: skip
-def test_q_stages_fit_shared_memory(dqk, dv, parts, bias, row, dropout, stages):
-    """Two Q buffers where the K/V rings, O's and the bias's buffers (tiles or rows)
-    leave room (227 KiB, less dropout's scratch); at D=256 and 192/128 O leaves through
-    Q's buffer: one; none where even one does not fit (192/128 with bias tiles or
-    dropout: forward.py runs those)."""
-    assert forward_sm90.q_stages(dqk, dv, parts, bias, row, dropout) == stages
+def test_buffers_fit_shared_memory(dqk, dv, parts, bias, row, dropout, slots):
+    """(Q slots, bias slots, O in Q's buffer): two Q buffers where the K/V rings, O's and
+    the bias's buffers (tiles or rows) leave room (227 KiB, less dropout's scratch); at
+    D=256 and 192/128 O leaves through Q's buffer: one; beside bias tiles and dropout's
+    scratch at D=128 too, where O's own leaves no room; none where even one does not fit
+    (192/128 with bias tiles or dropout, D=256 with both: forward.py runs those)."""
+    assert forward_sm90.buffers(dqk, dv, parts, bias, row, dropout) == slots
+    if slots[0]:  # what the kernel allocates fits (bytes as buffers counts them)
+        tile = forward_sm90.tile_dim(dqk, dv)
+        n = forward_sm90.BLOCK_N[tile]
+        q, b, with_o = slots
+        used = (2 * n * (dqk + dv) * 2 + parts * 64 * (q * dqk + b * n) * 2
+                + (0 if with_o else parts * 64 * dv * 2) + (2 * n * 4 if row else 0))
+        assert used + (32 * 1024 if dropout else 0) <= forward_sm90.SHARED_MEMORY - 2048
 
 
 @pytest.mark.gpu

@@ -12,7 +12,7 @@ backward alike.
   bias gradient), dropout, packed (varlen) batches, and a bias:
   one constant along queries ((B or 1, H or 1, 1, Sk): key padding) as a row of keys,
   any other by TMA tiles (beside dropout's scratch where shared memory holds both:
-  forward_sm90.q_stages, backward_sm90.BIAS_TILES_WITH_DROPOUT). The backward computes
+  forward_sm90.buffers, backward_sm90.BIAS_TILES_WITH_DROPOUT). The backward computes
   a bias gradient of a key row (summed in registers) or of a bias read by tiles (dS stored,
   or added up across the batch or heads it broadcasts over: past 128 columns, D=256,
   Dqk=192, V of 256, by atomics from registers); deterministic mode only where dQ is not

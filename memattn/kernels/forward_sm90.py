@@ -33,12 +33,12 @@ at 310 TFLOP/s against 465 for one per batch.) Dropout's keep bits come from
 hopper.dropout_keep, drawn while the warpgroup's matmuls run; P·V takes the kept
 probabilities and the output the 1 / (1 - p).
 
-Covers bf16/fp16, q·k head dims 64, 128, 192 and 256 with V's 64, 128 or 256 up to
-q·k's (192/128 as in MLA: O leaves through Q's buffer, as at 256), GQA, causal masks
-either way, sliding windows, ALiBi, softcap (not with a key row, which S starts from
-before the cap), a bias (TMA tiles, not with dropout; or a key row), dropout, dense and
-packed batches, where shared memory holds their buffers (q_stages; dispatch.py says
-which); every other call runs forward.py: V wider than q·k, fp32.
+Covers bf16/fp16, q·k head dims 64, 128, 192 and 256 with V's 64, 128 or 256, any pair
+(192/128 as in MLA: O leaves through Q's buffer, as at 256), GQA, causal masks either
+way, sliding windows, ALiBi, softcap (not with a key row, which S starts from before the
+cap), a bias (TMA tiles, or a key row), dropout, dense and packed batches, where shared
+memory holds their buffers (`buffers`: not bias tiles or dropout at 192/128, nor both
+past 128 columns; dispatch.py says which); every other call runs forward.py (fp32 too).
 """
 
 from __future__ import annotations
@@ -124,9 +124,13 @@ STAGES = 2  # K and V each: 2 x 32 KiB at D=128 and 256, plus Q's and O's 32 KiB
 # O goes out through Q's buffer (each warpgroup's own rows), whose next fill then waits
 # for the store to have read them; where O's tile fits there (o_in_q).
 O_IN_Q = {64: False, 128: False, 192: True, 256: True}
-# A bias's tiles (ROWS x BLOCK_N per warpgroup) take what shared memory is left: one
-# slot at D=128 (224 KiB in all) and 256 (208 KiB), two at D=64; none at 192 (q_stages
-# finds no room: those calls run forward.py).
+# Where O's own buffer leaves no room beside a bias's tiles (at D=128 with dropout's
+# scratch), O goes out through Q's buffer instead (`buffers`); Q has one slot there
+# either way. A second bias slot in those 32 KiB did not pay (PERFORMANCE.md).
+O_IN_Q_WITH_BIAS = {64: False, 128: True, 192: True, 256: True}
+# A bias's tiles (ROWS x BLOCK_N per warpgroup) take what shared memory is left, up to
+# this many slots: two at D=64 (one at 64/128 beside dropout's scratch), one at 128
+# (224 KiB in all) and 256 (208 KiB); none at 192 (no room: forward.py runs those).
 BIAS_STAGES = {64: 2, 128: 1, 192: 1, 256: 1}
 # Programs run persistent (PERSISTENT): one per SM at most, each walking query blocks
 # in strides (hopper.work_item), under a mask (FOLD) in pairs of blocks whose work adds
@@ -856,45 +860,56 @@ def tile_dim(head_dim_qk: int, head_dim_v: int) -> int:
 
 
 def o_in_q(head_dim_qk: int, head_dim_v: int) -> bool:
-    """Whether O leaves through Q's buffer (O_IN_Q): where its tile fits Q's first
-    columns' (not at 64/256, 128/256 or 192/256)."""
-    main = head_dim_qk - hopper.qk_split(head_dim_qk)
-    return O_IN_Q[tile_dim(head_dim_qk, head_dim_v)] and head_dim_v <= main
+    """Whether O's tile fits Q's first columns' (not at 64/256, 128/256 or 192/256) and
+    leaves through Q's buffer by O_IN_Q (beside a bias: `buffers`)."""
+    return O_IN_Q[tile_dim(head_dim_qk, head_dim_v)] and _o_fits_q(head_dim_qk, head_dim_v)
 
 
-def q_stages(head_dim_qk: int, head_dim_v: int, parts: int, has_bias: bool, bias_row: bool,
-             dropout: bool) -> int:  # fmt: skip
-    """Q buffers a program gets: two where shared memory holds them beside the K and V
-    rings, O's buffer and the bias's (tiles or rows), else one (always one with O in
-    Q's buffer), 0 where not even one fits: dispatch then runs forward.py. Dropout's
-    exchange of keep bits takes scratch of its own: 32 KiB kept clear."""
+def _o_fits_q(head_dim_qk: int, head_dim_v: int) -> bool:
+    return head_dim_v <= head_dim_qk - hopper.qk_split(head_dim_qk)
+
+
+def buffers(head_dim_qk: int, head_dim_v: int, parts: int, has_bias: bool, bias_row: bool,
+            dropout: bool) -> tuple[int, int, bool]:  # fmt: skip
+    """(Q slots, bias tile slots, O in Q's buffer) a program gets beside the K and V
+    rings: the most bias slots (BIAS_STAGES) that leave room for one Q slot, O in a
+    buffer of its own where that fits too (o_in_q; beside bias tiles O_IN_Q_WITH_BIAS
+    lets O go through Q's where its own leaves no room), then two Q slots where they fit
+    (one with O in Q's buffer).
+    (0, 0, False) where not even one Q slot fits: dispatch then runs forward.py.
+    Dropout's exchange of keep bits takes scratch of its own: 32 KiB kept clear."""
     tile = tile_dim(head_dim_qk, head_dim_v)
     rows, block_n = ROWS.value, BLOCK_N[tile]
     q_tile = rows * head_dim_qk * 2  # one warpgroup's rows of Q
-    fixed = STAGES * block_n * (head_dim_qk + head_dim_v) * 2  # the K and V rings
-    with_o = o_in_q(head_dim_qk, head_dim_v)
-    if not with_o:
-        fixed += parts * rows * head_dim_v * 2
-    if has_bias:
-        fixed += BIAS_STAGES[tile] * parts * rows * block_n * 2
+    kv = STAGES * block_n * (head_dim_qk + head_dim_v) * 2  # the K and V rings
     if bias_row:  # fp32, a row beside each K slot
-        fixed += STAGES * block_n * 4
+        kv += STAGES * block_n * 4
     # 2 KiB for the barriers and the compiler's own (~400 bytes at D=128, sm_90 build)
     budget = SHARED_MEMORY - 2 * 1024 - (32 * 1024 if dropout else 0)
-    most = 1 if with_o else MAX_Q_STAGES
-    fits = [s for s in range(1, most + 1) if fixed + s * parts * q_tile <= budget]
-    return max(fits, default=0)
+    o_ways = [o_in_q(head_dim_qk, head_dim_v)]
+    if has_bias and O_IN_Q_WITH_BIAS[tile] and _o_fits_q(head_dim_qk, head_dim_v):
+        o_ways = list(dict.fromkeys(o_ways + [True]))
+    for bias_stages in range(BIAS_STAGES[tile], 0, -1) if has_bias else (0,):
+        for with_o in o_ways:
+            taken = kv + bias_stages * parts * rows * block_n * 2
+            if not with_o:
+                taken += parts * rows * head_dim_v * 2
+            most = 1 if with_o else MAX_Q_STAGES
+            fits = [s for s in range(1, most + 1) if taken + s * parts * q_tile <= budget]
+            if fits:
+                return max(fits), bias_stages, with_o
+    return 0, 0, False
 
 
 def takes_head_dims(spec: AttentionSpec, bias_row: bool) -> bool:
     """Whether the kernel is built for these head dims (HEAD_DIMS, HEAD_DIMS_V: any pair
     of them, tiles by tile_dim) and shared memory holds this call's buffers
-    (q_stages)."""
+    (`buffers`)."""
     dqk, dv = spec.head_dim_qk, spec.head_dim_v
     if dqk not in HEAD_DIMS or dv not in HEAD_DIMS_V:
         return False
-    return q_stages(dqk, dv, 2, spec.has_bias and not bias_row, bias_row,
-                    spec.dropout_p > 0) > 0  # fmt: skip
+    return buffers(dqk, dv, 2, spec.has_bias and not bias_row, bias_row,
+                   spec.dropout_p > 0)[0] > 0  # fmt: skip
 
 
 @hopper.plan_cache
@@ -923,6 +938,9 @@ def plan(spec: AttentionSpec, bias_row: bool, bias_dims: tuple[int, int], tokens
     persistent = PERSISTENT and (not masked or MASKED_PERSISTENT[tile])
     num_items = num_m_blocks * spec.batch * spec.heads
     counts = (num_m_blocks, num_items)
+    q_slots, bias_slots, with_o = buffers(spec.head_dim_qk, spec.head_dim_v,
+                                          block_m // ROWS.value, tile_bias, bias_row,
+                                          spec.dropout_p > 0)  # fmt: skip
     if spec.varlen:
         num_items = hopper.packed_items(spec.batch, tokens_q, spec.heads, block_m)
         counts = (spec.batch, num_items)
@@ -930,10 +948,8 @@ def plan(spec: AttentionSpec, bias_row: bool, bias_dims: tuple[int, int], tokens
         HEAD_DIM_QK=spec.head_dim_qk, HEAD_DIM_V=spec.head_dim_v,
         QK_SPLIT=hopper.qk_split(spec.head_dim_qk), BLOCK_M=block_m, BLOCK_N=block_n,
         STAGES=STAGES,
-        Q_STAGES=q_stages(spec.head_dim_qk, spec.head_dim_v, block_m // ROWS.value, tile_bias,
-                          bias_row, spec.dropout_p > 0),
-        FOLD=fold, O_IN_Q=o_in_q(spec.head_dim_qk, spec.head_dim_v), HAS_BIAS=tile_bias,
-        BIAS_STAGES=BIAS_STAGES[tile], BIAS_ROW=bias_row,
+        Q_STAGES=q_slots, FOLD=fold, O_IN_Q=with_o, HAS_BIAS=tile_bias,
+        BIAS_STAGES=max(bias_slots, 1), BIAS_ROW=bias_row,
         HAS_ALIBI=spec.has_alibi, HAS_SOFTCAP=spec.softcap > 0,
         HAS_DROPOUT=spec.dropout_p > 0, IS_VARLEN=spec.varlen,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
