@@ -491,10 +491,10 @@ def test_hopper_backward_gpu(case, dtype, hopper_backward_launches):
     deterministic = case.options.get("deterministic", False)
     wide_plain = max(dqk, dv) <= 128 or not (summed and deterministic)
     wide_plain = wide_plain and not (softcap and case.bias is not None)
-    # bias tiles beside dropout's scratch: 64/64, 128/64, 64/128 alone
+    # bias tiles beside dropout: up to 128 columns (the keep bits through dS's buffers)
     tiles = case.bias is not None and not bias_row(case)
     if tiles and "dropout_p" in case.options:
-        wide_plain = wide_plain and (dqk, dv) in ((64, 64), (128, 64), (64, 128))
+        wide_plain = wide_plain and max(dqk, dv) <= 128
     dims = (dqk, dv) in backward_sm90.HEAD_DIM_PAIRS or split
     keys = max(case.lengths_k) if case.varlen else case.seqlen_k
     dbias = case.bias is None or bias_row(case) or keys % 8 == 0
@@ -911,18 +911,21 @@ def test_deterministic_backward_on_hopper_gpu(head_dim, hopper_backward_launches
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim, bias", [(64, "BHQK"), (128, "BHQK"), (128, "1HQK"),
-                                            (64, "B1QK"), (128, "QK")])  # fmt: skip
-def test_deterministic_full_bias_gradient_on_hopper_gpu(head_dim, bias,
+@pytest.mark.parametrize("head_dim, bias, dropout_p",
+                         [(64, "BHQK", 0.0), (128, "BHQK", 0.0), (128, "1HQK", 0.0),
+                          (64, "B1QK", 0.0), (128, "QK", 0.0), (128, "BHQK", 0.2)])  # fmt: skip
+def test_deterministic_full_bias_gradient_on_hopper_gpu(head_dim, bias, dropout_p,
                                                         hopper_backward_launches):  # fmt: skip
     """Deterministic calls with a bias gradient on the Gluon backward: the kernel stores
     dS whole (a broadcast bias's expanded over batch and heads, summed by torch after:
     dbias_kind_of's "expanded"), and dQ comes from it by one matmul
     (backward_sm90.dq_from_full_bias), not from the kernel's adds. Two runs agree bit
-    for bit, and the gradients (the bias's too) match the reference."""
+    for bit, and the gradients (the bias's too) match the reference. With dropout the
+    keep bits go through the dS buffers the stores read from (KEEP_IN_DS)."""
     case = Case("det full bias", batch=2, heads=8, kv_heads=2, seqlen_q=1000, seqlen_k=1104,
                 dqk=head_dim, dv=head_dim, bias=bias,
-                options=dict(causal=True, align="bottom_right", deterministic=True))
+                options=dict(causal=True, align="bottom_right", deterministic=True,
+                             dropout_p=dropout_p))
     runs = [_gradients(case, torch.bfloat16, "cuda") for _ in range(2)]
     assert hopper_backward_launches, "the deterministic call fell back to backward.py"
     for a, b in zip(*runs):

@@ -272,10 +272,12 @@ HOPPER_CASES = [
          dv=128, options=dict(causal=True, dropout_p=0.2)),
     Case("dropout D64 Sq=2100 window", batch=1, seqlen_q=2100, seqlen_k=777, dqk=64, dv=64,
          options=dict(window=(400, 100), dropout_p=0.3)),
-    # bias tiles beside dropout: at D=128 O leaves through Q's buffer (forward_sm90.buffers);
-    # the backward runs backward.py there
+    # bias tiles beside dropout: at D=128 O leaves through Q's buffer (forward_sm90.buffers),
+    # and the backward's keep bits go through dS's buffers (KEEP_IN_DS)
     Case("bias 1HQK dropout causal", batch=2, seqlen_q=700, seqlen_k=904, dqk=128, dv=128,
          bias="1HQK", options=dict(causal=True, dropout_p=0.2)),
+    Case("bias BHQK dropout window GQA", heads=4, kv_heads=2, seqlen_q=777, seqlen_k=1032,
+         dqk=128, dv=128, bias="BHQK", options=dict(window=(300, 50), dropout_p=0.1)),
     # D=256: the forward's 64-key tiles with O leaving through Q's buffer, two query
     # blocks a program under a mask; the backward's 64-key programs split by head dim
     Case("D256 causal GQA", heads=4, kv_heads=2, seqlen_q=700, seqlen_k=900, dqk=256,

@@ -183,6 +183,17 @@ def overlaps_block_ends(fold, block_m):
 
 
 @gluon.constexpr_function
+def keeps_bits_in_ds(dropout, bias_tiles, head_dim_qk, head_dim_v):
+    """Whether dropout's keep bits go through this step's dS buffer (hopper.dropout_keep's
+    scratch) rather than the compiler's own scratch: beside bias tiles at 128/128, where
+    shared memory has no room for both (bias_tiles_with_dropout). Elsewhere the
+    compiler's exchange is the faster (H100, tools/ab.py, D=64 with a 1HQK bias and
+    dropout 0.1, B4 S4096: causal 153 -> 146 TFLOP/s through dS, without a mask 232 ->
+    229)."""
+    return dropout and bias_tiles and head_dim_qk == 128 and head_dim_v == 128
+
+
+@gluon.constexpr_function
 def dq_split(head_dim_qk, rows):
     """(rows, columns) of a part of a ``rows``-row dQ tile, the unit a compute warpgroup
     makes and adds: half the columns, or at 128 rows half the rows (a wgmma 32 columns
@@ -462,6 +473,7 @@ def _bwd_compute_partition(
     # dV's tile where it fits the buffer, else (V wider than q·k: 64/128) by plain stores
     DV_STAGED: gl.constexpr = dv_desc.block_type.nbytes <= DQ_ROWS * DQ_COLS * 4
     OVERLAP_ENDS: gl.constexpr = overlaps_block_ends(FOLD, BLOCK_M)
+    KEEP_IN_DS: gl.constexpr = keeps_bits_in_ds(HAS_DROPOUT, HAS_BIAS, HEAD_DIM_QK, HEAD_DIM_V)
     # A dense gradient stored whole under a mask: the tiles no query of a block sees get
     # their zeros here, not from a pass over the gradient (bias_grad_tiles' ZERO_UNSEEN).
     ZERO_UNSEEN_TILES: gl.constexpr = (DBIAS_TILES == 1 and not IS_VARLEN
@@ -499,7 +511,17 @@ def _bwd_compute_partition(
             hopper.arrived(do_ready, i, STAGES)
             do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_V])
             dp = warpgroup_mma(v_half, do.permute((1, 0)), s_init, use_acc=False, is_async=True)
-            if HAS_DROPOUT:  # Philox's integer work runs while the tensor cores do S and dP
+            if KEEP_IN_DS:  # the keep bits through this step's dS buffer (two steps
+                # ago's, read), before dS: its bias gradient copy then (or the unseen
+                # tiles' zeros) has read it
+                if DBIAS_TILES > 0 and not HAS_DQ:
+                    tma.store_wait(1)
+                gl.thread_barrier()
+                keep = hopper.dropout_keep(seed, rng_offset, b * heads + h, start_m, row0,
+                                           dropout_p, BLOCK_M, HALF_N, True, s_layout,
+                                           ds_smem.index((i % 2) * 2 + HALF))  # fmt: skip
+                gl.thread_barrier()
+            elif HAS_DROPOUT:  # Philox's integer work runs while the tensor cores do S and dP
                 keep = hopper.dropout_keep(seed, rng_offset, b * heads + h, start_m, row0,
                                            dropout_p, BLOCK_M, HALF_N, True, s_layout)
             if BIAS_ROW:  # this half's keys of a bias constant along queries, this head's
@@ -575,8 +597,9 @@ def _bwd_compute_partition(
             # once both halves are there, dQ's columns of this half: dS K summed over halves.
             ds_pair = (i % 2) * 2
             ds_own = ds_smem.index(ds_pair + HALF)
-            if not HAS_DQ:  # the bias gradient's store two steps ago has read this buffer
-                tma.store_wait(1)  # (where dQ's are, its write waits so: OTHER_BULK)
+            if not HAS_DQ and not KEEP_IN_DS:  # the bias gradient's store two steps ago
+                tma.store_wait(1)  # has read this buffer (where dQ's are, its write waits
+                # so: OTHER_BULK; KEEP_IN_DS waited before the keep bits)
                 gl.thread_barrier()
             ds_own.reshape([BLOCK_M, HALF_N]).permute((1, 0)).store(ds_lo)
             fence_async_shared()
@@ -2192,11 +2215,14 @@ MASKED_BY_RANK_BLOCKS = {64: 0, 128: 256}
 MASKED_PERSISTENT_MAX_BLOCKS = 64
 
 
-# Head dims whose D 64/128 kernel holds bias tiles beside dropout's scratch (sm_90
-# compile, shared memory of the 232,448 bytes a block may take: 64/64 156,784, 128/64
-# 205,936, 64/128 189,552; 128/128 238,704 does not fit). T5's relative position bias
-# with attention dropout, D=64.
-BIAS_TILES_WITH_DROPOUT = {(64, 64), (128, 64), (64, 128)}
+def bias_tiles_with_dropout(spec: AttentionSpec) -> bool:
+    """Whether the backward takes a bias by tiles beside dropout: the D 64/128 kernel
+    (sm_90 compile, shared memory of the 232,448 bytes a block may take: 64/64 156,784,
+    128/64 205,936, 64/128 189,552; 128/128 231,008 with the keep bits through dS's
+    buffers, keeps_bits_in_ds, 238,704 with the compiler's scratch). Not the wide
+    kernels nor 192/128's (backward.py runs those). T5's relative position bias with
+    attention dropout."""
+    return max(spec.head_dim_qk, spec.head_dim_v) <= 128
 
 
 def dq_buffers(spec: AttentionSpec, bias_tiles: bool, dbias_kind: str | None) -> int:

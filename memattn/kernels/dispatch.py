@@ -12,7 +12,7 @@ backward alike.
   bias gradient), dropout, packed (varlen) batches, and a bias:
   one constant along queries ((B or 1, H or 1, 1, Sk): key padding) as a row of keys,
   any other by TMA tiles (beside dropout's scratch where shared memory holds both:
-  forward_sm90.buffers, backward_sm90.BIAS_TILES_WITH_DROPOUT). The backward computes
+  forward_sm90.buffers, backward_sm90.bias_tiles_with_dropout). The backward computes
   a bias gradient of a key row (summed in registers) or of a bias read by tiles (dS stored,
   or added up across the batch or heads it broadcasts over: past 128 columns, D=256,
   Dqk=192, V of 256, by atomics from registers); deterministic mode only where dQ is not
@@ -126,13 +126,11 @@ def gluon_backward_computes(spec: AttentionSpec, bias, need_dbias: bool) -> bool
     bias broadcasts over batch or heads) with rows of whole 16 bytes for those copies;
     with a head dim past 128 (D=256, Dqk=192, V of 256 columns) those gradients from
     registers (stored, or added by atomics: no shared memory for tiles beside D=256's);
-    bias tiles beside dropout where shared memory holds both
-    (backward_sm90.BIAS_TILES_WITH_DROPOUT); softcap without a bias gradient (its dS for
-    dK and dQ is not the bias gradient's)."""
+    bias tiles beside dropout up to 128 columns (backward_sm90.bias_tiles_with_dropout);
+    softcap without a bias gradient (its dS for dK and dQ is not the bias gradient's)."""
     tiles = bias is not None and not hopper.bias_row(spec, bias)
-    if tiles and spec.dropout_p > 0 and (
-            (spec.head_dim_qk, spec.head_dim_v) not in backward_sm90.BIAS_TILES_WITH_DROPOUT):
-        return False  # shared memory holds the bias tiles or dropout's scratch
+    if tiles and spec.dropout_p > 0 and not backward_sm90.bias_tiles_with_dropout(spec):
+        return False
     if spec.softcap > 0 and need_dbias:
         return False
     if not need_dbias or hopper.bias_row(spec, bias):

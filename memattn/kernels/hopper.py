@@ -544,7 +544,7 @@ def _philox(seed, c0, c1, c2, c3):
 @gluon.jit
 def dropout_keep(
     seed, rng_offset, bh, start_m, start_n, dropout_p, M: gl.constexpr, N: gl.constexpr,
-    TRANSPOSED: gl.constexpr, layout: gl.constexpr,
+    TRANSPOSED: gl.constexpr, layout: gl.constexpr, scratch=None,
 ):  # fmt: skip
     """common.dropout_keep's mask, bit for bit, for queries [start_m, + M) and keys
     [start_n, + N) (start_n % 8 == 0), in a warpgroup's wgmma accumulator layout:
@@ -557,7 +557,10 @@ def dropout_keep(
     high halves (common.dropout_keep's join order). Queries along rows: that key pair
     sits in one thread of `layout`, which is sent the word whole and compares both
     halves itself; along columns (TRANSPOSED) the pair spans two threads, which are
-    sent the comparisons."""
+    sent the comparisons. ``scratch`` (TRANSPOSED only): a shared buffer of at least M * N
+    bytes, free, that the exchange goes through in place of the compiler's own scratch
+    (where shared memory has no room for both); the caller's warps meet before the call
+    (nothing reads the buffer any more) and after it (before the buffer is written)."""
     G: gl.constexpr = N // 8
     if TRANSPOSED:  # warp w draws key groups 2w, 2w+1 (keys 16w..16w+15 of the tile)
         draw: gl.constexpr = gl.BlockedLayout([1, G // 4], [32, 1], [1, 4], [0, 1])
@@ -573,7 +576,16 @@ def dropout_keep(
     words = gl.reshape(gl.join(gl.join(r0, r1), gl.join(r2, r3)), [M, N // 2])  # key pairs
     if TRANSPOSED:
         keep = gl.reshape(gl.join(words & 0xFFFF, words >> 16) >= threshold, [M, N])
-        return gl.convert_layout(gl.permute(keep, [1, 0]), layout)
+        if scratch is None:
+            keep = gl.convert_layout(gl.permute(keep, [1, 0]), layout)
+        else:  # (N, M) bytes, 8-byte chunks of a row XOR its index mod 8: a warp's reads
+            # of its 16 keys' rows and writes of its queries' columns meet no bank twice
+            bits = scratch._reinterpret(gl.int8, [N, M],
+                                        gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
+            bits.permute((1, 0)).store(keep.to(gl.int8))
+            gl.thread_barrier()
+            keep = bits.load(layout) != 0
+        return keep
     else:
         words = gl.convert_layout(words, _pairs_layout(M, N))
         keep = gl.reshape(gl.join(words & 0xFFFF, words >> 16) >= threshold, [M, N])
