@@ -278,6 +278,11 @@ HOPPER_CASES = [
          bias="1HQK", options=dict(causal=True, dropout_p=0.2)),
     Case("bias BHQK dropout window GQA", heads=4, kv_heads=2, seqlen_q=777, seqlen_k=1032,
          dqk=128, dv=128, bias="BHQK", options=dict(window=(300, 50), dropout_p=0.1)),
+    # dropout's scratch beside 192/128's buffers, and beside D=256's with bias tiles
+    Case("Dqk192 Dv128 dropout causal GQA", heads=4, kv_heads=2, seqlen_q=700, seqlen_k=901,
+         dqk=192, dv=128, options=dict(causal=True, dropout_p=0.15)),
+    Case("D256 bias 1HQK dropout", batch=2, seqlen_q=333, seqlen_k=520, dqk=256, dv=256,
+         bias="1HQK", options=dict(dropout_p=0.1)),
     # D=256: the forward's 64-key tiles with O leaving through Q's buffer, two query
     # blocks a program under a mask; the backward's 64-key programs split by head dim
     Case("D256 causal GQA", heads=4, kv_heads=2, seqlen_q=700, seqlen_k=900, dqk=256,
@@ -481,14 +486,11 @@ def test_hopper_kernel_gpu(case, dtype, monkeypatch):
     run = forward_sm90.forward
     monkeypatch.setattr(forward_sm90, "forward", lambda *a: launched.append(1) or run(*a))
     assert_results(check_forward(case, dtype, "cuda", seed=7))
-    # forward.py runs by design: softcap at D=64 (dispatch.gluon_forward), dropout or bias
-    # tiles at Dqk=192 / Dv=128, and bias tiles beside dropout past 128 columns (no
-    # shared memory left for its scratch: forward_sm90.buffers)
+    # forward.py runs by design: softcap at D=64 (dispatch.gluon_forward) and bias tiles
+    # at Dqk=192 / Dv=128 (no shared memory left for them: forward_sm90.buffers)
     softcap_d64 = case.options.get("softcap", 0) > 0 and case.dqk <= 64
     dims = dispatch.kernel_head_dims(case.dqk, case.dv, "forward")
-    dropout = "dropout_p" in case.options
-    tiles = case.bias is not None and not bias_row(case)
-    no_room = (dropout or tiles) and dims == (192, 128) or (dropout and tiles and max(dims) > 128)
+    no_room = case.bias is not None and not bias_row(case) and dims == (192, 128)
     gluon = not (softcap_d64 or no_room)
     assert bool(launched) == gluon, "the call fell back to forward.py, or ran Gluon at D=64"
 
@@ -607,16 +609,16 @@ def test_hopper_kernel_three_parts_under_masks_gpu(case, dtype, monkeypatch):
         (256, 256, 2, False, False, False, (1, 0, True)),
         (256, 256, 2, False, False, True, (1, 0, True)),
         (256, 256, 2, True, False, False, (1, 1, True)),
-        (256, 256, 2, True, False, True, (0, 0, False)),
+        (256, 256, 2, True, False, True, (1, 1, True)),
         (128, 64, 2, False, False, False, (2, 0, False)),
         (128, 64, 2, True, False, False, (2, 1, False)),
-        (128, 64, 2, True, False, True, (1, 1, False)),
-        (64, 128, 2, True, False, True, (2, 1, False)),
+        (128, 64, 2, True, False, True, (2, 1, False)),
+        (64, 128, 2, True, False, True, (1, 2, False)),
         (192, 128, 2, False, False, False, (1, 0, True)),
         (192, 128, 2, False, True, False, (1, 0, True)),
         (192, 128, 2, True, False, False, (0, 0, False)),
-        (192, 128, 2, False, False, True, (0, 0, False)),
-        (192, 128, 2, False, True, True, (0, 0, False)),
+        (192, 128, 2, False, False, True, (1, 0, True)),
+        (192, 128, 2, False, True, True, (1, 0, True)),
     ],
 )  # fmt: skip
 def test_buffers_fit_shared_memory(dqk, dv, parts, bias, row, dropout, slots):
@@ -624,7 +626,7 @@ def test_buffers_fit_shared_memory(dqk, dv, parts, bias, row, dropout, slots):
     the bias's buffers (tiles or rows) leave room (227 KiB, less dropout's scratch); at
     D=256 and 192/128 O leaves through Q's buffer: one; beside bias tiles and dropout's
     scratch at D=128 too, where O's own leaves no room; none where even one does not fit
-    (192/128 with bias tiles or dropout, D=256 with both: forward.py runs those)."""
+    (192/128 with bias tiles: forward.py runs those)."""
     assert forward_sm90.buffers(dqk, dv, parts, bias, row, dropout) == slots
     if slots[0]:  # what the kernel allocates fits (bytes as buffers counts them)
         tile = forward_sm90.tile_dim(dqk, dv)
@@ -632,7 +634,8 @@ def test_buffers_fit_shared_memory(dqk, dv, parts, bias, row, dropout, slots):
         q, b, with_o = slots
         used = (2 * n * (dqk + dv) * 2 + parts * 64 * (q * dqk + b * n) * 2
                 + (0 if with_o else parts * 64 * dv * 2) + (2 * n * 4 if row else 0))
-        assert used + (32 * 1024 if dropout else 0) <= forward_sm90.SHARED_MEMORY - 2048
+        scratch = forward_sm90.DROPOUT_SCRATCH if dropout else 0
+        assert used + scratch <= forward_sm90.SHARED_MEMORY - 2048
 
 
 @pytest.mark.gpu

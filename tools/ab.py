@@ -77,6 +77,7 @@ VARIANTS = {
     "split2": {"bwd.SPLIT_WARPGROUPS": {"masked": 2, "unmasked": 2}},
     "split3": {"bwd.SPLIT_WARPGROUPS": {"masked": 3, "unmasked": 3}},
     "bias_batch_outer": {"fwd.BIAS_BATCH_INNER": False},  # 1HQK's forward head after head
+    "scratch32": {"fwd.DROPOUT_SCRATCH": 32 * 1024},  # the forward's buffers beside dropout
     "bias_outer_nograd": {"bwd.BIAS_TILES_BATCH_INNER": False},  # its backward so too
     "block_ranges": {"fwd.OWN_KEY_RANGES": False},  # 192-row blocks' key ranges per block
     # packed sequences sharing a bias plane, masked: sequence by sequence, or by position
@@ -91,7 +92,7 @@ MODULES = {"fwd": forward_sm90, "bwd": backward_sm90, "decode": decode}
 DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
     ("fwd", ("FOLD", "OWN_KEY_RANGES", "BLOCK_M_D64", "PERSISTENT", "MAX_Q_STAGES",
              "RESCALE_THRESHOLD", "TURNS_MAX_HEAD_DIM", "MIN_SEQLEN_Q_D64_MASKED",
-             "BIAS_BATCH_INNER", "POSITION_HEADS")),
+             "BIAS_BATCH_INNER", "POSITION_HEADS", "DROPOUT_SCRATCH")),
     ("bwd", ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "PACKED_BIAS_ADDS", "SKIP_EMPTY_KEY_BLOCKS",
              "SPLIT_HEAD_DIM_PAIRS", "DQ_BLOCK_N", "DQ_WRITER", "ORDERED_DQ",
              "PERSISTENT_BLOCKS", "MASKED_BY_RANK_BLOCKS", "FUSED_SPLIT", "SPLIT_HEADS_TOGETHER",

@@ -37,8 +37,8 @@ Covers bf16/fp16, q·k head dims 64, 128, 192 and 256 with V's 64, 128 or 256, a
 (192/128 as in MLA: O leaves through Q's buffer, as at 256), GQA, causal masks either
 way, sliding windows, ALiBi, softcap (not with a key row, which S starts from before the
 cap), a bias (TMA tiles, or a key row), dropout, dense and packed batches, where shared
-memory holds their buffers (`buffers`: not bias tiles or dropout at 192/128, nor both
-past 128 columns; dispatch.py says which); every other call runs forward.py (fp32 too).
+memory holds their buffers (`buffers`: not bias tiles at 192/128; dispatch.py says
+which); every other call runs forward.py (fp32 too).
 """
 
 from __future__ import annotations
@@ -172,6 +172,11 @@ POSITION_HEADS = 4
 # Q's buffers: two where shared memory holds them, so that a program's next query
 # block loads while this one runs. Tools set MAX_Q_STAGES to A/B.
 MAX_Q_STAGES = 2
+# Shared memory kept clear for the compiler's scratch of dropout's keep-bit exchange
+# (hopper.dropout_keep's convert_layout): 7.7-8.3 KiB in sm_90 compiles (D=128 with
+# bias tiles 204,928 bytes in all, 192/128 221,280, D=256 with bias tiles 221,312, of
+# the 232,448 a block may take). Tools set it to A/B, then call hopper.forget_plans().
+DROPOUT_SCRATCH = 12 * 1024
 SHARED_MEMORY = 227 * 1024  # an H100 block's opt-in maximum
 
 
@@ -877,7 +882,7 @@ def buffers(head_dim_qk: int, head_dim_v: int, parts: int, has_bias: bool, bias_
     lets O go through Q's where its own leaves no room), then two Q slots where they fit
     (one with O in Q's buffer).
     (0, 0, False) where not even one Q slot fits: dispatch then runs forward.py.
-    Dropout's exchange of keep bits takes scratch of its own: 32 KiB kept clear."""
+    Dropout's exchange of keep bits takes scratch of its own (DROPOUT_SCRATCH)."""
     tile = tile_dim(head_dim_qk, head_dim_v)
     rows, block_n = ROWS.value, BLOCK_N[tile]
     q_tile = rows * head_dim_qk * 2  # one warpgroup's rows of Q
@@ -885,7 +890,7 @@ def buffers(head_dim_qk: int, head_dim_v: int, parts: int, has_bias: bool, bias_
     if bias_row:  # fp32, a row beside each K slot
         kv += STAGES * block_n * 4
     # 2 KiB for the barriers and the compiler's own (~400 bytes at D=128, sm_90 build)
-    budget = SHARED_MEMORY - 2 * 1024 - (32 * 1024 if dropout else 0)
+    budget = SHARED_MEMORY - 2 * 1024 - (DROPOUT_SCRATCH if dropout else 0)
     o_ways = [o_in_q(head_dim_qk, head_dim_v)]
     if has_bias and O_IN_Q_WITH_BIAS[tile] and _o_fits_q(head_dim_qk, head_dim_v):
         o_ways = list(dict.fromkeys(o_ways + [True]))
