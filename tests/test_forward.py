@@ -283,6 +283,11 @@ HOPPER_CASES = [
          dqk=192, dv=128, options=dict(causal=True, dropout_p=0.15)),
     Case("D256 bias 1HQK dropout", batch=2, seqlen_q=333, seqlen_k=520, dqk=256, dv=256,
          bias="1HQK", options=dict(dropout_p=0.1)),
+    # bias tiles beside dropout in the backward's wide kernels (192/128's forward: tiles)
+    Case("Dqk192 Dv128 bias BHQK dropout causal", seqlen_q=600, seqlen_k=712, dqk=192,
+         dv=128, bias="BHQK", options=dict(causal=True, dropout_p=0.1)),
+    Case("Dqk128 Dv256 bias 1HQK dropout window", batch=2, seqlen_q=500, seqlen_k=704,
+         dqk=128, dv=256, bias="1HQK", options=dict(window=(200, 30), dropout_p=0.2)),
     # D=256: the forward's 64-key tiles with O leaving through Q's buffer, two query
     # blocks a program under a mask; the backward's 64-key programs split by head dim
     Case("D256 causal GQA", heads=4, kv_heads=2, seqlen_q=700, seqlen_k=900, dqk=256,

@@ -2216,13 +2216,14 @@ MASKED_PERSISTENT_MAX_BLOCKS = 64
 
 
 def bias_tiles_with_dropout(spec: AttentionSpec) -> bool:
-    """Whether the backward takes a bias by tiles beside dropout: the D 64/128 kernel
-    (sm_90 compile, shared memory of the 232,448 bytes a block may take: 64/64 156,784,
-    128/64 205,936, 64/128 189,552; 128/128 231,008 with the keep bits through dS's
-    buffers, keeps_bits_in_ds, 238,704 with the compiler's scratch). Not the wide
-    kernels nor 192/128's (backward.py runs those). T5's relative position bias with
-    attention dropout."""
-    return max(spec.head_dim_qk, spec.head_dim_v) <= 128
+    """Whether the backward takes a bias by tiles beside dropout: where shared memory
+    holds both (sm_90 compile, of the 232,448 bytes a block may take: the D 64/128
+    kernel at 64/64 156,784, 128/64 205,936, 64/128 189,552, 128/128 231,008 with the
+    keep bits through dS's buffers, keeps_bits_in_ds; the wide kernels 140,400-214,128
+    at 192/128, 256/128, 256/64, 192/64, 64/256, 128/256 and 192/256). Not D=256,
+    whose dK/dV kernel takes 238,704 (backward.py runs it). T5's relative position bias
+    with attention dropout."""
+    return (spec.head_dim_qk, spec.head_dim_v) != (256, 256)
 
 
 def dq_buffers(spec: AttentionSpec, bias_tiles: bool, dbias_kind: str | None) -> int:

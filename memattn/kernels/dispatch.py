@@ -126,7 +126,7 @@ def gluon_backward_computes(spec: AttentionSpec, bias, need_dbias: bool) -> bool
     bias broadcasts over batch or heads) with rows of whole 16 bytes for those copies;
     with a head dim past 128 (D=256, Dqk=192, V of 256 columns) those gradients from
     registers (stored, or added by atomics: no shared memory for tiles beside D=256's);
-    bias tiles beside dropout up to 128 columns (backward_sm90.bias_tiles_with_dropout);
+    bias tiles beside dropout but at D=256 (backward_sm90.bias_tiles_with_dropout);
     softcap without a bias gradient (its dS for dK and dQ is not the bias gradient's)."""
     tiles = bias is not None and not hopper.bias_row(spec, bias)
     if tiles and spec.dropout_p > 0 and not backward_sm90.bias_tiles_with_dropout(spec):
