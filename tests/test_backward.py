@@ -491,10 +491,6 @@ def test_hopper_backward_gpu(case, dtype, hopper_backward_launches):
     deterministic = case.options.get("deterministic", False)
     wide_plain = max(dqk, dv) <= 128 or not (summed and deterministic)
     wide_plain = wide_plain and not (softcap and case.bias is not None)
-    # bias tiles beside dropout: not at D=256 (no shared memory left for both)
-    tiles = case.bias is not None and not bias_row(case)
-    if tiles and "dropout_p" in case.options:
-        wide_plain = wide_plain and (dqk, dv) != (256, 256)
     dims = (dqk, dv) in backward_sm90.HEAD_DIM_PAIRS or split
     keys = max(case.lengths_k) if case.varlen else case.seqlen_k
     dbias = case.bias is None or bias_row(case) or keys % 8 == 0

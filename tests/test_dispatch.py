@@ -70,7 +70,7 @@ def test_cpu_calls_run_the_tile_kernels():
         (128, (2, 2, 16, 12), {}, True, False),  # rows of whole 16 bytes for TMA stores
         (64, (1, 2, 16, 16), dict(dropout_p=0.1), True, True),  # bias tiles beside dropout
         (128, (1, 2, 16, 16), dict(dropout_p=0.1), True, True),  # (128: bits through dS)
-        (256, (1, 2, 16, 16), dict(dropout_p=0.1), True, False),  # (no room at D=256)
+        (256, (1, 2, 16, 16), dict(dropout_p=0.1), True, True),  # (256: bits through P)
         (128, (2, 1, 1, 16), dict(dropout_p=0.1), True, True),  # (a key row: no tiles)
         (128, (2, 2, 16, 12), {}, False, True),  # (without its gradient, any)
         (128, None, dict(softcap=5.0), False, True),  # softcap: tanh' in dS

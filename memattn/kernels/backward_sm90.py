@@ -183,14 +183,17 @@ def overlaps_block_ends(fold, block_m):
 
 
 @gluon.constexpr_function
-def keeps_bits_in_ds(dropout, bias_tiles, head_dim_qk, head_dim_v):
-    """Whether dropout's keep bits go through this step's dS buffer (hopper.dropout_keep's
-    scratch) rather than the compiler's own scratch: beside bias tiles at 128/128, where
-    shared memory has no room for both (bias_tiles_with_dropout). Elsewhere the
+def keeps_bits_in_shared(dropout, bias_tiles, head_dim_qk, head_dim_v):
+    """Whether dropout's keep bits go through a buffer of the step's own
+    (hopper.dropout_keep's scratch: dS's at D 64/128, P's in the wide kernels) rather
+    than the compiler's scratch: beside bias tiles at 128/128 and 256/256, where shared
+    memory has no room for both (sm_90 compile, of the 232,448 bytes a block may take:
+    128/128 231,008 so, 238,704 with the compiler's scratch; D=256's dK/dV kernel
+    230,992-231,008 so, 238,704; every other pair 140-214 KiB with it). Elsewhere the
     compiler's exchange is the faster (H100, tools/ab.py, D=64 with a 1HQK bias and
     dropout 0.1, B4 S4096: causal 153 -> 146 TFLOP/s through dS, without a mask 232 ->
     229)."""
-    return dropout and bias_tiles and head_dim_qk == 128 and head_dim_v == 128
+    return dropout and bias_tiles and head_dim_qk == head_dim_v and head_dim_v in (128, 256)
 
 
 @gluon.constexpr_function
@@ -473,7 +476,8 @@ def _bwd_compute_partition(
     # dV's tile where it fits the buffer, else (V wider than q·k: 64/128) by plain stores
     DV_STAGED: gl.constexpr = dv_desc.block_type.nbytes <= DQ_ROWS * DQ_COLS * 4
     OVERLAP_ENDS: gl.constexpr = overlaps_block_ends(FOLD, BLOCK_M)
-    KEEP_IN_DS: gl.constexpr = keeps_bits_in_ds(HAS_DROPOUT, HAS_BIAS, HEAD_DIM_QK, HEAD_DIM_V)
+    KEEP_IN_DS: gl.constexpr = keeps_bits_in_shared(HAS_DROPOUT, HAS_BIAS, HEAD_DIM_QK,
+                                                    HEAD_DIM_V)
     # A dense gradient stored whole under a mask: the tiles no query of a block sees get
     # their zeros here, not from a pass over the gradient (bias_grad_tiles' ZERO_UNSEEN).
     ZERO_UNSEEN_TILES: gl.constexpr = (DBIAS_TILES == 1 and not IS_VARLEN
@@ -517,9 +521,11 @@ def _bwd_compute_partition(
                 if DBIAS_TILES > 0 and not HAS_DQ:
                     tma.store_wait(1)
                 gl.thread_barrier()
+                scratch = hopper.keep_scratch(ds_smem.index((i % 2) * 2 + HALF), 0,
+                                              BLOCK_M, HALF_N, True)
                 keep = hopper.dropout_keep(seed, rng_offset, b * heads + h, start_m, row0,
                                            dropout_p, BLOCK_M, HALF_N, True, s_layout,
-                                           ds_smem.index((i % 2) * 2 + HALF))  # fmt: skip
+                                           scratch)  # fmt: skip
                 gl.thread_barrier()
             elif HAS_DROPOUT:  # Philox's integer work runs while the tensor cores do S and dP
                 keep = hopper.dropout_keep(seed, rng_offset, b * heads + h, start_m, row0,
@@ -1212,6 +1218,10 @@ def _bwd_wide_compute_partition(
     pt_all = pt_smem.reshape([BLOCK_N, BLOCK_M])
     dst_all = dst_smem.reshape([BLOCK_N, BLOCK_M])
     pt_own = pt_all.slice(HALF * HALF_N, HALF_N, dim=0).permute((1, 0))  # (queries, keys)
+    # Dropout's keep bits go through P's tile (each warpgroup's keys' rows) where
+    # keeps_bits_in_shared says
+    KEEP_IN_PT: gl.constexpr = keeps_bits_in_shared(HAS_DROPOUT, HAS_BIAS, HEAD_DIM_QK,
+                                                    HEAD_DIM_V)
     dst_own = dst_all.slice(HALF * HALF_N, HALF_N, dim=0).permute((1, 0))
     dk = gl.zeros([BLOCK_N, DK_COLS], gl.float32, layout=dk_layout)
     dv = gl.zeros([BLOCK_N, DV_COLS], gl.float32, layout=dv_layout)
@@ -1234,7 +1244,15 @@ def _bwd_wide_compute_partition(
         do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_V])
         dp = warpgroup_mma(do, v_keys, s_init, use_acc=False, is_async=True)
         keep = 0
-        if HAS_DROPOUT:  # Philox's integer work runs while the tensor cores do S and dP
+        if KEEP_IN_PT:  # the keep bits through this warpgroup's rows of P's tile (both
+            # warpgroups' matmuls on the last step's are done: pds_free)
+            keep = hopper.dropout_keep(seed, rng_offset, b * heads + h, start_m,
+                                       start_n + HALF * HALF_N, dropout_p, BLOCK_M, HALF_N,
+                                       False, s_layout,
+                                       hopper.keep_scratch(pt_smem, HALF, BLOCK_M, HALF_N,
+                                                           False))  # fmt: skip
+            gl.thread_barrier()  # every warp has its words before P is stored there
+        elif HAS_DROPOUT:  # Philox's integer work runs while the tensor cores do S and dP
             keep = hopper.dropout_keep(seed, rng_offset, b * heads + h, start_m,
                                        start_n + HALF * HALF_N, dropout_p, BLOCK_M, HALF_N,
                                        False, s_layout)  # fmt: skip
@@ -2213,17 +2231,6 @@ MASKED_BY_RANK_BLOCKS = {64: 0, 128: 256}
 # S8192 (64 blocks) 476 -> 468, S4096 419 -> 426. Tools set it to A/B, then call
 # hopper.forget_plans().
 MASKED_PERSISTENT_MAX_BLOCKS = 64
-
-
-def bias_tiles_with_dropout(spec: AttentionSpec) -> bool:
-    """Whether the backward takes a bias by tiles beside dropout: where shared memory
-    holds both (sm_90 compile, of the 232,448 bytes a block may take: the D 64/128
-    kernel at 64/64 156,784, 128/64 205,936, 64/128 189,552, 128/128 231,008 with the
-    keep bits through dS's buffers, keeps_bits_in_ds; the wide kernels 140,400-214,128
-    at 192/128, 256/128, 256/64, 192/64, 64/256, 128/256 and 192/256). Not D=256,
-    whose dK/dV kernel takes 238,704 (backward.py runs it). T5's relative position bias
-    with attention dropout."""
-    return (spec.head_dim_qk, spec.head_dim_v) != (256, 256)
 
 
 def dq_buffers(spec: AttentionSpec, bias_tiles: bool, dbias_kind: str | None) -> int:

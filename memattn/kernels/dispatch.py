@@ -12,8 +12,9 @@ backward alike.
   bias gradient), dropout, packed (varlen) batches, and a bias:
   one constant along queries ((B or 1, H or 1, 1, Sk): key padding) as a row of keys,
   any other by TMA tiles (beside dropout's scratch where shared memory holds both:
-  forward_sm90.buffers, backward_sm90.bias_tiles_with_dropout). The backward computes
-  a bias gradient of a key row (summed in registers) or of a bias read by tiles (dS stored,
+  forward_sm90.buffers; the backward at every pair, backward_sm90.keeps_bits_in_shared).
+  The backward computes a bias gradient of a key row (summed in registers) or of a bias
+  read by tiles (dS stored,
   or added up across the batch or heads it broadcasts over: past 128 columns, D=256,
   Dqk=192, V of 256, by atomics from registers); deterministic mode only where dQ is not
   added up in fp32 across programs, or is in a fixed order (backward_sm90.ORDERED_DQ),
@@ -126,11 +127,9 @@ def gluon_backward_computes(spec: AttentionSpec, bias, need_dbias: bool) -> bool
     bias broadcasts over batch or heads) with rows of whole 16 bytes for those copies;
     with a head dim past 128 (D=256, Dqk=192, V of 256 columns) those gradients from
     registers (stored, or added by atomics: no shared memory for tiles beside D=256's);
-    bias tiles beside dropout but at D=256 (backward_sm90.bias_tiles_with_dropout);
-    softcap without a bias gradient (its dS for dK and dQ is not the bias gradient's)."""
-    tiles = bias is not None and not hopper.bias_row(spec, bias)
-    if tiles and spec.dropout_p > 0 and not backward_sm90.bias_tiles_with_dropout(spec):
-        return False
+    bias tiles beside dropout (backward_sm90.keeps_bits_in_shared where shared memory is
+    short); softcap without a bias gradient (its dS for dK and dQ is not the bias
+    gradient's)."""
     if spec.softcap > 0 and need_dbias:
         return False
     if not need_dbias or hopper.bias_row(spec, bias):

@@ -557,10 +557,10 @@ def dropout_keep(
     high halves (common.dropout_keep's join order). Queries along rows: that key pair
     sits in one thread of `layout`, which is sent the word whole and compares both
     halves itself; along columns (TRANSPOSED) the pair spans two threads, which are
-    sent the comparisons. ``scratch`` (TRANSPOSED only): a shared buffer of at least M * N
-    bytes, free, that the exchange goes through in place of the compiler's own scratch
-    (where shared memory has no room for both); the caller's warps meet before the call
-    (nothing reads the buffer any more) and after it (before the buffer is written)."""
+    sent the comparisons. ``scratch``: a view of free shared memory (keep_scratch) that
+    the exchange goes through in place of the compiler's own scratch (where shared
+    memory has no room for both); the caller's warps meet before the call (nothing
+    reads the buffer any more) and after it (before the buffer is written)."""
     G: gl.constexpr = N // 8
     if TRANSPOSED:  # warp w draws key groups 2w, 2w+1 (keys 16w..16w+15 of the tile)
         draw: gl.constexpr = gl.BlockedLayout([1, G // 4], [32, 1], [1, 4], [0, 1])
@@ -578,18 +578,35 @@ def dropout_keep(
         keep = gl.reshape(gl.join(words & 0xFFFF, words >> 16) >= threshold, [M, N])
         if scratch is None:
             keep = gl.convert_layout(gl.permute(keep, [1, 0]), layout)
-        else:  # (N, M) bytes, 8-byte chunks of a row XOR its index mod 8: a warp's reads
-            # of its 16 keys' rows and writes of its queries' columns meet no bank twice
-            bits = scratch._reinterpret(gl.int8, [N, M],
-                                        gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
-            bits.permute((1, 0)).store(keep.to(gl.int8))
+        else:
+            scratch.permute((1, 0)).store(keep.to(gl.int8))
             gl.thread_barrier()
-            keep = bits.load(layout) != 0
+            keep = scratch.load(layout) != 0
         return keep
     else:
-        words = gl.convert_layout(words, _pairs_layout(M, N))
+        if scratch is None:
+            words = gl.convert_layout(words, _pairs_layout(M, N))
+        else:
+            scratch.store(words)
+            gl.thread_barrier()
+            words = scratch.load(_pairs_layout(M, N))
         keep = gl.reshape(gl.join(words & 0xFFFF, words >> 16) >= threshold, [M, N])
         return gl.convert_layout(keep, layout)
+
+
+@gluon.jit
+def keep_scratch(buf, part, M: gl.constexpr, N: gl.constexpr, TRANSPOSED: gl.constexpr):
+    """Part ``part`` of shared buffer ``buf`` (free, two parts of M * N bytes) as
+    dropout_keep's scratch for an (M, N) tile: (N, M) bytes TRANSPOSED, 8-byte chunks of
+    a row XOR its index mod 8, so that a warp's reads of its 16 keys' rows and writes of
+    its queries' columns meet no bank twice; else (M, N / 2) key pairs' words, 16-byte
+    chunks so, for a warp's 16-byte stores and its loads of a pair a lane."""
+    if TRANSPOSED:
+        view = buf._reinterpret(gl.int8, [2, N, M], gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
+    else:
+        view = buf._reinterpret(gl.uint32, [2, M, N // 2],
+                                gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
+    return view.index(part)
 
 
 @gluon.constexpr_function
