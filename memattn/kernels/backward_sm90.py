@@ -1218,11 +1218,11 @@ def _bwd_wide_compute_partition(
     pt_all = pt_smem.reshape([BLOCK_N, BLOCK_M])
     dst_all = dst_smem.reshape([BLOCK_N, BLOCK_M])
     pt_own = pt_all.slice(HALF * HALF_N, HALF_N, dim=0).permute((1, 0))  # (queries, keys)
-    # Dropout's keep bits go through P's tile (each warpgroup's keys' rows) where
+    dst_own = dst_all.slice(HALF * HALF_N, HALF_N, dim=0).permute((1, 0))
+    # dropout's keep bits through this warpgroup's keys' rows of P's tile, where
     # keeps_bits_in_shared says
     KEEP_IN_PT: gl.constexpr = keeps_bits_in_shared(HAS_DROPOUT, HAS_BIAS, HEAD_DIM_QK,
                                                     HEAD_DIM_V)
-    dst_own = dst_all.slice(HALF * HALF_N, HALF_N, dim=0).permute((1, 0))
     dk = gl.zeros([BLOCK_N, DK_COLS], gl.float32, layout=dk_layout)
     dv = gl.zeros([BLOCK_N, DV_COLS], gl.float32, layout=dv_layout)
     s_init = gl.zeros([BLOCK_M, HALF_N], gl.float32, layout=s_layout)

@@ -14,12 +14,12 @@ backward alike.
   any other by TMA tiles (beside dropout's scratch where shared memory holds both:
   forward_sm90.buffers; the backward at every pair, backward_sm90.keeps_bits_in_shared).
   The backward computes a bias gradient of a key row (summed in registers) or of a bias
-  read by tiles (dS stored,
-  or added up across the batch or heads it broadcasts over: past 128 columns, D=256,
-  Dqk=192, V of 256, by atomics from registers); deterministic mode only where dQ is not
-  added up in fp32 across programs, or is in a fixed order (backward_sm90.ORDERED_DQ),
-  or comes from dS stored whole (a full bias gradient, or one summed over batch or
-  heads stored expanded first) by one matmul (backward_sm90.dq_from_full_bias).
+  read by tiles (dS stored, or added up across the batch or heads it broadcasts over:
+  past 128 columns, D=256, Dqk=192, V of 256, by atomics from registers); deterministic
+  mode only where dQ is not added up in fp32 across programs, or is in a fixed order
+  (backward_sm90.ORDERED_DQ), or comes from dS stored whole (a full bias gradient, or
+  one summed over batch or heads stored expanded first) by one matmul
+  (backward_sm90.dq_from_full_bias).
   Neither takes global positions for ALiBi or dropout (AttentionSpec.positioned).
 - The split-KV forward (decode.py), before either: few queries a sequence (Sq <= 64)
   against many keys (Sk >= 4096), every option but global positions; the query heads

@@ -596,11 +596,12 @@ def dropout_keep(
 
 @gluon.jit
 def keep_scratch(buf, part, M: gl.constexpr, N: gl.constexpr, TRANSPOSED: gl.constexpr):
-    """Part ``part`` of shared buffer ``buf`` (free, two parts of M * N bytes) as
-    dropout_keep's scratch for an (M, N) tile: (N, M) bytes TRANSPOSED, 8-byte chunks of
-    a row XOR its index mod 8, so that a warp's reads of its 16 keys' rows and writes of
-    its queries' columns meet no bank twice; else (M, N / 2) key pairs' words, 16-byte
-    chunks so, for a warp's 16-byte stores and its loads of a pair a lane."""
+    """Part ``part`` (0 or 1) of the free shared buffer ``buf`` as dropout_keep's scratch
+    for an (M, N) tile: TRANSPOSED, (N, M) bytes (buf: 2 M N bytes at least), 8-byte
+    chunks of a row XOR its index mod 8, so that a warp's reads of its 16 keys' rows and
+    writes of its queries' columns meet no bank twice; else (M, N / 2) key pairs' words
+    (buf: 4 M N bytes), 16-byte chunks so, for a warp's 16-byte stores and its loads of
+    a pair a lane."""
     if TRANSPOSED:
         view = buf._reinterpret(gl.int8, [2, N, M], gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
     else:
