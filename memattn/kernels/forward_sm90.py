@@ -891,9 +891,10 @@ def buffers(head_dim_qk: int, head_dim_v: int, parts: int, has_bias: bool, bias_
         kv += STAGES * block_n * 4
     # 2 KiB for the barriers and the compiler's own (~400 bytes at D=128, sm_90 build)
     budget = SHARED_MEMORY - 2 * 1024 - (DROPOUT_SCRATCH if dropout else 0)
-    o_ways = [o_in_q(head_dim_qk, head_dim_v)]
-    if has_bias and O_IN_Q_WITH_BIAS[tile] and _o_fits_q(head_dim_qk, head_dim_v):
-        o_ways = list(dict.fromkeys(o_ways + [True]))
+    o_ways = [o_in_q(head_dim_qk, head_dim_v)]  # O's own buffer first, then Q's
+    if (not o_ways[0] and has_bias and O_IN_Q_WITH_BIAS[tile]
+            and _o_fits_q(head_dim_qk, head_dim_v)):
+        o_ways.append(True)
     for bias_stages in range(BIAS_STAGES[tile], 0, -1) if has_bias else (0,):
         for with_o in o_ways:
             taken = kv + bias_stages * parts * rows * block_n * 2
