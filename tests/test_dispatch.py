@@ -419,7 +419,7 @@ def test_only_packed_programs_past_their_end_may_return_first(varlen, inner, mon
         (256, 256, None, {}, True, True),
         (192, 128, None, dict(causal=True), True, True),  # MLA: O leaves through Q's buffer
         (192, 128, (2, 1, 1, 16), {}, True, True),  # a key row: 1 KiB more
-        (192, 128, (2, 2, 16, 16), {}, False, True),  # bias tiles: no room
+        (192, 128, (2, 2, 16, 16), {}, True, True),  # bias tiles: 64-key tiles
         (192, 128, None, dict(dropout_p=0.1), True, True),  # dropout's scratch: room
         (128, 64, (2, 2, 16, 16), {}, True, True),
         (128, 64, None, dict(causal=True, dropout_p=0.1), True, True),

@@ -19,7 +19,7 @@ from memattn.check import (
     check_forward_on,
     gpu_sized,
 )
-from memattn.kernels import dispatch, forward_sm90, hopper
+from memattn.kernels import forward_sm90, hopper
 
 from .conftest import DEVICE
 
@@ -283,7 +283,8 @@ HOPPER_CASES = [
          dqk=192, dv=128, options=dict(causal=True, dropout_p=0.15)),
     Case("D256 bias 1HQK dropout", batch=2, seqlen_q=333, seqlen_k=520, dqk=256, dv=256,
          bias="1HQK", options=dict(dropout_p=0.1)),
-    # bias tiles beside dropout in the backward's wide kernels (192/128's forward: tiles)
+    # bias tiles beside dropout in the backward's wide kernels (192/128's forward: its
+    # 64-key tiles)
     Case("Dqk192 Dv128 bias BHQK dropout causal", seqlen_q=600, seqlen_k=712, dqk=192,
          dv=128, bias="BHQK", options=dict(causal=True, dropout_p=0.1)),
     Case("Dqk128 Dv256 bias 1HQK dropout window", batch=2, seqlen_q=500, seqlen_k=704,
@@ -299,6 +300,14 @@ HOPPER_CASES = [
     # (MLA) and 256/128 O leaves through Q's buffer, reinterpreted
     Case("Dqk192 Dv128 causal GQA", heads=4, kv_heads=2, seqlen_q=700, seqlen_k=901,
          dqk=192, dv=128, options=dict(causal=True)),
+    # bias tiles at 192/128: the forward's keys 64 a tile (forward_sm90.key_tile); rows
+    # of keys whole 16 bytes, for TMA
+    Case("Dqk192 Dv128 bias 1HQK window GQA", batch=2, heads=4, kv_heads=2, seqlen_q=700,
+         seqlen_k=904, dqk=192, dv=128, bias="1HQK", options=dict(window=(300, 20))),
+    Case("Dqk192 Dv128 bias B1QK alibi", seqlen_q=333, seqlen_k=648, dqk=192, dv=128,
+         bias="B1QK", alibi="H"),
+    Case("Dqk192 Dv128 varlen bias 1HQK shared causal", lengths_q=(700, 0, 1300, 64),
+         lengths_k=(700, 5, 1304, 64), dqk=192, dv=128, bias="1HQK", options=dict(causal=True)),
     Case("Dqk192 Dv128 varlen key bias", lengths_q=(300, 0, 777), lengths_k=(400, 9, 777),
          dqk=192, dv=128, bias="B11K", alibi="H", options=dict(causal=True)),
     Case("Dqk128 Dv64 window", seqlen_q=600, seqlen_k=1000, dqk=128, dv=64,
@@ -491,13 +500,9 @@ def test_hopper_kernel_gpu(case, dtype, monkeypatch):
     run = forward_sm90.forward
     monkeypatch.setattr(forward_sm90, "forward", lambda *a: launched.append(1) or run(*a))
     assert_results(check_forward(case, dtype, "cuda", seed=7))
-    # forward.py runs by design: softcap at D=64 (dispatch.gluon_forward) and bias tiles
-    # at Dqk=192 / Dv=128 (no shared memory left for them: forward_sm90.buffers)
+    # forward.py runs by design: softcap at D=64 (dispatch.gluon_forward)
     softcap_d64 = case.options.get("softcap", 0) > 0 and case.dqk <= 64
-    dims = dispatch.kernel_head_dims(case.dqk, case.dv, "forward")
-    no_room = case.bias is not None and not bias_row(case) and dims == (192, 128)
-    gluon = not (softcap_d64 or no_room)
-    assert bool(launched) == gluon, "the call fell back to forward.py, or ran Gluon at D=64"
+    assert bool(launched) != softcap_d64, "the call fell back to forward.py, or ran Gluon at D=64"
 
 
 def record_launches(monkeypatch, module, name: str) -> list:
@@ -532,7 +537,8 @@ PERSISTENT_CASES = ["D64 Sq=777 Sk=1030", "D64 Sq=2048 Sk=333", "D128 causal",
 @pytest.mark.gpu
 @pytest.mark.parametrize("programs", [5, 132])
 @pytest.mark.parametrize("name", ["varlen bias 1HQK shared causal", "varlen bias 11QK D64 window",
-                                  "varlen bias 1HQK shared GQA bottom-right"])  # fmt: skip
+                                  "varlen bias 1HQK shared GQA bottom-right",
+                                  "Dqk192 Dv128 varlen bias 1HQK shared causal"])  # fmt: skip
 def test_hopper_kernel_packed_by_position_gpu(name, programs, monkeypatch):
     """Packed sequences sharing a bias plane under a right bound go by position
     (POSITION_HEADS, here groups of 4 heads), through few programs or many."""
@@ -621,7 +627,8 @@ def test_hopper_kernel_three_parts_under_masks_gpu(case, dtype, monkeypatch):
         (64, 128, 2, True, False, True, (1, 2, False)),
         (192, 128, 2, False, False, False, (1, 0, True)),
         (192, 128, 2, False, True, False, (1, 0, True)),
-        (192, 128, 2, True, False, False, (0, 0, False)),
+        (192, 128, 2, True, False, False, (1, 2, True)),  # 64-key tiles (key_tile)
+        (192, 128, 2, True, False, True, (1, 2, True)),
         (192, 128, 2, False, False, True, (1, 0, True)),
         (192, 128, 2, False, True, True, (1, 0, True)),
     ],
@@ -630,12 +637,11 @@ def test_buffers_fit_shared_memory(dqk, dv, parts, bias, row, dropout, slots):
     """(Q slots, bias slots, O in Q's buffer): two Q buffers where the K/V rings, O's and
     the bias's buffers (tiles or rows) leave room (227 KiB, less dropout's scratch); at
     D=256 and 192/128 O leaves through Q's buffer: one; beside bias tiles and dropout's
-    scratch at D=128 too, where O's own leaves no room; none where even one does not fit
-    (192/128 with bias tiles: forward.py runs those)."""
+    scratch at D=128 too, where O's own leaves no room (192/128 beside bias tiles: its
+    keys 64 a tile)."""
     assert forward_sm90.buffers(dqk, dv, parts, bias, row, dropout) == slots
     if slots[0]:  # what the kernel allocates fits (bytes as buffers counts them)
-        tile = forward_sm90.tile_dim(dqk, dv)
-        n = forward_sm90.BLOCK_N[tile]
+        n = forward_sm90.key_tile(dqk, dv, bias)
         q, b, with_o = slots
         used = (2 * n * (dqk + dv) * 2 + parts * 64 * (q * dqk + b * n) * 2
                 + (0 if with_o else parts * 64 * dv * 2) + (2 * n * 4 if row else 0))

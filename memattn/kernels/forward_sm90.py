@@ -36,9 +36,9 @@ probabilities and the output the 1 / (1 - p).
 Covers bf16/fp16, q·k head dims 64, 128, 192 and 256 with V's 64, 128 or 256, any pair
 (192/128 as in MLA: O leaves through Q's buffer, as at 256), GQA, causal masks either
 way, sliding windows, ALiBi, softcap (not with a key row, which S starts from before the
-cap), a bias (TMA tiles, or a key row), dropout, dense and packed batches, where shared
-memory holds their buffers (`buffers`: not bias tiles at 192/128; dispatch.py says
-which); every other call runs forward.py (fp32 too).
+cap), a bias (TMA tiles, or a key row; at 192/128 its tiles take 64-key tiles,
+`key_tile`), dropout, dense and packed batches, where shared memory holds their buffers
+(`buffers`; dispatch.py says which); every other call runs forward.py (fp32 too).
 """
 
 from __future__ import annotations
@@ -119,6 +119,9 @@ INFO_FIELDS = gl.constexpr(8)
 # Keys per tile. At D=256 a warpgroup's O takes 128 registers a thread, so S takes 64
 # keys (32 more), and K and V tiles are 32 KiB each, as at D=128.
 BLOCK_N = {64: 128, 128: 128, 192: 128, 256: 64}
+# Beside a bias's tiles: at 192 a ring of 128-key K tiles (96 KiB) leaves no room for
+# one, so the keys go 64 a tile there, as at D=256 (`key_tile`).
+BLOCK_N_WITH_BIAS = {64: 128, 128: 128, 192: 64, 256: 64}
 STAGES = 2  # K and V each: 2 x 32 KiB at D=128 and 256, plus Q's and O's 32 KiB each
 # At D=256 Q's and O's buffers would be 64 KiB each, and at 192/128 K's ring is 96 KiB:
 # O goes out through Q's buffer (each warpgroup's own rows), whose next fill then waits
@@ -129,9 +132,9 @@ O_IN_Q = {64: False, 128: False, 192: True, 256: True}
 # either way. A second bias slot in those 32 KiB did not pay (PERFORMANCE.md).
 O_IN_Q_WITH_BIAS = {64: False, 128: True, 192: True, 256: True}
 # A bias's tiles (ROWS x BLOCK_N per warpgroup) take what shared memory is left, up to
-# this many slots: two at D=64 (one at 64/128 beside dropout's scratch), one at 128
-# (224 KiB in all) and 256 (208 KiB); none at 192 (no room: forward.py runs those).
-BIAS_STAGES = {64: 2, 128: 1, 192: 1, 256: 1}
+# this many slots: two at D=64 (one at 64/128 beside dropout's scratch) and at 192 (its
+# 64-key tiles: 160 KiB in all), one at 128 (224 KiB) and 256 (208 KiB).
+BIAS_STAGES = {64: 2, 128: 1, 192: 2, 256: 1}
 # Programs run persistent (PERSISTENT): one per SM at most, each walking query blocks
 # in strides (hopper.work_item), under a mask (FOLD) in pairs of blocks whose work adds
 # up to the same, as static strides need. Masked calls at D 64/128 gained from it over
@@ -864,6 +867,12 @@ def tile_dim(head_dim_qk: int, head_dim_v: int) -> int:
     return 256 if head_dim_v > 128 else head_dim_qk
 
 
+def key_tile(head_dim_qk: int, head_dim_v: int, has_bias: bool) -> int:
+    """Keys a tile (the kernel's BLOCK_N): BLOCK_N's, or BLOCK_N_WITH_BIAS's beside a
+    bias read by tiles."""
+    return (BLOCK_N_WITH_BIAS if has_bias else BLOCK_N)[tile_dim(head_dim_qk, head_dim_v)]
+
+
 def o_in_q(head_dim_qk: int, head_dim_v: int) -> bool:
     """Whether O's tile fits Q's first columns' (not at 64/256, 128/256 or 192/256) and
     leaves through Q's buffer by O_IN_Q (beside a bias: `buffers`)."""
@@ -884,7 +893,7 @@ def buffers(head_dim_qk: int, head_dim_v: int, parts: int, has_bias: bool, bias_
     (0, 0, False) where not even one Q slot fits: dispatch then runs forward.py.
     Dropout's exchange of keep bits takes scratch of its own (DROPOUT_SCRATCH)."""
     tile = tile_dim(head_dim_qk, head_dim_v)
-    rows, block_n = ROWS.value, BLOCK_N[tile]
+    rows, block_n = ROWS.value, key_tile(head_dim_qk, head_dim_v, has_bias)
     q_tile = rows * head_dim_qk * 2  # one warpgroup's rows of Q
     kv = STAGES * block_n * (head_dim_qk + head_dim_v) * 2  # the K and V rings
     if bias_row:  # fp32, a row beside each K slot
@@ -936,7 +945,7 @@ def plan(spec: AttentionSpec, bias_row: bool, bias_dims: tuple[int, int], tokens
                                          else MIN_SEQLEN_Q_D64))
     block_m = BLOCK_M_D64 if three_parts else BLOCK_M
     tile = tile_dim(spec.head_dim_qk, spec.head_dim_v)
-    block_n = BLOCK_N[tile]
+    block_n = key_tile(spec.head_dim_qk, spec.head_dim_v, tile_bias)
     num_m_blocks = cdiv(spec.seqlen_q, block_m)
     # Packed sequences walk their blocks sequence by sequence instead (hopper.query_block).
     fold = not spec.varlen and (FOLD is True or (
