@@ -162,7 +162,7 @@ def _grad_scores(
     seqlen_k, off, alibi_off, scale, softcap, slope, window_left, window_right, dropout_p,
     MASKED: tl.constexpr, BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, FAST_TANH: tl.constexpr,
 ):  # fmt: skip
     """The elementwise part of the backward for one tile, in either orientation:
     returns (pz, ds, dqk), the dropped probabilities P Z (for dV), dS (the bias
@@ -175,7 +175,7 @@ def _grad_scores(
     that their P is 0 rather than NaN. alibi_off: ALiBi's diagonal offset, off shifted
     by the global positions (AttentionSpec.position_q - position_k).
     """
-    s_cap = capped_score_log2(qk, scale, softcap, HAS_SOFTCAP)
+    s_cap = capped_score_log2(qk, scale, softcap, HAS_SOFTCAP, FAST_TANH)
     s = add_bias_alibi_log2(s_cap, rows, cols, alibi_off, slope, bias, HAS_BIAS, HAS_ALIBI)
     if MASKED:
         mask = visible(rows, cols, seqlen_k, off, window_left, window_right,
@@ -258,7 +258,7 @@ def _dkdv_tiles(
             bias_t, keep_t, seqlen_k, off, off + pos_q - pos_k, scale, softcap, slope,
             window_left, window_right, dropout_p,
             MASKED, BOUNDED_LEFT, BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP,
-            HAS_DROPOUT)
+            HAS_DROPOUT, q.dtype != tl.float32)
         dv += tl.dot(pz_t.to(do.dtype), do, input_precision=DOT_PRECISION)
         dk += tl.dot(dqk_t.to(q.dtype), q, input_precision=DOT_PRECISION)
         if DQ_ATOMIC:  # dQ += dS K for this tile, summed over key blocks in fp32
@@ -450,7 +450,7 @@ def _dq_tiles(
             keep, seqlen_k, off, off + pos_q - pos_k, scale, softcap, slope, window_left,
             window_right, dropout_p,
             MASKED, BOUNDED_LEFT, BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP,
-            HAS_DROPOUT)
+            HAS_DROPOUT, q.dtype != tl.float32)
         dq += tl.dot(dqk.to(k.dtype), k, input_precision=DOT_PRECISION)
     return dq
 

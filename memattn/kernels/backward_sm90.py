@@ -540,7 +540,7 @@ def _bwd_compute_partition(
             if HAS_SOFTCAP:  # log2 units from here, as the forwards' scores; tanh's
                 # derivative kept in dS's dtype until dS (its 32 fp32 registers a thread
                 # across dP's wait spilled 340-510 bytes at D=128), where dS is rounded so
-                t_cap = tanh(s * (scale / softcap))
+                t_cap = tanh(s * (scale / softcap), True)  # 16-bit inputs
                 s = t_cap * (softcap * LOG2E)
                 cap_slope = (1.0 - t_cap * t_cap).to(dtype)
                 p_scale = 1.0
@@ -1098,7 +1098,7 @@ def _wide_probs(
     p_scale = scale * LOG2E
     cap_slope = 1.0
     if HAS_SOFTCAP:  # log2 units from here, as the forwards' scores
-        t_cap = tanh(s * (scale / softcap))
+        t_cap = tanh(s * (scale / softcap), True)  # 16-bit inputs
         s = t_cap * (softcap * LOG2E)
         cap_slope = 1.0 - t_cap * t_cap
         p_scale = 1.0

@@ -213,19 +213,32 @@ def visible(
     return mask
 
 
-@triton.jit
-def tanh(x):
-    # exp-based so that it runs on the GPU and in Triton's interpreter alike; saturates
-    # to +-1 for large |x| without overflow trouble (exp2 -> inf gives 1 - 0).
-    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
+# Triton's interpreter runs no inline PTX (read once, as Triton reads it).
+INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit
-def capped_score_log2(qk, scale, softcap, HAS_SOFTCAP: tl.constexpr):
+def tanh(x, FAST: tl.constexpr):
+    """softcap's tanh. FAST (16-bit inputs): the GPU's tanh.approx.f32, one MUFU
+    operation, relative error below 2^-10.9 (a bf16 score's rounding is 2^-9); else,
+    and under the interpreter, 1 - 2 / (2^(2x log2 e) + 1), an exp2 and a division (two
+    MUFU operations and the division's refinement), saturating to +-1 without overflow
+    trouble. Every kernel of a call decides alike (by the inputs' dtype), so that a
+    backward recomputes the forward's P."""
+    if FAST and not INTERPRETING:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+@triton.jit
+def capped_score_log2(qk, scale, softcap, HAS_SOFTCAP: tl.constexpr, FAST: tl.constexpr):
     """The scaled (and softcapped) score times log2(e), from the raw q.k tile (fp32).
-    The backward recovers softcap's tanh from it: t = s2 / (softcap * log2(e))."""
+    The backward recovers softcap's tanh from it: t = s2 / (softcap * log2(e)). FAST:
+    tanh's."""
     if HAS_SOFTCAP:
-        return tanh(qk * (scale / softcap)) * (softcap * LOG2E)
+        return tanh(qk * (scale / softcap), FAST) * (softcap * LOG2E)
     else:
         return qk * (scale * LOG2E)
 

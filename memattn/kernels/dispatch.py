@@ -114,8 +114,8 @@ def gluon_forward(spec: AttentionSpec, q, k, v, bias) -> bool:
     bias_row = hopper.bias_row(spec, bias)
     if bias_row and (spec.scale == 0 or spec.softcap > 0):  # the key row goes in Q K^T's
         return False  # units (b / scale), where S starts: before softcap's cap
-    if spec.softcap > 0 and spec.head_dim_qk <= 64:  # three MUFU ops a score (tanh's two)
-        return False  # against D=64's matmuls: the tile forward ran faster (233 / 182)
+    if spec.softcap > 0 and spec.head_dim_qk <= 64:  # two MUFU ops a score (the exp2,
+        return False  # tanh.approx) against D=64's matmuls: both kernels ran 337-345
     return _gluon_takes(spec, q, k, v, bias) and forward_sm90.takes_head_dims(
         kernel_spec(spec, "forward"), bias_row)
 

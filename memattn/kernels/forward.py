@@ -70,7 +70,7 @@ def _fwd_tiles(
             b_ptrs = bias_rows[:, None] + (start_n64 + arange_n[None, :]) * stride_bn
             bias = tl.load(b_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
             bias = bias.to(tl.float32)
-        s = capped_score_log2(qk, scale, softcap, HAS_SOFTCAP)
+        s = capped_score_log2(qk, scale, softcap, HAS_SOFTCAP, k.dtype != tl.float32)
         s = add_bias_alibi_log2(s, offs_m[:, None], offs_n[None, :], off + pos_q - pos_k,
                                 slope, bias, HAS_BIAS, HAS_ALIBI)
         if MASKED:

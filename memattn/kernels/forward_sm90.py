@@ -362,7 +362,7 @@ def _softmax_tile(
     added after."""
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
     if HAS_SOFTCAP:  # natural units from here: the scale is spent
-        s = tanh(s * (scale_log2 * LN2 / softcap)) * softcap
+        s = tanh(s * (scale_log2 * LN2 / softcap), True) * softcap  # 16-bit inputs
         scale_log2 = LOG2E
     if HAS_BIAS:
         # Natural units: one FMA a score adds the tile. In log2 units the bias is scaled
