@@ -481,16 +481,16 @@ def test_hopper_backward_gpu(case, dtype, hopper_backward_launches):
 
     assert_results(check_backward(case, dtype, "cuda", seed=7))
     dqk, dv = dispatch.kernel_head_dims(case.dqk, case.dv, "backward")  # D=96 as 128
-    # backward.py runs by design: a bias gradient of rows not whole 16 bytes, softcap with
-    # a bias gradient (the suite's calls ask for it), and past 128 columns (q·k's or V's)
-    # a deterministic gradient of a bias broadcast over batch or heads with queries (the
-    # wide kernels add it by atomics).
+    # backward.py runs by design: a bias gradient of rows not whole 16 bytes, and past 128
+    # columns (q·k's or V's) softcap with a bias gradient (the suite's calls ask for it)
+    # or a deterministic gradient of a bias broadcast over batch or heads with queries
+    # (the wide kernels add it by atomics).
     softcap = case.options.get("softcap", 0) > 0
     split = (dqk, dv) in backward_sm90.SPLIT_HEAD_DIM_PAIRS
     summed = case.bias not in (None, "BHQK", "HQK") and not bias_row(case)
     deterministic = case.options.get("deterministic", False)
-    wide_plain = max(dqk, dv) <= 128 or not (summed and deterministic)
-    wide_plain = wide_plain and not (softcap and case.bias is not None)
+    wide_plain = max(dqk, dv) <= 128 or not (summed and deterministic
+                                             or softcap and case.bias is not None)
     dims = (dqk, dv) in backward_sm90.HEAD_DIM_PAIRS or split
     keys = max(case.lengths_k) if case.varlen else case.seqlen_k
     dbias = case.bias is None or bias_row(case) or keys % 8 == 0

@@ -75,8 +75,10 @@ def test_cpu_calls_run_the_tile_kernels():
         (128, (2, 2, 16, 12), {}, False, True),  # (without its gradient, any)
         (128, None, dict(softcap=5.0), False, True),  # softcap: tanh' in dS
         (64, (2, 2, 16, 16), dict(softcap=5.0), False, True),
-        (128, (2, 2, 16, 16), dict(softcap=5.0), True, False),  # (not the bias gradient's)
-        (128, (2, 2, 1, 16), dict(softcap=5.0), True, False),
+        (128, (2, 2, 16, 16), dict(softcap=5.0), True, True),  # its gradient: dS before
+        (128, (1, 2, 16, 16), dict(softcap=5.0), True, True),  # tanh', which dK's and dQ's
+        (64, (2, 2, 1, 16), dict(softcap=5.0), True, True),  # carry
+        (256, (2, 2, 16, 16), dict(softcap=5.0), True, False),  # (past 128 columns, not)
     ],
 )  # fmt: skip
 def test_gluon_backward_computes(d, bias_shape, options, need_dbias, computes):

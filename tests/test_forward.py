@@ -468,6 +468,16 @@ HOPPER_CASES = [
          options=dict(softcap=1.5)),
     Case("softcap bias BHQK", seqlen_q=600, seqlen_k=1000, dqk=128, dv=128,
          bias="BHQK", options=dict(softcap=2.0)),
+    # beside a bias gradient (the backward's D 64/128 kernel): out before tanh's
+    # derivative, summed over the batch, added by the packed sequences sharing a plane
+    # (with dropout: the keep bits through dS's buffer), and a key row's
+    Case("softcap bias 1HQK D64 causal GQA", batch=2, heads=4, kv_heads=2, seqlen_q=600,
+         seqlen_k=904, dqk=64, dv=64, bias="1HQK", options=dict(causal=True, softcap=2.0)),
+    Case("softcap varlen bias 1HQK shared dropout", lengths_q=(700, 0, 1300, 64),
+         lengths_k=(700, 5, 1304, 64), dqk=128, dv=128, bias="1HQK",
+         options=dict(causal=True, softcap=2.0, dropout_p=0.1)),
+    Case("softcap key bias B11K window", seqlen_q=500, seqlen_k=712, dqk=128, dv=128,
+         bias="B11K", options=dict(window=(200, 30), softcap=2.0)),
     Case("softcap D256", seqlen_q=600, seqlen_k=700, dqk=256, dv=256,
          options=dict(causal=True, softcap=2.0)),
     Case("softcap varlen dropout", heads=4, kv_heads=2, lengths_q=(700, 0, 1300, 64),
@@ -500,9 +510,11 @@ def test_hopper_kernel_gpu(case, dtype, monkeypatch):
     run = forward_sm90.forward
     monkeypatch.setattr(forward_sm90, "forward", lambda *a: launched.append(1) or run(*a))
     assert_results(check_forward(case, dtype, "cuda", seed=7))
-    # forward.py runs by design: softcap at D=64 (dispatch.gluon_forward)
-    softcap_d64 = case.options.get("softcap", 0) > 0 and case.dqk <= 64
-    assert bool(launched) != softcap_d64, "the call fell back to forward.py, or ran Gluon at D=64"
+    # forward.py runs by design: softcap at D=64 or beside a key row, which S starts from
+    # before the cap (dispatch.gluon_forward)
+    capped = case.options.get("softcap", 0) > 0
+    tiles = capped and (case.dqk <= 64 or bias_row(case))
+    assert bool(launched) != tiles, "the call fell back to forward.py, or ran Gluon by mistake"
 
 
 def record_launches(monkeypatch, module, name: str) -> list:

@@ -197,9 +197,10 @@ def _compile_hopper(name, launch) -> int:
     packed sequences (varlen: 2100 and 704 tokens, cu_seqlens given; varlen_bias with a
     full bias, varlen_addbias with a plane per head the sequences share (its gradient
     added in bf16), varlen_sumbias with one plane for all, varlen_all with a key row,
-    dropout and ALiBi), GQA 4:2, Sq=2100 (D=64's three warpgroups), Sk=704; returns the
-    number of failures. MEMATTN_HOPPER_FEATURES=dropout (comma-separated from those
-    names) and MEMATTN_HOPPER_DIMS=256 compile a subset."""
+    dropout and ALiBi), GQA 4:2, Sq=2100 (D=64's three warpgroups), Sk=704; softcap
+    alone or before another ("softcap_bias"); returns the number of failures.
+    MEMATTN_HOPPER_FEATURES=dropout (comma-separated from those names) and
+    MEMATTN_HOPPER_DIMS=256 compile a subset."""
     from memattn.kernels import hopper
     from memattn.spec import check_call
 
@@ -214,8 +215,11 @@ def _compile_hopper(name, launch) -> int:
     for d, dv in dims:
         for options in HOPPER_MASKS:
             for feature in features:
+                label = feature
                 read = feature.endswith("_read")  # the bias without its gradient
                 feature = feature.removesuffix("_read")
+                capped = feature.startswith("softcap")  # softcap, alone or beside the rest
+                feature = feature.removeprefix("softcap").removeprefix("_") or "none"
                 q = torch.randn(2, 2100, 4, d, dtype=torch.bfloat16)
                 k = torch.randn(2, 704, 2, d, dtype=torch.bfloat16)
                 v = torch.randn(2, 704, 2, dv, dtype=torch.bfloat16)
@@ -233,7 +237,7 @@ def _compile_hopper(name, launch) -> int:
                     bias = torch.randn(2, 1, 1, 504, dtype=torch.bfloat16)
                 dropout_p = 0.1 if feature in ("dropout", "bias_dropout", "varlen_all") else 0.0
                 alibi = torch.rand(4) if feature in ("alibi", "varlen_all") else None
-                softcap = 30.0 if feature == "softcap" else 0.0
+                softcap = 30.0 if capped else 0.0
                 varlen = {}
                 if feature.startswith("varlen"):  # the same tokens as two packed sequences
                     q, k, v = q[:1].flatten(0, 1), k[:1].flatten(0, 1), v[:1].flatten(0, 1)
@@ -242,7 +246,7 @@ def _compile_hopper(name, launch) -> int:
                     varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=1500,
                                   max_seqlen_k=504)
                 global case
-                case = f"D={d}/{dv} {options} {feature}"
+                case = f"D={d}/{dv} {options} {label}"
                 try:
                     spec = check_call(q, k, v, bias=bias, dropout_p=dropout_p,
                                       alibi_slopes=alibi, softcap=softcap, **options,
@@ -253,7 +257,7 @@ def _compile_hopper(name, launch) -> int:
                     failures += 1
                     while e.__cause__ is not None:  # the innermost error says what failed
                         e = e.__cause__
-                    print(f"FAIL {name} D={d}/{dv} {options} {feature}: "
+                    print(f"FAIL {name} D={d}/{dv} {options} {label}: "
                           f"{type(e).__name__}: {str(e)[-3000:]}")
     return failures
 

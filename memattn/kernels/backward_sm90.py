@@ -428,10 +428,9 @@ def _bwd_compute_partition(
     dK and dV leave by TMA store through this warpgroup's dQ buffer; a packed
     sequence's block that ends past the sequence's keys by plain stores (a TMA store
     clips at the packed tensor's end, not the sequence's). HAS_SOFTCAP: the scores
-    capped first (common.capped_score_log2), dK and dQ through tanh's derivative; no
-    bias gradient beside it (dS would be two tiles)."""
-    gl.static_assert(not HAS_SOFTCAP or (DBIAS_TILES == 0 and not DBIAS_SUM and not DBIAS_ROW),
-                     "softcap's dS for dK and dQ is not the bias gradient's")
+    capped first (common.capped_score_log2), dK and dQ through tanh's derivative; a bias
+    gradient leaves before it (by tiles through this warpgroup's dQ buffer, where dS's
+    holds dK's and dQ's)."""
     (dq_desc, dbias_desc, dk_desc, dv_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb,
      stride_vn, stride_vh, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bias_smem,
      ds_smem, dq_smem, dsum_smem, dq_full, dq_empty, kv_bar, kv_empty, q_ready, do_ready,
@@ -468,7 +467,10 @@ def _bwd_compute_partition(
     # Bulk copies (TMA) a step may leave in flight when dQ's tile is written: the bias
     # gradient's store or reduce-add from dS's tile (DBIAS_TILES: 1 stored, 2 added), or
     # the fp32 reduce-add from a buffer of its own.
-    OTHER_BULK: gl.constexpr = 1 if DBIAS_TILES > 0 or (DBIAS_SUM and HEAD_DIM_QK != BLOCK_N) else 0
+    # (With softcap, a bias gradient by tiles leaves from dQ's buffer: RAW_DS_IN_DQ.)
+    RAW_DS_IN_DQ: gl.constexpr = HAS_SOFTCAP and DBIAS_TILES > 0
+    OTHER_BULK: gl.constexpr = 1 if ((DBIAS_TILES > 0 and not RAW_DS_IN_DQ)
+                                     or (DBIAS_SUM and HEAD_DIM_QK != BLOCK_N)) else 0
     # dK and dV leave through one of this warpgroup's dQ buffers: both at once where they
     # fit (D=64 at 128 rows), else one after the other.
     TOGETHER: gl.constexpr = (HEAD_DIM_QK == HEAD_DIM_V and 2 * dk_desc.block_type.nbytes
@@ -574,8 +576,24 @@ def _bwd_compute_partition(
                 dp = gl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
                 p_kept = gl.where(keep, p, 0.0)
             ds = p * (dp - delta[None, :])  # the bias gradient; dK, dQ take the scale later
-            if HAS_SOFTCAP:  # d(softcap * tanh(x / softcap)) / dx
-                ds = ds * cap_slope.to(gl.float32)
+            if HAS_SOFTCAP:  # the bias gradient out before tanh's derivative, which dK's
+                # and dQ's dS carry: d(softcap * tanh(x / softcap)) / dx
+                if DBIAS_SUM:
+                    _add_summed_bias_grad(ds, dsum_smem.index(HALF), dbias_desc,
+                                          [b % bias_batches, h % bias_heads, start_m, row0],
+                                          BLOCK_M, HALF_N)  # fmt: skip
+                if RAW_DS_IN_DQ:  # its tile through this warpgroup's dQ buffer (free once
+                    # its last reduce-add has read it; dQ's write waits for this copy)
+                    tma.store_wait(0)
+                    gl.thread_barrier()
+                    raw = dq_smem.index(HALF)._reinterpret(dtype, dbias_desc.block_type.shape,
+                                                           dbias_desc.layout)  # fmt: skip
+                    raw.reshape([BLOCK_M, HALF_N]).permute((1, 0)).store(ds.to(dtype))
+                    fence_async_shared()
+                    if DBIAS_TILES == 1:
+                        tma.async_copy_shared_to_global(dbias_desc, [b, h, start_m, row0], raw)
+                    else:
+                        hopper.tma_reduce_add(dbias_desc, [0, h, start_m, row0], raw)
             if DBIAS_ROW:  # summed over queries; stored once per query head, its last tile
                 db_row += gl.sum(ds, 1)
                 head_done = t % n_tiles == n_tiles - 1
@@ -583,20 +601,17 @@ def _bwd_compute_partition(
                     gl.store(DBiasRow + b.to(gl.int64) * stride_pb + h.to(gl.int64) * stride_ph
                              + offs_n, db_row, mask=offs_n < seqlen_k)
                 db_row = gl.where(head_done, 0.0, db_row)
+            if HAS_SOFTCAP:
+                ds = ds * cap_slope.to(gl.float32)
 
             p_op = gl.convert_layout(p_kept.to(dtype), p_op_layout)
             dv = warpgroup_mma(p_op, do, dv, is_async=True)
             ds_lo = ds.to(dtype)
-            if DBIAS_SUM:  # a bias broadcast over batch or heads: dS added into its fp32
-                # gradient by TMA reduce-add, as dQ is (several (b, h) add to each tile)
-                tma.store_wait(0)  # this buffer's last reduce-add has read it
-                gl.thread_barrier()
-                dsum = dsum_smem.index(HALF)._reinterpret(gl.float32, dbias_desc.block_type.shape,
-                                                          dbias_desc.layout)  # fmt: skip
-                dsum.reshape([BLOCK_M, HALF_N]).permute((1, 0)).store(ds)
-                fence_async_shared()
-                hopper.tma_reduce_add(dbias_desc, [b % bias_batches, h % bias_heads, start_m, row0],
-                                      dsum)
+            if DBIAS_SUM and not HAS_SOFTCAP:  # a bias broadcast over batch or heads: dS
+                # added into its fp32 gradient by TMA reduce-add, as dQ is
+                _add_summed_bias_grad(ds, dsum_smem.index(HALF), dbias_desc,
+                                      [b % bias_batches, h % bias_heads, start_m, row0],
+                                      BLOCK_M, HALF_N)  # fmt: skip
             ds_op = gl.convert_layout(ds_lo, ds_op_layout)
 
             # dS to shared memory as (queries, keys), each warpgroup its half of the keys;
@@ -609,9 +624,11 @@ def _bwd_compute_partition(
                 gl.thread_barrier()
             ds_own.reshape([BLOCK_M, HALF_N]).permute((1, 0)).store(ds_lo)
             fence_async_shared()
-            if DBIAS_TILES == 1:  # the bias gradient is dS: this half's tile goes straight out
+            if DBIAS_TILES == 1 and not HAS_SOFTCAP:  # the bias gradient is dS: this half's
+                # tile goes straight out
                 tma.async_copy_shared_to_global(dbias_desc, [b, h, start_m, row0], ds_own)
-            if DBIAS_TILES == 2:  # a bias the packed sequences share: added in, as it is
+            if DBIAS_TILES == 2 and not HAS_SOFTCAP:  # a bias the packed sequences share:
+                # added in, as it is
                 hopper.tma_reduce_add(dbias_desc, [0, h, start_m, row0], ds_own)
             if HAS_DQ:
                 mbarrier.arrive(ds_bar)
@@ -743,6 +760,19 @@ def _zero_unseen_ds_tiles(dbias_desc, buf, b, hk, GROUP, row0, seqlen_q, lo, n_t
         tma.async_copy_shared_to_global(dbias_desc, [b, hk * GROUP + z // skipped, m, row0],
                                         buf)
     tma.store_wait(0)
+
+
+@gluon.jit
+def _add_summed_bias_grad(ds, buf, desc, coords, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr):
+    """A bias gradient summed over batch or heads: this (keys, queries) dS tile added into
+    its fp32 buffer by TMA reduce-add through ``buf`` (several (b, h) add to each tile, as
+    to dQ's), once buf's last reduce-add has read it."""
+    tma.store_wait(0)
+    gl.thread_barrier()
+    dsum = buf._reinterpret(gl.float32, desc.block_type.shape, desc.layout)
+    dsum.reshape([BLOCK_M, HALF_N]).permute((1, 0)).store(ds)
+    fence_async_shared()
+    hopper.tma_reduce_add(desc, coords, dsum)
 
 
 @gluon.jit
@@ -2273,7 +2303,7 @@ def dq_from_full_bias(spec: AttentionSpec, dbias_kind: str | None) -> bool:
     over batch or heads from dS stored expanded (dbias_kind_of's "expanded"), where dQ
     goes through the fp32 buffer (D 64/128)."""
     return (spec.deterministic and dbias_kind in ("full", "expanded") and not spec.varlen
-            and dq_in_fp32(spec))
+            and dq_in_fp32(spec) and spec.softcap == 0)  # softcap: dS lacks tanh's derivative
 
 
 def inner_dims(spec: AttentionSpec, bias, dbias_kind: str | None) -> tuple[bool, bool]:

@@ -9,7 +9,7 @@ backward alike.
   read, and for the backward at D=64 enough keys per query to beat the tile kernels
   (backward_sm90.MIN_KEYS_PER_QUERY). Options: causal masks either way, windows, GQA,
   ALiBi, softcap (the forward not at D=64 nor with a key row, the backward not with a
-  bias gradient), dropout, packed (varlen) batches, and a bias:
+  bias gradient past 128 columns), dropout, packed (varlen) batches, and a bias:
   one constant along queries ((B or 1, H or 1, 1, Sk): key padding) as a row of keys,
   any other by TMA tiles (beside dropout's scratch where shared memory holds both:
   forward_sm90.buffers; the backward at every pair, backward_sm90.keeps_bits_in_shared).
@@ -128,9 +128,10 @@ def gluon_backward_computes(spec: AttentionSpec, bias, need_dbias: bool) -> bool
     with a head dim past 128 (D=256, Dqk=192, V of 256 columns) those gradients from
     registers (stored, or added by atomics: no shared memory for tiles beside D=256's);
     bias tiles beside dropout (backward_sm90.keeps_bits_in_shared where shared memory is
-    short); softcap without a bias gradient (its dS for dK and dQ is not the bias
-    gradient's)."""
-    if spec.softcap > 0 and need_dbias:
+    short); softcap with a bias gradient up to 128 columns (the gradient leaves before
+    tanh's derivative, which dK's and dQ's dS carry: past 128 the kernels have no
+    room for both)."""
+    if spec.softcap > 0 and need_dbias and backward_sm90.is_wide(spec):
         return False
     if not need_dbias or hopper.bias_row(spec, bias):
         return True
