@@ -579,21 +579,13 @@ def _bwd_compute_partition(
             if HAS_SOFTCAP:  # the bias gradient out before tanh's derivative, which dK's
                 # and dQ's dS carry: d(softcap * tanh(x / softcap)) / dx
                 if DBIAS_SUM:
-                    _add_summed_bias_grad(ds, dsum_smem.index(HALF), dbias_desc,
-                                          [b % bias_batches, h % bias_heads, start_m, row0],
-                                          BLOCK_M, HALF_N)  # fmt: skip
+                    _store_transposed(ds, dsum_smem.index(HALF), dbias_desc,
+                                      [b % bias_batches, h % bias_heads, start_m, row0], True)
                 if RAW_DS_IN_DQ:  # its tile through this warpgroup's dQ buffer (free once
                     # its last reduce-add has read it; dQ's write waits for this copy)
-                    tma.store_wait(0)
-                    gl.thread_barrier()
-                    raw = dq_smem.index(HALF)._reinterpret(dtype, dbias_desc.block_type.shape,
-                                                           dbias_desc.layout)  # fmt: skip
-                    raw.reshape([BLOCK_M, HALF_N]).permute((1, 0)).store(ds.to(dtype))
-                    fence_async_shared()
-                    if DBIAS_TILES == 1:
-                        tma.async_copy_shared_to_global(dbias_desc, [b, h, start_m, row0], raw)
-                    else:
-                        hopper.tma_reduce_add(dbias_desc, [0, h, start_m, row0], raw)
+                    _store_transposed(ds, dq_smem.index(HALF), dbias_desc,
+                                      [b if DBIAS_TILES == 1 else 0, h, start_m, row0],
+                                      DBIAS_TILES == 2)  # fmt: skip
             if DBIAS_ROW:  # summed over queries; stored once per query head, its last tile
                 db_row += gl.sum(ds, 1)
                 head_done = t % n_tiles == n_tiles - 1
@@ -608,10 +600,10 @@ def _bwd_compute_partition(
             dv = warpgroup_mma(p_op, do, dv, is_async=True)
             ds_lo = ds.to(dtype)
             if DBIAS_SUM and not HAS_SOFTCAP:  # a bias broadcast over batch or heads: dS
-                # added into its fp32 gradient by TMA reduce-add, as dQ is
-                _add_summed_bias_grad(ds, dsum_smem.index(HALF), dbias_desc,
-                                      [b % bias_batches, h % bias_heads, start_m, row0],
-                                      BLOCK_M, HALF_N)  # fmt: skip
+                # added into its fp32 gradient by TMA reduce-add, as dQ is (several (b, h)
+                # add to each tile)
+                _store_transposed(ds, dsum_smem.index(HALF), dbias_desc,
+                                  [b % bias_batches, h % bias_heads, start_m, row0], True)
             ds_op = gl.convert_layout(ds_lo, ds_op_layout)
 
             # dS to shared memory as (queries, keys), each warpgroup its half of the keys;
@@ -760,19 +752,6 @@ def _zero_unseen_ds_tiles(dbias_desc, buf, b, hk, GROUP, row0, seqlen_q, lo, n_t
         tma.async_copy_shared_to_global(dbias_desc, [b, hk * GROUP + z // skipped, m, row0],
                                         buf)
     tma.store_wait(0)
-
-
-@gluon.jit
-def _add_summed_bias_grad(ds, buf, desc, coords, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr):
-    """A bias gradient summed over batch or heads: this (keys, queries) dS tile added into
-    its fp32 buffer by TMA reduce-add through ``buf`` (several (b, h) add to each tile, as
-    to dQ's), once buf's last reduce-add has read it."""
-    tma.store_wait(0)
-    gl.thread_barrier()
-    dsum = buf._reinterpret(gl.float32, desc.block_type.shape, desc.layout)
-    dsum.reshape([BLOCK_M, HALF_N]).permute((1, 0)).store(ds)
-    fence_async_shared()
-    hopper.tma_reduce_add(desc, coords, dsum)
 
 
 @gluon.jit
@@ -2002,15 +1981,18 @@ def _store_key_cols(xt, X, hk, stride_n, stride_h, seqlen_k, row0, width, COLS: 
 
 
 @gluon.jit
-def _store_transposed(xt, buf, desc, coords):
-    """xt (fp32, registers, transposed) out in desc's dtype by TMA store through buf,
-    once buf's last copy has read it."""
+def _store_transposed(xt, buf, desc, coords, ADD: gl.constexpr = False):
+    """xt (fp32, registers, transposed) out in desc's dtype by TMA store through buf (ADD:
+    a TMA reduce-add), once buf's last copy has read it."""
     tma.store_wait(0)
     gl.thread_barrier()
     stage = buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
     stage.reshape([xt.shape[1], xt.shape[0]]).permute((1, 0)).store(xt.to(desc.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(desc, coords, stage)
+    if ADD:
+        hopper.tma_reduce_add(desc, coords, stage)
+    else:
+        tma.async_copy_shared_to_global(desc, coords, stage)
 
 
 @gluon.jit
