@@ -16,7 +16,8 @@ column then covers dQ, dK and dV only); the shapes "docs" and "docs-full" are th
 bench's packed documents (causal and not, H=16, D=128), "docs/N" and "docs/N-full"
 16384 tokens of documents N long; "docs+1HQK.grad" adds a bias the documents share,
 "docs@192/128" other head dims; a "d" after the documents' part
-("docs-fulld", "docs/512d") makes the call deterministic, as after a dense shape.
+("docs-fulld", "docs/512d") makes the call deterministic, as after a dense shape, and
+"pP" at its end adds dropout ("docsp0.1": the bench's documents with dropout).
 "decodeBqSQkSK" is a decode row of the bench (H32/8, D128, forward only, no autograd;
 "decode8q16k32768": B8 Sq16 Sk32768), rated in GB/s of K and V read once.
 
@@ -124,6 +125,7 @@ def inputs(shape: str, device: str = "cuda"):
         return new(int(b), sq, 32, 128), k, v, None, {}, 2 * k.numel() * k.element_size()
     if shape.startswith("docs"):
         shape, _, bias = shape.partition("+")
+        shape, _, dropout = shape.partition("p")
         shape, _, dims = shape.partition("@")
         d, dv = (int(x) for x in ((dims or "128").split("/") * 2)[:2])
         deterministic = shape.endswith("d")
@@ -136,7 +138,8 @@ def inputs(shape: str, device: str = "cuda"):
         q, k = new(sum(lengths), 16, d), new(sum(lengths), 16, d)
         v, do = new(sum(lengths), 16, dv), new(sum(lengths), 16, dv)
         kw = dict(causal=causal, deterministic=deterministic, cu_seqlens_q=cu, cu_seqlens_k=cu,
-                  max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))  # fmt: skip
+                  max_seqlen_q=max(lengths), max_seqlen_k=max(lengths),
+                  dropout_p=float(dropout or 0))  # fmt: skip
         if bias:  # shared by the documents, indexed by positions in each
             kw["bias"] = _bias(bias, new, B=len(lengths), H=16, Q=max(lengths), K=max(lengths))
         pairs = (n * (n + 1) / 2 if causal else n * n for n in lengths)

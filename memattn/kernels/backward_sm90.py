@@ -573,8 +573,8 @@ def _bwd_compute_partition(
             delta = delta_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
             p_kept = p
             if HAS_DROPOUT:  # dP Z / (1 - p); dV takes its 1 / (1 - p) at the end
-                dp = gl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
-                p_kept = gl.where(keep, p, 0.0)
+                dp = hopper.dropped(dp * (1.0 / (1.0 - dropout_p)), keep, dropout_p, True)
+                p_kept = hopper.dropped(p, keep, dropout_p, True)
             ds = p * (dp - delta[None, :])  # the bias gradient; dK, dQ take the scale later
             if HAS_SOFTCAP:  # the bias gradient out before tanh's derivative, which dK's
                 # and dQ's dS carry: d(softcap * tanh(x / softcap)) / dx
@@ -1143,8 +1143,8 @@ def _wide_grad_scores(p, dp, delta, keep, cap_slope, dropout_p, HAS_DROPOUT: gl.
     the rows' delta, dropout's keep tile and _wide_probs' cap slope."""
     p_kept = p
     if HAS_DROPOUT:  # dP Z / (1 - p)
-        dp = gl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
-        p_kept = gl.where(keep, p, 0.0)
+        dp = hopper.dropped(dp * (1.0 / (1.0 - dropout_p)), keep, dropout_p, False)
+        p_kept = hopper.dropped(p, keep, dropout_p, False)
     ds = p * (dp - delta[:, None])
     if HAS_SOFTCAP:  # d(softcap * tanh(x / softcap)) / dx
         ds = ds * cap_slope

@@ -476,10 +476,10 @@ def _keep(seed, rng_offset, bh, row0, start_n, dropout_p, BLOCK_N: gl.constexpr,
 
 
 @gluon.jit
-def _dropped(p, keep, HAS_DROPOUT: gl.constexpr):
+def _dropped(p, keep, dropout_p, HAS_DROPOUT: gl.constexpr):
     """P with the dropped entries zeroed (the 1 / (1 - p) goes into the output)."""
     if HAS_DROPOUT:
-        p = gl.where(keep, p, 0.0)
+        p = hopper.dropped(p, keep, dropout_p, False)
     return p
 
 
@@ -631,7 +631,7 @@ def _softmax_block(
             s, m_i, l_i, lo, offs_m, bias, slope, seqlen_k, off, window_left,
             window_right, needs_mask, scale_log2, softcap, BLOCK_N, HAS_BIAS, HAS_ALIBI,
             BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, HAS_SOFTCAP)  # fmt: skip
-        p_op = gl.convert_layout(_dropped(p_, keep, HAS_DROPOUT).to(dtype), p_layout)
+        p_op = gl.convert_layout(_dropped(p_, keep, dropout_p, HAS_DROPOUT).to(dtype), p_layout)
         for t in range(1, n_own):
             start_n = lo + t * BLOCK_N
             k_slot = hopper.arrived(k_ready, kv + t, STAGES)
@@ -663,7 +663,7 @@ def _softmax_block(
                     acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
             else:
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            p_op = gl.convert_layout(_dropped(p_, keep, HAS_DROPOUT).to(dtype), p_layout)
+            p_op = gl.convert_layout(_dropped(p_, keep, dropout_p, HAS_DROPOUT).to(dtype), p_layout)
         if not O_IN_Q:  # every S of this block is done: Q may be refilled
             mbarrier.arrive(q_empty.index(q_slot))
         v_slot = hopper.arrived(v_ready, kv + n_own - 1, STAGES)

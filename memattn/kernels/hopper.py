@@ -547,20 +547,22 @@ def dropout_keep(
     TRANSPOSED: gl.constexpr, layout: gl.constexpr, scratch=None,
 ):  # fmt: skip
     """common.dropout_keep's mask, bit for bit, for queries [start_m, + M) and keys
-    [start_n, + N) (start_n % 8 == 0), in a warpgroup's wgmma accumulator layout:
-    (M, N), or (N, M) if TRANSPOSED. Each thread draws the Philox words of distinct
-    (query, 8 keys) pairs, in the warp that holds those queries (or keys) in `layout`,
-    so the exchange into `layout` stays inside each warp (shared-memory stores and
-    ldmatrix loads, no block-wide barrier).
+    [start_n, + N) (start_n % 8 == 0), for a warpgroup's wgmma accumulator layout:
+    (M, N), or (N, M) if TRANSPOSED; `dropped` applies it. Each thread draws the Philox
+    words of distinct (query, 8 keys) pairs, in the warp that holds those queries (or
+    keys) in `layout`, so the exchange into `layout` stays inside each warp
+    (shared-memory stores and ldmatrix loads, no block-wide barrier).
 
     Word 2a + b of the draw for keys 8g.. holds keys 8g + 4b + 2a + (0, 1) in its low and
     high halves (common.dropout_keep's join order). Queries along rows: that key pair
-    sits in one thread of `layout`, which is sent the word whole and compares both
-    halves itself; along columns (TRANSPOSED) the pair spans two threads, which are
-    sent the comparisons. ``scratch``: a view of free shared memory (keep_scratch) that
-    the exchange goes through in place of the compiler's own scratch (where shared
-    memory has no room for both); the caller's warps meet before the call (nothing
-    reads the buffer any more) and after it (before the buffer is written)."""
+    sits in one thread of `layout`, which is sent the word whole and keeps it (the mask
+    is the (M, N / 2) words; `dropped` compares each half where it zeroes its key, so
+    that no boolean tile is packed, held and unpacked); along columns (TRANSPOSED) the
+    pair spans two threads, which are sent the comparisons (the mask is (N, M) bools).
+    ``scratch``: a view of free shared memory (keep_scratch) that the exchange goes
+    through in place of the compiler's own scratch (where shared memory has no room for
+    both); the caller's warps meet before the call (nothing reads the buffer any more)
+    and after it (before the buffer is written)."""
     G: gl.constexpr = N // 8
     if TRANSPOSED:  # warp w draws key groups 2w, 2w+1 (keys 16w..16w+15 of the tile)
         draw: gl.constexpr = gl.BlockedLayout([1, G // 4], [32, 1], [1, 4], [0, 1])
@@ -572,9 +574,9 @@ def dropout_keep(
     r0, r1, r2, r3 = _philox(seed, (groups[None, :] + zero).to(gl.uint32),
                              (rows[:, None] + zero).to(gl.uint32),
                              (zero + bh).to(gl.uint32), (zero + rng_offset).to(gl.uint32))
-    threshold = (dropout_p * 65536.0 + 0.5).to(gl.uint32)
     words = gl.reshape(gl.join(gl.join(r0, r1), gl.join(r2, r3)), [M, N // 2])  # key pairs
     if TRANSPOSED:
+        threshold = (dropout_p * 65536.0 + 0.5).to(gl.uint32)
         keep = gl.reshape(gl.join(words & 0xFFFF, words >> 16) >= threshold, [M, N])
         if scratch is None:
             keep = gl.convert_layout(gl.permute(keep, [1, 0]), layout)
@@ -590,8 +592,33 @@ def dropout_keep(
             scratch.store(words)
             gl.thread_barrier()
             words = scratch.load(_pairs_layout(M, N))
-        keep = gl.reshape(gl.join(words & 0xFFFF, words >> 16) >= threshold, [M, N])
-        return gl.convert_layout(keep, layout)
+        return words
+
+
+@gluon.jit
+def dropped(x, keep, dropout_p, TRANSPOSED: gl.constexpr):
+    """x, a tile in the layout dropout_keep was given, with the keys its mask ``keep``
+    drops zeroed. Queries along rows, x's (M, N) in the wgmma layout hold each key pair
+    in one thread, as keep's words do: the pair's two halves are compared where they
+    are used, against round(p * 2**16) as common.dropout_keep's."""
+    if TRANSPOSED:
+        return gl.where(keep, x, 0.0)
+    else:
+        M: gl.constexpr = x.shape[0]
+        N: gl.constexpr = x.shape[1]
+        even, odd = gl.split(gl.reshape(x, [M, N // 2, 2]))  # keys 2j and 2j + 1
+        words = gl.convert_layout(keep, even.type.layout)
+        threshold = gl.full_like(words, (dropout_p * 65536.0 + 0.5).to(gl.uint32))
+        # In assembly: as gl.where, LLVM moves the select past P's conversion to bf16,
+        # where each half is taken out of its pair, selected and put back.
+        even, odd = gl.inline_asm_elementwise(
+            """{ .reg .pred k0, k1; .reg .b32 w0, w1;
+            and.b32 w0, $2, 65535; shr.u32 w1, $2, 16;
+            setp.ge.u32 k0, w0, $3; setp.ge.u32 k1, w1, $3;
+            selp.f32 $0, $4, 0f00000000, k0; selp.f32 $1, $5, 0f00000000, k1; }""",
+            "=r,=r,r,r,r,r", [words, threshold, even, odd], dtype=(gl.float32, gl.float32),
+            is_pure=True, pack=1)
+        return gl.convert_layout(gl.reshape(gl.join(even, odd), [M, N]), x.type.layout)
 
 
 @gluon.jit
