@@ -27,7 +27,8 @@ read by pointer, 64 keys a warpgroup, and its gradient is dS summed over
 each query head's tiles in registers, stored once per (b, h, keys) into an fp32 buffer
 that run() sums over the dimensions the bias broadcasts over: no atomics, no expanded
 buffer, the same bits every run.
-Dropout's keep bits come from hopper.dropout_keep in the transposed layout. Packed
+Dropout's keep bits come from hopper.dropout_keep in the transposed layout (two
+queries' 16-bit uniforms a word, compared where P and dP are zeroed). Packed
 sequences (varlen): one batch of all tokens to TMA, tiles from each sequence's first
 token, dK and dV stored from its first key;
 their lse and delta from common.packed_stats_start on, a multiple of 4 tokens (a TMA
@@ -185,15 +186,18 @@ def overlaps_block_ends(fold, block_m):
 @gluon.constexpr_function
 def keeps_bits_in_shared(dropout, bias_tiles, head_dim_qk, head_dim_v):
     """Whether dropout's keep bits go through a buffer of the step's own
-    (hopper.dropout_keep's scratch: dS's at D 64/128, P's in the wide kernels) rather
-    than the compiler's scratch: beside bias tiles at 128/128 and 256/256, where shared
-    memory has no room for both (sm_90 compile, of the 232,448 bytes a block may take:
-    128/128 231,008 so, 238,704 with the compiler's scratch; D=256's dK/dV kernel
-    230,992-231,008 so, 238,704; every other pair 140-214 KiB with it). Elsewhere the
-    compiler's exchange is the faster (H100, tools/ab.py, D=64 with a 1HQK bias and
-    dropout 0.1, B4 S4096: causal 153 -> 146 TFLOP/s through dS, without a mask 232 ->
-    229)."""
-    return dropout and bias_tiles and head_dim_qk == head_dim_v and head_dim_v in (128, 256)
+    (hopper.keep_scratch: dS's at D 64/128, P's in the wide kernels) rather than the
+    compiler's scratch. At 128/128 always: staged there (hopper.stage_keep) and read
+    back where they are used, so that they are not held in registers across the
+    softmax (the D=128 step's spills 452 -> 304 bytes, causal 396 -> 180; H100, B4
+    S4096 dropout 0.1: 361 -> 405-410 TFLOP/s); and beside bias tiles at 256/256, where
+    shared memory has no room for both (sm_90 compile, of the 232,448 bytes a block
+    may take: D=256's dK/dV kernel 230,992-231,008 so, 238,704 with the compiler's
+    scratch). Elsewhere the compiler's exchange is the faster (H100, tools/ab.py, D=64
+    with a 1HQK bias and dropout 0.1, B4 S4096: causal 153 -> 146 TFLOP/s through dS,
+    without a mask 232 -> 229)."""
+    return dropout and head_dim_qk == head_dim_v and (
+        head_dim_v == 128 or (bias_tiles and head_dim_v == 256))
 
 
 @gluon.constexpr_function
@@ -525,13 +529,12 @@ def _bwd_compute_partition(
                 gl.thread_barrier()
                 scratch = hopper.keep_scratch(ds_smem.index((i % 2) * 2 + HALF), 0,
                                               BLOCK_M, HALF_N, True)
-                keep = hopper.dropout_keep(seed, rng_offset, b * heads + h, start_m, row0,
-                                           dropout_p, BLOCK_M, HALF_N, True, s_layout,
-                                           scratch)  # fmt: skip
-                gl.thread_barrier()
+                hopper.stage_keep(seed, rng_offset, b * heads + h, start_m, row0, BLOCK_M,
+                                  HALF_N, True, scratch)
+                gl.thread_barrier()  # read back where used: not held in registers
             elif HAS_DROPOUT:  # Philox's integer work runs while the tensor cores do S and dP
                 keep = hopper.dropout_keep(seed, rng_offset, b * heads + h, start_m, row0,
-                                           dropout_p, BLOCK_M, HALF_N, True, s_layout)
+                                           BLOCK_M, HALF_N, True)
             if BIAS_ROW:  # this half's keys of a bias constant along queries, this head's
                 row_ptrs = (BiasRow + bias_b * stride_rb + (h % bias_heads).to(gl.int64) * stride_rh
                             + offs_n.to(gl.int64) * stride_rn)
@@ -572,9 +575,13 @@ def _bwd_compute_partition(
             dp = warpgroup_mma_wait(0, deps=(dp,))
             delta = delta_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
             p_kept = p
-            if HAS_DROPOUT:  # dP Z / (1 - p); dV takes its 1 / (1 - p) at the end
-                dp = hopper.dropped(dp * (1.0 / (1.0 - dropout_p)), keep, dropout_p, True)
-                p_kept = hopper.dropped(p, keep, dropout_p, True)
+            if HAS_DROPOUT:  # dP Z / (1 - p) (the scale in dS's FFMA); dV takes its
+                # 1 / (1 - p) at the end
+                if KEEP_IN_DS:
+                    keep = hopper.staged_keep(scratch)
+                    gl.thread_barrier()  # every warp has its words before dS is stored
+                dp = hopper.dropped(dp, keep, dropout_p) * (1.0 / (1.0 - dropout_p))
+                p_kept = hopper.dropped(p, keep, dropout_p)
             ds = p * (dp - delta[None, :])  # the bias gradient; dK, dQ take the scale later
             if HAS_SOFTCAP:  # the bias gradient out before tanh's derivative, which dK's
                 # and dQ's dS carry: d(softcap * tanh(x / softcap)) / dx
@@ -1143,8 +1150,8 @@ def _wide_grad_scores(p, dp, delta, keep, cap_slope, dropout_p, HAS_DROPOUT: gl.
     the rows' delta, dropout's keep tile and _wide_probs' cap slope."""
     p_kept = p
     if HAS_DROPOUT:  # dP Z / (1 - p)
-        dp = hopper.dropped(dp * (1.0 / (1.0 - dropout_p)), keep, dropout_p, False)
-        p_kept = hopper.dropped(p, keep, dropout_p, False)
+        dp = hopper.dropped(dp, keep, dropout_p) * (1.0 / (1.0 - dropout_p))
+        p_kept = hopper.dropped(p, keep, dropout_p)
     ds = p * (dp - delta[:, None])
     if HAS_SOFTCAP:  # d(softcap * tanh(x / softcap)) / dx
         ds = ds * cap_slope
@@ -1256,15 +1263,13 @@ def _bwd_wide_compute_partition(
         if KEEP_IN_PT:  # the keep bits through this warpgroup's rows of P's tile (both
             # warpgroups' matmuls on the last step's are done: pds_free)
             keep = hopper.dropout_keep(seed, rng_offset, b * heads + h, start_m,
-                                       start_n + HALF * HALF_N, dropout_p, BLOCK_M, HALF_N,
-                                       False, s_layout,
+                                       start_n + HALF * HALF_N, BLOCK_M, HALF_N, False,
                                        hopper.keep_scratch(pt_smem, HALF, BLOCK_M, HALF_N,
                                                            False))  # fmt: skip
             gl.thread_barrier()  # every warp has its words before P is stored there
         elif HAS_DROPOUT:  # Philox's integer work runs while the tensor cores do S and dP
             keep = hopper.dropout_keep(seed, rng_offset, b * heads + h, start_m,
-                                       start_n + HALF * HALF_N, dropout_p, BLOCK_M, HALF_N,
-                                       False, s_layout)  # fmt: skip
+                                       start_n + HALF * HALF_N, BLOCK_M, HALF_N, False)
         bias = 0.0
         if HAS_BIAS:  # this warpgroup's keys of the (queries, keys) tile beside Q's
             bias = (bias_smem.index(slot).reshape([BLOCK_M, BLOCK_N])
@@ -1627,7 +1632,7 @@ def _dq_compute_partition(
             keep = 0
             if HAS_DROPOUT:  # Philox's integer work runs while the tensor cores do S and dP
                 keep = hopper.dropout_keep(seed, rng_offset, b * heads + h, row0, start_n,
-                                           dropout_p, ROWS, BLOCK_N, False, s_layout)
+                                           ROWS, BLOCK_N, False)
             offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             bias = 0.0
             if HAS_BIAS:  # this warpgroup's rows of the tile beside K's

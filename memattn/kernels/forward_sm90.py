@@ -465,13 +465,12 @@ def _scores(q_tile, q2_tile, k_smem, k2_smem, bias_smem, slot, s_init, BLOCK_N: 
 
 
 @gluon.jit
-def _keep(seed, rng_offset, bh, row0, start_n, dropout_p, BLOCK_N: gl.constexpr,
-          layout: gl.constexpr, HAS_DROPOUT: gl.constexpr):
+def _keep(seed, rng_offset, bh, row0, start_n, BLOCK_N: gl.constexpr,
+          HAS_DROPOUT: gl.constexpr):
     """The dropout keep mask of this warpgroup's rows and key tile; 0 without dropout."""
     keep = 0
     if HAS_DROPOUT:
-        keep = hopper.dropout_keep(seed, rng_offset, bh, row0, start_n, dropout_p, ROWS,
-                                   BLOCK_N, False, layout)
+        keep = hopper.dropout_keep(seed, rng_offset, bh, row0, start_n, ROWS, BLOCK_N, False)
     return keep
 
 
@@ -479,7 +478,7 @@ def _keep(seed, rng_offset, bh, row0, start_n, dropout_p, BLOCK_N: gl.constexpr,
 def _dropped(p, keep, dropout_p, HAS_DROPOUT: gl.constexpr):
     """P with the dropped entries zeroed (the 1 / (1 - p) goes into the output)."""
     if HAS_DROPOUT:
-        p = hopper.dropped(p, keep, dropout_p, False)
+        p = hopper.dropped(p, keep, dropout_p)
     return p
 
 
@@ -620,8 +619,7 @@ def _softmax_block(
         s = _scores(q_tile, q2_tile, k_smem, k2_smem, bias_smem, slot, s_init, BLOCK_N,
                     QK_MAIN, QK_SPLIT, BIAS_ROW)
         _turn_pass(PART, PARTS, TURNS)
-        keep = _keep(seed, rng_offset, bh, row0, lo, dropout_p, BLOCK_N, s_layout,
-                     HAS_DROPOUT)
+        keep = _keep(seed, rng_offset, bh, row0, lo, BLOCK_N, HAS_DROPOUT)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(slot))
         bias = _bias(bias_smem, bias_ready, bias_empty, kv, s_layout, PART, PARTS, BLOCK_N,
@@ -643,8 +641,7 @@ def _softmax_block(
             acc_tok = warpgroup_mma(p_op, v, acc, is_async=True)
             _turn_pass(PART, PARTS, TURNS)
             # Philox's integer work runs while the tensor cores do S(t) and P·V.
-            keep = _keep(seed, rng_offset, bh, row0, start_n, dropout_p, BLOCK_N,
-                         s_layout, HAS_DROPOUT)
+            keep = _keep(seed, rng_offset, bh, row0, start_n, BLOCK_N, HAS_DROPOUT)
             s = warpgroup_mma_wait(1, deps=(s_tok,))  # S(t) done; P(t-1)·V(t-1) runs on
             mbarrier.arrive(k_empty.index(k_slot))
             bias = _bias(bias_smem, bias_ready, bias_empty, kv + t, s_layout, PART, PARTS,

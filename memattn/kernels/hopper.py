@@ -542,30 +542,56 @@ def _philox(seed, c0, c1, c2, c3):
 
 
 @gluon.jit
-def dropout_keep(
-    seed, rng_offset, bh, start_m, start_n, dropout_p, M: gl.constexpr, N: gl.constexpr,
-    TRANSPOSED: gl.constexpr, layout: gl.constexpr, scratch=None,
-):  # fmt: skip
+def dropout_keep(seed, rng_offset, bh, start_m, start_n, M: gl.constexpr, N: gl.constexpr,
+                 TRANSPOSED: gl.constexpr, scratch=None):
     """common.dropout_keep's mask, bit for bit, for queries [start_m, + M) and keys
-    [start_n, + N) (start_n % 8 == 0), for a warpgroup's wgmma accumulator layout:
-    (M, N), or (N, M) if TRANSPOSED; `dropped` applies it. Each thread draws the Philox
-    words of distinct (query, 8 keys) pairs, in the warp that holds those queries (or
-    keys) in `layout`, so the exchange into `layout` stays inside each warp
-    (shared-memory stores and ldmatrix loads, no block-wide barrier).
+    [start_n, + N) (start_n % 8 == 0), for a warpgroup's wgmma accumulator layout of
+    (M, N), or of (N, M) if TRANSPOSED: its 16-bit uniforms two to a word, each word
+    the pair of adjacent columns (keys, or if TRANSPOSED queries) that one thread of
+    that layout holds, and in that thread (`dropped` applies them). ``scratch``:
+    keep_scratch's view of free shared memory that the exchange goes through in place
+    of the compiler's own scratch (where shared memory has no room for both); the
+    caller's warps meet before the call (nothing reads the buffer any more) and after it
+    (before the buffer is written). stage_keep and staged_keep do the same in two steps."""
+    if scratch is None:
+        R: gl.constexpr = N if TRANSPOSED else M
+        C: gl.constexpr = M if TRANSPOSED else N
+        words = _keep_words(seed, rng_offset, bh, start_m, start_n, M, N, TRANSPOSED)
+        return gl.convert_layout(words, _pairs_layout(R, C))
+    else:
+        stage_keep(seed, rng_offset, bh, start_m, start_n, M, N, TRANSPOSED, scratch)
+        gl.thread_barrier()
+        return staged_keep(scratch)
+
+
+@gluon.jit
+def stage_keep(seed, rng_offset, bh, start_m, start_n, M: gl.constexpr, N: gl.constexpr,
+               TRANSPOSED: gl.constexpr, scratch):
+    """dropout_keep's words into ``scratch`` (keep_scratch's view), for staged_keep to
+    read once the caller's warps have met: the words wait there, not in registers."""
+    scratch.store(_keep_words(seed, rng_offset, bh, start_m, start_n, M, N, TRANSPOSED))
+
+
+@gluon.jit
+def staged_keep(scratch):
+    """The mask stage_keep put in ``scratch``, as dropout_keep returns it."""
+    return scratch.load(_pairs_layout(scratch.shape[0], scratch.shape[1] * 2))
+
+
+@gluon.jit
+def _keep_words(seed, rng_offset, bh, start_m, start_n, M: gl.constexpr, N: gl.constexpr,
+                TRANSPOSED: gl.constexpr):
+    """dropout_keep's words as drawn: each thread draws the Philox words of distinct
+    (query, 8 keys) pairs, in the warp that holds those queries (or keys) in the
+    accumulator layout, so the exchange stays inside each warp.
 
     Word 2a + b of the draw for keys 8g.. holds keys 8g + 4b + 2a + (0, 1) in its low and
-    high halves (common.dropout_keep's join order). Queries along rows: that key pair
-    sits in one thread of `layout`, which is sent the word whole and keeps it (the mask
-    is the (M, N / 2) words; `dropped` compares each half where it zeroes its key, so
-    that no boolean tile is packed, held and unpacked); along columns (TRANSPOSED) the
-    pair spans two threads, which are sent the comparisons (the mask is (N, M) bools).
-    ``scratch``: a view of free shared memory (keep_scratch) that the exchange goes
-    through in place of the compiler's own scratch (where shared memory has no room for
-    both); the caller's warps meet before the call (nothing reads the buffer any more)
-    and after it (before the buffer is written)."""
+    high halves (common.dropout_keep's join order): queries along rows it is already a
+    key pair; along columns (TRANSPOSED) each thread draws two adjacent queries, whose
+    uniforms of one key it joins into a word."""
     G: gl.constexpr = N // 8
     if TRANSPOSED:  # warp w draws key groups 2w, 2w+1 (keys 16w..16w+15 of the tile)
-        draw: gl.constexpr = gl.BlockedLayout([1, G // 4], [32, 1], [1, 4], [0, 1])
+        draw: gl.constexpr = gl.BlockedLayout([2, G // 4], [32, 1], [1, 4], [0, 1])
     else:  # warp w draws queries 16w..16w+15
         draw: gl.constexpr = gl.BlockedLayout([M // 32, 1], [8, 4], [4, 1], [1, 0])
     zero = gl.zeros([M, G], gl.int32, draw)
@@ -575,66 +601,49 @@ def dropout_keep(
                              (rows[:, None] + zero).to(gl.uint32),
                              (zero + bh).to(gl.uint32), (zero + rng_offset).to(gl.uint32))
     words = gl.reshape(gl.join(gl.join(r0, r1), gl.join(r2, r3)), [M, N // 2])  # key pairs
-    if TRANSPOSED:
-        threshold = (dropout_p * 65536.0 + 0.5).to(gl.uint32)
-        keep = gl.reshape(gl.join(words & 0xFFFF, words >> 16) >= threshold, [M, N])
-        if scratch is None:
-            keep = gl.convert_layout(gl.permute(keep, [1, 0]), layout)
-        else:
-            scratch.permute((1, 0)).store(keep.to(gl.int8))
-            gl.thread_barrier()
-            keep = scratch.load(layout) != 0
-        return keep
-    else:
-        if scratch is None:
-            words = gl.convert_layout(words, _pairs_layout(M, N))
-        else:
-            scratch.store(words)
-            gl.thread_barrier()
-            words = scratch.load(_pairs_layout(M, N))
-        return words
+    if TRANSPOSED:  # (N, M / 2) query pairs: queries 2j and 2j + 1 of each key
+        uniforms = gl.permute(gl.reshape(gl.join(words & 0xFFFF, words >> 16), [M, N]), [1, 0])
+        even, odd = gl.split(gl.reshape(uniforms, [N, M // 2, 2]))
+        words = even | (odd << 16)
+    return words
 
 
 @gluon.jit
-def dropped(x, keep, dropout_p, TRANSPOSED: gl.constexpr):
-    """x, a tile in the layout dropout_keep was given, with the keys its mask ``keep``
-    drops zeroed. Queries along rows, x's (M, N) in the wgmma layout hold each key pair
-    in one thread, as keep's words do: the pair's two halves are compared where they
-    are used, against round(p * 2**16) as common.dropout_keep's."""
-    if TRANSPOSED:
-        return gl.where(keep, x, 0.0)
-    else:
-        M: gl.constexpr = x.shape[0]
-        N: gl.constexpr = x.shape[1]
-        even, odd = gl.split(gl.reshape(x, [M, N // 2, 2]))  # keys 2j and 2j + 1
-        words = gl.convert_layout(keep, even.type.layout)
-        threshold = gl.full_like(words, (dropout_p * 65536.0 + 0.5).to(gl.uint32))
-        # In assembly: as gl.where, LLVM moves the select past P's conversion to bf16,
-        # where each half is taken out of its pair, selected and put back.
-        even, odd = gl.inline_asm_elementwise(
-            """{ .reg .pred k0, k1; .reg .b32 w0, w1;
-            and.b32 w0, $2, 65535; shr.u32 w1, $2, 16;
-            setp.ge.u32 k0, w0, $3; setp.ge.u32 k1, w1, $3;
-            selp.f32 $0, $4, 0f00000000, k0; selp.f32 $1, $5, 0f00000000, k1; }""",
-            "=r,=r,r,r,r,r", [words, threshold, even, odd], dtype=(gl.float32, gl.float32),
-            is_pure=True, pack=1)
-        return gl.convert_layout(gl.reshape(gl.join(even, odd), [M, N]), x.type.layout)
+def dropped(x, keep, dropout_p):
+    """x, an (R, C) tile in the wgmma accumulator layout dropout_keep's mask ``keep`` is
+    for, with the entries it drops zeroed: each thread compares the two halves of its
+    word for a pair of columns where it zeroes them, against round(p * 2**16) as
+    common.dropout_keep does."""
+    R: gl.constexpr = x.shape[0]
+    C: gl.constexpr = x.shape[1]
+    even, odd = gl.split(gl.reshape(x, [R, C // 2, 2]))  # columns 2j and 2j + 1
+    words = gl.convert_layout(keep, even.type.layout)
+    threshold = gl.full_like(words, (dropout_p * 65536.0 + 0.5).to(gl.uint32))
+    # In assembly: as gl.where, LLVM moves the select past P's conversion to bf16,
+    # where each half is taken out of its pair, selected and put back; and a boolean
+    # tile is packed into bytes while it is held.
+    even, odd = gl.inline_asm_elementwise(
+        """{ .reg .pred k0, k1; .reg .b32 w0, w1;
+        and.b32 w0, $2, 65535; shr.u32 w1, $2, 16;
+        setp.ge.u32 k0, w0, $3; setp.ge.u32 k1, w1, $3;
+        selp.f32 $0, $4, 0f00000000, k0; selp.f32 $1, $5, 0f00000000, k1; }""",
+        "=r,=r,r,r,r,r", [words, threshold, even, odd], dtype=(gl.float32, gl.float32),
+        is_pure=True, pack=1)
+    return gl.convert_layout(gl.reshape(gl.join(even, odd), [R, C]), x.type.layout)
 
 
 @gluon.jit
 def keep_scratch(buf, part, M: gl.constexpr, N: gl.constexpr, TRANSPOSED: gl.constexpr):
-    """Part ``part`` (0 or 1) of the free shared buffer ``buf`` as dropout_keep's scratch
-    for an (M, N) tile: TRANSPOSED, (N, M) bytes (buf: 2 M N bytes at least), 8-byte
-    chunks of a row XOR its index mod 8, so that a warp's reads of its 16 keys' rows and
-    writes of its queries' columns meet no bank twice; else (M, N / 2) key pairs' words
-    (buf: 4 M N bytes), 16-byte chunks so, for a warp's 16-byte stores and its loads of
-    a pair a lane."""
+    """dropout_keep's scratch for an (M, N) tile in the free shared buffer ``buf``: its
+    M N / 2 words (2 M N bytes), (M, N / 2) key pairs' in part ``part`` (0 or 1) of buf
+    (4 M N bytes), or TRANSPOSED (N, M / 2) query pairs' in the whole of it (2 M N
+    bytes). 16-byte chunks of a row XOR its index mod 8, so that neither a warp's stores
+    (along rows) nor its loads (a pair a lane, 8 rows) meet a bank twice."""
+    layout: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
     if TRANSPOSED:
-        view = buf._reinterpret(gl.int8, [2, N, M], gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
+        return buf._reinterpret(gl.uint32, [N, M // 2], layout)
     else:
-        view = buf._reinterpret(gl.uint32, [2, M, N // 2],
-                                gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
-    return view.index(part)
+        return buf._reinterpret(gl.uint32, [2, M, N // 2], layout).index(part)
 
 
 @gluon.constexpr_function
