@@ -474,6 +474,23 @@ def hopper_backward_launches(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_hopper_dropout_of_every_key_gpu(head_dim, hopper_backward_launches):
+    """A p that rounds to a threshold of 2**16 (p >= 1 - 2**-17) drops every key: the
+    16-bit uniforms, compared where P and dP are zeroed, never reach it. The output and
+    every gradient are zeros, on the Gluon kernels (D=128 stages the mask through dS's
+    buffer, D=64 through the compiler's exchange)."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(2, 300, 4, head_dim, device="cuda", dtype=torch.bfloat16,
+                           generator=gen).requires_grad_() for _ in range(3))  # fmt: skip
+    out = memattn.attention(q, k, v, causal=True, dropout_p=1.0 - 2.0**-18)
+    out.backward(torch.randn_like(out))
+    assert hopper_backward_launches, "the call ran the tile backward"
+    for name, x in [("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)]:
+        assert torch.count_nonzero(x) == 0, name
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: c.name)
 def test_hopper_backward_gpu(case, dtype, hopper_backward_launches):

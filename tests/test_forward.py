@@ -272,6 +272,9 @@ HOPPER_CASES = [
          dv=128, options=dict(causal=True, dropout_p=0.2)),
     Case("dropout D64 Sq=2100 window", batch=1, seqlen_q=2100, seqlen_k=777, dqk=64, dv=64,
          options=dict(window=(400, 100), dropout_p=0.3)),
+    # a p that rounds to a threshold of 0: every key kept, by hopper.dropped's compares
+    Case("dropout keeping all D64 causal", seqlen_q=500, seqlen_k=700, dqk=64, dv=64,
+         options=dict(causal=True, dropout_p=2.0**-18)),
     # bias tiles beside dropout: at D=128 O leaves through Q's buffer (forward_sm90.buffers),
     # and the backward's keep bits go through dS's buffers (KEEP_IN_DS)
     Case("bias 1HQK dropout causal", batch=2, seqlen_q=700, seqlen_k=904, dqk=128, dv=128,
