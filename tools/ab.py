@@ -17,7 +17,8 @@ bench's packed documents (causal and not, H=16, D=128), "docs/N" and "docs/N-ful
 16384 tokens of documents N long; "docs+1HQK.grad" adds a bias the documents share,
 "docs@192/128" other head dims; a "d" after the documents' part
 ("docs-fulld", "docs/512d") makes the call deterministic, as after a dense shape, and
-"pP" at its end adds dropout ("docsp0.1": the bench's documents with dropout).
+"pP" at its end adds dropout ("docsp0.1": the bench's documents with dropout); an "a"
+at a dense shape's end (before a bias) adds ALiBi ("128x4096a": the bench's alibi row).
 "decodeBqSQkSK" is a decode row of the bench (H32/8, D128, forward only, no autograd;
 "decode8q16k32768": B8 Sq16 Sk32768), rated in GB/s of K and V read once.
 
@@ -145,6 +146,7 @@ def inputs(shape: str, device: str = "cuda"):
         pairs = (n * (n + 1) / 2 if causal else n * n for n in lengths)
         return q, k, v, do, kw, sum(2 * 16 * (d + dv) * p for p in pairs)
     shape, _, bias = shape.partition("+")
+    shape, alibi, _ = shape.partition("a")
     shape, _, window = shape.partition("w")
     shape, _, dropout = shape.partition("p")
     shape, _, softcap = shape.partition("s")
@@ -165,6 +167,8 @@ def inputs(shape: str, device: str = "cuda"):
         pairs = bench.visible_pairs(s, True, kw["window"])
     if bias:
         kw["bias"] = _bias(bias, new, B=b, H=h, Q=s, K=s)
+    if alibi:  # the bench's slopes, one a head
+        kw["alibi_slopes"] = bench.alibi_slopes(h).to(device)
     return q, k, v, do, kw, 2 * b * h * pairs * (d + dv)
 
 

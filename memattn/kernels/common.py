@@ -256,15 +256,18 @@ def add_bias_alibi_log2(
         scaled = tl.maximum(bias, -2.0e38) * LOG2E
         s += tl.where(bias == float("-inf"), float("-inf"), scaled)
     if HAS_ALIBI:
-        s -= (slope * LOG2E) * alibi_distance(rows, cols, off)
+        s = tl.fma(alibi_distance(rows, cols, off), -(slope * LOG2E), s)
     return s
 
 
 @triton.jit
 def alibi_distance(rows, cols, off):
     """ALiBi's |i + off - j| between query rows and key columns, fp32 (its slope's
-    factor; off: diagonal_offset's)."""
-    return tl.abs(rows + off - cols).to(tl.float32)
+    factor; off: diagonal_offset's). The rows' and the columns' positions go to fp32
+    once each, not once a score (an integer conversion, an absolute value and an add a
+    score were a third of the ALiBi forward's instructions); exact while i + off and j
+    stay below 2**24, and past that within fp32's own rounding of the product."""
+    return tl.abs((rows + off).to(tl.float32) - cols.to(tl.float32))
 
 
 @triton.jit

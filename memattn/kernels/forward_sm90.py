@@ -59,7 +59,6 @@ from . import hopper
 from .common import (
     LN2,
     LOG2E,
-    add_bias_alibi_log2,
     alibi_distance,
     alibi_strides,
     cdiv,
@@ -371,12 +370,12 @@ def _softmax_tile(
         # that took a clamp and a select a score more.
         s = s * (scale_log2 * LN2) + bias
         if HAS_ALIBI:
-            s -= slope * alibi_distance(offs_m[:, None], offs_n[None, :], off)
+            s = gl.fma(alibi_distance(offs_m[:, None], offs_n[None, :], off), -slope, s)
         scale_log2 = 1.0
-    if HAS_ALIBI and not HAS_BIAS:  # the scale goes in first here, not folded into exp2's
-        s = add_bias_alibi_log2(s * scale_log2, offs_m[:, None], offs_n[None, :], off, slope,
-                                bias, False, HAS_ALIBI)
-        scale_log2 = 1.0
+    if HAS_ALIBI and not HAS_BIAS:  # in the raw scores' units, so that the scale stays
+        # folded into exp2's FMA: one FMA a score adds ALiBi
+        s = gl.fma(alibi_distance(offs_m[:, None], offs_n[None, :], off),
+                   -(slope * LOG2E / scale_log2), s)
     if needs_mask:
         if (BOUNDED_LEFT or BOUNDED_RIGHT) and BLOCK_N > 64:
             mask = _visible(offs_m, start_n, seqlen_k, off, window_left, window_right, BLOCK_N,
