@@ -648,9 +648,9 @@ def keep_scratch(buf, part, M: gl.constexpr, N: gl.constexpr, TRANSPOSED: gl.con
 
 @gluon.constexpr_function
 def _pairs_layout(M, N):
-    """(M, N / 2) key pairs placed where a 4-warp wgmma accumulator layout of (M, N)
-    holds them: lanes 4r + c hold rows r (+ 8), pairs c + 4j (keys 8j + 2c, + 1);
-    warps 16 rows each."""
+    """(M, N / 2) pairs of adjacent columns (keys, or queries in a transposed tile)
+    placed where a 4-warp wgmma accumulator layout of (M, N) holds them: lanes 4r + c
+    hold rows r (+ 8), pairs c + 4j (columns 8j + 2c, + 1); warps 16 rows each."""
     regs = [[8, 0]] + [[0, 4 << i] for i in range((N // 8).bit_length() - 1)]
     lanes = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
     warps = [[16, 0], [32, 0]][: (M // 16).bit_length() - 1]
