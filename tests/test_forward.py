@@ -18,6 +18,7 @@ from memattn.check import (
     check_forward,
     check_forward_on,
     gpu_sized,
+    make_inputs,
 )
 from memattn.kernels import forward_sm90, hopper
 
@@ -518,6 +519,32 @@ def test_hopper_kernel_gpu(case, dtype, monkeypatch):
     capped = case.options.get("softcap", 0) > 0
     tiles = capped and (case.dqk <= 64 or bias_row(case))
     assert bool(launched) != tiles, "the call fell back to forward.py, or ran Gluon by mistake"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_bias_tiles_are_read_before_their_slot_refills_gpu(head_dim, monkeypatch):
+    """The softmax warpgroups read each bias tile from shared memory and release its slot
+    to the TMA that brings the next tile: the reads must be done first (a fence between
+    the two proxies). Without it a warp's reads could still be in flight when the refill
+    landed, and a few rows took the next tile's bias (D=256, the lse of a few rows of the
+    first warpgroup off by up to 0.1 in about a third of the calls with O rescaled at
+    every tile, one in thirty as shipped). RESCALE_THRESHOLD 0 takes out the lazy
+    rescale's warpgroup barriers, which had kept the warps in step; thirty calls on the
+    same inputs against one reference."""
+    if not hopper_kernel_runs_here():
+        pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
+    monkeypatch.setattr(forward_sm90, "RESCALE_THRESHOLD", 0.0)
+    hopper.forget_plans()
+    try:
+        case = Case("bias tiles in turn", batch=2, seqlen_q=333, seqlen_k=520,
+                    dqk=head_dim, dv=head_dim, bias="1HQK")
+        x = make_inputs(case, torch.float16, "cuda", seed=7)
+        results = [check_forward_on(case, torch.float16, x) for _ in range(30)]
+    finally:
+        hopper.forget_plans()  # the plans made with the knob above
+    for result in results:
+        assert_results(result)
 
 
 def record_launches(monkeypatch, module, name: str) -> list:

@@ -438,6 +438,10 @@ def _bias(
         slot = hopper.arrived(bias_ready, i, BIAS_STAGES)
         tile = bias_smem.index(slot * PARTS + PART).reshape([ROWS, BLOCK_N])
         bias = tile.load(layout).to(gl.float32)
+        # The tile's reads (generic proxy) ordered before the TMA that refills the slot
+        # (async proxy): without the fence a warp's ldmatrix could still be in flight
+        # when the refill landed (D=256: a few rows' scores from the next tile's bias).
+        fence_async_shared()
         mbarrier.arrive(bias_empty.index(slot))
     return bias
 
