@@ -528,10 +528,10 @@ def test_bias_tiles_are_read_before_their_slot_refills_gpu(head_dim, monkeypatch
     to the TMA that brings the next tile: the reads must be done first (a fence between
     the two proxies). Without it a warp's reads could still be in flight when the refill
     landed, and a few rows took the next tile's bias (D=256, the lse of a few rows of the
-    first warpgroup off by up to 0.1 in about a third of the calls with O rescaled at
-    every tile, one in thirty as shipped). RESCALE_THRESHOLD 0 takes out the lazy
-    rescale's warpgroup barriers, which had kept the warps in step; thirty calls on the
-    same inputs against one reference."""
+    first warpgroup off by up to 0.1 in a quarter to a half of the calls with O rescaled
+    at every tile, 1-3 in 40 as shipped, twelve processes sharing the GPU).
+    RESCALE_THRESHOLD 0 takes out the lazy rescale's warpgroup barriers, which had kept
+    the warps in step; thirty calls on the same inputs against the reference."""
     if not hopper_kernel_runs_here():
         pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
     monkeypatch.setattr(forward_sm90, "RESCALE_THRESHOLD", 0.0)
