@@ -24,36 +24,26 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ab  # noqa: E402
 
-from memattn import ops, reference  # noqa: E402
-from memattn.check import FLOOR, Case, lse_error, make_inputs, relative_error  # noqa: E402
+from memattn import check, ops  # noqa: E402
 
 
 def worker(args) -> None:
     ab.use(ab.VARIANTS[args.variant])
     dqk, dv = (int(x) for x in (args.dims.split("/") * 2)[:2])
     options = dict(dropout_p=args.dropout, causal=args.causal)
-    case = Case("stress", batch=2, seqlen_q=args.sq, seqlen_k=args.sk, dqk=dqk, dv=dv,
-                bias=args.bias or None, options=options)
+    case = check.Case("stress", batch=2, seqlen_q=args.sq, seqlen_k=args.sk, dqk=dqk,
+                      dv=dv, bias=args.bias or None, options=options)
     dtype = getattr(torch, args.dtype)
-    x = make_inputs(case, dtype, args.device, seed=7)
-    plain = {k: v for k, v in x.kwargs.items() if k != "dropout_p"}  # lse sees no dropout
-    exact = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v)
-             for k, v in plain.items()}
-    ref, ref_lse = reference.attention(x.q.double(), x.k.double(), x.v.double(), **exact,
-                                       return_lse=True)  # fmt: skip
-    low, low_lse = reference.attention(x.q, x.k, x.v, **plain, return_lse=True)
-    # check.check_forward_on's allowances: twice the reference's own error in the call's
-    # dtype, plus a floor; out only without dropout, which draws another mask each call
-    lse_allowed = 2 * lse_error(low_lse, ref_lse) + 10 * FLOOR[dtype]
-    out_allowed = 2 * relative_error(low, ref) + FLOOR[dtype] if args.dropout == 0 else None
+    x = check.make_inputs(case, dtype, args.device, seed=7)
+    ref, ref_lse, out_allowed, lse_allowed = check.repeated_forward_reference(x, dtype)
     wrong = []
     for call in range(args.calls):
         out, lse, _ = ops.forward(x.q, x.k, x.v, **x.kwargs)
         off = (lse.double() - ref_lse).abs() > lse_allowed
-        bad_out = out_allowed is not None and relative_error(out, ref) > out_allowed
+        bad_out = out_allowed is not None and check.relative_error(out, ref) > out_allowed
         if off.any() or bad_out:
             rows = off.nonzero()[:, 2]  # lse is (B, H, Sq)
-            where = (f"lse error {lse_error(lse, ref_lse):.1e} in {len(rows)} rows: "
+            where = (f"lse error {check.lse_error(lse, ref_lse):.1e} in {len(rows)} rows: "
                      f"blocks {sorted(set((rows // 128).tolist()))}, warpgroups "
                      f"{sorted(set((rows % 128 // 64).tolist()))}, warps "
                      f"{sorted(set((rows % 64 // 16).tolist()))}") if off.any() else "out"
