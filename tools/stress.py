@@ -11,6 +11,10 @@ and the warp (16 rows) of the rows off.
 
 --variant takes tools/ab.py's knob sets (ab.VARIANTS: "rescale_always" takes out the
 D=256 forward's lazy-rescale barriers, which keep a warpgroup's warps in step).
+
+A race's test should fail on the kernel before the fix: run it from that tree's own
+checkout (``git archive`` into a folder, the test copied in, pytest from there), since
+pytest puts its rootdir ahead of PYTHONPATH on sys.path and would import this tree.
 """
 
 import argparse
