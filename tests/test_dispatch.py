@@ -390,6 +390,28 @@ def test_masked_d128_backward_takes_its_blocks_rank_by_rank(options, by_rank,
 
 
 @gluon
+@pytest.mark.parametrize("d, options, bias_shape, per_step", [
+    (128, {}, None, False), (128, dict(causal=True), None, False),
+    (128, dict(dropout_p=0.1), None, True), (128, dict(softcap=30.0), None, True),
+    (128, {}, (1, 2, 16, 16), True), (128, {}, (2, 1, 1, 16), True),
+    (64, dict(dropout_p=0.1), None, False)])  # fmt: skip
+def test_d128_backward_makes_its_kv_views_each_step_beside_features(
+        d, options, bias_shape, per_step, monkeypatch):  # fmt: skip
+    """KV_VIEWS_PER_STEP: the D=128 backward makes K's and V's views in each step where a
+    feature holds registers across it (dropout, softcap, ALiBi, a bias), once a program
+    otherwise and at D=64."""
+    bsm = dispatch.backward_sm90
+    monkeypatch.setattr(bsm.hopper, "sm_count", lambda device_index: 5)
+    spec, _, _, _, bias = spec_and_inputs(d=d, bias_shape=bias_shape, **options)
+    bsm.hopper.forget_plans()
+    try:
+        plan = bsm._plan(spec, bsm.hopper.bias_row(spec, bias), None, (False, False), 0, 0)
+    finally:
+        bsm.hopper.forget_plans()
+    assert plan.constexprs["KV_VIEWS_PER_STEP"] is per_step
+
+
+@gluon
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("inner", [(False, False), (True, False)], ids=["packed grid", "inner"])
 def test_only_packed_programs_past_their_end_may_return_first(varlen, inner, monkeypatch):

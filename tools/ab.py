@@ -89,6 +89,10 @@ VARIANTS = {
     "position8": {"fwd.POSITION_HEADS": 8},
     "position16": {"fwd.POSITION_HEADS": 16},
     "no_pdl": {"decode.PDL": False},  # decode's kernels launched after the last one ends
+    # the D 64/128 backward's K and V views made in each step: every call, or none
+    "kv_views_always": {"bwd.KV_VIEWS_PER_STEP": True},
+    "kv_views_never": {"bwd.KV_VIEWS_PER_STEP": False},
+    "split_views_once": {"bwd.SPLIT_VIEWS_PER_STEP": False},  # 192/128's views once a block
 }
 MODULES = {"fwd": forward_sm90, "bwd": backward_sm90, "decode": decode}
 DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
@@ -98,7 +102,8 @@ DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
     ("bwd", ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "PACKED_BIAS_ADDS", "SKIP_EMPTY_KEY_BLOCKS",
              "SPLIT_HEAD_DIM_PAIRS", "DQ_BLOCK_N", "DQ_WRITER", "ORDERED_DQ",
              "PERSISTENT_BLOCKS", "MASKED_BY_RANK_BLOCKS", "FUSED_SPLIT", "SPLIT_HEADS_TOGETHER",
-             "SPLIT_WARPGROUPS", "BIAS_TILES_BATCH_INNER", "MASKED_PERSISTENT_MAX_BLOCKS")),
+             "SPLIT_WARPGROUPS", "BIAS_TILES_BATCH_INNER", "MASKED_PERSISTENT_MAX_BLOCKS",
+             "KV_VIEWS_PER_STEP", "SPLIT_VIEWS_PER_STEP")),
     ("decode", ("PDL",)))
     for name in names}  # fmt: skip
 # A/B the kernels themselves, at every size

@@ -256,11 +256,13 @@ def _bwd_load_partition(
     kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes + (
         k2_desc.block_type.nbytes if QK_SPLIT > 0 else 0)
     mbarrier.expect(kv_bar, kv_bytes)
-    tma.async_copy_global_to_shared(k_desc, [b_tma, hk, k_start + start_n, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(k_desc, [b_tma, hk, k_start + start_n, 0], kv_bar,
+                                    k_smem.index(0))
     if QK_SPLIT > 0:
         tma.async_copy_global_to_shared(k2_desc, [b_tma, hk, k_start + start_n, split_col],
                                         kv_bar, k2_smem)
-    tma.async_copy_global_to_shared(v_desc, [b_tma, hk, k_start + start_n, 0], kv_bar, v_smem)
+    tma.async_copy_global_to_shared(v_desc, [b_tma, hk, k_start + start_n, 0], kv_bar,
+                                    v_smem.index(0))
     _query_tile_loads(
         q_desc, do_desc, stats_desc, bias_desc, q_smem, do_smem, lse_smem, delta_smem,
         bias_smem, q_ready, do_ready, q_empty, do_empty, b_tma, hk, q_start, stats_start,
@@ -411,6 +413,33 @@ def _visible_t(keys, start_m, seqlen_q, seqlen_k, off, window_left, window_right
 
 
 @gluon.jit
+def _runtime_zero(seqlen_k):
+    """0 at run time (no length is negative), which neither LLVM nor ptxas can fold: a
+    view of shared memory indexed by it times the step count is made anew in each step
+    (_kv_views)."""
+    return (seqlen_k < 0).to(gl.int32)
+
+
+@gluon.jit
+def _kv_views(k_smem, v_smem, index, HALF: gl.constexpr, HALF_N: gl.constexpr,
+              DQ_COLS: gl.constexpr):
+    """This warpgroup's keys of K (Sᵀ's operand) and of V (dPᵀ's), and K's columns of
+    dQ's part, from the block's K and V buffers viewed at ``index`` (their only slot).
+    Made in each step with an index the compilers cannot fold (0 at run time:
+    KV_VIEWS_PER_STEP), the views' wgmma descriptors are worked out there in the
+    uniform datapath; made once a program, ptxas hoists all twenty out of the step loop
+    and keeps them in vector registers (moved to uniform ones before each wgmma), which
+    spill where the step holds more."""
+    block_n: gl.constexpr = k_smem.shape[3]  # buffers of (1, 1, 1, BLOCK_N, D)
+    k_all = k_smem.index(index).reshape([block_n, k_smem.shape[4]])
+    k_half = k_all.slice(HALF * HALF_N, HALF_N, dim=0)
+    v_half = v_smem.index(index).reshape([block_n, v_smem.shape[4]]).slice(HALF * HALF_N,
+                                                                           HALF_N, dim=0)
+    k_cols = k_all.slice(HALF * DQ_COLS % k_smem.shape[4], DQ_COLS, dim=1)  # dQ's columns
+    return k_half, v_half, k_cols
+
+
+@gluon.jit
 def _bwd_compute_partition(
     shared, HALF: gl.constexpr, HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
@@ -421,6 +450,7 @@ def _bwd_compute_partition(
     BATCH_INNER: gl.constexpr, HEAD_INNER: gl.constexpr, ORDERED: gl.constexpr,
     PERSISTENT: gl.constexpr, FOLD: gl.constexpr, HAS_DQ: gl.constexpr,
     HAS_SOFTCAP: gl.constexpr,
+    KV_VIEWS_PER_STEP: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup, for each of its program's key blocks (_program_block): keys
     [start_n + HALF * 64, + 64) against every query tile. ``shared``: the runtime
@@ -463,10 +493,7 @@ def _bwd_compute_partition(
                                                     k_width=2)
     cols_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-    k_all = k_smem.reshape([BLOCK_N, HEAD_DIM_QK])
-    k_half = k_all.slice(HALF * HALF_N, HALF_N, dim=0)
-    v_half = v_smem.reshape([BLOCK_N, HEAD_DIM_V]).slice(HALF * HALF_N, HALF_N, dim=0)
-    k_cols = k_all.slice(HALF * DQ_COLS % HEAD_DIM_QK, DQ_COLS, dim=1)  # dQ's columns here
+    k_half, v_half, k_cols = _kv_views(k_smem, v_smem, 0, HALF, HALF_N, DQ_COLS)
     scale_log2 = scale * LOG2E
     # Bulk copies (TMA) a step may leave in flight when dQ's tile is written: the bias
     # gradient's store or reduce-add from dS's tile (DBIAS_TILES: 1 stored, 2 added), or
@@ -509,8 +536,12 @@ def _bwd_compute_partition(
         rot = _walk_rotation(start_n, n_tiles, seqlen_k, BLOCK_N, ROTATE)
         mbarrier.wait(kv_bar, blk & 1)
 
+        zero = _runtime_zero(seqlen_k)
         for t in range(GROUP * n_tiles):
             i = step + t  # the rings' count
+            if KV_VIEWS_PER_STEP:
+                k_half, v_half, k_cols = _kv_views(k_smem, v_smem, zero * t, HALF, HALF_N,
+                                                   DQ_COLS)
             h, start_m = _query_tile(t, hk, GROUP, lo, n_tiles, BLOCK_M, rot, ROTATE)
             offs_m = start_m + gl.arange(0, BLOCK_M, layout=cols_layout)
             slot = hopper.arrived(q_ready, i, STAGES)
@@ -918,8 +949,8 @@ def _operand_buffers(q_desc, do_desc, k_desc, v_desc, stats_desc, STAGES: gl.con
     q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape,
                                         do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [1] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1] + v_desc.block_type.shape, v_desc.layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape,
                                          stats_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape,
@@ -951,6 +982,7 @@ def _bwd_sm90_kernel(
     DQ_BUFS: gl.constexpr, ORDERED: gl.constexpr,
     ROTATE: gl.constexpr, PERSISTENT: gl.constexpr, FOLD: gl.constexpr,
     BY_RANK: gl.constexpr, HAS_DQ: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+    KV_VIEWS_PER_STEP: gl.constexpr,
 ):  # fmt: skip
     # A program per key block, or PERSISTENT (PERSISTENT_BLOCKS) one per SM at most,
     # walking num_items blocks in hopper.work_item's strides (_program_block). Packed
@@ -1038,13 +1070,13 @@ def _bwd_sm90_kernel(
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
                                        BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD,
-                                       HAS_DQ, HAS_SOFTCAP)),
+                                       HAS_DQ, HAS_SOFTCAP, KV_VIEWS_PER_STEP)),
              (_bwd_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, DBIAS_TILES, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
                                        BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD,
-                                       HAS_DQ, HAS_SOFTCAP)),
+                                       HAS_DQ, HAS_SOFTCAP, KV_VIEWS_PER_STEP)),
              (_bwd_blocks_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, IS_VARLEN,
                                            BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
                                            BATCH_INNER, HEAD_INNER, ORDERED, ROTATE,
@@ -1062,13 +1094,13 @@ def _bwd_sm90_kernel(
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
                                        BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD,
-                                       HAS_DQ, HAS_SOFTCAP)),
+                                       HAS_DQ, HAS_SOFTCAP, KV_VIEWS_PER_STEP)),
              (_bwd_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, DBIAS_TILES, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
                                        BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD,
-                                       HAS_DQ, HAS_SOFTCAP)),
+                                       HAS_DQ, HAS_SOFTCAP, KV_VIEWS_PER_STEP)),
              (_bwd_blocks_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, IS_VARLEN,
                                            BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
                                            BATCH_INNER, HEAD_INNER, ORDERED, ROTATE,
@@ -1223,13 +1255,13 @@ def _bwd_wide_compute_partition(
     rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     offs_n = start_n + HALF * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(0, s_layout))
-    k_keys = k_smem.reshape([BLOCK_N, QK_MAIN]).slice(HALF * HALF_N, HALF_N,
+    k_keys = k_smem.index(0).reshape([BLOCK_N, QK_MAIN]).slice(HALF * HALF_N, HALF_N,
                                                        dim=0).permute((1, 0))  # as Kᵀ
     k2_keys = k_keys  # a stand-in without a split
     if QK_SPLIT > 0:
         k2_keys = k2_smem.reshape([BLOCK_N, QK_SPLIT]).slice(HALF * HALF_N, HALF_N,
                                                               dim=0).permute((1, 0))
-    v_keys = v_smem.reshape([BLOCK_N, HEAD_DIM_V]).slice(HALF * HALF_N, HALF_N,
+    v_keys = v_smem.index(0).reshape([BLOCK_N, HEAD_DIM_V]).slice(HALF * HALF_N, HALF_N,
                                                           dim=0).permute((1, 0))
     pt_all = pt_smem.reshape([BLOCK_N, BLOCK_M])
     dst_all = dst_smem.reshape([BLOCK_N, BLOCK_M])
@@ -1805,6 +1837,12 @@ FUSED_SPLIT = True
 # 404 -> 371, S8192 419 -> 388.
 SPLIT_WARPGROUPS = {"masked": 3, "unmasked": 2}
 SPLIT_KEYS = {2: 64, 3: 32}
+# _bwd_split_kernel's shared-memory views (K, V, P and dS) made in each step, for
+# _kv_views' reason: sm_90 compiles spill 0 against 264 bytes under a causal mask, 36
+# against 376 without one. H100, `tools/ab.py --pass bwd`, medians, once a block -> each
+# step: causal S4096 364 -> 379, S8192 374 -> 408, S16384 396 -> 423 (five rounds),
+# S1024 230 -> 238, without a mask S4096 421 -> 460, the packed documents 296 -> 321.
+SPLIT_VIEWS_PER_STEP = True
 # The programs of this many (batch, kv head)s at a time take their key blocks by rank
 # (first blocks first): under a causal mask the longest first, so that the grid's end
 # waits on short blocks; a few heads' at a time, so that what they read and add stays
@@ -1823,11 +1861,22 @@ def split_parts(warpgroup, warpgroups):
 
 
 @gluon.jit
+def _own_views(k_smem, k2_smem, v_smem, p_smem, ds_smem, index):
+    """A _bwd_split_kernel warpgroup's buffers at ``index`` (its own): Kᵀ in its two
+    column parts, Vᵀ, P and dS (queries, keys)."""
+    keys: gl.constexpr = k_smem.shape[3]
+    k_own = k_smem.index(index).reshape([keys, k_smem.shape[4]]).permute((1, 0))
+    k2_own = k2_smem.index(index).reshape([keys, k2_smem.shape[4]]).permute((1, 0))
+    v_own = v_smem.index(index).reshape([keys, v_smem.shape[4]]).permute((1, 0))
+    return k_own, k2_own, v_own, p_smem.index(index), ds_smem.index(index)
+
+
+@gluon.jit
 def _bwd_split_compute_partition(
     shared, WG: gl.constexpr, WARPGROUPS: gl.constexpr, HEAD_DIM_QK: gl.constexpr,
     HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
     KEYS: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr,
-    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, VIEWS_PER_STEP: gl.constexpr,
 ):  # fmt: skip
     """Warpgroup WG of _bwd_split_kernel: keys [start_n + WG * KEYS, + KEYS) against
     every query tile. Per tile: S (and dP, with three warpgroups), P into shared memory,
@@ -1854,11 +1903,8 @@ def _bwd_split_compute_partition(
     dq_order: gl.constexpr = hopper.accumulator_order(BLOCK_M, PART)
     TILE_ROWS: gl.constexpr = dq_desc.block_type.shape[2]
 
-    k_own = k_smem.index(WG).reshape([KEYS, QK_MAIN]).permute((1, 0))  # as Kᵀ
-    k2_own = k2_smem.index(WG).reshape([KEYS, QK_SPLIT]).permute((1, 0))
-    v_own = v_smem.index(WG).reshape([KEYS, HEAD_DIM_V]).permute((1, 0))
-    p_own = p_smem.index(WG)  # (queries, keys)
-    ds_own = ds_smem.index(WG)
+    k_own, k2_own, v_own, p_own, ds_own = _own_views(k_smem, k2_smem, v_smem, p_smem,
+                                                     ds_smem, WG)
     dq_buf = dq_smem.index(WG)
     dkt = gl.zeros([QK_MAIN, KEYS], gl.float32, layout=s_layout)
     dk2t = gl.zeros([QK_SPLIT, KEYS], gl.float32, layout=s_layout)
@@ -1866,7 +1912,13 @@ def _bwd_split_compute_partition(
     scale_log2 = scale * LOG2E
     mbarrier.wait(kv_bar, 0)
 
+    zero = _runtime_zero(seqlen_k)
     for i in range(GROUP * n_tiles):
+        z = 0  # added to the views' indices: made in each step with VIEWS_PER_STEP
+        if VIEWS_PER_STEP:
+            z = zero * i
+            k_own, k2_own, v_own, p_own, ds_own = _own_views(k_smem, k2_smem, v_smem, p_smem,
+                                                             ds_smem, WG + z)
         h, start_m = _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M)
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=rows_layout)
         slot = hopper.arrived(q_ready, i, STAGES)
@@ -1925,11 +1977,12 @@ def _bwd_split_compute_partition(
             dq = gl.zeros([BLOCK_M, PART], gl.float32, layout=dq_layout)
             for j in gl.static_range(WARPGROUPS):
                 if PARTS[n] < 2:
-                    k_cols = k_smem.index(j).reshape([KEYS, QK_MAIN]).slice(PARTS[n] * PART,
-                                                                             PART, dim=1)
+                    k_cols = k_smem.index(j + z).reshape([KEYS, QK_MAIN]).slice(
+                        PARTS[n] * PART, PART, dim=1)
                 else:
-                    k_cols = k2_smem.index(j).reshape([KEYS, QK_SPLIT])
-                dq = warpgroup_mma(ds_smem.index(j), k_cols, dq, use_acc=j > 0, is_async=True)
+                    k_cols = k2_smem.index(j + z).reshape([KEYS, QK_SPLIT])
+                dq = warpgroup_mma(ds_smem.index(j + z), k_cols, dq, use_acc=j > 0,
+                                   is_async=True)
             if n == 0:
                 dvt, dkt, dk2t, dq = warpgroup_mma_wait(0, deps=(dvt, dkt, dk2t, dq))
                 mbarrier.arrive(do_empty.index(slot))  # dP and dV done with dO
@@ -2034,7 +2087,7 @@ def _bwd_split_kernel(
     HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr,
     BLOCK_M: gl.constexpr, WARPGROUPS: gl.constexpr, STAGES: gl.constexpr,
     IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
-    BOUNDED_RIGHT: gl.constexpr, HEADS_TOGETHER: gl.constexpr,
+    BOUNDED_RIGHT: gl.constexpr, HEADS_TOGETHER: gl.constexpr, VIEWS_PER_STEP: gl.constexpr,
 ):  # fmt: skip
     # The programs of HEADS_TOGETHER (batch, kv head)s take their key blocks by rank
     # (SPLIT_HEADS_TOGETHER). Packed sequences (IS_VARLEN): one batch of all tokens to
@@ -2108,23 +2161,23 @@ def _bwd_split_kernel(
         gl.warp_specialize(
             [(_bwd_split_compute_partition, (shared, 0, 3, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
                                              BLOCK_M, KEYS, STAGES, IS_VARLEN,
-                                             BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                             BOUNDED_LEFT, BOUNDED_RIGHT, VIEWS_PER_STEP)),
              (_bwd_split_compute_partition, (shared, 1, 3, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
                                              BLOCK_M, KEYS, STAGES, IS_VARLEN,
-                                             BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                             BOUNDED_LEFT, BOUNDED_RIGHT, VIEWS_PER_STEP)),
              (_bwd_split_compute_partition, (shared, 2, 3, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
                                              BLOCK_M, KEYS, STAGES, IS_VARLEN,
-                                             BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                             BOUNDED_LEFT, BOUNDED_RIGHT, VIEWS_PER_STEP)),
              (_bwd_split_load_partition, (loads, 3, BLOCK_M, STAGES))],
             worker_num_warps=[4, 4, 1], worker_num_regs=[160, 160, 24])  # fmt: skip
     else:
         gl.warp_specialize(
             [(_bwd_split_compute_partition, (shared, 0, 2, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
                                              BLOCK_M, KEYS, STAGES, IS_VARLEN,
-                                             BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                             BOUNDED_LEFT, BOUNDED_RIGHT, VIEWS_PER_STEP)),
              (_bwd_split_compute_partition, (shared, 1, 2, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
                                              BLOCK_M, KEYS, STAGES, IS_VARLEN,
-                                             BOUNDED_LEFT, BOUNDED_RIGHT)),
+                                             BOUNDED_LEFT, BOUNDED_RIGHT, VIEWS_PER_STEP)),
              (_bwd_split_load_partition, (loads, 2, BLOCK_M, STAGES))],
             worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
 
@@ -2226,6 +2279,17 @@ SKIP_EMPTY_KEY_BLOCKS = True
 # starts per block: what a program's start and end cost weighs most where it has few
 # query tiles (short and causal rows, D=64's 128-row steps). Not where the order of the
 # blocks is not free (_plan).
+# K's and V's views made in each step of the D=128 kernel (_kv_views) where the call
+# has a feature that holds registers across the step (dropout, softcap, ALiBi, a bias):
+# sm_90 compiles spill 48 against 304 bytes with dropout, 72 against 284 with softcap,
+# none against 40-100 with ALiBi or biases. H100, `tools/ab.py --pass bwd --rounds 3`,
+# medians, once a program -> each step: dropout 409 -> 446, causal 378 -> 406, the
+# packed documents' 310 -> 336, softcap 475 -> 501, ALiBi 527 -> 552, a key-padding row
+# with its gradient 516 -> 536, (1, H, S, S) with its gradient 284 -> 296, (B, H, S, S)
+# 451 -> 450; but without a feature S16384 605 -> 576, S4096 563 -> 550 (no spills to
+# save, the descriptors' work in the step), and at D=64 S16384 529 -> 484, dropout 309
+# -> 306. "features": those calls; True / False: every call, none (tools A/B them).
+KV_VIEWS_PER_STEP = "features"
 PERSISTENT_BLOCKS = True
 # Under a mask (causal, windows) at D=128, a program per key block instead, the (batch,
 # kv head)s in groups of at least this many blocks, each group's blocks rank by rank
@@ -2248,6 +2312,14 @@ MASKED_BY_RANK_BLOCKS = {64: 0, 128: 256}
 # S8192 (64 blocks) 476 -> 468, S4096 419 -> 426. Tools set it to A/B, then call
 # hopper.forget_plans().
 MASKED_PERSISTENT_MAX_BLOCKS = 64
+
+
+def kv_views_per_step(spec: AttentionSpec, bias_row: bool) -> bool:
+    """Whether the D 64/128 kernel makes K's and V's views in each step (KV_VIEWS_PER_STEP)."""
+    if KV_VIEWS_PER_STEP != "features":
+        return bool(KV_VIEWS_PER_STEP)
+    return spec.head_dim_qk == 128 and (spec.dropout_p > 0 or spec.softcap > 0
+                                        or spec.has_alibi or spec.has_bias or bias_row)
 
 
 def dq_buffers(spec: AttentionSpec, bias_tiles: bool, dbias_kind: str | None) -> int:
@@ -2615,6 +2687,7 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
         DQ_BUFS=dq_bufs, ORDERED=ordered, ROTATE=ordered and rotates_dq(spec),
         PERSISTENT=persistent, FOLD=fold, BY_RANK=by_rank,
         HAS_DQ=not dq_from_full_bias(spec, dbias_kind), HAS_SOFTCAP=spec.softcap > 0,
+        KV_VIEWS_PER_STEP=kv_views_per_step(spec, bias_row),
         num_warps=4,
     )  # fmt: skip
     return hopper.Plan(hopper.programs(items, fold, persistent, device_index), (num_n, items),
@@ -2787,7 +2860,8 @@ def _plan_split(spec: AttentionSpec, tokens_k: int, device_index: int) -> hopper
              WARPGROUPS=warpgroups, STAGES=STAGES, IS_VARLEN=spec.varlen,
              BOTTOM_RIGHT=spec.bottom_right,
              BOUNDED_LEFT=spec.window_left >= 0, BOUNDED_RIGHT=spec.window_right >= 0,
-             HEADS_TOGETHER=SPLIT_HEADS_TOGETHER, num_warps=4))  # fmt: skip
+             HEADS_TOGETHER=SPLIT_HEADS_TOGETHER, VIEWS_PER_STEP=SPLIT_VIEWS_PER_STEP,
+             num_warps=4))  # fmt: skip
 
 
 @hopper.plan_cache
