@@ -427,9 +427,9 @@ def _kv_views(k_smem, v_smem, index, HALF: gl.constexpr, HALF_N: gl.constexpr,
     dQ's part, from the block's K and V buffers viewed at ``index`` (their only slot).
     Made in each step with an index the compilers cannot fold (0 at run time:
     KV_VIEWS_PER_STEP), the views' wgmma descriptors are worked out there in the
-    uniform datapath; made once a program, ptxas hoists all twenty out of the step loop
-    and keeps them in vector registers (moved to uniform ones before each wgmma), which
-    spill where the step holds more."""
+    uniform datapath; made once a program, ptxas hoists them (twenty at D=128) out of
+    the step loop and keeps them in vector registers (moved to uniform ones before each
+    wgmma), which spill where the step holds more."""
     block_n: gl.constexpr = k_smem.shape[3]  # buffers of (1, 1, 1, BLOCK_N, D)
     k_all = k_smem.index(index).reshape([block_n, k_smem.shape[4]])
     k_half = k_all.slice(HALF * HALF_N, HALF_N, dim=0)
@@ -2279,16 +2279,17 @@ SKIP_EMPTY_KEY_BLOCKS = True
 # starts per block: what a program's start and end cost weighs most where it has few
 # query tiles (short and causal rows, D=64's 128-row steps). Not where the order of the
 # blocks is not free (_plan).
-# K's and V's views made in each step of the D=128 kernel (_kv_views) where the call
-# has a feature that holds registers across the step (dropout, softcap, ALiBi, a bias):
-# sm_90 compiles spill 48 against 304 bytes with dropout, 72 against 284 with softcap,
-# none against 40-100 with ALiBi or biases. H100, `tools/ab.py --pass bwd --rounds 3`,
-# medians, once a program -> each step: dropout 409 -> 446, causal 378 -> 406, the
-# packed documents' 310 -> 336, softcap 475 -> 501, ALiBi 527 -> 552, a key-padding row
-# with its gradient 516 -> 536, (1, H, S, S) with its gradient 284 -> 296, (B, H, S, S)
-# 451 -> 450; but without a feature S16384 605 -> 576, S4096 563 -> 550 (no spills to
-# save, the descriptors' work in the step), and at D=64 S16384 529 -> 484, dropout 309
-# -> 306. "features": those calls; True / False: every call, none (tools A/B them).
+# K's and V's views made in each step of the D 64/128 kernel (_kv_views) at Dqk = Dv =
+# 128 (what was measured) where the call has a feature that holds registers across the
+# step (dropout, softcap, ALiBi, a bias): sm_90 compiles spill 48 against 304 bytes with
+# dropout, 72 against 284 with softcap, none against 40-100 with ALiBi or biases. H100,
+# `tools/ab.py --pass bwd --rounds 3`, medians, once a program -> each step: dropout 409
+# -> 446, causal 378 -> 406, the packed documents' 310 -> 336, softcap 475 -> 501, ALiBi
+# 527 -> 552, a key-padding row with its gradient 516 -> 536, (1, H, S, S) with its
+# gradient 284 -> 296, (B, H, S, S) 451 -> 450; but without a feature S16384 605 -> 576,
+# S4096 563 -> 550 (no spills to save, the descriptors' work in the step), and at D=64
+# S16384 529 -> 484, dropout 309 -> 306. "features": those calls; True / False: every
+# call, none (tools A/B them).
 KV_VIEWS_PER_STEP = "features"
 PERSISTENT_BLOCKS = True
 # Under a mask (causal, windows) at D=128, a program per key block instead, the (batch,
@@ -2318,8 +2319,8 @@ def kv_views_per_step(spec: AttentionSpec, bias_row: bool) -> bool:
     """Whether the D 64/128 kernel makes K's and V's views in each step (KV_VIEWS_PER_STEP)."""
     if KV_VIEWS_PER_STEP != "features":
         return bool(KV_VIEWS_PER_STEP)
-    return spec.head_dim_qk == 128 and (spec.dropout_p > 0 or spec.softcap > 0
-                                        or spec.has_alibi or spec.has_bias or bias_row)
+    return spec.head_dim_qk == spec.head_dim_v == 128 and (
+        spec.dropout_p > 0 or spec.softcap > 0 or spec.has_alibi or spec.has_bias or bias_row)
 
 
 def dq_buffers(spec: AttentionSpec, bias_tiles: bool, dbias_kind: str | None) -> int:
