@@ -178,13 +178,17 @@ def check_forward_on(case: Case, dtype: torch.dtype, x: Inputs) -> list[Result]:
     )  # fmt: skip
     low, low_lse = reference.attention(x.q, x.k, x.v, **x.kwargs, dropout_keep=keep,
                                        return_lse=True)  # fmt: skip
+    out_allowed, lse_allowed = _forward_allowances(low, low_lse, ref, ref_lse, dtype)
+    return [Result(case, dtype, "out", relative_error(out, ref), out_allowed),
+            Result(case, dtype, "lse", lse_error(lse, ref_lse), lse_allowed)]
+
+
+def _forward_allowances(low, low_lse, ref, ref_lse, dtype: torch.dtype) -> tuple[float, float]:
+    """out's and lse's allowances: twice the error of the reference run in ``dtype``
+    (low, low_lse) against the float64 one, plus a floor."""
     floor = FLOOR[dtype]
-    return [
-        Result(case, dtype, "out", relative_error(out, ref),
-               2 * relative_error(low, ref) + floor),
-        Result(case, dtype, "lse", lse_error(lse, ref_lse),
-               2 * lse_error(low_lse, ref_lse) + 10 * floor),
-    ]  # fmt: skip
+    return (2 * relative_error(low, ref) + floor,
+            2 * lse_error(low_lse, ref_lse) + 10 * floor)
 
 
 def repeated_forward_reference(
@@ -197,11 +201,10 @@ def repeated_forward_reference(
     ref, ref_lse = reference.attention(x.q.double(), x.k.double(), x.v.double(),
                                        **_to64(plain), return_lse=True)  # fmt: skip
     low, low_lse = reference.attention(x.q, x.k, x.v, **plain, return_lse=True)
-    floor = FLOOR[dtype]
-    out_allowed = None
-    if x.kwargs.get("dropout_p", 0.0) == 0:
-        out_allowed = 2 * relative_error(low, ref) + floor
-    return ref, ref_lse, out_allowed, 2 * lse_error(low_lse, ref_lse) + 10 * floor
+    out_allowed, lse_allowed = _forward_allowances(low, low_lse, ref, ref_lse, dtype)
+    if x.kwargs.get("dropout_p", 0.0) > 0:
+        out_allowed = None
+    return ref, ref_lse, out_allowed, lse_allowed
 
 
 def check_forward_repeated(case: Case, dtype: torch.dtype, x: Inputs,
