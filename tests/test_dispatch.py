@@ -17,13 +17,15 @@ from .conftest import DEVICE
 gluon = pytest.mark.skipif(dispatch.hopper is None, reason="Triton without Gluon's Hopper API")
 
 
-def spec_and_inputs(b=2, sq=16, sk=16, h=2, d=64, bias_shape=None, varlen=False, **options):
-    """A call's spec and inputs; varlen: the b sequences packed (sq queries, sk keys each)."""
+def spec_and_inputs(b=2, sq=16, sk=16, h=2, d=64, bias_shape=None, varlen=False, dv=None,
+                    **options):  # fmt: skip
+    """A call's spec and inputs (V's head dim dv, d's if None); varlen: the b sequences
+    packed (sq queries, sk keys each)."""
     lead = (b * sq,) if varlen else (b, sq)
     lead_k = (b * sk,) if varlen else (b, sk)
     q = torch.randn(*lead, h, d, device=DEVICE, dtype=torch.float16)
     k = torch.randn(*lead_k, h, d, device=DEVICE, dtype=torch.float16)
-    v = torch.randn(*lead_k, h, d, device=DEVICE, dtype=torch.float16)
+    v = torch.randn(*lead_k, h, dv or d, device=DEVICE, dtype=torch.float16)
     bias = None if bias_shape is None else torch.randn(bias_shape, device=DEVICE,
                                                         dtype=torch.float16)  # fmt: skip
     if varlen:
@@ -390,19 +392,21 @@ def test_masked_d128_backward_takes_its_blocks_rank_by_rank(options, by_rank,
 
 
 @gluon
-@pytest.mark.parametrize("d, options, bias_shape, per_step", [
-    (128, {}, None, False), (128, dict(causal=True), None, False),
-    (128, dict(dropout_p=0.1), None, True), (128, dict(softcap=30.0), None, True),
-    (128, {}, (1, 2, 16, 16), True), (128, {}, (2, 1, 1, 16), True),
-    (64, dict(dropout_p=0.1), None, False)])  # fmt: skip
-def test_d128_backward_makes_its_kv_views_each_step_beside_features(
-        d, options, bias_shape, per_step, monkeypatch):  # fmt: skip
-    """KV_VIEWS_PER_STEP: the D=128 backward makes K's and V's views in each step where a
-    feature holds registers across it (dropout, softcap, ALiBi, a bias), once a program
-    otherwise and at D=64."""
+@pytest.mark.parametrize("d, dv, options, bias_shape, per_step", [
+    (128, 128, {}, None, False), (128, 128, dict(causal=True), None, False),
+    (128, 128, dict(dropout_p=0.1), None, True), (128, 128, dict(softcap=30.0), None, True),
+    (128, 128, {}, (1, 2, 16, 16), True), (128, 128, {}, (2, 1, 1, 16), True),
+    (128, 64, dict(dropout_p=0.1), None, True), (64, 128, dict(softcap=30.0), None, True),
+    (128, 64, {}, None, False), (64, 64, {}, (2, 1, 1, 16), True),
+    (64, 64, dict(dropout_p=0.1), None, False), (64, 64, {}, (1, 2, 16, 16), False)])  # fmt: skip
+def test_backward_makes_its_kv_views_each_step_where_they_would_spill(
+        d, dv, options, bias_shape, per_step, monkeypatch):  # fmt: skip
+    """KV_VIEWS_PER_STEP: the D 64/128 backward makes K's and V's views in each step where
+    a feature holds registers across it beside a head dim of 128 (dropout, softcap,
+    ALiBi, a bias), or a key row at D=64; once a program otherwise."""
     bsm = dispatch.backward_sm90
     monkeypatch.setattr(bsm.hopper, "sm_count", lambda device_index: 5)
-    spec, _, _, _, bias = spec_and_inputs(d=d, bias_shape=bias_shape, **options)
+    spec, _, _, _, bias = spec_and_inputs(d=d, dv=dv, bias_shape=bias_shape, **options)
     bsm.hopper.forget_plans()
     try:
         plan = bsm._plan(spec, bsm.hopper.bias_row(spec, bias), None, (False, False), 0, 0)

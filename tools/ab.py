@@ -75,9 +75,6 @@ VARIANTS = {
     "dq32_at192": {"bwd.DQ_BLOCK_N": {256: 32, 192: 32}},  # 32-key tiles in 192's dQ kernel
     "wide192": {"bwd.FUSED_SPLIT": False},  # 192/128 on the wide kernels, dQ's apart
     "split_heads1": {"bwd.SPLIT_HEADS_TOGETHER": 1},  # 192/128: each head's blocks in turn
-    # 192/128: two warpgroups of 64 keys, or three of 32, masked or not
-    "split2": {"bwd.SPLIT_WARPGROUPS": {"masked": 2, "unmasked": 2}},
-    "split3": {"bwd.SPLIT_WARPGROUPS": {"masked": 3, "unmasked": 3}},
     "bias_batch_outer": {"fwd.BIAS_BATCH_INNER": False},  # 1HQK's forward head after head
     "scratch32": {"fwd.DROPOUT_SCRATCH": 32 * 1024},  # the forward's buffers beside dropout
     "bias_outer_nograd": {"bwd.BIAS_TILES_BATCH_INNER": False},  # its backward so too
@@ -102,7 +99,7 @@ DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
     ("bwd", ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "PACKED_BIAS_ADDS", "SKIP_EMPTY_KEY_BLOCKS",
              "SPLIT_HEAD_DIM_PAIRS", "DQ_BLOCK_N", "DQ_WRITER", "ORDERED_DQ",
              "PERSISTENT_BLOCKS", "MASKED_BY_RANK_BLOCKS", "FUSED_SPLIT", "SPLIT_HEADS_TOGETHER",
-             "SPLIT_WARPGROUPS", "BIAS_TILES_BATCH_INNER", "MASKED_PERSISTENT_MAX_BLOCKS",
+             "BIAS_TILES_BATCH_INNER", "MASKED_PERSISTENT_MAX_BLOCKS",
              "KV_VIEWS_PER_STEP", "SPLIT_VIEWS_PER_STEP")),
     ("decode", ("PDL",)))
     for name in names}  # fmt: skip

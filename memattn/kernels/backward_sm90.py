@@ -1816,27 +1816,22 @@ def _bwd_dq_wide_kernel(
 # and dV transposed (the head dim on M), P and dS through shared memory. In ours (keys
 # on M) dK and dV over 64 keys take 160 registers a thread and leave too few for S, dP
 # and their 16 query columns of lse and delta. Each compute warpgroup owns KEYS keys of
-# the program's block (FA4: two of 48, a tile Gluon has none for; here two of 64 or
-# three of 32, SPLIT_WARPGROUPS): dKᵀ 192 x KEYS (two accumulators, 128 + 64 rows),
-# dVᵀ 128 x KEYS, S and dP 64 x KEYS, lse and delta two rows a thread. dQ = dS K over
-# every warpgroup's dS, in three 64-column parts (dq_split, split_parts), each added
-# into dq_tiles' fp32 buffer by TMA reduce-add as at D 64/128. Shared memory, two
-# warpgroups: K 48 KiB, V 32, Q and dO rings of two 48 + 32, P and dS 16 each, a 16 KiB
-# fp32 dQ buffer a warpgroup (dK and dV leave through it): 226 of the 227 KiB; three:
-# 214. Matmul work is 832 units per 832 useful, against the wide kernels' 1152 (dQ's
-# kernel recomputes S and dP). Deterministic calls keep the wide kernels (their dQ is
-# added in one order). H100, tools/ab.py, wide -> this kernel (two warpgroups):
-# S4096 364 -> 404, S16384 causal 366 -> 399, S4096 causal 344 -> 345; with three under
-# a mask S4096 causal 348 -> 363.
+# the program's block (FA4: two of 48, a tile Gluon has none for; here two of 64):
+# dKᵀ 192 x KEYS (two accumulators, 128 + 64 rows), dVᵀ 128 x KEYS, S and dP 64 x KEYS
+# (dP issued after S, in its registers), lse and delta two rows a thread. dQ = dS K
+# over both warpgroups' dS, in three 64-column parts (dq_split, split_parts), each
+# added into dq_tiles' fp32 buffer by TMA reduce-add as at D 64/128. Shared memory: K
+# 48 KiB, V 32, Q and dO rings of two 48 + 32, P and dS 16 each, a 16 KiB fp32 dQ
+# buffer a warpgroup (dK and dV leave through it): 226 of the 227 KiB. Matmul work is
+# 832 units per 832 useful, against the wide kernels' 1152 (dQ's kernel recomputes S
+# and dP). Deterministic calls keep the wide kernels (their dQ is added in one order).
+# H100, tools/ab.py, wide -> this kernel: S4096 364 -> 404, S16384 causal 366 -> 399,
+# S4096 causal 344 -> 345. Three warpgroups of 32 keys (96 a block, FA4's count; dP
+# beside S) had paid under a mask while the views' descriptors spilled, and lost once
+# they were made each step (PERFORMANCE.md, "Levers that did not pay").
 FUSED_SPLIT = True
-# Compute warpgroups a program: 2 of 64 keys, or 3 of 32 (96 keys, FA4's count), by
-# whether a mask bounds the keys (causal, windows) or not. Three take dP's wgmma beside
-# S's (their registers allow it) and finer blocks under a mask, two read less shared
-# memory a flop (wgmmas 64 keys wide). H100, tools/ab.py --rounds 4, two -> three:
-# causal S1024 215 -> 231 TFLOP/s, S4096 348 -> 363 (S16384 402 -> 400); unmasked S4096
-# 404 -> 371, S8192 419 -> 388.
-SPLIT_WARPGROUPS = {"masked": 3, "unmasked": 2}
-SPLIT_KEYS = {2: 64, 3: 32}
+SPLIT_WARPGROUPS = 2  # compute warpgroups a program
+SPLIT_KEYS = 64  # keys a warpgroup (a TMA box of K, V, dK and dV)
 # _bwd_split_kernel's shared-memory views (K, V, P and dS) made in each step, for
 # _kv_views' reason: sm_90 compiles spill 0 against 264 bytes under a causal mask, 36
 # against 376 without one. H100, `tools/ab.py --pass bwd`, medians, once a block -> each
@@ -1852,11 +1847,9 @@ SPLIT_HEADS_TOGETHER = 4
 
 
 @gluon.constexpr_function
-def split_parts(warpgroup, warpgroups):
+def split_parts(warpgroup):
     """dQ's 64-column parts (dq_split) warpgroup ``warpgroup`` of _bwd_split_kernel makes:
-    one each of three, or of two the first makes two (K's first buffer's columns)."""
-    if warpgroups == 3:
-        return (warpgroup,)
+    the first two (K's first buffer's columns), the second the third."""
     return (0, 1) if warpgroup == 0 else (2,)
 
 
@@ -1879,7 +1872,7 @@ def _bwd_split_compute_partition(
     BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, VIEWS_PER_STEP: gl.constexpr,
 ):  # fmt: skip
     """Warpgroup WG of _bwd_split_kernel: keys [start_n + WG * KEYS, + KEYS) against
-    every query tile. Per tile: S (and dP, with three warpgroups), P into shared memory,
+    every query tile. Per tile: S, P into shared memory, dP,
     dVᵀ += dOᵀ P, dS into shared memory and dKᵀ += Qᵀ dS from this warpgroup's keys
     (asynchronous wgmmas); once every warpgroup's dS is there, this warpgroup's parts
     of dQ (split_parts) over all the keys, each out by TMA reduce-add."""
@@ -1891,9 +1884,7 @@ def _bwd_split_compute_partition(
     dtype: gl.constexpr = k_smem.dtype
     QK_MAIN: gl.constexpr = HEAD_DIM_QK - QK_SPLIT  # Q's and K's columns in q_smem, k_smem
     PART: gl.constexpr = dq_split(HEAD_DIM_QK, BLOCK_M)[1]  # dQ's columns a part
-    PARTS: gl.constexpr = split_parts(WG, WARPGROUPS)
-    # With 32 keys a warpgroup dP's wgmma goes beside S's: its registers are free.
-    DP_EARLY: gl.constexpr = WARPGROUPS == 3
+    PARTS: gl.constexpr = split_parts(WG)
     # S, dP, dKᵀ and dVᵀ: KEYS wide; dQ's parts: PART wide
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KEYS, 16])
@@ -1928,13 +1919,7 @@ def _bwd_split_compute_partition(
         s_init = gl.zeros([BLOCK_M, KEYS], gl.float32, layout=s_layout)
         s = warpgroup_mma(q, k_own, s_init, use_acc=False, is_async=True)
         s = warpgroup_mma(q2, k2_own, s, is_async=True)
-        if DP_EARLY:
-            hopper.arrived(do_ready, i, STAGES)
-            do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_V])
-            dp = warpgroup_mma(do, v_own, s_init, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(1, deps=(s,))
-        else:
-            s = warpgroup_mma_wait(0, deps=(s,))
+        s = warpgroup_mma_wait(0, deps=(s,))
         lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(rows_layout)
         if (start_m < full_lo) | (start_m >= full_hi):
             # the keys made here, not held across the loop (KEYS / 4 registers a thread)
@@ -1946,18 +1931,16 @@ def _bwd_split_compute_partition(
             s = gl.where(mask, s, float("-inf"))
         p = gl.exp2(s * scale_log2 - lse2[:, None])
         # P to shared memory for dV (this warpgroup's last dV wgmma, its one reader, is
-        # done). With 64 keys a warpgroup P is kept for dS in fp16: dP's registers are
-        # not free beside it in fp32 (a P rounded to 11 bits, where dS is then rounded
-        # to the inputs' 8 or 11).
+        # done). P is kept for dS in fp16: dP's registers are not free beside it in fp32
+        # (a P rounded to 11 bits, where dS is then rounded to the inputs' 8 or 11).
         p_own.store(p.to(dtype))
-        if not DP_EARLY:
-            p = p.to(gl.float16)
+        p = p.to(gl.float16)
         fence_async_shared()
         gl.thread_barrier()
-        if not DP_EARLY:  # dP only now, in S's registers
-            hopper.arrived(do_ready, i, STAGES)
-            do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_V])
-            dp = warpgroup_mma(do, v_own, s_init, use_acc=False, is_async=True)
+        # dP only now, in S's registers
+        hopper.arrived(do_ready, i, STAGES)
+        do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_V])
+        dp = warpgroup_mma(do, v_own, s_init, use_acc=False, is_async=True)
         dvt = warpgroup_mma(do.permute((1, 0)), p_own, dvt, is_async=True)
         dp = warpgroup_mma_wait(1, deps=(dp,))
         delta = delta_smem.index(slot).reshape([BLOCK_M]).load(rows_layout)
@@ -2157,29 +2140,15 @@ def _bwd_split_kernel(
              k_smem, k2_smem, v_smem, q2_smem, lse_smem, delta_smem, kv_bar, q_ready,
              do_ready, q_empty, do_empty, b_tma, hk, q_start, k_start, stats_start, GROUP,
              start_n, lo, n_tiles)
-    if WARPGROUPS == 3:
-        gl.warp_specialize(
-            [(_bwd_split_compute_partition, (shared, 0, 3, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
-                                             BLOCK_M, KEYS, STAGES, IS_VARLEN,
-                                             BOUNDED_LEFT, BOUNDED_RIGHT, VIEWS_PER_STEP)),
-             (_bwd_split_compute_partition, (shared, 1, 3, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
-                                             BLOCK_M, KEYS, STAGES, IS_VARLEN,
-                                             BOUNDED_LEFT, BOUNDED_RIGHT, VIEWS_PER_STEP)),
-             (_bwd_split_compute_partition, (shared, 2, 3, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
-                                             BLOCK_M, KEYS, STAGES, IS_VARLEN,
-                                             BOUNDED_LEFT, BOUNDED_RIGHT, VIEWS_PER_STEP)),
-             (_bwd_split_load_partition, (loads, 3, BLOCK_M, STAGES))],
-            worker_num_warps=[4, 4, 1], worker_num_regs=[160, 160, 24])  # fmt: skip
-    else:
-        gl.warp_specialize(
-            [(_bwd_split_compute_partition, (shared, 0, 2, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
-                                             BLOCK_M, KEYS, STAGES, IS_VARLEN,
-                                             BOUNDED_LEFT, BOUNDED_RIGHT, VIEWS_PER_STEP)),
-             (_bwd_split_compute_partition, (shared, 1, 2, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
-                                             BLOCK_M, KEYS, STAGES, IS_VARLEN,
-                                             BOUNDED_LEFT, BOUNDED_RIGHT, VIEWS_PER_STEP)),
-             (_bwd_split_load_partition, (loads, 2, BLOCK_M, STAGES))],
-            worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
+    gl.warp_specialize(
+        [(_bwd_split_compute_partition, (shared, 0, WARPGROUPS, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
+                                         BLOCK_M, KEYS, STAGES, IS_VARLEN,
+                                         BOUNDED_LEFT, BOUNDED_RIGHT, VIEWS_PER_STEP)),
+         (_bwd_split_compute_partition, (shared, 1, WARPGROUPS, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
+                                         BLOCK_M, KEYS, STAGES, IS_VARLEN,
+                                         BOUNDED_LEFT, BOUNDED_RIGHT, VIEWS_PER_STEP)),
+         (_bwd_split_load_partition, (loads, WARPGROUPS, BLOCK_M, STAGES))],
+        worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
 
 # Below this many keys per query backward.py's kernels win: each program then has few
 # query tiles to spread its start-up (K and V loads, the partitions) and its dK/dV
@@ -2279,17 +2248,21 @@ SKIP_EMPTY_KEY_BLOCKS = True
 # starts per block: what a program's start and end cost weighs most where it has few
 # query tiles (short and causal rows, D=64's 128-row steps). Not where the order of the
 # blocks is not free (_plan).
-# K's and V's views made in each step of the D 64/128 kernel (_kv_views) at Dqk = Dv =
-# 128 (what was measured) where the call has a feature that holds registers across the
-# step (dropout, softcap, ALiBi, a bias): sm_90 compiles spill 48 against 304 bytes with
-# dropout, 72 against 284 with softcap, none against 40-100 with ALiBi or biases. H100,
-# `tools/ab.py --pass bwd --rounds 3`, medians, once a program -> each step: dropout 409
-# -> 446, causal 378 -> 406, the packed documents' 310 -> 336, softcap 475 -> 501, ALiBi
-# 527 -> 552, a key-padding row with its gradient 516 -> 536, (1, H, S, S) with its
-# gradient 284 -> 296, (B, H, S, S) 451 -> 450; but without a feature S16384 605 -> 576,
-# S4096 563 -> 550 (no spills to save, the descriptors' work in the step), and at D=64
-# S16384 529 -> 484, dropout 309 -> 306. "features": those calls; True / False: every
-# call, none (tools A/B them).
+# K's and V's views made in each step of the D 64/128 kernel (_kv_views) where their
+# hoisted descriptors spill: a feature that holds registers across the step (dropout,
+# softcap, ALiBi, a bias) beside a head dim of 128, or a key row at D=64. sm_90 compiles
+# (bytes of spills, once a program -> each step): D=128 dropout 304 -> 48, softcap 284
+# -> 72, ALiBi or biases 40-100 -> 0; 128/64 dropout 132 -> 8, 64/128 112 -> 4, a D=64
+# key row 220 -> 52. H100, `tools/ab.py --pass bwd --rounds 3`, medians, once a program
+# -> each step: D=128 dropout 409 -> 446, causal 378 -> 406, the packed documents' 310
+# -> 336, softcap 475 -> 501, ALiBi 527 -> 552, a key-padding row with its gradient 516
+# -> 536, (1, H, S, S) with its gradient 284 -> 296, (B, H, S, S) 451 -> 450; 64/128
+# dropout 365 -> 420, 128/64 dropout 384 -> 386, softcap 420 -> 431; a D=64 key row
+# with its gradient 439 -> 452, causal 376 -> 402. But without a feature D128 S16384
+# 605 -> 576, S4096 563 -> 550 (no spills to save, the descriptors' work in the step),
+# D64 S16384 529 -> 484 (causal 512 -> 507, the packed documents 403 -> 402), D64
+# dropout 309 -> 306. "features": those calls; True / False: every call, none (tools
+# A/B them).
 KV_VIEWS_PER_STEP = "features"
 PERSISTENT_BLOCKS = True
 # Under a mask (causal, windows) at D=128, a program per key block instead, the (batch,
@@ -2319,8 +2292,8 @@ def kv_views_per_step(spec: AttentionSpec, bias_row: bool) -> bool:
     """Whether the D 64/128 kernel makes K's and V's views in each step (KV_VIEWS_PER_STEP)."""
     if KV_VIEWS_PER_STEP != "features":
         return bool(KV_VIEWS_PER_STEP)
-    return spec.head_dim_qk == spec.head_dim_v == 128 and (
-        spec.dropout_p > 0 or spec.softcap > 0 or spec.has_alibi or spec.has_bias or bias_row)
+    feature = spec.dropout_p > 0 or spec.softcap > 0 or spec.has_alibi or spec.has_bias
+    return bias_row or (feature and 128 in (spec.head_dim_qk, spec.head_dim_v))
 
 
 def dq_buffers(spec: AttentionSpec, bias_tiles: bool, dbias_kind: str | None) -> int:
@@ -2820,23 +2793,22 @@ def _backward_split(spec: AttentionSpec, q, k, v, grad_out, cu_seqlens_q, cu_seq
         return
     split = how.constexprs["QK_SPLIT"]
     rows = how.constexprs["BLOCK_M"]
-    keys = SPLIT_KEYS[how.constexprs["WARPGROUPS"]]  # a warpgroup's, a TMA box of K, V, dK, dV
     k_strides, v_strides = dense_strides(dk, spec.varlen)[1:3], dense_strides(dv, spec.varlen)[1:3]
     dk_tma, dv_tma = dk, dv
     if spec.varlen:  # one batch of all tokens to TMA
         q, k, v, grad_out, dk_tma, dv_tma = (
             t.unsqueeze(0) for t in (q, k, v, grad_out, dk, dv))
     q_desc, q2_desc = _split_descriptors(q, rows, spec.head_dim_qk, split)
-    k_desc, k2_desc = _split_descriptors(k, keys, spec.head_dim_qk, split)
+    k_desc, k2_desc = _split_descriptors(k, SPLIT_KEYS, spec.head_dim_qk, split)
     part = dq_split(spec.head_dim_qk, rows)
     _launch_split(
         (how.programs,),
-        q_desc, k_desc, hopper.descriptor(v, keys, spec.head_dim_v),
+        q_desc, k_desc, hopper.descriptor(v, SPLIT_KEYS, spec.head_dim_v),
         hopper.descriptor(grad_out, rows, spec.head_dim_v),
         _dq_tiles_descriptor(dq, part[0] * part[1] // 256),
         _row_stats_descriptor(stats, stats.shape[-1] if spec.varlen else spec.seqlen_q),
-        q2_desc, k2_desc, *_split_descriptors(dk_tma, keys, spec.head_dim_qk, split),
-        hopper.descriptor(dv_tma, keys, spec.head_dim_v), dk, dv, cu_seqlens_q, cu_seqlens_k,
+        q2_desc, k2_desc, *_split_descriptors(dk_tma, SPLIT_KEYS, spec.head_dim_qk, split),
+        hopper.descriptor(dv_tma, SPLIT_KEYS, spec.head_dim_v), dk, dv, cu_seqlens_q, cu_seqlens_k,
         *k_strides, *v_strides, spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k, spec.batch,
         *how.counts,
         spec.scale, spec.window_left, spec.window_right,
@@ -2850,15 +2822,13 @@ def _plan_split(spec: AttentionSpec, tokens_k: int, device_index: int) -> hopper
     """_bwd_split_kernel's launch (hopper.Plan): a program per key block and key head
     (packed sequences: hopper.packed_items over their tokens_k keys; counts: key blocks
     per head)."""
-    masked = spec.window_left >= 0 or spec.window_right >= 0
-    warpgroups = SPLIT_WARPGROUPS["masked" if masked else "unmasked"]
-    block_n = warpgroups * SPLIT_KEYS[warpgroups]
+    block_n = SPLIT_WARPGROUPS * SPLIT_KEYS
     num_n = cdiv(spec.seqlen_k, block_n)
     return hopper.Plan(
         _key_block_items(spec, num_n, block_n, tokens_k if spec.varlen else None), (num_n,),
         dict(HEAD_DIM_QK=spec.head_dim_qk, HEAD_DIM_V=spec.head_dim_v,
              QK_SPLIT=hopper.qk_split(spec.head_dim_qk), BLOCK_M=BLOCK_M,
-             WARPGROUPS=warpgroups, STAGES=STAGES, IS_VARLEN=spec.varlen,
+             WARPGROUPS=SPLIT_WARPGROUPS, STAGES=STAGES, IS_VARLEN=spec.varlen,
              BOTTOM_RIGHT=spec.bottom_right,
              BOUNDED_LEFT=spec.window_left >= 0, BOUNDED_RIGHT=spec.window_right >= 0,
              HEADS_TOGETHER=SPLIT_HEADS_TOGETHER, VIEWS_PER_STEP=SPLIT_VIEWS_PER_STEP,
