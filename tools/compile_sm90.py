@@ -5,8 +5,13 @@ rules, layouts, register spills) before any device time is spent.
 
     python tools/compile_sm90.py [--all]    # one line per distinct kernel variant
                                             # (--all: every head dim and dtype, slow)
+    python tools/compile_sm90.py --pass backward [--variant NAME] [--masks none,causal]
+        # one Gluon pass alone (MEMATTN_HOPPER_DIMS, MEMATTN_HOPPER_FEATURES: see
+        # _compile_hopper), with tools/ab.py's knobs of that variant over the shipped ones:
+        # the spills a knob saves or costs, before any device time is spent
 """
 
+import argparse
 import hashlib
 import os
 import re
@@ -95,6 +100,14 @@ def _compile_through_run(self, grid, *args, **kwargs):
 
 
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--all", action="store_true", help="every head dim and dtype (slow)")
+    ap.add_argument("--pass", dest="which", choices=("forward", "backward"),
+                    help="that Gluon pass alone")
+    ap.add_argument("--variant", help="tools/ab.py's knobs of that name (with --pass)")
+    ap.add_argument("--masks", help=f"of {', '.join(MASK_NAMES)}, comma-separated "
+                                    "(with --pass; default: all)")
+    args = ap.parse_args()
     driver.set_active(_Sm90Driver())
     JITFunction.run = _compile_only
     from memattn.kernels import hopper
@@ -105,8 +118,10 @@ def main():
 
     ops.require_runnable = lambda device: None  # CPU tensors stand in for CUDA ones
 
+    if args.which:
+        return compile_one_pass(args.which, args.variant, args.masks)
     failures = 0
-    quick = "--all" not in sys.argv
+    quick = not args.all
     dims = (128,) if quick else (64, 128, 256)
     cases = [check.gpu_sized(c, tokens=256, head_dim=d) for c in check.FEATURE_CASES
              for d in dims]
@@ -135,6 +150,32 @@ def main():
 
 HOPPER_MASKS = ({}, dict(causal=True), dict(causal=True, align="bottom_right"),
                 dict(window=(300, 7)))
+MASK_NAMES = ("none", "causal", "bottom_right", "window")  # HOPPER_MASKS' in order
+
+
+def compile_one_pass(which, variant, masks) -> int:
+    """--pass: the Gluon forward's or backward's variants alone, with tools/ab.py's knobs
+    of ``variant`` over the shipped ones, under the masks named (all if None)."""
+    global HOPPER_MASKS
+    if variant is not None:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import ab  # tools/ab.py: its knobs (imported here, after the stand-in driver)
+
+        if variant not in ab.VARIANTS or ab.VARIANTS[variant] is None:
+            print(f"--variant: one of tools/ab.py's Gluon variants, not {variant!r}")
+            return 2
+        ab.use(ab.VARIANTS[variant])
+    if masks is not None:
+        names = masks.split(",")
+        if unknown := set(names) - set(MASK_NAMES):
+            print(f"--masks: of {', '.join(MASK_NAMES)}, not {', '.join(sorted(unknown))}")
+            return 2
+        HOPPER_MASKS = tuple(m for m, name in zip(HOPPER_MASKS, MASK_NAMES) if name in names)
+    compile_pass = compile_hopper_forward if which == "forward" else compile_hopper_backward
+    failures = compile_pass()
+    failures += sum(k.metadata.shared > H100_SHARED_BYTES for k in compiled.values())
+    print(f"{len(compiled)} kernel variants compiled, {failures} failures")
+    return 1 if failures else 0
 
 
 def compile_hopper_forward() -> int:
