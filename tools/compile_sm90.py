@@ -143,6 +143,12 @@ def main():
                 print(f"FAIL {case.name} {dtype}: {type(e).__name__}: {str(e)[:2000]}")
     failures += compile_hopper_forward()
     failures += compile_hopper_backward()
+    return summary(failures)
+
+
+def summary(failures: int) -> int:
+    """The closing line (kernels over the H100's shared memory count as failures) and
+    the exit status."""
     failures += sum(k.metadata.shared > H100_SHARED_BYTES for k in compiled.values())
     print(f"{len(compiled)} kernel variants compiled, {failures} failures")
     return 1 if failures else 0
@@ -156,7 +162,6 @@ MASK_NAMES = ("none", "causal", "bottom_right", "window")  # HOPPER_MASKS' in or
 def compile_one_pass(which, variant, masks) -> int:
     """--pass: the Gluon forward's or backward's variants alone, with tools/ab.py's knobs
     of ``variant`` over the shipped ones, under the masks named (all if None)."""
-    global HOPPER_MASKS
     if variant is not None:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import ab  # tools/ab.py: its knobs (imported here, after the stand-in driver)
@@ -165,20 +170,16 @@ def compile_one_pass(which, variant, masks) -> int:
             print(f"--variant: one of tools/ab.py's Gluon variants, not {variant!r}")
             return 2
         ab.use(ab.VARIANTS[variant])
-    if masks is not None:
-        names = masks.split(",")
-        if unknown := set(names) - set(MASK_NAMES):
-            print(f"--masks: of {', '.join(MASK_NAMES)}, not {', '.join(sorted(unknown))}")
-            return 2
-        HOPPER_MASKS = tuple(m for m, name in zip(HOPPER_MASKS, MASK_NAMES) if name in names)
+    names = MASK_NAMES if masks is None else masks.split(",")
+    if unknown := set(names) - set(MASK_NAMES):
+        print(f"--masks: of {', '.join(MASK_NAMES)}, not {', '.join(sorted(unknown))}")
+        return 2
+    chosen = tuple(m for m, name in zip(HOPPER_MASKS, MASK_NAMES) if name in names)
     compile_pass = compile_hopper_forward if which == "forward" else compile_hopper_backward
-    failures = compile_pass()
-    failures += sum(k.metadata.shared > H100_SHARED_BYTES for k in compiled.values())
-    print(f"{len(compiled)} kernel variants compiled, {failures} failures")
-    return 1 if failures else 0
+    return summary(compile_pass(chosen))
 
 
-def compile_hopper_forward() -> int:
+def compile_hopper_forward(masks=HOPPER_MASKS) -> int:
     """The Gluon forward (kernels/forward_sm90.py), which the cases above never reach
     on CPU tensors: every head dim and mask variant it takes."""
     from memattn.kernels import dispatch, forward_sm90
@@ -193,10 +194,10 @@ def compile_hopper_forward() -> int:
         out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
         forward_sm90.forward(spec, q, k, v, bias, alibi, rng, *cu_seqlens, out, lse)
 
-    return _compile_hopper("forward_sm90", launch)
+    return _compile_hopper("forward_sm90", launch, masks)
 
 
-def compile_hopper_backward() -> int:
+def compile_hopper_backward(masks=HOPPER_MASKS) -> int:
     """The Gluon backward (kernels/backward_sm90.py): every head dim and mask variant."""
     from memattn.kernels import backward_sm90, dispatch, hopper
 
@@ -226,15 +227,16 @@ def compile_hopper_backward() -> int:
         backward_sm90.backward(spec, q, k, v, grad_out, bias, alibi, rng, *cu_seqlens, stats,
                                dq, torch.empty_like(k), torch.empty_like(v), dbias)  # fmt: skip
 
-    return _compile_hopper("backward_sm90", launch)
+    return _compile_hopper("backward_sm90", launch, masks)
 
 
-def _compile_hopper(name, launch) -> int:
+def _compile_hopper(name, launch, masks) -> int:
     """Calls launch(spec, q, k, v, bias, alibi_slopes, cu_seqlens, dbias) for D 64, 128
     and 256 (and Dqk/Dv pairs: MEMATTN_HOPPER_DIMS=192/128,128/64), every mask of
-    HOPPER_MASKS, no bias, a full one, one broadcast over the batch (sumbias: its
-    gradient summed), a key-padding row (B, 1, 1, Sk), the full one and the row without
-    their gradients (bias_read, rowbias_read: dbias False), dropout, ALiBi, softcap,
+    ``masks`` (HOPPER_MASKS' options), no bias, a full one, one broadcast over the batch
+    (sumbias: its gradient summed), a key-padding row (B, 1, 1, Sk), the full one and
+    the row without their gradients (bias_read, rowbias_read: dbias False), dropout,
+    ALiBi, softcap,
     packed sequences (varlen: 2100 and 704 tokens, cu_seqlens given; varlen_bias with a
     full bias, varlen_addbias with a plane per head the sequences share (its gradient
     added in bf16), varlen_sumbias with one plane for all, varlen_all with a key row,
@@ -254,7 +256,7 @@ def _compile_hopper(name, launch) -> int:
             for d in os.environ.get("MEMATTN_HOPPER_DIMS", "64,128,256").split(",")]
     failures = 0
     for d, dv in dims:
-        for options in HOPPER_MASKS:
+        for options in masks:
             for feature in features:
                 label = feature
                 read = feature.endswith("_read")  # the bias without its gradient
