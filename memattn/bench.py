@@ -23,11 +23,13 @@ feature names follow the peer measurements in ``shared/peers-*.json``:
   only, without autograd (inference), rated in GB/s of K and V read once.
 
 Inputs are fresh ``torch.randn`` in bfloat16, made once per row and shared by every
-implementation. Each implementation is warmed up once (forward and backward: the first
-call compiles), then timed with ``triton.testing.do_bench`` medians: the forward with
-autograd recording (the training forward, whose output the backward uses), the backward
-as ``out.backward(grad, retain_graph=True)``. ``--rounds N`` times a row's
-implementations N times in turn, the order rotated, and keeps each one's median.
+implementation. On each row every implementation first runs once (forward and backward:
+the first call compiles and loads), then the row's work keeps the GPU busy for SETTLE_S
+(the clock settles where sustained work leaves it), then each is timed with
+``triton.testing.do_bench`` medians: the forward with autograd recording (the training
+forward, whose output the backward uses), the backward as ``out.backward(grad,
+retain_graph=True)``. ``--rounds N`` times a row's implementations N times in turn, in
+round_order's balanced orders, and keeps each one's median.
 
 TFLOP/s count 4*B*H*Sq*Sk*D for the forward (2*B*H*Sq*Sk*(Dqk + Dv) when they differ),
 halved for causal as the peers count it; sliding-window and varlen rows count their
@@ -523,6 +525,66 @@ def _reason(e: BaseException, caught: list) -> str:
 FORWARD_ONLY = "skipped: decode rows time the forward only (inference)"
 
 
+# A GPU at its power cap (the long rows: ~700 W on an H100) runs a kernel at the clock
+# the last second or so leaves it. After an idle spell (a row's inputs made, a peer
+# compiling its first call) the board's power control lets the clock run high, then
+# holds it below its sustained value for a while: on an H100, D128_S16384, memattn's
+# backward took 9.1-9.2 ms timed 0-0.35 s or 1.1-2.5 s into a burst that followed 3 s of
+# idling, and 10.4-10.7 ms (at 1430-1510 against 1550-1660 MHz) timed 0.7-1.05 s into
+# it, three times in three. In the rounds as first run (each implementation's first
+# call just before its timing) whichever implementation the dip met lost 10-18 % (the
+# D128_S16384 rows: memattn 0.92-0.99x FA4 in one round, 0.83-0.87 in the other, in
+# three full runs). So each row's first calls come before any timing, and then the
+# row's work runs this long, so that every implementation is timed at the clock that
+# sustained work settles at, with no idle spell in between.
+SETTLE_S = 1.5
+
+
+def first_call(run: Callable[[], torch.Tensor], leaves: list[torch.Tensor],
+               backward: bool = True) -> float | None:  # fmt: skip
+    """Seconds of ``run``'s first forward and (``backward``) backward, compiles and loads
+    included; None where it fails (measure then records why)."""
+    start = time.perf_counter()
+    try:
+        out = run()
+        if backward:
+            out.backward(torch.randn_like(out))
+        _sync()
+    except Exception:  # noqa: BLE001 - measure records the reason
+        return None
+    finally:
+        for x in leaves:
+            x.grad = None
+    return time.perf_counter() - start
+
+
+def keep_busy(run: Callable[[], torch.Tensor], leaves: list[torch.Tensor], seconds: float,
+              backward: bool = True) -> None:  # fmt: skip
+    """``run``'s forward and (``backward``) backward again and again for ``seconds``: the
+    row's work before its timing (SETTLE_S)."""
+    end = time.perf_counter() + seconds
+    grad = None
+    while time.perf_counter() < end:
+        out = run()
+        if backward:
+            grad = torch.randn_like(out) if grad is None else grad
+            out.backward(grad)
+            for x in leaves:
+                x.grad = None
+        _sync()
+
+
+def round_order(impls: list[str], k: int) -> list[str]:
+    """The order of round k (0-based) of a row's implementations: turned by one every
+    two rounds, and every second round reversed, so that within each pair of rounds
+    every implementation's mean position is the same (a clock that drifts steadily
+    through a row favours none; turned by one each round, the first of four was timed
+    first and last, its peers second and fifth, third and sixth, fourth and seventh)."""
+    turn = (k // 2) % len(impls)
+    order = impls[turn:] + impls[:turn]
+    return order[::-1] if k % 2 else order
+
+
 def measure(run: Callable[[], torch.Tensor], leaves: list[torch.Tensor],
             backward: bool = True) -> Timing:  # fmt: skip
     """The timing function: warm up once (the first call compiles), then the medians of
@@ -638,10 +700,11 @@ def collect(
     rounds: int = 1,
 ) -> list[Result]:
     """Time every (row, implementation); ``on_row`` gets the results so far after each row.
-    ``rounds``: each row's implementations timed that many times in turn, the order
-    rotated each round (none always first after the row's inputs are made, nor always
-    after the same peer), and each kept as the median of its rounds (median_timing):
-    a device's clock drifts within a row, so one pass puts that drift into the ratios."""
+    Per row: every implementation's first call, SETTLE_S of the row's work (the first
+    implementation's that ran), then the timing. ``rounds``: each row's implementations
+    timed that many times in turn (round_order), each kept as the median of its rounds
+    (median_timing): a device's clock drifts within a row, so one pass puts that drift
+    into the ratios."""
     results: list[Result] = []
     task = progress.add_task("", total=len(rows) * len(impls) * rounds) if progress else None
     for row in rows:
@@ -651,21 +714,56 @@ def collect(
             t = make_inputs(row, device)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: recorded per impl
             input_error = _reason(e, [])
+        first = settle(row, impls, t, quick, progress, task)
         timings: dict[str, list[Timing]] = {impl: [] for impl in impls}
         for k in range(rounds):
-            turn = k % len(impls)
-            for impl in impls[turn:] + impls[:turn]:
+            for impl in round_order(impls, k):
                 if progress is not None:
                     progress.update(task, description=f"{row.name:<22} {impl:<15}")
                 timings[impl].append(bench_one(row, impl, t, quick, input_error).timing)
                 if progress is not None:
                     progress.advance(task)
-        results.extend(Result(row, impl, median_timing(timings[impl])) for impl in impls)
+        for impl in impls:
+            timing = median_timing(timings[impl])
+            if first.get(impl) is not None:
+                timing.first_call_s = first[impl]
+            results.append(Result(row, impl, timing))
         del t
         _free()
         if on_row is not None:
             on_row(results)
     return results
+
+
+def settle(row: Row, impls: list[str], t: Inputs | None, quick: bool, progress=None,
+           task=None) -> dict[str, float | None]:  # fmt: skip
+    """Before a row's timing: each implementation's first call (first_call; seconds, None
+    where it failed), then the first one's that ran, again for SETTLE_S (keep_busy).
+    Nothing here is timed but the first calls."""
+    first: dict[str, float | None] = {}
+    if t is None:
+        return first
+    for impl in impls:
+        if unsupported(impl, row) or skipped(impl, row, quick):
+            continue
+        if progress is not None:
+            progress.update(task, description=f"{row.name:<22} {impl:<15} first call")
+        try:
+            first[impl] = first_call(functools.partial(IMPLS[impl], row, t), t.leaves,
+                                     not row.decode)  # fmt: skip
+        finally:
+            t.memo.clear()
+    busy = next((impl for impl, s in first.items() if s is not None), None)
+    if busy is not None and SETTLE_S > 0:
+        try:
+            keep_busy(functools.partial(IMPLS[busy], row, t), t.leaves, SETTLE_S,
+                      not row.decode)  # fmt: skip
+        except Exception:  # noqa: BLE001 - e.g. out of memory: the timing records its own
+            pass
+        finally:
+            t.memo.clear()
+            _free(collect=False)
+    return first
 
 
 def warm_caches(job: tuple[Row, list[str], bool, str]) -> str:

@@ -7,6 +7,7 @@ import io
 import json
 import subprocess
 import sys
+import time
 import warnings
 from dataclasses import replace
 
@@ -318,6 +319,40 @@ def test_measure_times_forward_and_backward(fake_do_bench):
     assert t.first_call_s >= 0 and x.grad is None
 
 
+def test_first_call_times_a_forward_and_backward_and_keep_busy_repeats_them():
+    x = torch.randn(4, 4, requires_grad=True)
+    calls = []
+
+    def run():
+        calls.append(1)
+        return (x * 2).sum(-1)
+
+    seconds = bench.first_call(run, [x])
+    assert seconds is not None and seconds >= 0 and x.grad is None and len(calls) == 1
+    assert bench.first_call(run, [x], backward=False) >= 0 and len(calls) == 2
+    start = time.perf_counter()
+    bench.keep_busy(run, [x], 0.05)
+    assert time.perf_counter() - start >= 0.05 and len(calls) > 3 and x.grad is None
+
+    def fails():
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    assert bench.first_call(fails, [x]) is None
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+def test_round_order_gives_everyone_the_same_mean_position_over_each_pair(n):
+    impls = [f"impl{i}" for i in range(n)]
+    for pair in range(2 * n):
+        orders = [bench.round_order(impls, 2 * pair + k) for k in (0, 1)]
+        assert all(sorted(o) == impls for o in orders)
+        assert {o[0] for o in orders} <= set(impls)
+        sums = {i: sum(o.index(i) for o in orders) for i in impls}
+        assert set(sums.values()) == {n - 1}, sums
+    firsts = {bench.round_order(impls, 2 * pair)[0] for pair in range(n)}
+    assert firsts == set(impls)  # turned: each one leads a pair in turn
+
+
 def test_measure_records_failures_per_pass(fake_do_bench):
     def no_kernel():
         warnings.warn("Flash attention does not support non-null attn_mask.", stacklevel=1)
@@ -382,13 +417,28 @@ def fake_run(tmp_path_factory):
     return results, json.loads((tmp / "b.json").read_text()), console.export_text(), tmp
 
 
-def _run_faked(args, rows, impls, console, measure=_fake_measure):
+def _run_faked(args, rows, impls, console, measure=_fake_measure, settled=None):
     """bench.run on "meta" tensors (the real inputs' shapes, no memory) with fake
-    implementations that return who they are, timed by ``measure``."""
+    implementations that return who they are, timed by ``measure``; their first calls
+    take 0.5 s each, and ``settled`` collects (row, impl, what) as settle runs them
+    ("first" calls, then "busy" for the seconds asked)."""
+    settled = [] if settled is None else settled
+
+    def first_call(run, leaves, backward=True):
+        impl, row = run()
+        settled.append((row.name, impl, "first"))
+        return 0.5
+
+    def keep_busy(run, leaves, seconds, backward=True):
+        impl, row = run()
+        settled.append((row.name, impl, "busy", seconds))
+
     with pytest.MonkeyPatch.context() as mp:
         for name in bench.IMPLS:
             mp.setitem(bench.IMPLS, name, lambda row, t, name=name: (name, row))
         mp.setattr(bench, "measure", measure)
+        mp.setattr(bench, "first_call", first_call)
+        mp.setattr(bench, "keep_busy", keep_busy)
         mp.setattr(bench, "_free", lambda collect=True: None)  # gc.collect: slow, and moot
         return bench.run(args, rows, impls, "meta", console)
 
@@ -426,9 +476,10 @@ def test_json_has_every_row_with_times_and_errors(fake_run):
 
 
 def _fake_bench(tmp_path, rows, impls, resume, measured, env=None, rounds=1,
-                timings=_fake_measure):  # fmt: skip
+                timings=_fake_measure, settled=None):  # fmt: skip
     """_run_faked without a plot; ``measured`` collects the (row, impl) pairs it times,
-    ``env`` stands for the device's environment, ``timings`` for each call's Timing."""
+    ``env`` stands for the device's environment, ``timings`` for each call's Timing,
+    ``settled`` as _run_faked's."""
     args = argparse.Namespace(quick=False, json=str(tmp_path / "r.json"), plot=None, rows=None,
                               impls=None, compile_workers=0, resume=resume,
                               rounds=rounds)  # fmt: skip
@@ -442,7 +493,8 @@ def _fake_bench(tmp_path, rows, impls, resume, measured, env=None, rounds=1,
         mp.setattr(bench, "plot", lambda *a: None)
         if env is not None:
             mp.setattr(bench, "environment", lambda device: env)
-        return _run_faked(args, rows, impls, Console(file=io.StringIO(), width=250), measure)
+        return _run_faked(args, rows, impls, Console(file=io.StringIO(), width=250), measure,
+                          settled)
 
 
 def test_resume_keeps_the_rows_the_json_has_and_runs_the_rest(tmp_path):
@@ -474,11 +526,13 @@ def test_resume_keeps_the_rows_the_json_has_and_runs_the_rest(tmp_path):
                                                              device="another"))  # fmt: skip
 
 
-def test_rounds_rotate_the_order_and_keep_each_ones_median(tmp_path):
-    """--rounds 3: each row's implementations timed three times in turn, the order
-    rotated each round, each kept as the median of its rounds (every round's time in
-    the JSON beside it); a pass no round ran keeps the first round's error; --resume
-    refuses a file of another --rounds."""
+def test_rounds_balance_the_order_and_keep_each_ones_median(tmp_path):
+    """--rounds 3: each row's implementations timed three times in turn (round_order:
+    reversed every second round, turned every two), after every implementation's first
+    call and SETTLE_S of the first one's work; each kept as the median of its rounds
+    (every round's time in the JSON beside it), with its first call's time; a pass no
+    round ran keeps the first round's error; --resume refuses a file of another
+    --rounds."""
     rows = [r for r in bench.select_rows(True) if r.name in ("D128_S4096", "bias_grad")]
     impls = ["memattn", "flex", "sdpa_cudnn"]
     calls: dict[str, int] = {}
@@ -492,15 +546,19 @@ def test_rounds_rotate_the_order_and_keep_each_ones_median(tmp_path):
             return bench.Timing(fwd_ms=fwd, bwd_error="OutOfMemoryError: CUDA out of memory")
         return bench.Timing(fwd_ms=fwd, bwd_ms=2 * fwd, first_call_s=0.1 * (k + 1))
 
-    measured = []
-    results = _fake_bench(tmp_path, rows, impls, False, measured, rounds=3, timings=timings)
+    measured, settled = [], []
+    results = _fake_bench(tmp_path, rows, impls, False, measured, rounds=3, timings=timings,
+                          settled=settled)  # fmt: skip
     first_row = [impl for name, impl in measured if name == rows[0].name]
-    assert first_row == ["memattn", "flex", "sdpa_cudnn", "flex", "sdpa_cudnn", "memattn",
-                         "sdpa_cudnn", "memattn", "flex"]  # fmt: skip
+    assert first_row == ["memattn", "flex", "sdpa_cudnn", "sdpa_cudnn", "flex", "memattn",
+                         "flex", "sdpa_cudnn", "memattn"]  # fmt: skip
+    assert settled[:4] == [("D128_S4096", "memattn", "first"), ("D128_S4096", "flex", "first"),
+                           ("D128_S4096", "sdpa_cudnn", "first"),
+                           ("D128_S4096", "memattn", "busy", bench.SETTLE_S)]  # fmt: skip
     got = {(r.row.name, r.impl): r.timing for r in results}
     assert len(results) == len(rows) * len(impls)
     mine = got["D128_S4096", "memattn"]
-    assert (mine.fwd_ms, mine.bwd_ms, mine.first_call_s) == (2.0, 4.0, pytest.approx(0.1))
+    assert (mine.fwd_ms, mine.bwd_ms, mine.first_call_s) == (2.0, 4.0, 0.5)
     assert mine.fwd_rounds_ms == [3.0, 1.0, 2.0] and mine.bwd_rounds_ms == [6.0, 2.0, 4.0]
     cudnn = got["bias_grad", "sdpa_cudnn"]
     assert cudnn.fwd_ms == 1.2 and cudnn.bwd_ms is None and cudnn.bwd_rounds_ms is None
