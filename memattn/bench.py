@@ -26,10 +26,11 @@ Inputs are fresh ``torch.randn`` in bfloat16, made once per row and shared by ev
 implementation. On each row every implementation first runs once (forward and backward:
 the first call compiles and loads), then the row's work keeps the GPU busy for SETTLE_S
 (the clock settles where sustained work leaves it), then each is timed with
-``triton.testing.do_bench`` medians: the forward with autograd recording (the training
-forward, whose output the backward uses), the backward as ``out.backward(grad,
-retain_graph=True)``. ``--rounds N`` times a row's implementations N times in turn, in
-round_order's balanced orders, and keeps each one's median.
+``triton.testing.do_bench`` medians over TIMING_REP_MS: the forward with autograd
+recording (the training forward, whose output the backward uses), the backward as
+``out.backward(grad, retain_graph=True)``. ``--rounds N`` times a row's
+implementations N times in turn, in round_order's balanced orders, and keeps each one's
+median.
 
 TFLOP/s count 4*B*H*Sq*Sk*D for the forward (2*B*H*Sq*Sk*(Dqk + Dv) when they differ),
 halved for causal as the peers count it; sliding-window and varlen rows count their
@@ -538,6 +539,12 @@ FORWARD_ONLY = "skipped: decode rows time the forward only (inference)"
 # row's work runs this long, so that every implementation is timed at the clock that
 # sustained work settles at, with no idle spell in between.
 SETTLE_S = 1.5
+# Settled, the clock still swings, about once a second: memattn's D128_S16384 backward
+# in a loop (H100) took 9.5-9.7 ms, then 10.0-10.7, in turn, a quarter of a second each,
+# the swing narrowing over five seconds. do_bench's default 100 ms window caught one
+# part of a swing or another (the ratios of the two rounds of one run differed by
+# 9-16 % at the long rows); 400 ms a round, two rounds, take in most of one.
+TIMING_REP_MS = 400
 
 
 def first_call(run: Callable[[], torch.Tensor], leaves: list[torch.Tensor],
@@ -600,7 +607,7 @@ def measure(run: Callable[[], torch.Tensor], leaves: list[torch.Tensor],
             out = run()
             _sync()
             timing.first_call_s = time.perf_counter() - start
-            timing.fwd_ms = do_bench(run, return_mode="median")
+            timing.fwd_ms = do_bench(run, rep=TIMING_REP_MS, return_mode="median")
         except Exception as e:  # noqa: BLE001 - recorded: a peer may not run a row
             timing.fwd_error = _reason(e, caught)
             timing.bwd_error = timing.fwd_error  # no forward, no backward
@@ -615,7 +622,8 @@ def measure(run: Callable[[], torch.Tensor], leaves: list[torch.Tensor],
             _sync()
             timing.first_call_s += time.perf_counter() - start
             timing.bwd_ms = do_bench(lambda: out.backward(grad, retain_graph=True),
-                                     grad_to_none=leaves, return_mode="median")  # fmt: skip
+                                     rep=TIMING_REP_MS, grad_to_none=leaves,
+                                     return_mode="median")  # fmt: skip
         except Exception as e:  # noqa: BLE001
             timing.bwd_error = _reason(e, caught)
         finally:
