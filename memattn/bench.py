@@ -482,13 +482,17 @@ def skipped(impl: str, row: Row, quick: bool) -> str | None:
 
 def select_impls(names: str | None = None) -> list[str]:
     """The implementations named (comma-separated), or by default every one that runs
-    here (FA4 where it imports)."""
+    here (FA4 where it imports). FA4 named where it does not import is an error, not a
+    run of empty columns."""
     if not names:
         return [n for n in IMPLS if n != "fa4" or fa4_installed()]
     chosen = [n.strip() for n in names.split(",") if n.strip()]
     unknown = [n for n in chosen if n not in IMPLS]
     if unknown or not chosen:
         raise ValueError(f"--impls: unknown {unknown}; choose from {', '.join(IMPLS)}")
+    if "fa4" in chosen and not fa4_installed():
+        raise ValueError("--impls: fa4 asked for, but flash_attn.cute does not import here "
+                         "(pip install flash-attn-4)")  # fmt: skip
     return [n for n in IMPLS if n in chosen]
 
 

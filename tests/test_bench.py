@@ -249,7 +249,7 @@ def test_unsupported_features_are_declared():
 
 def test_fa4_is_a_peer_where_it_imports(monkeypatch):
     """FA4 runs every row but those with a bias, dropout or ALiBi; where it does not
-    import, no run lists it by default and a row says why."""
+    import, no run lists it by default, a row says why, and naming it is an error."""
     rows = {r.name: r for r in bench.all_rows()}
     monkeypatch.setattr(bench, "fa4_installed", lambda: True)
     assert "fa4" in bench.select_impls(None)
@@ -259,9 +259,18 @@ def test_fa4_is_a_peer_where_it_imports(monkeypatch):
             assert reason.startswith("unsupported: FlashAttention-4 has no"), name
         else:
             assert reason is None, name
+    assert bench.select_impls("fa4,memattn") == ["memattn", "fa4"]
     monkeypatch.setattr(bench, "fa4_installed", lambda: False)
     assert "fa4" not in bench.select_impls(None)
     assert "does not import" in bench.unsupported("fa4", rows["D128_S4096"])
+    with pytest.raises(ValueError, match="fa4 asked for, but flash_attn.cute does not import"):
+        bench.select_impls("memattn,fa4")  # a run of empty columns otherwise
+
+
+def test_bench_refuses_fa4_where_it_does_not_import(monkeypatch, capsys):
+    monkeypatch.setattr(bench, "fa4_installed", lambda: False)
+    assert cli.main(["bench", "--impls", "memattn,fa4", "--rows", "D128_S4096"]) == 2
+    assert "fa4 asked for" in capsys.readouterr().err
 
 
 @pytest.mark.gpu
