@@ -559,7 +559,9 @@ def first_call(run: Callable[[], torch.Tensor], leaves: list[torch.Tensor],
     try:
         out = run()
         if backward:
-            out.backward(torch.randn_like(out))
+            # retain_graph as measure() runs it: AOTAutograd compiles flex's backward
+            # with donated buffers otherwise, and the cached graph then refuses it.
+            out.backward(torch.randn_like(out), retain_graph=True)
         _sync()
     except Exception:  # noqa: BLE001 - measure records the reason
         return None
@@ -579,7 +581,7 @@ def keep_busy(run: Callable[[], torch.Tensor], leaves: list[torch.Tensor], secon
         out = run()
         if backward:
             grad = torch.randn_like(out) if grad is None else grad
-            out.backward(grad)
+            out.backward(grad, retain_graph=True)  # as measure() runs it (first_call)
             for x in leaves:
                 x.grad = None
         _sync()
@@ -749,22 +751,12 @@ def collect(
 
 def settle(row: Row, impls: list[str], t: Inputs | None, quick: bool, progress=None,
            task=None) -> dict[str, float | None]:  # fmt: skip
-    """Before a row's timing: each implementation's first call (first_call; seconds, None
-    where it failed), then the first one's that ran, again for SETTLE_S (keep_busy).
-    Nothing here is timed but the first calls."""
-    first: dict[str, float | None] = {}
+    """Before a row's timing: each implementation's first call (first_calls), then the
+    first one's that ran, again for SETTLE_S (keep_busy). Nothing here is timed but the
+    first calls."""
     if t is None:
-        return first
-    for impl in impls:
-        if unsupported(impl, row) or skipped(impl, row, quick):
-            continue
-        if progress is not None:
-            progress.update(task, description=f"{row.name:<22} {impl:<15} first call")
-        try:
-            first[impl] = first_call(functools.partial(IMPLS[impl], row, t), t.leaves,
-                                     not row.decode)  # fmt: skip
-        finally:
-            t.memo.clear()
+        return {}
+    first = first_calls(row, impls, t, quick, progress, task)
     busy = next((impl for impl, s in first.items() if s is not None), None)
     if busy is not None and SETTLE_S > 0:
         try:
@@ -775,6 +767,24 @@ def settle(row: Row, impls: list[str], t: Inputs | None, quick: bool, progress=N
         finally:
             t.memo.clear()
             _free(collect=False)
+    return first
+
+
+def first_calls(row: Row, impls: list[str], t: Inputs, quick: bool, progress=None,
+                task=None) -> dict[str, float | None]:  # fmt: skip
+    """first_call of each implementation that runs the row: seconds, None where it
+    failed."""
+    first: dict[str, float | None] = {}
+    for impl in impls:
+        if unsupported(impl, row) or skipped(impl, row, quick):
+            continue
+        if progress is not None:
+            progress.update(task, description=f"{row.name:<22} {impl:<15} first call")
+        try:
+            first[impl] = first_call(functools.partial(IMPLS[impl], row, t), t.leaves,
+                                     not row.decode)  # fmt: skip
+        finally:
+            t.memo.clear()
     return first
 
 
@@ -789,18 +799,7 @@ def warm_caches(job: tuple[Row, list[str], bool, str]) -> str:
         t = make_inputs(row, device)
     except Exception:  # noqa: BLE001 - the timing process records the reason
         return row.name
-    for impl in impls:
-        if unsupported(impl, row) or skipped(impl, row, quick):
-            continue
-        try:
-            out = IMPLS[impl](row, t)
-            # retain_graph as measure() runs it: AOTAutograd compiles flex's backward
-            # with donated buffers otherwise, and the cached graph then refuses it.
-            if not row.decode:
-                out.backward(torch.randn_like(out), retain_graph=True)
-        except Exception:  # noqa: BLE001 - as above
-            pass
-        t.memo.clear()
+    first_calls(row, impls, t, quick)
     return row.name
 
 
