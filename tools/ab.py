@@ -256,12 +256,19 @@ def main():
 
 
 def _rounds(args, shape, names, calls, flops) -> None:
-    """Each variant timed args.rounds times, in turn, the first of each round rotating."""
+    """Each variant timed args.rounds times, in turn, the first of each round rotating,
+    as the bench times a row: after SETTLE_S of the first variant's work (the board's
+    power control runs the clock high after an idle spell), over TIMING_REP_MS."""
     speeds = {name: [] for name in names}
+    use(VARIANTS[names[0]])
+    end = time.perf_counter() + bench.SETTLE_S
+    while time.perf_counter() < end:
+        calls[names[0]]()
+        torch.cuda.synchronize()
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             use(VARIANTS[name])
-            speeds[name].append(flops / do_bench(calls[name]) / 1e9)
+            speeds[name].append(flops / do_bench(calls[name], rep=bench.TIMING_REP_MS) / 1e9)
     for name in names:
         runs = sorted(speeds[name])
         print(f"{args.which}: {shape:12s} {name:10s} median of {args.rounds}: "
