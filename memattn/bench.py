@@ -505,7 +505,8 @@ class Timing:
     bwd_ms: float | None = None
     fwd_error: str | None = None
     bwd_error: str | None = None
-    first_call_s: float | None = None  # warm-up forward + backward: compiles included
+    # the row's first forward + backward (settle's first_call): compiles included
+    first_call_s: float | None = None
     # With --rounds N > 1: each round's median (the rounds that ran), fwd_ms / bwd_ms
     # their median (median_timing)
     fwd_rounds_ms: list[float] | None = None
@@ -600,19 +601,17 @@ def round_order(impls: list[str], k: int) -> list[str]:
 
 def measure(run: Callable[[], torch.Tensor], leaves: list[torch.Tensor],
             backward: bool = True) -> Timing:  # fmt: skip
-    """The timing function: warm up once (the first call compiles), then the medians of
-    do_bench for the forward and (``backward``) for the backward. Errors come back per
-    pass, not raised."""
+    """The timing function: one call of each pass (the backward needs its output), then
+    the medians of do_bench for the forward and (``backward``) for the backward. Errors
+    come back per pass, not raised. The first call's time is settle's."""
     from triton.testing import do_bench
 
     timing = Timing()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            start = time.perf_counter()
             out = run()
             _sync()
-            timing.first_call_s = time.perf_counter() - start
             timing.fwd_ms = do_bench(run, rep=TIMING_REP_MS, return_mode="median")
         except Exception as e:  # noqa: BLE001 - recorded: a peer may not run a row
             timing.fwd_error = _reason(e, caught)
@@ -623,10 +622,8 @@ def measure(run: Callable[[], torch.Tensor], leaves: list[torch.Tensor],
             return timing
         try:
             grad = torch.randn_like(out)
-            start = time.perf_counter()
             out.backward(grad, retain_graph=True)
             _sync()
-            timing.first_call_s += time.perf_counter() - start
             timing.bwd_ms = do_bench(lambda: out.backward(grad, retain_graph=True),
                                      rep=TIMING_REP_MS, grad_to_none=leaves,
                                      return_mode="median")  # fmt: skip
@@ -641,10 +638,10 @@ def measure(run: Callable[[], torch.Tensor], leaves: list[torch.Tensor],
 def median_timing(rounds: list[Timing]) -> Timing:
     """One implementation's rounds on a row (``--rounds``) as one Timing: per pass the
     median of the rounds that ran (each a do_bench median), every round's kept beside
-    it; the first round's error where none ran; the first round's warm-up time."""
+    it; the first round's error where none ran."""
     if len(rounds) == 1:
         return rounds[0]
-    out = Timing(first_call_s=rounds[0].first_call_s)
+    out = Timing()
     for p in ("fwd", "bwd"):
         ran = [getattr(t, f"{p}_ms") for t in rounds if getattr(t, f"{p}_ms") is not None]
         if ran:
@@ -739,8 +736,7 @@ def collect(
                     progress.advance(task)
         for impl in impls:
             timing = median_timing(timings[impl])
-            if first.get(impl) is not None:
-                timing.first_call_s = first[impl]
+            timing.first_call_s = first.get(impl)
             results.append(Result(row, impl, timing))
         del t
         _free()

@@ -187,8 +187,8 @@ def main():
     ap.add_argument("--variants", default="tile,default")
     ap.add_argument("--kernels", action="store_true", help="GPU time per kernel (profiler)")
     ap.add_argument("--rounds", type=int, default=1,
-                    help="time the variants this many times each, in turn (the order rotated "
-                         "each round), and print the median with the range: a device's clock "
+                    help="time the variants this many times each, in turn (the bench's "
+                         "round_order), and print the median with the range: a device's clock "
                          "drifts within a call, so a single pass favours whichever runs first")
     args = ap.parse_args()
     names = args.variants.split(",")
@@ -256,17 +256,14 @@ def main():
 
 
 def _rounds(args, shape, names, calls, flops) -> None:
-    """Each variant timed args.rounds times, in turn, the first of each round rotating,
-    as the bench times a row: after SETTLE_S of the first variant's work (the board's
-    power control runs the clock high after an idle spell), over TIMING_REP_MS."""
+    """Each variant timed args.rounds times, in turn, as the bench times a row: after
+    SETTLE_S of the first variant's work (the board's power control runs the clock high
+    after an idle spell), over TIMING_REP_MS, in round_order's balanced orders."""
     speeds = {name: [] for name in names}
     use(VARIANTS[names[0]])
-    end = time.perf_counter() + bench.SETTLE_S
-    while time.perf_counter() < end:
-        calls[names[0]]()
-        torch.cuda.synchronize()
+    bench.keep_busy(calls[names[0]], [], bench.SETTLE_S, backward=False)  # calls[] is a pass
     for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in bench.round_order(names, r):
             use(VARIANTS[name])
             speeds[name].append(flops / do_bench(calls[name], rep=bench.TIMING_REP_MS) / 1e9)
     for name in names:
