@@ -290,13 +290,16 @@ def test_gluon_forward_takes_key_rows_at_positive_scales(scale, bias_shape, take
      (64, {}, "added", 0),
      (64, {}, "row", 2),
      (128, {}, None, 0),  # DQ_WRITER: off at Dqk=128
+     (128, dict(varlen=True), None, 2),  # but on for packed sequences without a mask
+     (128, dict(varlen=True, causal=True), None, 0),
      (128, dict(causal=True, deterministic=True), None, 2)],  # ORDERED_DQ's turns
 )  # fmt: skip
 def test_backward_dq_writer_where_dqk_and_the_bias_gradient_allow(d, options, dbias_kind,
                                                                  buffers, monkeypatch):  # fmt: skip
     """The dQ writer warp's buffers (DQ_BUFS) in the plan: at the Dqk DQ_WRITER names
-    and for ORDERED_DQ's calls, not beside a bias gradient sent by TMA; and at Dqk=128
-    too once DQ_WRITER says so."""
+    (DQ_WRITER_PACKED_UNMASKED: packed sequences without a mask) and for ORDERED_DQ's
+    calls, not beside a bias gradient sent by TMA; and at Dqk=128 too once DQ_WRITER
+    says so."""
     spec = spec_and_inputs(d=d, sq=256, sk=256, **options)[0]
     backward_sm90 = dispatch.backward_sm90
     monkeypatch.setattr(backward_sm90.hopper, "sm_count", lambda device_index: 132)

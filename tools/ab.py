@@ -60,7 +60,8 @@ VARIANTS = {
     "shipped_keys": {"bwd.MIN_KEYS_PER_QUERY": backward_sm90.MIN_KEYS_PER_QUERY},
     "no_skip_empty": {"bwd.SKIP_EMPTY_KEY_BLOCKS": False},  # packed: blocks past the end run
     "dq_writer": {"bwd.DQ_WRITER": {64: True, 128: True}},  # dQ's adds from a warp of their own
-    "no_dq_writer": {"bwd.DQ_WRITER": {64: False, 128: False}},  # ... from the warpgroups
+    "no_dq_writer": {"bwd.DQ_WRITER": {64: False, 128: False},  # ... from the warpgroups
+                     "bwd.DQ_WRITER_PACKED_UNMASKED": False},
     "no_ordered": {"bwd.ORDERED_DQ": False},  # deterministic calls on the tile kernels
     "bwd_grid": {"bwd.PERSISTENT_BLOCKS": False},  # a backward program per key block
     # masked backwards folded at every length (shipped: a program per block past 64)
@@ -97,7 +98,8 @@ DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
              "RESCALE_THRESHOLD", "TURNS_MAX_HEAD_DIM", "MIN_SEQLEN_Q_D64_MASKED",
              "BIAS_BATCH_INNER", "POSITION_HEADS", "DROPOUT_SCRATCH")),
     ("bwd", ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "PACKED_BIAS_ADDS", "SKIP_EMPTY_KEY_BLOCKS",
-             "SPLIT_HEAD_DIM_PAIRS", "DQ_BLOCK_N", "DQ_WRITER", "ORDERED_DQ",
+             "SPLIT_HEAD_DIM_PAIRS", "DQ_BLOCK_N", "DQ_WRITER", "DQ_WRITER_PACKED_UNMASKED",
+             "ORDERED_DQ",
              "PERSISTENT_BLOCKS", "MASKED_BY_RANK_BLOCKS", "FUSED_SPLIT", "SPLIT_HEADS_TOGETHER",
              "BIAS_TILES_BATCH_INNER", "MASKED_PERSISTENT_MAX_BLOCKS",
              "KV_VIEWS_PER_STEP", "SPLIT_VIEWS_PER_STEP")),

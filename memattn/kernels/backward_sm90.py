@@ -2223,6 +2223,12 @@ PACKED_BIAS_ADDS = 32
 # -> 483; D=128 S1024 425 -> 425, S4096 539 -> 534, causal 473 -> 467, S16384 causal
 # 550 -> 543. Deterministic calls (ORDERED_DQ) take it at every Dqk.
 DQ_WRITER = {64: True, 128: False}
+# And packed sequences without a mask at D=128 (a program per block there: each ends
+# without waiting for its last reduce). H100, tools/ab.py --pass bwd --rounds 3,
+# without -> with: the bench's documents 470 -> 484 TFLOP/s, 1024-token documents 403
+# -> 411, 2048 481 -> 490, 4096 520 -> 535; causal it did not pay (the bench's 397 ->
+# 395, 1024-token 296 -> 290, 4096 462 -> 468).
+DQ_WRITER_PACKED_UNMASKED = True
 # Deterministic calls at D 64/128 on this kernel (FA3's scheme): a counter per dQ tile
 # (b, h, query tile), zeroed per call, and the dQ writer warp adds a tile's halves only
 # at its program's turn (dq_add_turn), counting the turn on once the adds completed
@@ -2298,11 +2304,14 @@ def kv_views_per_step(spec: AttentionSpec, bias_row: bool) -> bool:
 
 def dq_buffers(spec: AttentionSpec, bias_tiles: bool, dbias_kind: str | None) -> int:
     """The kernel's DQ_BUFS: 0 (each compute warpgroup sends its dQ tiles), or where
-    DQ_WRITER says (and for ORDERED_DQ's calls) the dQ writer warp's buffers a warpgroup:
-    two where shared memory holds them (no bias tiles, no dropout), else one. Not
+    DQ_WRITER or DQ_WRITER_PACKED_UNMASKED says (and for ORDERED_DQ's calls) the dQ
+    writer warp's buffers a warpgroup: two where shared memory holds them (no bias
+    tiles, no dropout), else one. Not
     beside a bias gradient that leaves by TMA from the compute warpgroups (full, added,
     or summed through dQ's buffers)."""
-    writer = DQ_WRITER[spec.head_dim_qk] or orders_dq(spec, dbias_kind)
+    unmasked = spec.window_left < 0 and spec.window_right < 0
+    writer = (DQ_WRITER[spec.head_dim_qk] or orders_dq(spec, dbias_kind)
+              or (DQ_WRITER_PACKED_UNMASKED and spec.varlen and unmasked))
     if not writer or dbias_kind in TILE_GRADIENTS:
         return 0
     return 1 if bias_tiles or spec.dropout_p > 0 else 2
