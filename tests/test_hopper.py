@@ -607,6 +607,43 @@ def test_packed_head_ranks_cover_every_block_once(lengths, heads, block):
     assert max(past.values(), default=0) <= 1
 
 
+@gluon.jit
+def _packed_key_items_kernel(Items, CuSeq, num_items, H, num_seqs, num_n_blocks,
+                             BLOCK_N: gl.constexpr):  # fmt: skip
+    """Each program of the backward's packed grid: the item backward_sm90._packed_key_item
+    gives it (-1 past its sequence's blocks), in one warp."""
+    for g in range(num_items):
+        item = backward_sm90._packed_key_item(g, H, CuSeq, num_seqs, num_n_blocks, BLOCK_N)
+        gl.store(Items + g, item)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [(700, 5, 1300, 64), (0, 128, 129, 0, 1), (1,) * 7,
+                                     bench.DOC_LENGTHS, (300, 900) * 64])  # fmt: skip
+@pytest.mark.parametrize("heads", [1, 3, 16])
+def test_packed_key_items_cover_every_block_once_gpu(lengths, heads):
+    """The backward's packed grid on the GPU (_packed_key_item over hopper.packed_items)
+    where the packed tensor holds 200 tokens past cu_seqlens's last (unchecked where its
+    values go unread): every (sequence, kv head, key block) exactly once, sequence after
+    sequence, each head's blocks back to back first first; every other program -1, the
+    last sequence's items past its heads' too."""
+    if not hopper_kernel_runs_here():
+        pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
+    block = 128
+    cu = [0, *itertools.accumulate(lengths)]
+    num_n = max(1, -(-max(lengths) // block))
+    num_items = hopper.packed_items(len(lengths), cu[-1] + 200, heads, block)
+    items = torch.full((num_items,), -7, device="cuda", dtype=torch.int32)
+    cu_seqlens = torch.tensor(cu, device="cuda", dtype=torch.int32)
+    _packed_key_items_kernel[(1,)](items, cu_seqlens, num_items, heads, len(lengths), num_n,
+                                   BLOCK_N=block, num_warps=1)  # fmt: skip
+    want = [(b * heads + h) * num_n + n for b in range(len(lengths)) for h in range(heads)
+            for n in range(-(-lengths[b] // block))]  # fmt: skip
+    got = items.tolist()
+    assert [g for g in got if g >= 0] == want
+    assert got.count(-1) == num_items - len(want)
+
+
 def test_launcher_refuses_grids_of_more_dimensions(launcher):
     """Later launches pass the C launcher grid[0] alone: a 2-D grid would lose rows."""
     with pytest.raises(ValueError, match="1-D grid"):
