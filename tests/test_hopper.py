@@ -586,18 +586,25 @@ def test_packed_position_items_cover_every_block_once_gpu(lengths, heads, togeth
                                      bench.DOC_LENGTHS])  # fmt: skip
 @pytest.mark.parametrize("heads", [1, 3, 16])
 @pytest.mark.parametrize("block", [96, 128])
-def test_packed_head_ranks_cover_every_block_once(lengths, heads, block):
+@pytest.mark.parametrize("extra", [0, 300], ids=["exact", "tokens past cu_seqlens"])
+def test_packed_head_ranks_cover_every_block_once(lengths, heads, block, extra):
     """The backward's packed grid (hopper.packed_items over the keys, packed_head_rank;
     packed_sequence done here in Python): every (sequence, kv head, key block) exactly
     once, each sequence's after the last one's, each head's blocks back to back first
     first; at most one item a (sequence, head) past its blocks, for 128-key blocks and
-    192/128's 96."""
+    192/128's 96. Where the packed tensor holds tokens past cu_seqlens's last, the
+    last sequence's items past its heads' come with a head >= heads: what
+    backward_sm90._packed_key_item (and forward_sm90's packed_block, which does not
+    check it yet) must take as past the end."""
     cu = [0, *itertools.accumulate(lengths)]
     walked, past = [], collections.Counter()
-    for g in range(hopper.packed_items(len(lengths), cu[-1], heads, block)):
+    for g in range(hopper.packed_items(len(lengths), cu[-1] + extra, heads, block)):
         b = sum(heads * (cu[i] // block + i) <= g for i in range(len(lengths))) - 1
         h, rank = hopper.packed_head_rank.fn(g, heads, b, cu[b], lengths[b], block)
-        assert 0 <= h < heads and rank >= 0
+        assert h >= 0 and rank >= 0
+        if h >= heads:  # only past cu_seqlens's last token, in the last sequence's items
+            assert extra and b == len(lengths) - 1
+            continue
         if rank * block < lengths[b]:
             walked.append((b, h, rank))
         else:
