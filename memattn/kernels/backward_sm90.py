@@ -2309,9 +2309,8 @@ def dq_buffers(spec: AttentionSpec, bias_tiles: bool, dbias_kind: str | None) ->
     """The kernel's DQ_BUFS: 0 (each compute warpgroup sends its dQ tiles), or where
     DQ_WRITER or DQ_WRITER_PACKED_UNMASKED says (and for ORDERED_DQ's calls) the dQ
     writer warp's buffers a warpgroup: two where shared memory holds them (no bias
-    tiles, no dropout), else one. Not
-    beside a bias gradient that leaves by TMA from the compute warpgroups (full, added,
-    or summed through dQ's buffers)."""
+    tiles, no dropout), else one. Not beside a bias gradient that leaves by TMA from
+    the compute warpgroups (full, added, or summed through dQ's buffers)."""
     unmasked = spec.window_left < 0 and spec.window_right < 0
     writer = (DQ_WRITER[spec.head_dim_qk] or orders_dq(spec, dbias_kind)
               or (DQ_WRITER_PACKED_UNMASKED and spec.varlen and unmasked))
