@@ -593,25 +593,24 @@ def test_packed_head_ranks_cover_every_block_once(lengths, heads, block, extra):
     once, each sequence's after the last one's, each head's blocks back to back first
     first; at most one item a (sequence, head) past its blocks, for 128-key blocks and
     192/128's 96. Where the packed tensor holds tokens past cu_seqlens's last, the
-    last sequence's items past its heads' come with a head >= heads: what
-    backward_sm90._packed_key_item (and forward_sm90's packed_block, which does not
-    check it yet) must take as past the end."""
+    last sequence's items past its heads' fall on its last head, past its blocks (no
+    head past the heads: the forward's plain stores and the backward's sequence bounds
+    take it as it comes)."""
     cu = [0, *itertools.accumulate(lengths)]
     walked, past = [], collections.Counter()
     for g in range(hopper.packed_items(len(lengths), cu[-1] + extra, heads, block)):
         b = sum(heads * (cu[i] // block + i) <= g for i in range(len(lengths))) - 1
         h, rank = hopper.packed_head_rank.fn(g, heads, b, cu[b], lengths[b], block)
-        assert h >= 0 and rank >= 0
-        if h >= heads:  # only past cu_seqlens's last token, in the last sequence's items
-            assert extra and b == len(lengths) - 1
-            continue
+        assert 0 <= h < heads and rank >= 0
         if rank * block < lengths[b]:
             walked.append((b, h, rank))
         else:
             past[b, h] += 1
     assert walked == [(b, h, n) for b, length in enumerate(lengths) for h in range(heads)
                       for n in range(-(-length // block))]
+    surplus = past.pop((len(lengths) - 1, heads - 1), 0)  # the tokens past the last's
     assert max(past.values(), default=0) <= 1
+    assert surplus <= 1 or extra
 
 
 @gluon.jit
@@ -649,6 +648,49 @@ def test_packed_key_items_cover_every_block_once_gpu(lengths, heads):
     got = items.tolist()
     assert [g for g in got if g >= 0] == want
     assert got.count(-1) == num_items - len(want)
+
+
+@gluon.jit
+def _packed_blocks_kernel(Items, CuSeq, num_items, H, num_seqs, BLOCK_M: gl.constexpr):
+    """Each item's (b, h, start_m, key tiles) from hopper.packed_block without a mask in
+    one warp (as the forward's load warp runs it), cu_seqlens the same for queries and
+    keys."""
+    field = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    for g in range(num_items):
+        b, h, _, start_m, _, _, _, _, _, _, _, _, n_tiles = hopper.packed_block(
+            g, H, 1, num_seqs, CuSeq, CuSeq, -1, -1, BLOCK_M, 128, False, False, False)
+        values = (gl.where(field == 0, b, 0) + gl.where(field == 1, h, 0)
+                  + gl.where(field == 2, start_m, 0) + gl.where(field == 3, n_tiles, 0))
+        gl.store(Items + 4 * g + field, values, mask=field < 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [(700, 5, 1300, 64), (0, 128, 129, 0, 1), (1,) * 7,
+                                     bench.DOC_LENGTHS])  # fmt: skip
+@pytest.mark.parametrize("heads", [1, 3, 16])
+def test_packed_blocks_cover_every_block_once_gpu(lengths, heads):
+    """The forward's packed grid without a mask on the GPU (hopper.packed_block over
+    hopper.packed_items) where the packed tensor holds 200 tokens past cu_seqlens's
+    last (unchecked where its values go unread): every (sequence, head, query block)
+    exactly once, sequence after sequence, each head's blocks back to back last first,
+    with its key tiles; every other item past its sequence's end (no key tile) and
+    with a head inside the heads, as O's and lse's plain stores there take it."""
+    if not hopper_kernel_runs_here():
+        pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
+    block = 128
+    cu = [0, *itertools.accumulate(lengths)]
+    num_items = hopper.packed_items(len(lengths), cu[-1] + 200, heads, block)
+    items = torch.full((num_items, 4), -7, device="cuda", dtype=torch.int32)
+    cu_seqlens = torch.tensor(cu, device="cuda", dtype=torch.int32)
+    _packed_blocks_kernel[(1,)](items, cu_seqlens, num_items, heads, len(lengths),
+                                BLOCK_M=block, num_warps=1)  # fmt: skip
+    want = [(b, h, m * block, -(-lengths[b] // 128)) for b in range(len(lengths))
+            for h in range(heads) for m in reversed(range(-(-lengths[b] // block)))]
+    got = [tuple(row) for row in items.tolist()]
+    assert [row for row in got if row[3] > 0] == want
+    past = [row for row in got if row[3] == 0]
+    assert len(past) == num_items - len(want)
+    assert all(0 <= h < heads and start_m == lengths[b] for b, h, start_m, _ in past)
 
 
 def test_launcher_refuses_grids_of_more_dimensions(launcher):

@@ -270,10 +270,16 @@ def packed_head_rank(g, H, b, first_token, tokens, BLOCK: gl.constexpr):
     the sequence's first block), as many a head as packed_rank gives a sequence, so at
     most one a head past its blocks. The backward's order (key blocks of one head
     side by side read the same Q and dO tiles from L2), and the forward's without a
-    mask (packed_block). Plain integer arithmetic."""
+    mask (packed_block). Where the packed tensor holds tokens past cu_seqlens's last
+    (unchecked where its values go unread: spec._seqlens), the last sequence has items
+    past its heads' ranks: they fall on its last head, past its blocks. Plain integer
+    arithmetic."""
     ranks = (first_token + tokens) // BLOCK - first_token // BLOCK + 1
     local = g - H * (first_token // BLOCK + b)
-    return local // ranks, local % ranks
+    h = local // ranks
+    if h >= H:
+        h = H - 1
+    return h, local - h * ranks
 
 
 def packed_items(seqs: int, tokens: int, heads: int, block: int) -> int:
