@@ -872,10 +872,7 @@ def _packed_key_item(pid, HKV, CuSeqK, num_seqs, num_n_blocks, BLOCK_N: gl.const
     item = (b * HKV + hk) * num_n_blocks + rank
     if DESCENDING:  # ORDERED_DQ under a right bound: each (sequence, head)'s blocks last first
         item = (b * HKV + hk) * num_n_blocks + gl.cdiv(tokens, BLOCK_N) - 1 - rank
-    # The last sequence's items past its heads' (hk >= HKV) where the packed tensor holds
-    # tokens past cu_seqlens's last (unchecked where its values go unread:
-    # spec._seqlens): nothing to do, as past a head's blocks.
-    if (hk >= HKV) | (rank * BLOCK_N >= tokens):
+    if rank * BLOCK_N >= tokens:
         item = -1
     return item
 
