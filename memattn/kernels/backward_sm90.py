@@ -484,9 +484,6 @@ def _bwd_compute_partition(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM_V, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_COLS, 16])
-    # dQ's tile goes to shared memory, and out, in its registers' order (dq_tiles)
-    dq_order: gl.constexpr = hopper.accumulator_order(DQ_ROWS, DQ_COLS)
-    TILE_ROWS: gl.constexpr = dq_desc.block_type.shape[2]
     ds_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout,
                                                      k_width=2)
     p_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout,
@@ -515,6 +512,11 @@ def _bwd_compute_partition(
     # their zeros here, not from a pass over the gradient (bias_grad_tiles' ZERO_UNSEEN).
     ZERO_UNSEEN_TILES: gl.constexpr = (DBIAS_TILES == 1 and not IS_VARLEN
                                        and (BOUNDED_LEFT or BOUNDED_RIGHT))
+    # A packed sequence's last block whose second half of keys lies past the sequence:
+    # the second warpgroup does no more than the first one's dQ needs (_idle_steps), so
+    # that the first one's wgmmas have the tensor cores to themselves.
+    IDLE_HALF: gl.constexpr = (IS_VARLEN and HALF == 1 and HAS_DQ and DBIAS_TILES == 0
+                               and not DBIAS_SUM and not DBIAS_ROW and not OVERLAP_ENDS)
     # The rings' tiles before this block's (dS's and dQ's buffers go by them too)
     step = gl.to_tensor(0)
 
@@ -537,7 +539,11 @@ def _bwd_compute_partition(
         mbarrier.wait(kv_bar, blk & 1)
 
         zero = _runtime_zero(seqlen_k)
-        for t in range(GROUP * n_tiles):
+        busy_steps = GROUP * n_tiles
+        if IDLE_HALF:
+            if row0 >= seqlen_k:
+                busy_steps = 0
+        for t in range(busy_steps):
             i = step + t  # the rings' count
             if KV_VIEWS_PER_STEP:
                 k_half, v_half, k_cols = _kv_views(k_smem, v_smem, zero * t, HALF, HALF_N,
@@ -679,32 +685,18 @@ def _bwd_compute_partition(
             if OVERLAP_ENDS and t == GROUP * n_tiles - 1:
                 mbarrier.arrive(kv_empty)  # dQ's was the last wgmma to read K or V
 
-            if not HAS_DQ:
-                pass
-            elif DQ_BUFS > 0:  # into a buffer the writer warp has read, for it to send
-                dq_slot = HALF * DQ_BUFS + i % DQ_BUFS
-                mbarrier.wait(dq_empty.index(dq_slot), ((i // DQ_BUFS) & 1) ^ 1, pred=i >= DQ_BUFS)
-                if OVERLAP_ENDS:
-                    if t == 0:  # the last block's dK and dV stores have read this buffer
-                        tma.store_wait(0)
-                        gl.thread_barrier()
-                dq_smem.index(dq_slot)._reinterpret(gl.float32, [DQ_ROWS, DQ_COLS],
-                                                    dq_order).store(dq)
-                fence_async_shared()
-                mbarrier.arrive(dq_full.index(dq_slot))
-            else:
-                # The last dQ reduce has read dq_smem (one thread issued it; this step's bias
-                # gradient copy, issued after it, may still run where it reads another buffer).
-                tma.store_wait(OTHER_BULK)
-                gl.thread_barrier()
-                dq_buf = dq_smem.index(HALF)
-                dq_buf._reinterpret(gl.float32, [DQ_ROWS, DQ_COLS], dq_order).store(dq)
-                fence_async_shared()
-                dq_row = _dq_tile_row(b, q_start, start_m, HALF, BLOCK_M, TILE_ROWS, 2, IS_VARLEN)
-                hopper.tma_reduce_add(dq_desc, [b_tma, h, dq_row, 0], dq_buf)
+            if HAS_DQ:
+                _send_dq(dq, dq_smem, dq_full, dq_empty, dq_desc, i, t, b, b_tma, h, q_start,
+                         start_m, HALF, BLOCK_M, DQ_BUFS, OTHER_BULK, OVERLAP_ENDS,
+                         IS_VARLEN)  # fmt: skip
             dk, ds_op = warpgroup_mma_wait(0, deps=(dk, ds_op))
             mbarrier.arrive(q_empty.index(slot))
 
+        if IDLE_HALF:
+            if busy_steps == 0:
+                _idle_steps(shared, k_cols, step, GROUP * n_tiles, b, b_tma, hk, q_start, lo,
+                            n_tiles, rot, HEAD_DIM_QK, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS,
+                            OTHER_BULK, ROTATE)  # fmt: skip
         if ZERO_UNSEEN_TILES:  # through this warpgroup's dS buffer of the other pair
             free = ds_smem.index((step + GROUP * n_tiles) % 2 * 2 + HALF)
             _zero_unseen_ds_tiles(dbias_desc, free, b, hk, GROUP, row0, seqlen_q, lo, n_tiles,
@@ -766,6 +758,91 @@ def _bwd_compute_partition(
                 tma.store_wait(0)  # before the buffer's next dQ tile
     if OVERLAP_ENDS:  # the last block's stores have read shared memory
         tma.store_wait(0)
+
+
+@gluon.jit
+def _idle_steps(
+    shared, k_cols, step, n_steps, b, b_tma, hk, q_start, lo, n_tiles, rot,
+    HEAD_DIM_QK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, OTHER_BULK: gl.constexpr,
+    ROTATE: gl.constexpr,
+):  # fmt: skip
+    """The second compute warpgroup's steps of a block whose second half of keys lies
+    past its packed sequence (every P there is 0): its half of dS as zeros for the other
+    warpgroup's dQ, its own part of dQ from the first half's dS alone, and the rings'
+    slots released, with no S, dP, dV or dK (dK and dV stay zero; their rows are past
+    the sequence and not stored). ``shared``: _bwd_compute_partition's."""
+    dq_desc, dq_smem, ds_smem = shared[0], shared[20], shared[19]
+    dq_full, dq_empty = shared[22], shared[23]
+    q_ready, do_ready, q_empty, do_empty, ds_bar = (shared[26], shared[27], shared[28],
+                                                    shared[29], shared[30])
+    GROUP = shared[33]
+    HALF: gl.constexpr = 1
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    DQ_ROWS: gl.constexpr = dq_split(HEAD_DIM_QK, BLOCK_M)[0]
+    DQ_COLS: gl.constexpr = dq_split(HEAD_DIM_QK, BLOCK_M)[1]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_COLS, 16])
+    for t in range(n_steps):
+        i = step + t
+        h, start_m = _query_tile(t, hk, GROUP, lo, n_tiles, BLOCK_M, rot, ROTATE)
+        slot = hopper.arrived(q_ready, i, STAGES)
+        hopper.arrived(do_ready, i, STAGES)
+        ds_pair = (i % 2) * 2
+        ds_smem.index(ds_pair + HALF).reshape([BLOCK_M, HALF_N]).permute((1, 0)).store(
+            gl.zeros([HALF_N, BLOCK_M], ds_smem.dtype, layout=s_layout))
+        fence_async_shared()
+        mbarrier.arrive(ds_bar)
+        mbarrier.wait(ds_bar, i & 1)
+        ds_rows = ds_smem.index(ds_pair).reshape([BLOCK_M, HALF_N]).slice(
+            HALF * DQ_ROWS % BLOCK_M, DQ_ROWS, dim=0)
+        dq = warpgroup_mma(ds_rows, k_cols.slice(0, HALF_N, dim=0),
+                           gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, layout=dq_layout),
+                           use_acc=False, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq,))
+        mbarrier.arrive(do_empty.index(slot))
+        _send_dq(dq, dq_smem, dq_full, dq_empty, dq_desc, i, t, b, b_tma, h, q_start, start_m,
+                 HALF, BLOCK_M, DQ_BUFS, OTHER_BULK, False, True)  # fmt: skip
+        mbarrier.arrive(q_empty.index(slot))
+
+
+@gluon.jit
+def _send_dq(dq, dq_smem, dq_full, dq_empty, dq_desc, i, t, b, b_tma, h, q_start, start_m,
+             HALF: gl.constexpr, BLOCK_M: gl.constexpr, DQ_BUFS: gl.constexpr,
+             OTHER_BULK: gl.constexpr, OVERLAP_ENDS: gl.constexpr,
+             IS_VARLEN: gl.constexpr):  # fmt: skip
+    """A compute warpgroup's part of step i's dQ tile (the block's step t) out: into a
+    buffer the writer warp has read, for it to send (DQ_BUFS), else by this warpgroup's
+    own reduce-add into the fp32 buffer. OTHER_BULK: copies the step may leave in flight
+    (_bwd_compute_partition's)."""
+    DQ_ROWS: gl.constexpr = dq.shape[0]
+    DQ_COLS: gl.constexpr = dq.shape[1]
+    # dQ's tile goes to shared memory, and out, in its registers' order (dq_tiles)
+    dq_order: gl.constexpr = hopper.accumulator_order(DQ_ROWS, DQ_COLS)
+    if DQ_BUFS > 0:
+        dq_slot = HALF * DQ_BUFS + i % DQ_BUFS
+        mbarrier.wait(dq_empty.index(dq_slot), ((i // DQ_BUFS) & 1) ^ 1, pred=i >= DQ_BUFS)
+        if OVERLAP_ENDS:
+            if t == 0:  # the last block's dK and dV stores have read this buffer
+                tma.store_wait(0)
+                gl.thread_barrier()
+        dq_smem.index(dq_slot)._reinterpret(gl.float32, [DQ_ROWS, DQ_COLS],
+                                            dq_order).store(dq)
+        fence_async_shared()
+        mbarrier.arrive(dq_full.index(dq_slot))
+    else:
+        # The last dQ reduce has read dq_smem (one thread issued it; this step's bias
+        # gradient copy, issued after it, may still run where it reads another buffer).
+        tma.store_wait(OTHER_BULK)
+        gl.thread_barrier()
+        dq_buf = dq_smem.index(HALF)
+        dq_buf._reinterpret(gl.float32, [DQ_ROWS, DQ_COLS], dq_order).store(dq)
+        fence_async_shared()
+        dq_row = _dq_tile_row(b, q_start, start_m, HALF, BLOCK_M, dq_desc.block_type.shape[2],
+                              2, IS_VARLEN)  # fmt: skip
+        hopper.tma_reduce_add(dq_desc, [b_tma, h, dq_row, 0], dq_buf)
 
 
 @gluon.jit

@@ -561,6 +561,23 @@ def _turn_pass(PART: gl.constexpr, PARTS: gl.constexpr, TURNS: gl.constexpr):
 
 
 @gluon.jit
+def _pass_tiles(shared, kv, first, n_tiles, PART: gl.constexpr, PARTS: gl.constexpr,
+                STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr,
+                TURNS: gl.constexpr):  # fmt: skip
+    """A block's key tiles [first, n_tiles) past this warpgroup's rows: each one's turn
+    and slots passed on once loaded (the other warpgroups use them), no work."""
+    k_ready, v_ready, bias_ready = shared[20], shared[21], shared[22]
+    k_empty, v_empty, bias_empty = shared[23], shared[24], shared[25]
+    for t in range(first, n_tiles):
+        _turn_wait(PART, PARTS, TURNS)
+        _turn_pass(PART, PARTS, TURNS)
+        mbarrier.arrive(k_empty.index(hopper.arrived(k_ready, kv + t, STAGES)))
+        if HAS_BIAS:
+            mbarrier.arrive(bias_empty.index(hopper.arrived(bias_ready, kv + t, BIAS_STAGES)))
+        mbarrier.arrive(v_empty.index(hopper.arrived(v_ready, kv + t, STAGES)))
+
+
+@gluon.jit
 def _softmax_block(
     shared, b, h, hk, start_m, q_start, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
     n_tiles, kv, qi, PART: gl.constexpr, HEAD_DIM_QK: gl.constexpr,
@@ -606,6 +623,10 @@ def _softmax_block(
             row0, seqlen_k, off, window_left, window_right, ROWS, BLOCK_N, BOUNDED_LEFT,
             BOUNDED_RIGHT)  # fmt: skip
         n_own = gl.minimum(gl.maximum(gl.cdiv(own_hi - lo, BLOCK_N), 1), n_tiles)
+    works = n_tiles > 0
+    if IS_VARLEN:  # every row past the sequence's (its last block's other half): no
+        works = (n_tiles > 0) & (row0 < seqlen_q)  # work, the tiles passed on (the other
+        # warpgroup's wgmmas run alone). Dense batches keep their code: D=256 spilled.
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
     acc = gl.zeros([ROWS, HEAD_DIM_V], gl.float32, layout=o_layout)
@@ -615,7 +636,7 @@ def _softmax_block(
     if QK_SPLIT > 0:
         q2_tile = q2_smem.index(q_slot * PARTS + PART).reshape([ROWS, QK_SPLIT])
 
-    if n_tiles > 0:
+    if works:
         # Tile 0 alone: its softmax has no P·V to overlap with.
         slot = hopper.arrived(k_ready, kv, STAGES)
         _turn_wait(PART, PARTS, TURNS)
@@ -673,16 +694,17 @@ def _softmax_block(
         _turn_pass(PART, PARTS, TURNS)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(v_slot))
-        for t in range(n_own, n_tiles):  # past this warpgroup's rows: a turn, no work
-            _turn_wait(PART, PARTS, TURNS)
-            _turn_pass(PART, PARTS, TURNS)
-            mbarrier.arrive(k_empty.index(hopper.arrived(k_ready, kv + t, STAGES)))
-            if HAS_BIAS:
-                mbarrier.arrive(bias_empty.index(hopper.arrived(bias_ready, kv + t,
-                                                                BIAS_STAGES)))
-            mbarrier.arrive(v_empty.index(hopper.arrived(v_ready, kv + t, STAGES)))
-    elif not O_IN_Q:
-        mbarrier.arrive(q_empty.index(q_slot))
+        _pass_tiles(shared, kv, n_own, n_tiles, PART, PARTS, STAGES, HAS_BIAS, BIAS_STAGES,
+                    TURNS)  # fmt: skip
+    else:
+        if not O_IN_Q:
+            mbarrier.arrive(q_empty.index(q_slot))
+        if IS_VARLEN:
+            if n_tiles > 0:  # the turn a working warpgroup takes for its last P·V
+                _turn_wait(PART, PARTS, TURNS)
+                _turn_pass(PART, PARTS, TURNS)
+            _pass_tiles(shared, kv, 0, n_tiles, PART, PARTS, STAGES, HAS_BIAS, BIAS_STAGES,
+                        TURNS)  # fmt: skip
     kv += n_tiles
 
     # Rows with no visible key: l = 0, out = 0, lse = -inf.
