@@ -64,6 +64,8 @@ VARIANTS = {
                      "bwd.DQ_WRITER_PACKED_UNMASKED": False},
     "no_ordered": {"bwd.ORDERED_DQ": False},  # deterministic calls on the tile kernels
     "bwd_grid": {"bwd.PERSISTENT_BLOCKS": False},  # a backward program per key block
+    # ... with dQ's writer warp (a program then ends without waiting for its last adds)
+    "grid_writer": {"bwd.PERSISTENT_BLOCKS": False, "bwd.DQ_WRITER": {64: True, 128: True}},
     # masked backwards folded at every length (shipped: a program per block past 64)
     "masked_folded_long": {"bwd.MASKED_PERSISTENT_MAX_BLOCKS": 1 << 30},
     # masked backwards: persistent programs, folded, or a program per block, the heads'
