@@ -88,6 +88,8 @@ VARIANTS = {
     "position2": {"fwd.POSITION_HEADS": 2},
     "position8": {"fwd.POSITION_HEADS": 8},
     "position16": {"fwd.POSITION_HEADS": 16},
+    # a last block's warpgroup past the sequence does its work all the same
+    "no_idle": {"fwd.IDLE_WARPGROUPS": False, "bwd.IDLE_HALVES": False},
     "no_pdl": {"decode.PDL": False},  # decode's kernels launched after the last one ends
     # the D 64/128 backward's K and V views made in each step: every call, or none
     "kv_views_always": {"bwd.KV_VIEWS_PER_STEP": True},
@@ -98,13 +100,13 @@ MODULES = {"fwd": forward_sm90, "bwd": backward_sm90, "decode": decode}
 DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
     ("fwd", ("FOLD", "OWN_KEY_RANGES", "BLOCK_M_D64", "PERSISTENT", "MAX_Q_STAGES",
              "RESCALE_THRESHOLD", "TURNS_MAX_HEAD_DIM", "MIN_SEQLEN_Q_D64_MASKED",
-             "BIAS_BATCH_INNER", "POSITION_HEADS", "DROPOUT_SCRATCH")),
+             "BIAS_BATCH_INNER", "POSITION_HEADS", "DROPOUT_SCRATCH", "IDLE_WARPGROUPS")),
     ("bwd", ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "PACKED_BIAS_ADDS", "SKIP_EMPTY_KEY_BLOCKS",
              "SPLIT_HEAD_DIM_PAIRS", "DQ_BLOCK_N", "DQ_WRITER", "DQ_WRITER_PACKED_UNMASKED",
              "ORDERED_DQ", "PERSISTENT_BLOCKS", "MASKED_BY_RANK_BLOCKS", "FUSED_SPLIT",
              "SPLIT_HEADS_TOGETHER",
              "BIAS_TILES_BATCH_INNER", "MASKED_PERSISTENT_MAX_BLOCKS",
-             "KV_VIEWS_PER_STEP", "SPLIT_VIEWS_PER_STEP")),
+             "KV_VIEWS_PER_STEP", "SPLIT_VIEWS_PER_STEP", "IDLE_HALVES")),
     ("decode", ("PDL",)))
     for name in names}  # fmt: skip
 # A/B the kernels themselves, at every size

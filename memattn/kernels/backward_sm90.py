@@ -450,7 +450,7 @@ def _bwd_compute_partition(
     BATCH_INNER: gl.constexpr, HEAD_INNER: gl.constexpr, ORDERED: gl.constexpr,
     PERSISTENT: gl.constexpr, FOLD: gl.constexpr, HAS_DQ: gl.constexpr,
     HAS_SOFTCAP: gl.constexpr,
-    KV_VIEWS_PER_STEP: gl.constexpr,
+    KV_VIEWS_PER_STEP: gl.constexpr, IDLE_KEYS: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup, for each of its program's key blocks (_program_block): keys
     [start_n + HALF * 64, + 64) against every query tile. ``shared``: the runtime
@@ -512,10 +512,10 @@ def _bwd_compute_partition(
     # their zeros here, not from a pass over the gradient (bias_grad_tiles' ZERO_UNSEEN).
     ZERO_UNSEEN_TILES: gl.constexpr = (DBIAS_TILES == 1 and not IS_VARLEN
                                        and (BOUNDED_LEFT or BOUNDED_RIGHT))
-    # A packed sequence's last block whose second half of keys lies past the sequence:
-    # the second warpgroup does no more than the first one's dQ needs (_idle_steps), so
+    # A last block whose second half of keys lies past the sequence (IDLE_KEYS): the
+    # second warpgroup does no more than the first one's dQ needs (_idle_steps), so
     # that the first one's wgmmas have the tensor cores to themselves.
-    IDLE_HALF: gl.constexpr = (IS_VARLEN and HALF == 1 and HAS_DQ and DBIAS_TILES == 0
+    IDLE_HALF: gl.constexpr = (IDLE_KEYS and HALF == 1 and HAS_DQ and DBIAS_TILES == 0
                                and not DBIAS_SUM and not DBIAS_ROW and not OVERLAP_ENDS)
     # The rings' tiles before this block's (dS's and dQ's buffers go by them too)
     step = gl.to_tensor(0)
@@ -696,7 +696,7 @@ def _bwd_compute_partition(
             if busy_steps == 0:
                 _idle_steps(shared, k_cols, step, GROUP * n_tiles, b, b_tma, hk, q_start, lo,
                             n_tiles, rot, HEAD_DIM_QK, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS,
-                            OTHER_BULK, ROTATE)  # fmt: skip
+                            OTHER_BULK, ROTATE, IS_VARLEN)  # fmt: skip
         if ZERO_UNSEEN_TILES:  # through this warpgroup's dS buffer of the other pair
             free = ds_smem.index((step + GROUP * n_tiles) % 2 * 2 + HALF)
             _zero_unseen_ds_tiles(dbias_desc, free, b, hk, GROUP, row0, seqlen_q, lo, n_tiles,
@@ -765,13 +765,13 @@ def _idle_steps(
     shared, k_cols, step, n_steps, b, b_tma, hk, q_start, lo, n_tiles, rot,
     HEAD_DIM_QK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, OTHER_BULK: gl.constexpr,
-    ROTATE: gl.constexpr,
+    ROTATE: gl.constexpr, IS_VARLEN: gl.constexpr,
 ):  # fmt: skip
     """The second compute warpgroup's steps of a block whose second half of keys lies
-    past its packed sequence (every P there is 0): its half of dS as zeros for the other
+    past its sequence (every P there is 0): its half of dS as zeros for the other
     warpgroup's dQ, its own part of dQ from the first half's dS alone, and the rings'
     slots released, with no S, dP, dV or dK (dK and dV stay zero; their rows are past
-    the sequence and not stored). ``shared``: _bwd_compute_partition's."""
+    the sequence, where stores skip or clip them). ``shared``: _bwd_compute_partition's."""
     dq_desc, dq_smem, ds_smem = shared[0], shared[20], shared[19]
     dq_full, dq_empty = shared[22], shared[23]
     q_ready, do_ready, q_empty, do_empty, ds_bar = (shared[26], shared[27], shared[28],
@@ -804,7 +804,7 @@ def _idle_steps(
         dq = warpgroup_mma_wait(0, deps=(dq,))
         mbarrier.arrive(do_empty.index(slot))
         _send_dq(dq, dq_smem, dq_full, dq_empty, dq_desc, i, t, b, b_tma, h, q_start, start_m,
-                 HALF, BLOCK_M, DQ_BUFS, OTHER_BULK, False, True)  # fmt: skip
+                 HALF, BLOCK_M, DQ_BUFS, OTHER_BULK, False, IS_VARLEN)  # fmt: skip
         mbarrier.arrive(q_empty.index(slot))
 
 
@@ -1059,7 +1059,7 @@ def _bwd_sm90_kernel(
     DQ_BUFS: gl.constexpr, ORDERED: gl.constexpr,
     ROTATE: gl.constexpr, PERSISTENT: gl.constexpr, FOLD: gl.constexpr,
     BY_RANK: gl.constexpr, HAS_DQ: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-    KV_VIEWS_PER_STEP: gl.constexpr,
+    KV_VIEWS_PER_STEP: gl.constexpr, IDLE_KEYS: gl.constexpr,
 ):  # fmt: skip
     # A program per key block, or PERSISTENT (PERSISTENT_BLOCKS) one per SM at most,
     # walking num_items blocks in hopper.work_item's strides (_program_block). Packed
@@ -1147,13 +1147,15 @@ def _bwd_sm90_kernel(
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
                                        BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD,
-                                       HAS_DQ, HAS_SOFTCAP, KV_VIEWS_PER_STEP)),
+                                       HAS_DQ, HAS_SOFTCAP, KV_VIEWS_PER_STEP,
+                                       IDLE_KEYS)),
              (_bwd_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, DBIAS_TILES, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
                                        BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD,
-                                       HAS_DQ, HAS_SOFTCAP, KV_VIEWS_PER_STEP)),
+                                       HAS_DQ, HAS_SOFTCAP, KV_VIEWS_PER_STEP,
+                                       IDLE_KEYS)),
              (_bwd_blocks_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, IS_VARLEN,
                                            BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
                                            BATCH_INNER, HEAD_INNER, ORDERED, ROTATE,
@@ -1171,13 +1173,15 @@ def _bwd_sm90_kernel(
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
                                        BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD,
-                                       HAS_DQ, HAS_SOFTCAP, KV_VIEWS_PER_STEP)),
+                                       HAS_DQ, HAS_SOFTCAP, KV_VIEWS_PER_STEP,
+                                       IDLE_KEYS)),
              (_bwd_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, DBIAS_TILES, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
                                        BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD,
-                                       HAS_DQ, HAS_SOFTCAP, KV_VIEWS_PER_STEP)),
+                                       HAS_DQ, HAS_SOFTCAP, KV_VIEWS_PER_STEP,
+                                       IDLE_KEYS)),
              (_bwd_blocks_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, IS_VARLEN,
                                            BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
                                            BATCH_INNER, HEAD_INNER, ORDERED, ROTATE,
@@ -2347,6 +2351,13 @@ SKIP_EMPTY_KEY_BLOCKS = True
 # dropout 309 -> 306. "features": those calls; True / False: every call, none (tools
 # A/B them).
 KV_VIEWS_PER_STEP = "features"
+# Packed sequences: a last key block whose second half lies past its sequence has its
+# second warpgroup make only its part of dQ, from the first half's dS (_idle_steps).
+# H100, tools/ab.py --variants default,no_idle --rounds 3: 900-token documents (a few
+# keys in each last block) 348 -> 359 TFLOP/s, the bench's documents 481 -> 477 (within
+# their spread, 473-495). Dense lengths that end so: B4 S4000 D=128 528 -> 523, D=64
+# 458 -> 456, not taken. Tools set it to A/B, then call hopper.forget_plans().
+IDLE_HALVES = True
 PERSISTENT_BLOCKS = True
 # Under a mask (causal, windows) at D=128, a program per key block instead, the (batch,
 # kv head)s in groups of at least this many blocks, each group's blocks rank by rank
@@ -2747,6 +2758,7 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
         PERSISTENT=persistent, FOLD=fold, BY_RANK=by_rank,
         HAS_DQ=not dq_from_full_bias(spec, dbias_kind), HAS_SOFTCAP=spec.softcap > 0,
         KV_VIEWS_PER_STEP=kv_views_per_step(spec, bias_row),
+        IDLE_KEYS=IDLE_HALVES and spec.varlen,
         num_warps=4,
     )  # fmt: skip
     return hopper.Plan(hopper.programs(items, fold, persistent, device_index), (num_n, items),

@@ -174,6 +174,14 @@ POSITION_HEADS = 4
 # Q's buffers: two where shared memory holds them, so that a program's next query
 # block loads while this one runs. Tools set MAX_Q_STAGES to A/B.
 MAX_Q_STAGES = 2
+# Packed sequences: a softmax warpgroup whose rows all lie past its sequence (a last
+# block of at most BLOCK_M - ROWS rows) does no work and passes its tiles on, so the
+# other warpgroups' wgmmas have the tensor cores alone (_softmax_block's IDLE_ROWS).
+# H100, tools/ab.py --variants default,no_idle --rounds 3: the bench's documents 549 ->
+# 565 TFLOP/s, causal 483 -> 497. Dense lengths that end so lost (B4 S4000: D=128 593
+# -> 580, D=256 663 -> 653: the check's code, D=256's 16 bytes of spills). Tools set it
+# to A/B, then call hopper.forget_plans().
+IDLE_WARPGROUPS = True
 # Shared memory kept clear for the compiler's scratch of dropout's keep-bit exchange
 # (hopper.dropout_keep's convert_layout): 7.7-8.3 KiB in sm_90 compiles (D=128 with
 # bias tiles 204,928 bytes in all, 192/128 221,280, D=256 with bias tiles 221,312, of
@@ -495,7 +503,7 @@ def _softmax_partition(
     HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, THRESHOLD: gl.constexpr,
     TURNS: gl.constexpr, BATCH_INNER: gl.constexpr, OWN_RANGES: gl.constexpr,
-    HAS_SOFTCAP: gl.constexpr,
+    HAS_SOFTCAP: gl.constexpr, IDLE_ROWS: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: query rows [start_m + PART * ROWS, + ROWS) of each of the
     program's query blocks, over every key tile. S(t) and P(t-1)·V(t-1) are in flight
@@ -529,7 +537,7 @@ def _softmax_partition(
                     full_lo, full_hi, n_tiles, kv, qi, PART, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
                     BLOCK_M, BLOCK_N, STAGES, Q_STAGES, O_IN_Q, HAS_BIAS, BIAS_STAGES, BIAS_ROW,
                     HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOUNDED_LEFT, BOUNDED_RIGHT,
-                    THRESHOLD, TURNS, OWN_RANGES, HAS_SOFTCAP)  # fmt: skip
+                    THRESHOLD, TURNS, OWN_RANGES, HAS_SOFTCAP, IDLE_ROWS)  # fmt: skip
     else:
         for j in range(n_items):
             (b, h, hk, start_m, q_start, _, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
@@ -542,7 +550,7 @@ def _softmax_partition(
                 full_hi, n_tiles, kv, qi, PART, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M,
                 BLOCK_N, STAGES, Q_STAGES, O_IN_Q, HAS_BIAS, BIAS_STAGES, BIAS_ROW, HAS_ALIBI,
                 HAS_DROPOUT, IS_VARLEN, BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS,
-                OWN_RANGES, HAS_SOFTCAP)  # fmt: skip
+                OWN_RANGES, HAS_SOFTCAP, IDLE_ROWS)  # fmt: skip
     tma.store_wait(0)
 
 
@@ -587,7 +595,7 @@ def _softmax_block(
     BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
     IS_VARLEN: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
     THRESHOLD: gl.constexpr, TURNS: gl.constexpr, OWN_RANGES: gl.constexpr,
-    HAS_SOFTCAP: gl.constexpr,
+    HAS_SOFTCAP: gl.constexpr, IDLE_ROWS: gl.constexpr,
 ):  # fmt: skip
     """_softmax_partition's work for one query block (hopper.query_block's values);
     returns the rings' running indices (key tiles, query blocks) after it."""
@@ -624,9 +632,9 @@ def _softmax_block(
             BOUNDED_RIGHT)  # fmt: skip
         n_own = gl.minimum(gl.maximum(gl.cdiv(own_hi - lo, BLOCK_N), 1), n_tiles)
     works = n_tiles > 0
-    if IS_VARLEN:  # every row past the sequence's (its last block's other half): no
+    if IDLE_ROWS:  # every row past the sequence's (its last block's other half): no
         works = (n_tiles > 0) & (row0 < seqlen_q)  # work, the tiles passed on (the other
-        # warpgroup's wgmmas run alone). Dense batches keep their code: D=256 spilled.
+        # warpgroup's wgmmas run alone)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
     acc = gl.zeros([ROWS, HEAD_DIM_V], gl.float32, layout=o_layout)
@@ -699,7 +707,7 @@ def _softmax_block(
     else:
         if not O_IN_Q:
             mbarrier.arrive(q_empty.index(q_slot))
-        if IS_VARLEN:
+        if IDLE_ROWS:
             if n_tiles > 0:  # the turn a working warpgroup takes for its last P·V
                 _turn_wait(PART, PARTS, TURNS)
                 _turn_pass(PART, PARTS, TURNS)
@@ -769,6 +777,7 @@ def _fwd_sm90_kernel(
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
     THRESHOLD: gl.constexpr, TURNS: gl.constexpr, BATCH_INNER: gl.constexpr,
     OWN_RANGES: gl.constexpr, POSITION_HEADS: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+    IDLE_ROWS: gl.constexpr,
 ):  # fmt: skip
     # The programs (one per SM at most, persistent) walk the num_items query blocks in
     # strides (hopper.work_item), folded under a mask: pairs of blocks whose work adds
@@ -842,12 +851,12 @@ def _fwd_sm90_kernel(
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
                                   BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER,
-                                  OWN_RANGES, HAS_SOFTCAP)),
+                                  OWN_RANGES, HAS_SOFTCAP, IDLE_ROWS)),
             (_softmax_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
                                   BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER,
-                                  OWN_RANGES, HAS_SOFTCAP)),
+                                  OWN_RANGES, HAS_SOFTCAP, IDLE_ROWS)),
             (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, QK_SPLIT,
                                HAS_BIAS, BIAS_STAGES, BIAS_ROW, IS_VARLEN, BOTTOM_RIGHT,
                                BOUNDED_LEFT, BOUNDED_RIGHT, BATCH_INNER, POSITION_HEADS)),
@@ -858,17 +867,17 @@ def _fwd_sm90_kernel(
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
                                   BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER,
-                                  OWN_RANGES, HAS_SOFTCAP)),
+                                  OWN_RANGES, HAS_SOFTCAP, IDLE_ROWS)),
             (_softmax_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
                                   BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER,
-                                  OWN_RANGES, HAS_SOFTCAP)),
+                                  OWN_RANGES, HAS_SOFTCAP, IDLE_ROWS)),
             (_softmax_partition, (shared, 2, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
                                   STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
                                   BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER,
-                                  OWN_RANGES, HAS_SOFTCAP)),
+                                  OWN_RANGES, HAS_SOFTCAP, IDLE_ROWS)),
             (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, QK_SPLIT,
                                HAS_BIAS, BIAS_STAGES, BIAS_ROW, IS_VARLEN, BOTTOM_RIGHT,
                                BOUNDED_LEFT, BOUNDED_RIGHT, BATCH_INNER, POSITION_HEADS)),
@@ -995,6 +1004,7 @@ def plan(spec: AttentionSpec, bias_row: bool, bias_dims: tuple[int, int], tokens
                    if spec.head_dim_v >= LAZY_RESCALE_MIN_COLUMNS * block_n else 0.0),
         TURNS=not spec.varlen and tile <= TURNS_MAX_HEAD_DIM,
         OWN_RANGES=OWN_KEY_RANGES and spec.window_right >= 0 and block_m > 2 * ROWS.value,
+        IDLE_ROWS=IDLE_WARPGROUPS and spec.varlen,
         POSITION_HEADS=(min(POSITION_HEADS, spec.heads)
                         if spec.varlen and tile_bias and bias_dims[0] == 1
                         and spec.window_right >= 0 and 1 < spec.batch <= hopper.POSITION_SEQS.value
