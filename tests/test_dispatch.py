@@ -316,6 +316,32 @@ def test_backward_dq_writer_where_dqk_and_the_bias_gradient_allow(d, options, db
 
 
 @gluon
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("knob", [True, False])
+def test_idle_warpgroups_for_packed_sequences(d, varlen, knob, monkeypatch):
+    """A last block's warpgroup past its sequence does no work (forward_sm90's
+    IDLE_WARPGROUPS, backward_sm90's IDLE_HALVES) in packed calls; dense ones keep code
+    without the check, also at lengths whose last block ends within its first half
+    (1000: 104 rows past 7 blocks, 4000: 32)."""
+    fsm, bsm = dispatch.forward_sm90, dispatch.backward_sm90
+    monkeypatch.setattr(fsm, "IDLE_WARPGROUPS", knob)
+    monkeypatch.setattr(bsm, "IDLE_HALVES", knob)
+    monkeypatch.setattr(bsm.hopper, "sm_count", lambda device_index: 132)
+    for length in (1000, 4000):
+        spec, q, k = spec_and_inputs(b=3, sq=length, sk=length, d=d, varlen=varlen)[:3]
+        tokens = (q.shape[0], k.shape[0]) if varlen else (0, 0)
+        bsm.hopper.forget_plans()
+        try:
+            forward = fsm.plan(spec, False, (1, 1), tokens[0], 0).constexprs
+            backward = bsm._plan(spec, False, None, (False, False), tokens[1], 0).constexprs
+        finally:
+            bsm.hopper.forget_plans()
+        assert forward["IDLE_ROWS"] is (knob and varlen)
+        assert backward["IDLE_KEYS"] is (knob and varlen)
+
+
+@gluon
 @pytest.mark.parametrize(
     "options, varlen, inner, persistent, fold",
     [({}, False, (False, False), True, False),
