@@ -694,9 +694,10 @@ def _bwd_compute_partition(
 
         if IDLE_HALF:
             if busy_steps == 0:
-                _idle_steps(shared, k_cols, step, GROUP * n_tiles, b, b_tma, hk, q_start, lo,
-                            n_tiles, rot, HEAD_DIM_QK, BLOCK_M, BLOCK_N, STAGES, DQ_BUFS,
-                            OTHER_BULK, ROTATE, IS_VARLEN)  # fmt: skip
+                _idle_steps(dq_desc, q_ready, do_ready, q_empty, do_empty, ds_smem, ds_bar,
+                            dq_smem, dq_full, dq_empty, k_cols, step, GROUP, n_tiles, b, b_tma,
+                            hk, q_start, lo, rot, HEAD_DIM_QK, BLOCK_M, BLOCK_N, STAGES,
+                            DQ_BUFS, OTHER_BULK, ROTATE, IS_VARLEN)  # fmt: skip
         if ZERO_UNSEEN_TILES:  # through this warpgroup's dS buffer of the other pair
             free = ds_smem.index((step + GROUP * n_tiles) % 2 * 2 + HALF)
             _zero_unseen_ds_tiles(dbias_desc, free, b, hk, GROUP, row0, seqlen_q, lo, n_tiles,
@@ -762,21 +763,18 @@ def _bwd_compute_partition(
 
 @gluon.jit
 def _idle_steps(
-    shared, k_cols, step, n_steps, b, b_tma, hk, q_start, lo, n_tiles, rot,
+    dq_desc, q_ready, do_ready, q_empty, do_empty, ds_smem, ds_bar, dq_smem, dq_full,
+    dq_empty, k_cols, step, GROUP, n_tiles, b, b_tma, hk, q_start, lo, rot,
     HEAD_DIM_QK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, OTHER_BULK: gl.constexpr,
     ROTATE: gl.constexpr, IS_VARLEN: gl.constexpr,
 ):  # fmt: skip
-    """The second compute warpgroup's steps of a block whose second half of keys lies
-    past its sequence (every P there is 0): its half of dS as zeros for the other
-    warpgroup's dQ, its own part of dQ from the first half's dS alone, and the rings'
-    slots released, with no S, dP, dV or dK (dK and dV stay zero; their rows are past
-    the sequence, where stores skip or clip them). ``shared``: _bwd_compute_partition's."""
-    dq_desc, dq_smem, ds_smem = shared[0], shared[20], shared[19]
-    dq_full, dq_empty = shared[22], shared[23]
-    q_ready, do_ready, q_empty, do_empty, ds_bar = (shared[26], shared[27], shared[28],
-                                                    shared[29], shared[30])
-    GROUP = shared[33]
+    """The second compute warpgroup's steps (GROUP * n_tiles, the rings' count at
+    ``step``) of a block whose second half of keys lies past its sequence (every P there
+    is 0): its half of dS as zeros for the other warpgroup's dQ, its own part of dQ from
+    the first half's dS alone, and the rings' slots released, with no S, dP, dV or dK
+    (dK and dV stay zero; their rows are past the sequence, where stores skip or clip
+    them). The buffers and barriers: _bwd_compute_partition's."""
     HALF: gl.constexpr = 1
     HALF_N: gl.constexpr = BLOCK_N // 2
     DQ_ROWS: gl.constexpr = dq_split(HEAD_DIM_QK, BLOCK_M)[0]
@@ -785,7 +783,7 @@ def _idle_steps(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_COLS, 16])
-    for t in range(n_steps):
+    for t in range(GROUP * n_tiles):
         i = step + t
         h, start_m = _query_tile(t, hk, GROUP, lo, n_tiles, BLOCK_M, rot, ROTATE)
         slot = hopper.arrived(q_ready, i, STAGES)

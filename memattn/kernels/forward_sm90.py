@@ -569,13 +569,12 @@ def _turn_pass(PART: gl.constexpr, PARTS: gl.constexpr, TURNS: gl.constexpr):
 
 
 @gluon.jit
-def _pass_tiles(shared, kv, first, n_tiles, PART: gl.constexpr, PARTS: gl.constexpr,
-                STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr,
+def _pass_tiles(k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, kv, first, n_tiles,
+                PART: gl.constexpr, PARTS: gl.constexpr, STAGES: gl.constexpr,
+                HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr,
                 TURNS: gl.constexpr):  # fmt: skip
     """A block's key tiles [first, n_tiles) past this warpgroup's rows: each one's turn
     and slots passed on once loaded (the other warpgroups use them), no work."""
-    k_ready, v_ready, bias_ready = shared[20], shared[21], shared[22]
-    k_empty, v_empty, bias_empty = shared[23], shared[24], shared[25]
     for t in range(first, n_tiles):
         _turn_wait(PART, PARTS, TURNS)
         _turn_pass(PART, PARTS, TURNS)
@@ -702,8 +701,8 @@ def _softmax_block(
         _turn_pass(PART, PARTS, TURNS)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(v_slot))
-        _pass_tiles(shared, kv, n_own, n_tiles, PART, PARTS, STAGES, HAS_BIAS, BIAS_STAGES,
-                    TURNS)  # fmt: skip
+        _pass_tiles(k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, kv, n_own,
+                    n_tiles, PART, PARTS, STAGES, HAS_BIAS, BIAS_STAGES, TURNS)  # fmt: skip
     else:
         if not O_IN_Q:
             mbarrier.arrive(q_empty.index(q_slot))
@@ -711,8 +710,8 @@ def _softmax_block(
             if n_tiles > 0:  # the turn a working warpgroup takes for its last P·V
                 _turn_wait(PART, PARTS, TURNS)
                 _turn_pass(PART, PARTS, TURNS)
-            _pass_tiles(shared, kv, 0, n_tiles, PART, PARTS, STAGES, HAS_BIAS, BIAS_STAGES,
-                        TURNS)  # fmt: skip
+            _pass_tiles(k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, kv, 0,
+                        n_tiles, PART, PARTS, STAGES, HAS_BIAS, BIAS_STAGES, TURNS)  # fmt: skip
     kv += n_tiles
 
     # Rows with no visible key: l = 0, out = 0, lse = -inf.
