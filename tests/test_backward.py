@@ -94,7 +94,7 @@ def test_varlen_bias_gradient_and_empty_sequences_cpu():
 @example([130, 0, 77, 301, 6, 1])
 def test_packed_row_stats_for_hopper_cpu(lengths):
     """The preprocess lays packed sequences' row statistics out for the Gluon backward's
-    TMA (backward_sm90.row_stats_buffer): sequence b's rows from common.packed_stats_start
+    TMA (backward_sm90.shared.row_stats_buffer): sequence b's rows from common.packed_stats_start
     on, a multiple of 4 tokens past the previous sequence's slack, lse * log2(e) (+inf
     where lse is -inf) and delta - grad_lse there, then STATS_SLACK rows of +inf and 0
     (a tile's rows past the sequence get P = 0), nothing else read."""
@@ -110,7 +110,7 @@ def test_packed_row_stats_for_hopper_cpu(lengths):
     cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
     spec = memattn.spec.check_call(q, q, out, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                    max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
-    stats = backward_sm90.row_stats_buffer(spec, lse).fill_(float("nan"))  # poisoned
+    stats = backward_sm90.shared.row_stats_buffer(spec, lse).fill_(float("nan"))  # poisoned
     lse2, delta = stats[:, 0]
     grid, args, constexprs = backward_kernels.delta_launch(spec, out, grad_out, lse, grad_lse,
                                                            cu, delta, lse2)  # fmt: skip
@@ -193,9 +193,9 @@ def test_dq_tiles_read_back_cpu(head_dim, rows, lengths, batch, seqlen):
     if head_dim > 64 and rows == 128:
         rows = 64  # D 128 and 192 take 64 rows a step
     spec, q, cu, seqs = _tile_spec(head_dim, lengths, batch, seqlen)
-    buffer = backward_sm90.dq_tiles(spec, q.shape[0], rows, "cpu").fill_(float("nan"))
+    buffer = backward_sm90.shared.dq_tiles(spec, q.shape[0], rows, "cpu").fill_(float("nan"))
     want = torch.randn(q.shape)
-    part_rows, part_cols = backward_sm90.dq_split(head_dim, rows)  # a warpgroup's part
+    part_rows, part_cols = backward_sm90.shared.dq_split(head_dim, rows)  # a warpgroup's part
     bases = torch.tensor(hopper.accumulator_order(part_rows, part_cols).offset_bases)
     size = part_rows * part_cols
     bits = (torch.arange(size)[:, None] >> torch.arange(len(bases))) & 1
@@ -234,9 +234,9 @@ def test_preprocess_zeroes_dq_tiles_cpu(head_dim, rows, lengths, batch, seqlen):
     out, grad_out = torch.randn_like(q), torch.randn_like(q)
     lse = (torch.randn(spec.heads, q.shape[0]) if cu is not None
            else torch.randn(batch, spec.heads, seqlen))  # fmt: skip
-    stats = backward_sm90.row_stats_buffer(spec, lse)
+    stats = backward_sm90.shared.row_stats_buffer(spec, lse)
     lse2, delta = stats[:, 0] if cu is not None else stats.unbind(0)
-    buffer = backward_sm90.dq_tiles(spec, q.shape[0], rows, "cpu").fill_(float("nan"))
+    buffer = backward_sm90.shared.dq_tiles(spec, q.shape[0], rows, "cpu").fill_(float("nan"))
     grid, args, constexprs = backward_kernels.delta_launch(
         spec, out, grad_out, lse, None, cu, delta, lse2, buffer, rows)
     backward_kernels._delta_kernel[grid](*args, **constexprs)
@@ -460,7 +460,7 @@ def test_deterministic_three_runs_bitwise_gpu(deterministic):
 
 @pytest.fixture
 def hopper_backward_launches(monkeypatch):
-    """Records each launch of the Gluon backward (kernels/backward_sm90.py)."""
+    """Records each launch of the Gluon backward (kernels/backward_sm90/)."""
     if not hopper_kernel_runs_here():
         pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
     launched = []
@@ -503,12 +503,12 @@ def test_hopper_backward_gpu(case, dtype, hopper_backward_launches):
     # or a deterministic gradient of a bias broadcast over batch or heads with queries
     # (the wide kernels add it by atomics).
     softcap = case.options.get("softcap", 0) > 0
-    split = (dqk, dv) in backward_sm90.SPLIT_HEAD_DIM_PAIRS
+    split = (dqk, dv) in backward_sm90.shared.SPLIT_HEAD_DIM_PAIRS
     summed = case.bias not in (None, "BHQK", "HQK") and not bias_row(case)
     deterministic = case.options.get("deterministic", False)
     wide_plain = max(dqk, dv) <= 128 or not (summed and deterministic
                                              or softcap and case.bias is not None)
-    dims = (dqk, dv) in backward_sm90.HEAD_DIM_PAIRS or split
+    dims = (dqk, dv) in backward_sm90.shared.HEAD_DIM_PAIRS or split
     keys = max(case.lengths_k) if case.varlen else case.seqlen_k
     dbias = case.bias is None or bias_row(case) or keys % 8 == 0
     gluon = wide_plain and dims and dbias
@@ -527,8 +527,8 @@ def test_hopper_backward_bias_without_grad_gpu(name, dtype, hopper_backward_laun
     from memattn.kernels import backward_sm90
 
     orders = []
-    inner_dims = backward_sm90.inner_dims
-    monkeypatch.setattr(backward_sm90, "inner_dims",
+    inner_dims = backward_sm90.narrow.inner_dims
+    monkeypatch.setattr(backward_sm90.narrow, "inner_dims",
                         lambda *a: orders.append(inner_dims(*a)) or orders[-1])
     case = next(c for c in HOPPER_CASES if c.name == name)
     results = check_backward(case, dtype, "cuda", seed=7, bias_grad=False)
@@ -578,8 +578,8 @@ def test_hopper_wide_backward_bias_gpu(case, dtype, grad, monkeypatch):
 
     if not hopper_kernel_runs_here():
         pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
-    dkdv = record_launches(monkeypatch, backward_sm90, "_launch_backward_wide")
-    dq = record_launches(monkeypatch, backward_sm90, "_launch_dq_wide")
+    dkdv = record_launches(monkeypatch, backward_sm90.wide, "_launch_backward_wide")
+    dq = record_launches(monkeypatch, backward_sm90.wide, "_launch_dq_wide")
     results = check_backward(case, dtype, "cuda", seed=13 if grad else 11, bias_grad=grad)
     assert [r.what for r in results] == ["dq", "dk", "dv"] + (["dbias"] if grad else [])
     assert_results(results)
@@ -617,12 +617,12 @@ def test_hopper_backward_persistent_gpu(name, dtype, writer, hopper_backward_lau
                                         monkeypatch):  # fmt: skip
     from memattn.kernels import backward_sm90
 
-    monkeypatch.setattr(backward_sm90, "PERSISTENT_BLOCKS", True)
-    monkeypatch.setattr(backward_sm90, "MASKED_BY_RANK_BLOCKS", {64: 0, 128: 0})
-    monkeypatch.setattr(backward_sm90, "DQ_WRITER", {64: writer, 128: writer})
+    monkeypatch.setattr(backward_sm90.narrow, "PERSISTENT_BLOCKS", True)
+    monkeypatch.setattr(backward_sm90.narrow, "MASKED_BY_RANK_BLOCKS", {64: 0, 128: 0})
+    monkeypatch.setattr(backward_sm90.narrow, "DQ_WRITER", {64: writer, 128: writer})
     monkeypatch.setattr(backward_sm90.hopper, "sm_count", lambda device_index: 5)
     backward_sm90.hopper.forget_plans()  # plans are made from sm_count
-    launches = record_launches(monkeypatch, backward_sm90, "_launch_backward")
+    launches = record_launches(monkeypatch, backward_sm90.narrow, "_launch_backward")
     try:
         case = next(c for c in HOPPER_CASES if c.name == name)
         assert_results(check_backward(case, dtype, "cuda", seed=19))
@@ -658,20 +658,21 @@ def test_hopper_backward_by_rank_gpu(case, dtype, blocks_together, hopper_backwa
                                      monkeypatch):  # fmt: skip
     from memattn.kernels import backward_sm90
 
-    monkeypatch.setattr(backward_sm90, "MASKED_BY_RANK_BLOCKS", {64: 0, 128: blocks_together})
+    monkeypatch.setattr(backward_sm90.narrow, "MASKED_BY_RANK_BLOCKS",
+                        {64: 0, 128: blocks_together})
     backward_sm90.hopper.forget_plans()
-    launches = record_launches(monkeypatch, backward_sm90, "_launch_backward")
+    launches = record_launches(monkeypatch, backward_sm90.narrow, "_launch_backward")
     try:
         assert_results(check_backward(case, dtype, "cuda", seed=23))
     finally:
         backward_sm90.hopper.forget_plans()
-    programs = case.batch * case.kv_heads * -(-case.seqlen_k // backward_sm90.BLOCK_N)
+    programs = case.batch * case.kv_heads * -(-case.seqlen_k // backward_sm90.narrow.BLOCK_N)
     grids = [(grid, constexprs["PERSISTENT"], constexprs["BY_RANK"])
              for grid, constexprs in launches]  # fmt: skip
     assert grids and all(g == ((programs,), False, blocks_together) for g in grids), grids
 
 
-# A bias plane per head that packed sequences share (backward_sm90.PACKED_BIAS_ADDS):
+# A bias plane per head that packed sequences share (backward_sm90.shared.PACKED_BIAS_ADDS):
 # each sequence's dS tiles added into the 16-bit gradient ("added"), or, past the
 # sequence count, into the fp32 buffer ("summed"); 20 sequences of mixed lengths (empty
 # ones too), causal, D 64 and 128.
@@ -690,9 +691,9 @@ def test_packed_shared_bias_gradient_gpu(kind, head_dim, dtype, hopper_backward_
                                          monkeypatch):  # fmt: skip
     from memattn.kernels import backward_sm90
 
-    monkeypatch.setattr(backward_sm90, "PACKED_BIAS_ADDS", 32 if kind == "added" else 19)
+    monkeypatch.setattr(backward_sm90.shared, "PACKED_BIAS_ADDS", 32 if kind == "added" else 19)
     backward_sm90.hopper.forget_plans()  # plans are made from the knobs
-    launches = record_launches(monkeypatch, backward_sm90, "_launch_backward")
+    launches = record_launches(monkeypatch, backward_sm90.narrow, "_launch_backward")
     case = PACKED_SHARED_BIAS.scaled(dqk=head_dim, dv=head_dim)
     try:
         assert_results(check_backward(case, dtype, "cuda", seed=23))
@@ -703,7 +704,7 @@ def test_packed_shared_bias_gradient_gpu(kind, head_dim, dtype, hopper_backward_
                             for _, c in launches)  # fmt: skip
 
 
-# Dqk=192 / Dv=128, Q and K split into 128 + 64 columns (backward_sm90.SPLIT_HEAD_DIM_PAIRS):
+# Dqk=192 / Dv=128, Q and K split into 128 + 64 columns (backward_sm90.shared.SPLIT_HEAD_DIM_PAIRS):
 # calls without bias, ALiBi or dropout, as at D=256; _bwd_split_kernel, or the D=256
 # kernels for deterministic calls (dense batches; packed ones run backward.py there).
 SPLIT_CASES = [
@@ -738,8 +739,8 @@ def test_split_head_dims_backward_gpu(case, dtype, hopper_backward_launches, mon
     """The gradients against the reference from _bwd_split_kernel."""
     from memattn.kernels import backward_sm90
 
-    fused = record_launches(monkeypatch, backward_sm90, "_launch_split")
-    wide = record_launches(monkeypatch, backward_sm90, "_launch_backward_wide")
+    fused = record_launches(monkeypatch, backward_sm90.split, "_launch_split")
+    wide = record_launches(monkeypatch, backward_sm90.wide, "_launch_backward_wide")
     assert_results(check_backward(case, dtype, "cuda", seed=11))
     assert fused and not wide, "the call did not run _bwd_split_kernel"
 
@@ -754,8 +755,8 @@ def test_split_head_dims_deterministic_gpu(case, dtype, hopper_backward_launches
     bit."""
     from memattn.kernels import backward_sm90
 
-    fused = record_launches(monkeypatch, backward_sm90, "_launch_split")
-    wide = record_launches(monkeypatch, backward_sm90, "_launch_backward_wide")
+    fused = record_launches(monkeypatch, backward_sm90.split, "_launch_split")
+    wide = record_launches(monkeypatch, backward_sm90.wide, "_launch_backward_wide")
     det = dataclasses.replace(case, options=dict(case.options, deterministic=True))
     assert_results(check_backward(det, dtype, "cuda", seed=12))
     assert wide and not fused, "the deterministic call did not run the D=256 kernels"
@@ -779,9 +780,9 @@ DQ_WRITER_CASES = ["D64 Sq=777 Sk=1030", "D128 causal", "GQA 8:2 transposed caus
 def test_backward_dq_writer_at_every_dqk_gpu(name, hopper_backward_launches, monkeypatch):
     from memattn.kernels import backward_sm90
 
-    monkeypatch.setattr(backward_sm90, "DQ_WRITER", {64: True, 128: True})
+    monkeypatch.setattr(backward_sm90.narrow, "DQ_WRITER", {64: True, 128: True})
     backward_sm90.hopper.forget_plans()  # plans are made from the knobs
-    launches = record_launches(monkeypatch, backward_sm90, "_launch_backward")
+    launches = record_launches(monkeypatch, backward_sm90.narrow, "_launch_backward")
     try:
         case = next(c for c in HOPPER_CASES if c.name == name)
         assert_results(check_backward(case, torch.bfloat16, "cuda", seed=13))
@@ -902,7 +903,7 @@ def test_hopper_backward_gradient_through_lse_gpu(case, hopper_backward_launches
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_deterministic_backward_on_hopper_gpu(head_dim, hopper_backward_launches):
     """Deterministic calls on the Gluon backward: at D=128 dQ's fp32 reduce-adds go in a
-    fixed order (backward_sm90.ORDERED_DQ), at D=256 dQ has a kernel of its own that
+    fixed order (backward_sm90.narrow.ORDERED_DQ), at D=256 dQ has a kernel of its own that
     adds in one. Two runs agree bit for bit, and the gradients match the reference."""
     case = Case("det plain", batch=2, heads=8, kv_heads=2, seqlen_q=1500, seqlen_k=1500,
                 dqk=head_dim, dv=head_dim, options=dict(causal=True, deterministic=True))
@@ -987,5 +988,5 @@ def test_hopper_backward_query_rows_a_step(head_dim, options, rows, monkeypatch)
     spec = check_call(q, k, k, bias=bias, **options)
     bias_row = backward_sm90.hopper.bias_row(spec, bias)
     kind = None if bias is None else backward_sm90.dbias_kind_of(spec, bias)
-    plan = backward_sm90._plan(spec, bias_row, kind, (False, False), 0, 0)
+    plan = backward_sm90.narrow._plan(spec, bias_row, kind, (False, False), 0, 0)
     assert plan.constexprs["BLOCK_M"] == rows

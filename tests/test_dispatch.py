@@ -141,7 +141,7 @@ def test_bias_gradient_kinds(bias_shape, varlen, sequences, kind, deterministic,
     sequences takes their dS added into the gradient itself; any other broadcast, the
     fp32 buffer, but in deterministic dense calls each (b, h)'s dS stored expanded, to
     be summed in a fixed order."""
-    monkeypatch.setattr(dispatch.backward_sm90, "PACKED_BIAS_ADDS", 2)
+    monkeypatch.setattr(dispatch.backward_sm90.shared, "PACKED_BIAS_ADDS", 2)
     spec, *_, bias = spec_and_inputs(b=sequences, bias_shape=bias_shape, varlen=varlen,
                                      deterministic=deterministic)  # fmt: skip
     if deterministic and kind == "summed" and not varlen:
@@ -165,13 +165,13 @@ def test_summed_bias_gradient_puts_its_broadcast_dim_inner(bias_shape, inner, mo
     over the batch alone (their reads meet in L2); off, the shipped order."""
     spec, _, _, _, bias = spec_and_inputs(bias_shape=bias_shape)
     kind = dispatch.backward_sm90.dbias_kind_of(spec, bias)
-    assert dispatch.backward_sm90.inner_dims(spec, bias, kind) == inner
+    assert dispatch.backward_sm90.narrow.inner_dims(spec, bias, kind) == inner
     read_only = (True, False) if inner == (True, False) else (False, False)
-    assert dispatch.backward_sm90.inner_dims(spec, bias, None) == read_only
-    monkeypatch.setattr(dispatch.backward_sm90, "SUMMED_BIAS_INNER", False)
-    monkeypatch.setattr(dispatch.backward_sm90, "BIAS_TILES_BATCH_INNER", False)
-    assert dispatch.backward_sm90.inner_dims(spec, bias, kind) == (False, False)
-    assert dispatch.backward_sm90.inner_dims(spec, bias, None) == (False, False)
+    assert dispatch.backward_sm90.narrow.inner_dims(spec, bias, None) == read_only
+    monkeypatch.setattr(dispatch.backward_sm90.narrow, "SUMMED_BIAS_INNER", False)
+    monkeypatch.setattr(dispatch.backward_sm90.narrow, "BIAS_TILES_BATCH_INNER", False)
+    assert dispatch.backward_sm90.narrow.inner_dims(spec, bias, kind) == (False, False)
+    assert dispatch.backward_sm90.narrow.inner_dims(spec, bias, None) == (False, False)
 
 
 @gluon
@@ -305,14 +305,15 @@ def test_backward_dq_writer_where_dqk_and_the_bias_gradient_allow(d, options, db
     monkeypatch.setattr(backward_sm90.hopper, "sm_count", lambda device_index: 132)
     backward_sm90.hopper.forget_plans()  # plans are made from the knobs
     try:
-        assert backward_sm90._plan(spec, False, dbias_kind, (False, False), 0, 0).constexprs[
+        assert backward_sm90.narrow._plan(spec, False, dbias_kind, (False, False), 0, 0).constexprs[
             "DQ_BUFS"] == buffers
-        monkeypatch.setattr(backward_sm90, "DQ_WRITER", {64: True, 128: True})
+        monkeypatch.setattr(backward_sm90.narrow, "DQ_WRITER", {64: True, 128: True})
         backward_sm90.hopper.forget_plans()
-        on = backward_sm90._plan(spec, False, dbias_kind, (False, False), 0, 0).constexprs
+        on = backward_sm90.narrow._plan(spec, False, dbias_kind, (False, False), 0, 0).constexprs
     finally:
         backward_sm90.hopper.forget_plans()
-    assert on["DQ_BUFS"] == (buffers or (0 if dbias_kind in backward_sm90.TILE_GRADIENTS else 2))
+    tiles = dbias_kind in backward_sm90.shared.TILE_GRADIENTS
+    assert on["DQ_BUFS"] == (buffers or (0 if tiles else 2))
 
 
 @gluon
@@ -326,7 +327,7 @@ def test_idle_warpgroups_for_packed_sequences(d, varlen, knob, monkeypatch):
     (1000: 104 rows past 7 blocks, 4000: 32)."""
     fsm, bsm = dispatch.forward_sm90, dispatch.backward_sm90
     monkeypatch.setattr(fsm, "IDLE_WARPGROUPS", knob)
-    monkeypatch.setattr(bsm, "IDLE_HALVES", knob)
+    monkeypatch.setattr(bsm.narrow, "IDLE_HALVES", knob)
     monkeypatch.setattr(bsm.hopper, "sm_count", lambda device_index: 132)
     for length in (1000, 4000):
         spec, q, k = spec_and_inputs(b=3, sq=length, sk=length, d=d, varlen=varlen)[:3]
@@ -334,7 +335,7 @@ def test_idle_warpgroups_for_packed_sequences(d, varlen, knob, monkeypatch):
         bsm.hopper.forget_plans()
         try:
             forward = fsm.plan(spec, False, (1, 1), tokens[0], 0).constexprs
-            backward = bsm._plan(spec, False, None, (False, False), tokens[1], 0).constexprs
+            backward = bsm.narrow._plan(spec, False, None, (False, False), tokens[1], 0).constexprs
         finally:
             bsm.hopper.forget_plans()
         assert forward["IDLE_ROWS"] is (knob and varlen)
@@ -363,15 +364,15 @@ def test_backward_programs_persistent_where_the_blocks_order_is_free(
     spec = spec_and_inputs(b=3, sq=1024, sk=1024, h=2, d=64, varlen=varlen, **options)[0]
     bsm.hopper.forget_plans()
     try:
-        plan = bsm._plan(spec, False, None, inner, 3 * 1024 if varlen else 0, 0)
+        plan = bsm.narrow._plan(spec, False, None, inner, 3 * 1024 if varlen else 0, 0)
     finally:
         bsm.hopper.forget_plans()
-    blocks = 3 * 2 * (1024 // bsm.BLOCK_N)
+    blocks = 3 * 2 * (1024 // bsm.narrow.BLOCK_N)
     if varlen:  # hopper.packed_items over the keys: one item more a (sequence, kv head)
-        blocks = 3 * 2 * (1024 // bsm.BLOCK_N + 1)
+        blocks = 3 * 2 * (1024 // bsm.narrow.BLOCK_N + 1)
     assert plan.constexprs["PERSISTENT"] is persistent
     assert plan.constexprs["FOLD"] is fold
-    assert plan.counts == (1024 // bsm.BLOCK_N, blocks)
+    assert plan.counts == (1024 // bsm.narrow.BLOCK_N, blocks)
     assert plan.programs == (5 if persistent else blocks)  # the strides: test_hopper
 
 
@@ -385,11 +386,11 @@ def test_backward_masked_long_heads_run_a_program_per_block(options, persistent,
     persistent."""
     bsm = dispatch.backward_sm90
     monkeypatch.setattr(bsm.hopper, "sm_count", lambda device_index: 5)
-    monkeypatch.setattr(bsm, "MASKED_PERSISTENT_MAX_BLOCKS", 7)
+    monkeypatch.setattr(bsm.narrow, "MASKED_PERSISTENT_MAX_BLOCKS", 7)
     spec = spec_and_inputs(b=1, sq=1024, sk=1024, h=2, d=64, **options)[0]  # 8 blocks
     bsm.hopper.forget_plans()
     try:
-        plan = bsm._plan(spec, False, None, (False, False), 0, 0)
+        plan = bsm.narrow._plan(spec, False, None, (False, False), 0, 0)
     finally:
         bsm.hopper.forget_plans()
     assert plan.constexprs["PERSISTENT"] is persistent and not plan.constexprs["FOLD"]
@@ -411,7 +412,7 @@ def test_masked_d128_backward_takes_its_blocks_rank_by_rank(options, by_rank,
     spec = spec_and_inputs(b=3, sq=1024, sk=1024, h=2, d=128, **options)[0]
     bsm.hopper.forget_plans()
     try:
-        plan = bsm._plan(spec, False, None, (False, False), 0, 0)
+        plan = bsm.narrow._plan(spec, False, None, (False, False), 0, 0)
     finally:
         bsm.hopper.forget_plans()
     persistent = by_rank == 0 and "deterministic" not in options  # ORDERED_DQ's
@@ -438,7 +439,7 @@ def test_backward_makes_its_kv_views_each_step_where_they_would_spill(
     spec, _, _, _, bias = spec_and_inputs(d=d, dv=dv, bias_shape=bias_shape, **options)
     bsm.hopper.forget_plans()
     try:
-        plan = bsm._plan(spec, bsm.hopper.bias_row(spec, bias), None, (False, False), 0, 0)
+        plan = bsm.narrow._plan(spec, bsm.hopper.bias_row(spec, bias), None, (False, False), 0, 0)
     finally:
         bsm.hopper.forget_plans()
     assert plan.constexprs["KV_VIEWS_PER_STEP"] is per_step
@@ -457,11 +458,11 @@ def test_only_packed_programs_past_their_end_may_return_first(varlen, inner, mon
     monkeypatch.setattr(backward_sm90.hopper, "sm_count", lambda device_index: 132)
     backward_sm90.hopper.forget_plans()
     try:
-        plan = backward_sm90._plan(spec, False, None, inner, 0, 0)
+        plan = backward_sm90.narrow._plan(spec, False, None, inner, 0, 0)
         assert plan.constexprs["SKIP_PAST_END"] is (varlen and inner[0])
-        monkeypatch.setattr(backward_sm90, "SKIP_EMPTY_KEY_BLOCKS", False)
+        monkeypatch.setattr(backward_sm90.narrow, "SKIP_EMPTY_KEY_BLOCKS", False)
         backward_sm90.hopper.forget_plans()  # plans are made from the knobs
-        plan = backward_sm90._plan(spec, False, None, inner, 0, 0)
+        plan = backward_sm90.narrow._plan(spec, False, None, inner, 0, 0)
     finally:
         backward_sm90.hopper.forget_plans()
     assert not plan.constexprs["SKIP_PAST_END"]
@@ -515,13 +516,13 @@ def test_dk_dv_tiles_fit_their_staging_buffer():
     pair's dK fits there, and dV where V is no wider than q·k (else DV_STAGED sends it by
     plain stores: at 64/128 it overran the buffer, and dropout's one buffer a warpgroup
     showed it)."""
-    from memattn.kernels import backward_sm90 as m
+    from memattn.kernels.backward_sm90 import narrow, shared
 
-    for dqk, dv in m.HEAD_DIM_PAIRS:
+    for dqk, dv in shared.HEAD_DIM_PAIRS:
         if max(dqk, dv) > 128:  # the wide kernels stage through a Q or dO slot
             continue
-        for rows in {m.BLOCK_M, m.BLOCK_M_D64} if dqk == 64 else {m.BLOCK_M}:
-            part_rows, part_cols = m.dq_split(dqk, rows)
+        for rows in {shared.BLOCK_M, narrow.BLOCK_M_D64} if dqk == 64 else {shared.BLOCK_M}:
+            part_rows, part_cols = shared.dq_split(dqk, rows)
             buffer = part_rows * part_cols * 4
             assert 64 * dqk * 2 <= buffer, (dqk, rows)
             assert dv > dqk or 64 * dv * 2 <= buffer, (dqk, dv, rows)
@@ -536,19 +537,19 @@ def test_split_head_dims_take_the_split_backward():
     q = torch.randn(2, 16, 2, 192, dtype=torch.float16)
     v = torch.randn(2, 16, 2, 128, dtype=torch.float16)
     spec = check_call(q, q, v, causal=True)
-    assert (192, 128) in backward_sm90.SPLIT_HEAD_DIM_PAIRS
+    assert (192, 128) in backward_sm90.shared.SPLIT_HEAD_DIM_PAIRS
     assert backward_sm90.takes_head_dims(spec)
-    assert backward_sm90.fuses_split_dq(spec) and backward_sm90.dq_in_fp32(spec)
-    assert backward_sm90.dq_split(192, 64) == (64, 64)
+    assert backward_sm90.shared.fuses_split_dq(spec) and backward_sm90.dq_in_fp32(spec)
+    assert backward_sm90.shared.dq_split(192, 64) == (64, 64)
     deterministic = check_call(q, q, v, causal=True, deterministic=True)
-    assert not backward_sm90.fuses_split_dq(deterministic)
+    assert not backward_sm90.shared.fuses_split_dq(deterministic)
     assert not backward_sm90.dq_in_fp32(deterministic)
     assert dispatch._gluon_deterministic(deterministic, None, False)
     assert dispatch.gluon_backward_computes(spec, None, False)
     for features in (dict(dropout_p=0.1), dict(softcap=5.0), dict(alibi_slopes=torch.rand(2))):
         with_feature = check_call(q, q, v, **features)  # the wide kernels take these
         assert dispatch.gluon_backward_computes(with_feature, None, False)
-        assert not backward_sm90.fuses_split_dq(with_feature)
+        assert not backward_sm90.shared.fuses_split_dq(with_feature)
         assert backward_sm90.is_wide(with_feature)
     assert backward_sm90.hopper.qk_split(192) == 64
     # packed sequences: on the fused kernel, deterministic ones on the wide kernels
@@ -556,7 +557,7 @@ def test_split_head_dims_take_the_split_backward():
     packed = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=11, max_seqlen_k=11)
     varlen = check_call(q[0], q[0], v[0], causal=True, **packed)
     assert dispatch.gluon_backward_computes(varlen, None, False)
-    assert backward_sm90.fuses_split_dq(varlen)
+    assert backward_sm90.shared.fuses_split_dq(varlen)
     varlen_det = check_call(q[0], q[0], v[0], causal=True, deterministic=True, **packed)
     assert dispatch.gluon_backward_computes(varlen_det, None, False)
     assert backward_sm90.is_wide(varlen_det)
@@ -612,8 +613,8 @@ def test_wide_backward_plans(varlen, bias_shape, kv_stages):
     tokens = (3 * 1024, 3 * 1024) if varlen else (0, 0)
     kinds = [None] + ([bsm.dbias_kind_of(spec, bias)] if bias is not None else [])
     for kind in kinds:
-        dkdv, dq = bsm._plans_wide(spec, row, kind, *tokens, 0)
-        assert dkdv.programs == 3 * 2 * (1024 // bsm.BLOCK_N_WIDE + varlen)
+        dkdv, dq = bsm.wide._plans_wide(spec, row, kind, *tokens, 0)
+        assert dkdv.programs == 3 * 2 * (1024 // bsm.wide.BLOCK_N_WIDE + varlen)
         assert dq.programs == 3 * 2 * (1024 // 128 + varlen)
         for plan in (dkdv, dq):
             assert plan.constexprs["IS_VARLEN"] is varlen
@@ -642,8 +643,8 @@ def test_wide_grad_strides(b, bias_shape, kind, strides):
     assert bsm.dbias_kind_of(spec, bias) == kind
     grad = (torch.empty(spec.batch, spec.heads, spec.seqlen_k) if kind == "row"
             else torch.empty(bias.shape))  # fmt: skip
-    assert bsm.wide_grad_strides(spec, grad, kind) == strides
-    assert bsm.wide_grad_strides(spec, None, None) == (0, 0, 0)
+    assert bsm.wide.wide_grad_strides(spec, grad, kind) == strides
+    assert bsm.wide.wide_grad_strides(spec, None, None) == (0, 0, 0)
 
 
 @gluon
@@ -657,9 +658,9 @@ def test_wide_v_takes_the_wide_backward(dqk):
     q = torch.randn(2, 16, 2, dqk, dtype=torch.float16)
     v = torch.randn(2, 16, 2, 256, dtype=torch.float16)
     spec = check_call(q, q, v, causal=True)
-    assert backward_sm90.is_wide(spec) and not backward_sm90.fuses_split_dq(spec)
+    assert backward_sm90.is_wide(spec) and not backward_sm90.shared.fuses_split_dq(spec)
     assert not backward_sm90.dq_in_fp32(spec)
-    assert backward_sm90.dq_block_n(spec) == backward_sm90.DQ_BLOCK_N[256]
+    assert backward_sm90.wide.dq_block_n(spec) == backward_sm90.wide.DQ_BLOCK_N[256]
     assert dispatch._gluon_deterministic(check_call(q, q, v, deterministic=True), None, False)
     assert dispatch.gluon_backward_computes(spec, None, False)
     assert dispatch.gluon_backward_computes(check_call(q, q, v, dropout_p=0.1), None, False)
@@ -701,7 +702,7 @@ def _visits(n, seqlen_q, off, left, right, block_m, block_n):
 )  # fmt: skip
 @pytest.mark.parametrize("block_m", [64, 128])
 def test_ordered_dq_turns_follow_the_walks(seqlen_q, seqlen_k, align, window, block_m):
-    """ORDERED_DQ's turns (backward_sm90.dq_add_turn), run in Python against the walks
+    """ORDERED_DQ's turns (backward_sm90.narrow.dq_add_turn), run in Python against the walks
     the programs make (_query_tile's, rotated without bounds where a head's blocks all
     fit on half of 132 SMs: rotates_dq): at every query tile the turns of the key blocks
     that add into it are 0, 1, ... in the order the blocks reach it, ties in the order
@@ -711,7 +712,7 @@ def test_ordered_dq_turns_follow_the_walks(seqlen_q, seqlen_k, align, window, bl
     waits only on a program that reached the tile earlier in its own walk, or as early
     and started before it."""
     bsm = dispatch.backward_sm90
-    block_n = bsm.BLOCK_N
+    block_n = bsm.narrow.BLOCK_N
     left, right = (-1, -1) if window is None else window
     off = seqlen_k - seqlen_q if align == "bottom_right" else 0
     num_n = -(-seqlen_k // block_n)
@@ -725,7 +726,7 @@ def test_ordered_dq_turns_follow_the_walks(seqlen_q, seqlen_k, align, window, bl
         rot = n * len(tiles) // num_n if rotate else 0
         for step in range(len(tiles)):
             start_m = tiles[(step + rot) % len(tiles)]
-            turn = bsm.dq_add_turn.fn(n, start_m, num_n, len(tiles), off, left, right,
+            turn = bsm.narrow.dq_add_turn.fn(n, start_m, num_n, len(tiles), off, left, right,
                                       block_m, block_n, left >= 0, right >= 0, rotate)
             arrivals.setdefault(start_m, []).append((step, -n if later_first else n, turn))
     assert arrivals
@@ -756,12 +757,12 @@ def test_ordered_dq_takes_deterministic_calls(options, varlen, bias_shape, order
     spec, *_, bias = spec_and_inputs(d=128, bias_shape=bias_shape, varlen=varlen,
                                      deterministic=True, **options)  # fmt: skip
     kind = None if bias is None else bsm.dbias_kind_of(spec, bias)
-    monkeypatch.setattr(bsm, "ORDERED_DQ", False)
+    monkeypatch.setattr(bsm.narrow, "ORDERED_DQ", False)
     assert not bsm.orders_dq(spec, kind)
-    monkeypatch.setattr(bsm, "ORDERED_DQ", True)
+    monkeypatch.setattr(bsm.narrow, "ORDERED_DQ", True)
     bsm.hopper.forget_plans()  # plans are made from the knobs
     try:
-        plan = bsm._plan(spec, bsm.hopper.bias_row(spec, bias), kind, (False, False), 0, 0)
+        plan = bsm.narrow._plan(spec, bsm.hopper.bias_row(spec, bias), kind, (False, False), 0, 0)
     finally:
         bsm.hopper.forget_plans()
     assert bsm.orders_dq(spec, kind) is ordered
@@ -778,14 +779,14 @@ def test_ordered_dq_rotates_only_where_a_whole_head_runs(monkeypatch):
     run at once: at most half the SMs' worth; longer calls, and windows bounded on the
     left alone, add first block first instead (no such limit), as do masks last first."""
     bsm = dispatch.backward_sm90
-    monkeypatch.setattr(bsm, "ORDERED_DQ", True)
+    monkeypatch.setattr(bsm.narrow, "ORDERED_DQ", True)
     monkeypatch.setattr(bsm.hopper, "sm_count", lambda device_index: 8)
-    fits = spec_and_inputs(d=128, sk=4 * bsm.BLOCK_N, deterministic=True)[0]
-    long = spec_and_inputs(d=128, sk=5 * bsm.BLOCK_N, deterministic=True)[0]
-    causal = spec_and_inputs(d=128, sk=5 * bsm.BLOCK_N, deterministic=True, causal=True)[0]
-    left = spec_and_inputs(d=128, sk=4 * bsm.BLOCK_N, deterministic=True, window=(30, -1))[0]
+    fits = spec_and_inputs(d=128, sk=4 * bsm.narrow.BLOCK_N, deterministic=True)[0]
+    long = spec_and_inputs(d=128, sk=5 * bsm.narrow.BLOCK_N, deterministic=True)[0]
+    causal = spec_and_inputs(d=128, sk=5 * bsm.narrow.BLOCK_N, deterministic=True, causal=True)[0]
+    left = spec_and_inputs(d=128, sk=4 * bsm.narrow.BLOCK_N, deterministic=True, window=(30, -1))[0]
     assert all(bsm.orders_dq(spec, None) for spec in (fits, long, causal, left))
-    assert [bsm.rotates_dq(spec) for spec in (fits, long, causal, left)] == [
+    assert [bsm.narrow.rotates_dq(spec) for spec in (fits, long, causal, left)] == [
         True, False, False, False]
 
 

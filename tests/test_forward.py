@@ -238,7 +238,7 @@ def hopper_kernel_runs_here() -> bool:
             and forward_sm90.hopper.enabled)
 
 
-# Calls the Hopper kernels (kernels/forward_sm90.py, backward_sm90.py) take: edges of
+# Calls the Hopper kernels (kernels/forward_sm90.py, backward_sm90/) take: edges of
 # their tile rings and masks at sizes that cross several 128-row blocks and 128-key tiles.
 HOPPER_CASES = [
     Case("D64 Sq=777 Sk=1030", seqlen_q=777, seqlen_k=1030, dqk=64, dv=64),

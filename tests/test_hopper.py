@@ -279,8 +279,9 @@ def test_repeat_calls_launch_directly_and_match_gpu(monkeypatch, head_dim):
     (`_assert_same_results`)."""
     if not hopper_kernel_runs_here():
         pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
-    launchers = [forward_sm90._launch_forward, backward_sm90._launch_backward,
-                 backward_sm90._launch_backward_wide, backward_sm90._launch_dq_wide]  # fmt: skip
+    wide = backward_sm90.wide
+    launchers = [forward_sm90._launch_forward, backward_sm90.narrow._launch_backward,
+                 wide._launch_backward_wide, wide._launch_dq_wide]  # fmt: skip
     for launcher in launchers:
         monkeypatch.setattr(launcher, "fn", _CountingJit(launcher.fn))
         monkeypatch.setattr(launcher, "kernels", {})
@@ -620,10 +621,10 @@ def test_packed_head_ranks_cover_every_block_once(lengths, heads, block, extra):
 @gluon.jit
 def _packed_key_items_kernel(Items, CuSeq, num_items, H, num_seqs, num_n_blocks,
                              BLOCK_N: gl.constexpr):  # fmt: skip
-    """Each program of the backward's packed grid: the item backward_sm90._packed_key_item
+    """Each program of the backward's packed grid: the item backward_sm90.shared._packed_key_item
     gives it (-1 past its sequence's blocks), in one warp."""
     for g in range(num_items):
-        item = backward_sm90._packed_key_item(g, H, CuSeq, num_seqs, num_n_blocks, BLOCK_N)
+        item = backward_sm90.shared._packed_key_item(g, H, CuSeq, num_seqs, num_n_blocks, BLOCK_N)
         gl.store(Items + g, item)
 
 

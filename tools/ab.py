@@ -41,8 +41,9 @@ from memattn import bench, reference
 from memattn.check import relative_error
 from memattn.kernels import backward_sm90, decode, forward_sm90, hopper
 
-# name -> knobs, "fwd.NAME" of forward_sm90, "bwd.NAME" of backward_sm90, "decode.NAME" of
-# decode (over the shipped values); "tile" runs the tile kernels
+# name -> knobs, "fwd.NAME" of forward_sm90, "bwd.NAME" of the backward_sm90 module that
+# reads it (BACKWARD_KNOBS), "decode.NAME" of decode (over the shipped values); "tile"
+# runs the tile kernels
 VARIANTS = {
     "tile": None,
     "default": {},
@@ -96,19 +97,30 @@ VARIANTS = {
     "kv_views_never": {"bwd.KV_VIEWS_PER_STEP": False},
     "split_views_once": {"bwd.SPLIT_VIEWS_PER_STEP": False},  # 192/128's views once a block
 }
-MODULES = {"fwd": forward_sm90, "bwd": backward_sm90, "decode": decode}
-DEFAULTS = {f"{m}.{name}": getattr(MODULES[m], name) for m, names in (
-    ("fwd", ("FOLD", "OWN_KEY_RANGES", "BLOCK_M_D64", "PERSISTENT", "MAX_Q_STAGES",
-             "RESCALE_THRESHOLD", "TURNS_MAX_HEAD_DIM", "MIN_SEQLEN_Q_D64_MASKED",
-             "BIAS_BATCH_INNER", "POSITION_HEADS", "DROPOUT_SCRATCH", "IDLE_WARPGROUPS")),
-    ("bwd", ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "PACKED_BIAS_ADDS", "SKIP_EMPTY_KEY_BLOCKS",
-             "SPLIT_HEAD_DIM_PAIRS", "DQ_BLOCK_N", "DQ_WRITER", "DQ_WRITER_PACKED_UNMASKED",
-             "ORDERED_DQ", "PERSISTENT_BLOCKS", "MASKED_BY_RANK_BLOCKS", "FUSED_SPLIT",
-             "SPLIT_HEADS_TOGETHER",
-             "BIAS_TILES_BATCH_INNER", "MASKED_PERSISTENT_MAX_BLOCKS",
-             "KV_VIEWS_PER_STEP", "SPLIT_VIEWS_PER_STEP", "IDLE_HALVES")),
-    ("decode", ("PDL",)))
-    for name in names}  # fmt: skip
+FORWARD_KNOBS = ("FOLD", "OWN_KEY_RANGES", "BLOCK_M_D64", "PERSISTENT", "MAX_Q_STAGES",
+                 "RESCALE_THRESHOLD", "TURNS_MAX_HEAD_DIM", "MIN_SEQLEN_Q_D64_MASKED",
+                 "BIAS_BATCH_INNER", "POSITION_HEADS", "DROPOUT_SCRATCH", "IDLE_WARPGROUPS")
+# "bwd.NAME": the backward module whose code reads the knob
+BACKWARD_KNOBS = {name: module for module, names in (
+    (backward_sm90.narrow, ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "SKIP_EMPTY_KEY_BLOCKS",
+                            "DQ_WRITER", "DQ_WRITER_PACKED_UNMASKED", "ORDERED_DQ",
+                            "PERSISTENT_BLOCKS", "MASKED_BY_RANK_BLOCKS", "BIAS_TILES_BATCH_INNER",
+                            "MASKED_PERSISTENT_MAX_BLOCKS", "KV_VIEWS_PER_STEP", "IDLE_HALVES")),
+    (backward_sm90.shared, ("PACKED_BIAS_ADDS", "SPLIT_HEAD_DIM_PAIRS", "FUSED_SPLIT")),
+    (backward_sm90.wide, ("DQ_BLOCK_N",)),
+    (backward_sm90.split, ("SPLIT_HEADS_TOGETHER", "SPLIT_VIEWS_PER_STEP")),
+    (backward_sm90, ("MIN_KEYS_PER_QUERY",))) for name in names}  # fmt: skip
+
+
+def knob_module(key: str):
+    """The module a knob's key ("fwd.NAME", "bwd.NAME", "decode.NAME") is set on."""
+    prefix, name = key.split(".")
+    return {"fwd": forward_sm90, "decode": decode}.get(prefix) or BACKWARD_KNOBS[name]
+
+
+DEFAULTS = {**{f"fwd.{name}": getattr(forward_sm90, name) for name in FORWARD_KNOBS},
+            **{f"bwd.{name}": getattr(module, name) for name, module in BACKWARD_KNOBS.items()},
+            "decode.PDL": decode.PDL}
 # A/B the kernels themselves, at every size
 DEFAULTS["bwd.MIN_KEYS_PER_QUERY"] = dict.fromkeys(backward_sm90.HEAD_DIMS, 0)
 
@@ -117,8 +129,7 @@ def use(knobs) -> None:
     """Gluon with these knobs over the shipped ones, or the tile kernels (None)."""
     hopper.enabled = knobs is not None
     for key, value in {**DEFAULTS, **(knobs or {})}.items():
-        module, name = key.split(".")
-        setattr(MODULES[module], name, value)
+        setattr(knob_module(key), key.split(".")[1], value)
     hopper.forget_plans()  # plans are made from the knobs
 
 

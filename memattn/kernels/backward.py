@@ -74,7 +74,7 @@ def _delta_kernel(
     lse2 = lse * log2(e) (+inf for rows that see no key, so their P is 0, not NaN),
     stored beside delta (strides stride_d*), packed sequences' at packed_stats_start,
     each followed by STATS_SLACK rows of lse2 = +inf and delta = 0;
-    with ZERO_DQ, zeros for the fp32 dQ accumulator (backward_sm90.dq_tiles: DQ_BLOCK_M
+    with ZERO_DQ, zeros for the fp32 dQ accumulator (backward_sm90.shared.dq_tiles: DQ_BLOCK_M
     rows a tile, each zeroed whole by the program at its first row)."""
     b, h, _, m_block = row_block(num_m_blocks, H, False)
     start_m = m_block * BLOCK_M
@@ -128,8 +128,8 @@ _DELTA_BLOCK_M = 64
 def delta_launch(spec: AttentionSpec, out, grad_out, lse, grad_lse, cu_seqlens_q, delta,
                  lse2=None, dq_acc=None, dq_block_m=0) -> tuple[tuple, tuple, dict]:  # fmt: skip
     """_delta_kernel's (grid, arguments, constexprs): delta (laid out as lse; for the
-    Gluon backward, lse2 given, as backward_sm90.row_stats_buffer) minus grad_lse where
-    given, lse2, and zeros in dq_acc where given (backward_sm90.dq_tiles, tiles of
+    Gluon backward, lse2 given, as backward_sm90.shared.row_stats_buffer) minus grad_lse where
+    given, lse2, and zeros in dq_acc where given (backward_sm90.shared.dq_tiles, tiles of
     dq_block_m rows). The tile backward launches it here, backward_sm90 through its
     launcher."""
     zero_dq = dq_acc is not None

@@ -78,7 +78,7 @@ def row_block(num_m_blocks, H, DESCENDING: tl.constexpr):
 @triton.jit
 def dq_tile(start_m, q_start, b, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr):
     """The index, among its head's, of the BLOCK_M-row dQ tile from query row start_m
-    on (backward_sm90.dq_tiles): a packed sequence b's tiles from q_start // BLOCK_M + b
+    on (backward_sm90.shared.dq_tiles): a packed sequence b's tiles from q_start // BLOCK_M + b
     on, so that no two sequences share one."""
     tile = start_m // BLOCK_M
     if IS_VARLEN:
@@ -101,7 +101,7 @@ def philox_key(Rng, HAS_DROPOUT: tl.constexpr):
 @triton.jit
 def packed_stats_start(q_start, b):
     """Where packed sequence b's row statistics start in the Gluon backward's stats
-    buffer (backward_sm90.row_stats_buffer): its first token rounded up to a multiple
+    buffer (backward_sm90.shared.row_stats_buffer): its first token rounded up to a multiple
     of 4 (16 bytes of fp32, where a TMA box must start) after STATS_SLACK + 4 tokens for
     each earlier sequence, so that each sequence's rows and the STATS_SLACK rows past
     its end (+inf lse: a tile's rows past the sequence get P = 0) overlap no other's."""

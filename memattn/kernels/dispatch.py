@@ -1,7 +1,7 @@
 """Which kernel family runs a call: the one place that decides, for the forward and the
 backward alike.
 
-- The Gluon kernels (forward_sm90.py, backward_sm90.py): Hopper GPUs (sm_90) with
+- The Gluon kernels (forward_sm90.py, backward_sm90/): Hopper GPUs (sm_90) with
   Triton 3.6's Gluon, bf16/fp16, head dims the kernels are built for (64, 128, 192 or
   256 for q·k, 64, 128 or 256 for v, any pair) or that run as the next wider of them
   (kernel_spec: D=96 as 128), where shared memory holds the forward's buffers
@@ -17,7 +17,7 @@ backward alike.
   read by tiles (dS stored, or added up across the batch or heads it broadcasts over:
   past 128 columns, D=256, Dqk=192, V of 256, by atomics from registers); deterministic
   mode only where dQ is not added up in fp32 across programs, or is in a fixed order
-  (backward_sm90.ORDERED_DQ), or comes from dS stored whole (a full bias gradient, or
+  (backward_sm90.narrow.ORDERED_DQ), or comes from dS stored whole (a full bias gradient, or
   one summed over batch or heads stored expanded first) by one matmul
   (backward_sm90.dq_from_full_bias).
   Neither takes global positions for ALiBi or dropout (AttentionSpec.positioned).

@@ -78,7 +78,7 @@ def shared_over_batch(spec: AttentionSpec, dims: tuple[int, int]) -> bool:
     """Whether a bias of these (batch, head) sizes (bias_dims) is a plane per head that
     the call's batches share: the kernels then read it batch after batch within a head,
     so that the batch's programs meet on its tiles in L2 (forward_sm90.BIAS_BATCH_INNER,
-    backward_sm90.BIAS_TILES_BATCH_INNER)."""
+    backward_sm90.narrow.BIAS_TILES_BATCH_INNER)."""
     return spec.batch > 1 and dims[0] == 1 and dims[1] > 1
 
 
@@ -719,7 +719,7 @@ def named_barrier(bar_id: gl.constexpr, threads: gl.constexpr, ARRIVE: gl.conste
 @gluon.jit
 def wait_turn(lock, turn):
     """Spins until the int32 counter at ``lock`` reads ``turn`` (ld.acquire.gpu, every
-    lane): adds from different programs in a fixed order (backward_sm90.ORDERED_DQ)."""
+    lane): adds from different programs in a fixed order (backward_sm90.narrow.ORDERED_DQ)."""
     gl.inline_asm_elementwise(
         "{ .reg .pred p; .reg .b32 v; WAIT_TURN: ld.global.acquire.gpu.b32 v, [$1]; "
         "setp.ne.s32 p, v, $2; @p bra WAIT_TURN; mov.b32 $0, v; }",
