@@ -30,7 +30,7 @@ the first call compiles and loads), then the row's work keeps the GPU busy for S
 recording (the training forward, whose output the backward uses), the backward as
 ``out.backward(grad, retain_graph=True)``. ``--rounds N`` times a row's
 implementations N times in turn, in round_order's balanced orders, and keeps each one's
-median.
+median; a row whose rounds disagree (rounds_agree) gets up to EXTRA_ROUNDS more.
 
 TFLOP/s count 4*B*H*Sq*Sk*D for the forward (2*B*H*Sq*Sk*(Dqk + Dv) when they differ),
 halved for causal as the peers count it; sliding-window and varlen rows count their
@@ -550,6 +550,14 @@ SETTLE_S = 1.5
 # part of a swing or another (the ratios of the two rounds of one run differed by
 # 9-16 % at the long rows); 400 ms a round, two rounds, take in most of one.
 TIMING_REP_MS = 400
+# With --rounds N >= 2, a row where some implementation's rounds disagree (fewer than a
+# majority within AGREE of their median, in either pass) is timed again, a round of
+# every implementation at a time, up to EXTRA_ROUNDS more, so that its median rests on
+# rounds that agree: on an H100 a short causal backward's rounds read 574 and 727 µs in
+# one full run (D128_S1024_causal; 568 and 570 in the run before), where tools/ab.py's
+# three rounds in another process read 571-581 µs.
+AGREE = 0.05
+EXTRA_ROUNDS = 2
 
 
 def first_call(run: Callable[[], torch.Tensor], leaves: list[torch.Tensor],
@@ -635,6 +643,19 @@ def measure(run: Callable[[], torch.Tensor], leaves: list[torch.Tensor],
     return timing
 
 
+def rounds_agree(rounds: list[Timing]) -> bool:
+    """Whether one implementation's rounds on a row agree: in each pass that ran at
+    least twice, a majority of its rounds within AGREE of their median."""
+    for p in ("fwd", "bwd"):
+        ran = [getattr(t, f"{p}_ms") for t in rounds if getattr(t, f"{p}_ms") is not None]
+        if len(ran) < 2:
+            continue
+        mid = statistics.median(ran)
+        if sum(abs(x / mid - 1) <= AGREE for x in ran) <= len(ran) // 2:
+            return False
+    return True
+
+
 def median_timing(rounds: list[Timing]) -> Timing:
     """One implementation's rounds on a row (``--rounds``) as one Timing: per pass the
     median of the rounds that ran (each a do_bench median), every round's kept beside
@@ -715,9 +736,10 @@ def collect(
     implementation's that ran), then the timing. ``rounds``: each row's implementations
     timed that many times in turn (round_order), each kept as the median of its rounds
     (median_timing): a device's clock drifts within a row, so one pass puts that drift
-    into the ratios."""
+    into the ratios; where they disagree (rounds_agree), up to EXTRA_ROUNDS more."""
     results: list[Result] = []
-    task = progress.add_task("", total=len(rows) * len(impls) * rounds) if progress else None
+    total = len(rows) * len(impls) * rounds
+    task = progress.add_task("", total=total) if progress else None
     for row in rows:
         torch.manual_seed(0)
         t, input_error = None, None
@@ -727,7 +749,13 @@ def collect(
             input_error = _reason(e, [])
         first = settle(row, impls, t, quick, progress, task)
         timings: dict[str, list[Timing]] = {impl: [] for impl in impls}
-        for k in range(rounds):
+        for k in range(rounds + (EXTRA_ROUNDS if rounds > 1 else 0)):
+            if k >= rounds:  # another round only where some implementation's disagree
+                if all(rounds_agree(timings[impl]) for impl in impls):
+                    break
+                if progress is not None:
+                    total += len(impls)
+                    progress.update(task, total=total)
             for impl in round_order(impls, k):
                 if progress is not None:
                     progress.update(task, description=f"{row.name:<22} {impl:<15}")

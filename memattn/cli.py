@@ -178,7 +178,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=1, metavar="N",
                    help="time each row's implementations N times in turn, the order "
                         "rotated each round, and keep each one's median: the ratios then "
-                        "rest on N samples each (a full run takes N times as long)")
+                        "rest on N samples each (a full run takes N times as long); with "
+                        "N >= 2 a row whose rounds disagree gets up to 2 more")
     p.add_argument("--list", action="store_true", help="list the rows and exit")
     p.add_argument("--compile-workers", type=int, default=0, metavar="N",
                    help="first compile every row's kernels (memattn's and flex's) in N "

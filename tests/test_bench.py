@@ -5,6 +5,7 @@ handling, and the report (ratios, JSON, table, plot) built from fake timings."""
 import argparse
 import io
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -535,13 +536,14 @@ def test_resume_keeps_the_rows_the_json_has_and_runs_the_rest(tmp_path):
                                                              device="another"))  # fmt: skip
 
 
-def test_rounds_balance_the_order_and_keep_each_ones_median(tmp_path):
+def test_rounds_balance_the_order_and_keep_each_ones_median(tmp_path, monkeypatch):
     """--rounds 3: each row's implementations timed three times in turn (round_order:
     reversed every second round, turned every two), after every implementation's first
     call and SETTLE_S of the first one's work; each kept as the median of its rounds
     (every round's time in the JSON beside it), with its first call's time; a pass no
     round ran keeps the first round's error; --resume refuses a file of another
-    --rounds."""
+    --rounds. (Rounds this far apart would get more: EXTRA_ROUNDS, its own test.)"""
+    monkeypatch.setattr(bench, "EXTRA_ROUNDS", 0)
     rows = [r for r in bench.select_rows(True) if r.name in ("D128_S4096", "bias_grad")]
     impls = ["memattn", "flex", "sdpa_cudnn"]
     calls: dict[str, int] = {}
@@ -579,6 +581,57 @@ def test_rounds_balance_the_order_and_keep_each_ones_median(tmp_path):
     with pytest.raises(bench.ResumeError, match="rounds"):
         _fake_bench(tmp_path, rows, impls, True, [], rounds=1)
     assert cli.main(["bench", "--rounds", "0", "--rows", "D128_S4096"]) == 2
+
+
+def test_rows_whose_rounds_disagree_get_more_rounds(tmp_path):
+    """--rounds 2: where an implementation's two rounds disagree (rounds_agree: not a
+    majority within AGREE of their median), the row's implementations are all timed
+    again, a round at a time, until they agree or EXTRA_ROUNDS more have run; a row
+    whose rounds agree gets none. The median then rests on the rounds that agree."""
+    rows = [r for r in bench.select_rows(True) if r.name in ("D128_S4096", "D128_S1024")]
+    impls = ["memattn", "flex"]
+    times = {  # a call's forward time, by row and implementation, in the order timed
+        ("D128_S1024", "memattn"): [1.0, 1.5, 1.02],  # one stray round, then agreement
+        ("D128_S1024", "flex"): [2.0, 2.0, 2.0],
+        ("D128_S4096", "memattn"): [1.0, 1.01],  # agree: no third round
+        ("D128_S4096", "flex"): [3.0, 3.03],
+    }
+    calls: dict[tuple[str, str], int] = {}
+
+    def timings(run, leaves, backward=True):
+        impl, row = run()
+        k = calls[row.name, impl] = calls.get((row.name, impl), -1) + 1
+        fwd = times[row.name, impl][k]
+        return bench.Timing(fwd_ms=fwd, bwd_ms=2.0)  # the backward always agrees
+
+    measured = []
+    results = _fake_bench(tmp_path, rows, impls, False, measured, rounds=2, timings=timings)
+    got = {(r.row.name, r.impl): r.timing for r in results}
+    assert calls == {("D128_S1024", "memattn"): 2, ("D128_S1024", "flex"): 2,
+                     ("D128_S4096", "memattn"): 1, ("D128_S4096", "flex"): 1}  # fmt: skip
+    assert [impl for name, impl in measured if name == "D128_S1024"] == [
+        "memattn", "flex", "flex", "memattn", "flex", "memattn"]  # round_order's third
+    assert got["D128_S1024", "memattn"].fwd_ms == 1.02
+    assert got["D128_S1024", "memattn"].fwd_rounds_ms == [1.0, 1.5, 1.02]
+    assert got["D128_S4096", "memattn"].fwd_ms == pytest.approx(1.005)
+
+    # rounds that never agree: EXTRA_ROUNDS more at most, the median of all of them
+    stray = [1.0, 1.5, 2.0, 3.0, 4.0]
+    times.update({("D128_S1024", "memattn"): stray, ("D128_S1024", "flex"): [2.0] * 5})
+    calls.clear()
+    results = _fake_bench(tmp_path, rows[:1] if rows[0].name == "D128_S1024" else rows[1:],
+                          impls, False, [], rounds=2, timings=timings)  # fmt: skip
+    mine = next(r.timing for r in results if r.impl == "memattn")
+    assert len(mine.fwd_rounds_ms) == 2 + bench.EXTRA_ROUNDS
+    assert mine.fwd_ms == statistics.median(stray[:2 + bench.EXTRA_ROUNDS])
+
+
+@pytest.mark.parametrize(("ms", "agree"), [([1.0], True), ([1.0, 1.09], True),
+                                           ([1.0, 1.12], False), ([1.0, 1.5, 1.02], True),
+                                           ([1.0, 1.5, 2.0], False)])  # fmt: skip
+def test_rounds_agree_where_a_majority_is_near_the_median(ms, agree):
+    assert bench.rounds_agree([bench.Timing(fwd_ms=x) for x in ms]) is agree
+    assert bench.rounds_agree([bench.Timing(fwd_ms=1.0, bwd_ms=x) for x in ms]) is agree
 
 
 def test_resume_needs_a_json_path(capsys):
