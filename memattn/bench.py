@@ -643,17 +643,19 @@ def measure(run: Callable[[], torch.Tensor], leaves: list[torch.Tensor],
     return timing
 
 
+def times_agree(ms: list[float] | None) -> bool:
+    """Whether one pass's round times agree: a majority within AGREE of their median
+    (fewer than two rounds: nothing to disagree)."""
+    if not ms or len(ms) < 2:
+        return True
+    mid = statistics.median(ms)
+    return sum(abs(x / mid - 1) <= AGREE for x in ms) > len(ms) // 2
+
+
 def rounds_agree(rounds: list[Timing]) -> bool:
-    """Whether one implementation's rounds on a row agree: in each pass that ran at
-    least twice, a majority of its rounds within AGREE of their median."""
-    for p in ("fwd", "bwd"):
-        ran = [getattr(t, f"{p}_ms") for t in rounds if getattr(t, f"{p}_ms") is not None]
-        if len(ran) < 2:
-            continue
-        mid = statistics.median(ran)
-        if sum(abs(x / mid - 1) <= AGREE for x in ran) <= len(ran) // 2:
-            return False
-    return True
+    """Whether one implementation's rounds on a row agree, in each pass (times_agree)."""
+    return all(times_agree([getattr(t, f"{p}_ms") for t in rounds
+                            if getattr(t, f"{p}_ms") is not None]) for p in ("fwd", "bwd"))
 
 
 def median_timing(rounds: list[Timing]) -> Timing:
@@ -923,6 +925,7 @@ def result_json(r: Result) -> dict:
     for pass_ in ("fwd", "bwd"):
         if getattr(r.timing, f"{pass_}_rounds_ms") is not None:  # --rounds
             d[f"{pass_}_rounds_ms"] = getattr(r.timing, f"{pass_}_rounds_ms")
+            d[f"{pass_}_rounds_agree"] = times_agree(d[f"{pass_}_rounds_ms"])
     worst = [status(r.error(bwd)) for bwd in (False, True)]
     d["status"] = next((s for s in worst if s != "ok"), "ok")
     return d
@@ -963,11 +966,17 @@ def report_json(results: list[Result], env: dict, quick: bool, started: str | No
     )  # fmt: skip
 
 
+# Marks a figure whose rounds still disagree after the extra rounds (times_agree)
+UNSETTLED = "~"
+
+
 def _cell(r: Result) -> str:
     def one(bwd):
         value = r.rate(bwd)
         if value is not None:
-            return f"{value:.0f}" + (" GB/s" if r.row.decode else "")
+            rounds = r.timing.bwd_rounds_ms if bwd else r.timing.fwd_rounds_ms
+            mark = "" if times_agree(rounds) else UNSETTLED
+            return f"{mark}{value:.0f}" + (" GB/s" if r.row.decode else "")
         return {"unavailable": "n/a", "oom": "OOM", "skipped": "skip"}.get(
             status(r.error(bwd)), "err")  # fmt: skip
 
@@ -997,6 +1006,15 @@ def make_table(results: list[Result], impls: list[str], title: str):
                       *(_cell(mine[i]) if i in mine else "" for i in impls),
                       _ratio_cell(*entry["fwd"]), _ratio_cell(*entry["bwd"]))  # fmt: skip
     return table
+
+
+def unsettled_note(results: list[Result]) -> str | None:
+    """The table's footnote where a figure is marked UNSETTLED, else None."""
+    if all(times_agree(getattr(r.timing, f"{p}_rounds_ms")) for r in results
+           for p in ("fwd", "bwd")):  # fmt: skip
+        return None
+    return (f"{UNSETTLED}: that figure's rounds still disagreed after {EXTRA_ROUNDS} more "
+            f"(a majority not within {AGREE:.0%} of their median); it is their median")
 
 
 def error_lines(results: list[Result]) -> list[str]:
@@ -1185,6 +1203,8 @@ def run(args, rows: list[Row], impls: list[str], device="cuda", console=None) ->
     save(results)
     results = with_kept(results)
     console.print(make_table(results, impls, title))
+    if note := unsettled_note(results):
+        console.print(Text(note, style="dim"), soft_wrap=True)
     for line in error_lines(results):
         console.print(Text(line, style="dim"), soft_wrap=True)
     console.print(f"results: {json_path}")

@@ -621,9 +621,17 @@ def test_rows_whose_rounds_disagree_get_more_rounds(tmp_path):
     calls.clear()
     results = _fake_bench(tmp_path, rows[:1] if rows[0].name == "D128_S1024" else rows[1:],
                           impls, False, [], rounds=2, timings=timings)  # fmt: skip
-    mine = next(r.timing for r in results if r.impl == "memattn")
-    assert len(mine.fwd_rounds_ms) == 2 + bench.EXTRA_ROUNDS
-    assert mine.fwd_ms == statistics.median(stray[:2 + bench.EXTRA_ROUNDS])
+    mine = next(r for r in results if r.impl == "memattn")
+    assert len(mine.timing.fwd_rounds_ms) == 2 + bench.EXTRA_ROUNDS
+    assert mine.timing.fwd_ms == statistics.median(stray[:2 + bench.EXTRA_ROUNDS])
+    # ... marked so in the table and the JSON, the agreeing figures not
+    assert bench._cell(mine).startswith(bench.UNSETTLED)
+    entry = bench.result_json(mine)
+    assert entry["fwd_rounds_agree"] is False and entry["bwd_rounds_agree"] is True
+    flex = next(r for r in results if r.impl == "flex")
+    assert bench.UNSETTLED not in bench._cell(flex)
+    assert bench.unsettled_note(results).startswith(bench.UNSETTLED)
+    assert bench.unsettled_note([flex]) is None
 
 
 @pytest.mark.parametrize(("ms", "agree"), [([1.0], True), ([1.0, 1.09], True),
