@@ -371,9 +371,9 @@ _launch_split = hopper.Launcher(_bwd_split_kernel)
 
 
 def backward(spec: AttentionSpec, q, k, v, grad_out, cu_seqlens_q, cu_seqlens_k, stats,
-                    dq, dk, dv) -> None:  # fmt: skip
-    """`backward` for fuses_split_dq's calls: _bwd_split_kernel, dQ added into dq
-    (dq_tiles' fp32 buffer)."""
+             dq, dk, dv) -> None:  # fmt: skip
+    """The package's `backward` for fuses_split_dq's calls: _bwd_split_kernel, dQ added
+    into dq (dq_tiles' fp32 buffer)."""
     how = _plan_split(spec, k.shape[0] if spec.varlen else 0, q.device.index)
     # What the arguments are made of beside the plan: hopper.Launcher.launch_prepared.
     call = (how, *map(hopper.tensor_key, (q, k, v, grad_out, cu_seqlens_q, cu_seqlens_k,

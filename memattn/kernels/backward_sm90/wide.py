@@ -754,10 +754,10 @@ _launch_dq_wide = hopper.Launcher(_bwd_dq_wide_kernel)
 
 
 def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_state,
-                   cu_seqlens_q, cu_seqlens_k, stats, dq, dk, dv, dbias) -> None:  # fmt: skip
-    """`backward` at head dims past 128 (is_wide): dK and dV (and a bias gradient: stored,
-    added by atomics, or a key row's summed) from _bwd_wide_kernel, dQ from
-    _bwd_dq_wide_kernel, dense or packed batches."""
+             cu_seqlens_q, cu_seqlens_k, stats, dq, dk, dv, dbias) -> None:  # fmt: skip
+    """The package's `backward` at head dims past 128 (is_wide): dK and dV (and a bias
+    gradient: stored, added by atomics, or a key row's summed) from _bwd_wide_kernel, dQ
+    from _bwd_dq_wide_kernel, dense or packed batches."""
     bias_row = hopper.bias_row(spec, bias)
     dbias_kind = None if dbias is None else dbias_kind_of(spec, bias)
     tokens = (q.shape[0], k.shape[0]) if spec.varlen else (0, 0)
