@@ -39,7 +39,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 import memattn
 from memattn import bench, reference
 from memattn.check import relative_error
-from memattn.kernels import backward_sm90, decode, forward_sm90, hopper
+from memattn.kernels import backward_sm90, decode, forward_sm90, hopper, tuning
 
 # name -> knobs, "fwd.NAME" of forward_sm90, "bwd.NAME" of the backward_sm90 module that
 # reads it (BACKWARD_KNOBS), "decode.NAME" of decode (over the shipped values); "tile"
@@ -92,6 +92,13 @@ VARIANTS = {
     # a last block's warpgroup past the sequence does its work all the same
     "no_idle": {"fwd.IDLE_WARPGROUPS": False, "bwd.IDLE_HALVES": False},
     "no_pdl": {"decode.PDL": False},  # decode's kernels launched after the last one ends
+    # decode's tile at 64 rows (block_m, block_n, warps, stages; shipped 64, 64, 4, 3):
+    # the programs an SM holds and the splits follow from its shared memory
+    "dec64x64w8s4": {"decode.WIDE_ROWS_TILE": tuning.Config(64, 64, 8, 4)},  # one an SM
+    "dec64x64w4s2": {"decode.WIDE_ROWS_TILE": tuning.Config(64, 64, 4, 2)},
+    "dec64x64w8s2": {"decode.WIDE_ROWS_TILE": tuning.Config(64, 64, 8, 2)},
+    "dec64x32w4s3": {"decode.WIDE_ROWS_TILE": tuning.Config(64, 32, 4, 3)},
+    "dec64x128w8s2": {"decode.WIDE_ROWS_TILE": tuning.Config(64, 128, 8, 2)},
     # the D 64/128 backward's K and V views made in each step: every call, or none
     "kv_views_always": {"bwd.KV_VIEWS_PER_STEP": True},
     "kv_views_never": {"bwd.KV_VIEWS_PER_STEP": False},
@@ -120,7 +127,7 @@ def knob_module(key: str):
 
 DEFAULTS = {**{f"fwd.{name}": getattr(forward_sm90, name) for name in FORWARD_KNOBS},
             **{f"bwd.{name}": getattr(module, name) for name, module in BACKWARD_KNOBS.items()},
-            "decode.PDL": decode.PDL}
+            "decode.PDL": decode.PDL, "decode.WIDE_ROWS_TILE": decode.WIDE_ROWS_TILE}
 # A/B the kernels themselves, at every size
 DEFAULTS["bwd.MIN_KEYS_PER_QUERY"] = dict.fromkeys(backward_sm90.HEAD_DIMS, 0)
 

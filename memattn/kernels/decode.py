@@ -205,6 +205,14 @@ def _merge_kernel(
 SHARED_MEMORY = 227 * 1024
 PROGRAMS_PER_SM = 4
 INTERPRETER_PROGRAMS = 16
+# 64 rows a program (a GQA group's queries, e.g. 4 heads x 16) at D <= 128: 64 keys in
+# three stages (96 KiB) let two programs share an SM, one's loads under the other's
+# matmuls and softmax, and the keys split twice as far. H200, H32/8, GB/s of K and V
+# (tools/ab.py, medians of 5), B8 Sq16 Sk32768 / B1 Sq16 Sk131072: this tile 3936 / 3685;
+# 64 keys, 8 warps, four stages (one program an SM) 2983 / 3090; 64 keys, two stages
+# 3124 / 2935; 32 keys, three stages 3231 / 2973; 128 keys, 8 warps, two stages 2654 /
+# 2575; 64 keys, 8 warps, two stages 2485 / 2334.
+WIDE_ROWS_TILE = tuning.Config(64, 64, 4, 3)
 
 try:  # on CUDA, launches go past JITFunction.run's per-call binding (hopper.Launcher)
     from . import hopper
@@ -227,8 +235,8 @@ def configs(spec: AttentionSpec, interpreting: bool) -> tuple[tuning.Config, ...
         return (tuning.Config(block_m, 32, 4, 3), tuning.Config(block_m, 32, 4, 2))
     block_n = 64 if max(spec.head_dim_qk, spec.head_dim_v) > 128 else 128
     fitting = (tuning.Config(block_m, 64, 4, 3), tuning.Config(block_m, 32, 4, 2))
-    if block_m == 64 and block_n == 128:  # 64 rows of softmax a tile: eight warps
-        return (tuning.Config(64, 64, 8, 4),) + fitting
+    if block_m == 64 and block_n == 128:
+        return tuple(dict.fromkeys((WIDE_ROWS_TILE,) + fitting))
     return (tuning.Config(block_m, block_n, 4, 3),) + fitting
 
 
