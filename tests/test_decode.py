@@ -81,6 +81,20 @@ def test_one_split_writes_out_itself(decode_runs, monkeypatch):
 
 
 @cpu_only
+def test_a_groups_64_rows_try_the_wide_rows_tile_first(decode_runs):
+    """64 query rows a program (B8 Sq16 H32/8, D=128, bf16) on the GPU: the split kernel
+    tries WIDE_ROWS_TILE first, then smaller tiles (where a bias's do not fit), each once,
+    the last of 32 keys."""
+    assert_results(check_forward(DECODE_CASES[0], torch.float32, "cpu", seed=1))
+    spec = dataclasses.replace(decode_runs[0], batch=8, heads=32, kv_heads=8, seqlen_q=16,
+                               seqlen_k=32768, head_dim_qk=128, head_dim_v=128,
+                               dtype=torch.bfloat16, has_bias=False)  # fmt: skip
+    tiles = decode.configs(spec, interpreting=False)
+    assert tiles[0] == decode.WIDE_ROWS_TILE and tiles[0].block_m == 64
+    assert len(set(tiles)) == len(tiles) and tiles[-1].block_n == 32
+
+
+@cpu_only
 @pytest.mark.parametrize("case", [DECODE_CASES[0], DECODE_CASES[-1],
                                   few_queries(FEATURE_CASES[-1])], ids=lambda c: c.name)
 def test_decode_then_backward_cpu(case, decode_runs):
