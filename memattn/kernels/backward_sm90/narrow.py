@@ -524,56 +524,11 @@ def _bwd_compute_partition(
             mbarrier.arrive(kv_empty)  # may load
         tma.store_wait(0)  # the last dQ (and bias gradient) copies have read their buffers
 
-        if HAS_DROPOUT:
-            dv = dv * (1.0 / (1.0 - dropout_p))
-        dk_out = (dk * scale).to(dtype)
-        dv_out = dv.to(dtype)
-        if IS_VARLEN and row0 + HALF_N > seqlen_k:
-            _store_rows(dk_out, DK + k_start.to(gl.int64) * stride_kn, b, hk, stride_kb,
-                        stride_kn, stride_kh, seqlen_k,
-                        row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dk_layout)),
-                        gl.arange(0, HEAD_DIM_QK, layout=gl.SliceLayout(0, dk_layout)),
-                        dk_desc.shape[3])  # fmt: skip
-            _store_rows(dv_out, DV + k_start.to(gl.int64) * stride_vn, b, hk, stride_vb,
-                        stride_vn, stride_vh, seqlen_k,
-                        row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dv_layout)),
-                        gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, dv_layout)),
-                        dv_desc.shape[3])  # fmt: skip
-        else:  # the TMA store clips a dense batch's keys past Sk
-            if DQ_BUFS > 0:  # the writer warp has read the buffer's last dQ tile
-                if OVERLAP_ENDS:  # the buffer of the next block's first dQ tile
-                    last = step - DQ_BUFS
-                    stage_slot = HALF * DQ_BUFS + step % DQ_BUFS
-                else:  # the first, once the block's last tile has been read
-                    last = step - 1
-                    stage_slot = HALF * DQ_BUFS
-                mbarrier.wait(dq_empty.index(HALF * DQ_BUFS + last % DQ_BUFS),
-                              (last // DQ_BUFS) & 1, pred=last >= 0)
-                stage = dq_smem.index(stage_slot)
-            else:
-                stage = dq_smem.index(HALF)
-            rows = [b_tma, hk, k_start + row0, 0]
-            if TOGETHER:
-                pair = stage._reinterpret(dtype, [2] + dk_desc.block_type.shape, dk_desc.layout)
-                _store_by_tma(dk_out, pair.index(0), dk_desc, rows)
-                _store_by_tma(dv_out, pair.index(1), dv_desc, rows)
-            else:
-                _store_by_tma(dk_out, stage._reinterpret(dtype, dk_desc.block_type.shape,
-                                                         dk_desc.layout), dk_desc, rows)
-                if DV_STAGED:
-                    tma.store_wait(0)
-                    gl.thread_barrier()
-                    _store_by_tma(dv_out, stage._reinterpret(dtype, dv_desc.block_type.shape,
-                                                             dv_desc.layout), dv_desc, rows)
-                else:
-                    _store_rows(
-                        dv_out, DV + k_start.to(gl.int64) * stride_vn, b, hk, stride_vb,
-                        stride_vn, stride_vh, seqlen_k,
-                        row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dv_layout)),
-                        gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, dv_layout)),
-                        dv_desc.shape[3])  # fmt: skip
-            if DQ_BUFS == 0 or not OVERLAP_ENDS:
-                tma.store_wait(0)  # before the buffer's next dQ tile
+        _store_block_grads(
+            dk, dv, dk_desc, dv_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb,
+            stride_vn, stride_vh, dq_smem, dq_empty, b, b_tma, hk, k_start, row0, seqlen_k, step,
+            scale, dropout_p, HALF, HALF_N, HEAD_DIM_QK, HEAD_DIM_V, DQ_BUFS, HAS_DROPOUT,
+            IS_VARLEN, OVERLAP_ENDS, TOGETHER, DV_STAGED, dk_layout, dv_layout)  # fmt: skip
     if OVERLAP_ENDS:  # the last block's stores have read shared memory
         tma.store_wait(0)
 
@@ -691,6 +646,74 @@ def _store_by_tma(x, buf, desc, coords):
     buf.reshape([x.shape[0], x.shape[1]]).store(x)
     fence_async_shared()
     tma.async_copy_shared_to_global(desc, coords, buf)
+
+
+@gluon.jit
+def _store_block_grads(
+    dk, dv, dk_desc, dv_desc, DK, DV, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
+    stride_vh, dq_smem, dq_empty, b, b_tma, hk, k_start, row0, seqlen_k, step, scale,
+    dropout_p, HALF: gl.constexpr, HALF_N: gl.constexpr, HEAD_DIM_QK: gl.constexpr,
+    HEAD_DIM_V: gl.constexpr, DQ_BUFS: gl.constexpr, HAS_DROPOUT: gl.constexpr,
+    IS_VARLEN: gl.constexpr, OVERLAP_ENDS: gl.constexpr, TOGETHER: gl.constexpr,
+    DV_STAGED: gl.constexpr, dk_layout: gl.constexpr, dv_layout: gl.constexpr,
+):  # fmt: skip
+    """A block's dK and dV (keys [row0, + HALF_N), fp32 registers) out, scaled: by TMA
+    store through this warpgroup's dQ buffer (both at once where TOGETHER, dV by plain
+    stores where its tile does not fit: not DV_STAGED), or by plain stores where a
+    packed sequence's keys end inside the block (a TMA store clips at the packed
+    tensor's end, not the sequence's). ``step``: the rings' count after the block (the
+    writer warp's last dQ tile read from the buffer first, DQ_BUFS > 0)."""
+    dtype: gl.constexpr = dk_desc.dtype
+    if HAS_DROPOUT:
+        dv = dv * (1.0 / (1.0 - dropout_p))
+    dk_out = (dk * scale).to(dtype)
+    dv_out = dv.to(dtype)
+    if IS_VARLEN and row0 + HALF_N > seqlen_k:
+        _store_rows(dk_out, DK + k_start.to(gl.int64) * stride_kn, b, hk, stride_kb,
+                    stride_kn, stride_kh, seqlen_k,
+                    row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dk_layout)),
+                    gl.arange(0, HEAD_DIM_QK, layout=gl.SliceLayout(0, dk_layout)),
+                    dk_desc.shape[3])  # fmt: skip
+        _store_rows(dv_out, DV + k_start.to(gl.int64) * stride_vn, b, hk, stride_vb,
+                    stride_vn, stride_vh, seqlen_k,
+                    row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dv_layout)),
+                    gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, dv_layout)),
+                    dv_desc.shape[3])  # fmt: skip
+    else:  # the TMA store clips a dense batch's keys past Sk
+        if DQ_BUFS > 0:  # the writer warp has read the buffer's last dQ tile
+            if OVERLAP_ENDS:  # the buffer of the next block's first dQ tile
+                last = step - DQ_BUFS
+                stage_slot = HALF * DQ_BUFS + step % DQ_BUFS
+            else:  # the first, once the block's last tile has been read
+                last = step - 1
+                stage_slot = HALF * DQ_BUFS
+            mbarrier.wait(dq_empty.index(HALF * DQ_BUFS + last % DQ_BUFS),
+                          (last // DQ_BUFS) & 1, pred=last >= 0)
+            stage = dq_smem.index(stage_slot)
+        else:
+            stage = dq_smem.index(HALF)
+        rows = [b_tma, hk, k_start + row0, 0]
+        if TOGETHER:
+            pair = stage._reinterpret(dtype, [2] + dk_desc.block_type.shape, dk_desc.layout)
+            _store_by_tma(dk_out, pair.index(0), dk_desc, rows)
+            _store_by_tma(dv_out, pair.index(1), dv_desc, rows)
+        else:
+            _store_by_tma(dk_out, stage._reinterpret(dtype, dk_desc.block_type.shape,
+                                                     dk_desc.layout), dk_desc, rows)
+            if DV_STAGED:
+                tma.store_wait(0)
+                gl.thread_barrier()
+                _store_by_tma(dv_out, stage._reinterpret(dtype, dv_desc.block_type.shape,
+                                                         dv_desc.layout), dv_desc, rows)
+            else:
+                _store_rows(
+                    dv_out, DV + k_start.to(gl.int64) * stride_vn, b, hk, stride_vb,
+                    stride_vn, stride_vh, seqlen_k,
+                    row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, dv_layout)),
+                    gl.arange(0, HEAD_DIM_V, layout=gl.SliceLayout(0, dv_layout)),
+                    dv_desc.shape[3])  # fmt: skip
+        if DQ_BUFS == 0 or not OVERLAP_ENDS:
+            tma.store_wait(0)  # before the buffer's next dQ tile
 
 
 @gluon.jit
