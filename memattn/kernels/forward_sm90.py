@@ -714,6 +714,29 @@ def _softmax_block(
                         n_tiles, PART, PARTS, STAGES, HAS_BIAS, BIAS_STAGES, TURNS)  # fmt: skip
     kv += n_tiles
 
+    _store_block_output(acc, m_i, l_i, o_buf, o_desc, Out, stride_om, stride_oh, Lse, stride_lb,
+                        stride_lh, stride_lm, q_empty, q_slot, b, h, q_start, row0, offs_m,
+                        seqlen_q, scale_log2, dropout_p, HAS_DROPOUT, HAS_BIAS, BIAS_ROW,
+                        IS_VARLEN, O_IN_Q, o_layout)  # fmt: skip
+    qi += 1
+    return kv, qi
+
+
+@gluon.jit
+def _store_block_output(
+    acc, m_i, l_i, o_buf, o_desc, Out, stride_om, stride_oh, Lse, stride_lb, stride_lh,
+    stride_lm, q_empty, q_slot, b, h, q_start, row0, offs_m, seqlen_q, scale_log2, dropout_p,
+    HAS_DROPOUT: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_ROW: gl.constexpr,
+    IS_VARLEN: gl.constexpr, O_IN_Q: gl.constexpr, o_layout: gl.constexpr,
+):  # fmt: skip
+    """A warpgroup's rows [row0, + ROWS) of a query block out: O normalised by the row
+    sums (acc, fp32), by TMA store through o_buf (with O_IN_Q the warpgroup's Q slot,
+    released to the load warp once the store has read it), or by plain stores where a
+    packed sequence ends inside the rows; and the lse from the row statistics (m_i in
+    scaled log2 units, with a bias tile in natural units: _softmax_tile)."""
+    HEAD_DIM_V: gl.constexpr = acc.shape[1]
+    dtype: gl.constexpr = o_desc.dtype
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     # Rows with no visible key: l = 0, out = 0, lse = -inf.
     empty = l_i == 0.0
     inv_l = 1.0 / gl.where(empty, 1.0, l_i)
@@ -758,8 +781,6 @@ def _softmax_block(
     l_ptrs = (Lse + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
               + (q_start + offs_m).to(gl.int64) * stride_lm)
     gl.store(l_ptrs, lse, mask=offs_m < seqlen_q)
-    qi += 1
-    return kv, qi
 
 
 @gluon.jit
