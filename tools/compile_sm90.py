@@ -9,6 +9,10 @@ rules, layouts, register spills) before any device time is spent.
         # one Gluon pass alone (MEMATTN_HOPPER_DIMS, MEMATTN_HOPPER_FEATURES: see
         # _compile_hopper), with tools/ab.py's knobs of that variant over the shipped ones:
         # the spills a knob saves or costs, before any device time is spent
+    python tools/compile_sm90.py --pass forward --against REV [...]
+        # the same variants from REV's tree too (a temporary git worktree), both trees
+        # in processes of their own at once; exits 1 unless every line (registers,
+        # spills, shared memory, code digest) is the same: a refactor's proof
 """
 
 import argparse
@@ -17,6 +21,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -80,7 +85,7 @@ def code_digest(kernel) -> str:
 def ptxas_report(kernel) -> str:
     ptx = kernel.asm["ptx"]
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
-    path = "/tmp/memattn_kernel.ptx"
+    path = f"/tmp/memattn_kernel.{os.getpid()}.ptx"  # a process's own: two may run at once
     with open(path, "w") as f:
         f.write(ptx)
     res = subprocess.run([ptxas, "-v", "-arch=sm_90a", path, "-o", "/dev/null"],
@@ -107,7 +112,12 @@ def main():
     ap.add_argument("--variant", help="tools/ab.py's knobs of that name (with --pass)")
     ap.add_argument("--masks", help=f"of {', '.join(MASK_NAMES)}, comma-separated "
                                     "(with --pass; default: all)")
+    ap.add_argument("--against", metavar="REV",
+                    help="compile REV's tree too and compare the two trees' lines")
     args = ap.parse_args()
+    if args.against:
+        return compare_against(args.against, [a for a in sys.argv[1:]
+                                              if a not in ("--against", args.against)])
     driver.set_active(_Sm90Driver())
     JITFunction.run = _compile_only
     from memattn.kernels import hopper
@@ -144,6 +154,32 @@ def main():
     failures += compile_hopper_forward()
     failures += compile_hopper_backward()
     return summary(failures)
+
+
+def compare_against(rev: str, argv: list[str]) -> int:
+    """This tool with ``argv`` over REV's tree (a temporary git worktree) and over this
+    one, in two processes at once; prints the lines that differ (variants compiled,
+    registers, spills, shared memory, code digests) and returns 1 if any does."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base = tempfile.mkdtemp(prefix="compile_sm90_")
+    subprocess.run(["git", "-C", root, "worktree", "add", "--detach", "-q", base, rev],
+                   check=True)
+    try:
+        runs = [subprocess.Popen([sys.executable, __file__, *argv], text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 env=dict(os.environ, PYTHONPATH=tree))
+                for tree in (base, root)]
+        before, after = ([line for line in run.communicate()[0].splitlines()
+                          if "kernel variants compiled" in line or " code=" in line]
+                         for run in runs)
+    finally:
+        subprocess.run(["git", "-C", root, "worktree", "remove", "--force", base], check=False)
+    changed = sorted(set(before) ^ set(after))
+    for line in changed:
+        print(("- " if line in before else "+ ") + line)
+    print(f"{len(after) - 1} lines against {rev}'s {len(before) - 1}: "
+          + ("identical" if not changed else f"{len(changed)} differ"))
+    return 1 if changed or not after else 0
 
 
 def summary(failures: int) -> int:
