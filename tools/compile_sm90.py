@@ -115,9 +115,14 @@ def main():
     ap.add_argument("--against", metavar="REV",
                     help="compile REV's tree too and compare the two trees' lines")
     args = ap.parse_args()
-    if args.against:
-        return compare_against(args.against, [a for a in sys.argv[1:]
-                                              if a not in ("--against", args.against)])
+    if args.against:  # the same arguments for both trees, --against's own left out
+        argv, rest = [], iter(sys.argv[1:])
+        for a in rest:
+            if a == "--against":
+                next(rest)
+            elif not a.startswith("--against="):
+                argv.append(a)
+        return compare_against(args.against, argv)
     driver.set_active(_Sm90Driver())
     JITFunction.run = _compile_only
     from memattn.kernels import hopper
