@@ -230,6 +230,35 @@ def test_forward_warpgroups_keep_their_own_key_ranges_in_192_row_blocks(
 
 @gluon
 @pytest.mark.parametrize(
+    "seqlen, d, options, by_rank",
+    [(16384, 256, dict(causal=True), 256), (8192, 64, dict(causal=True), 256),  # 43 blocks
+     (4096, 256, dict(causal=True), 0), (4096, 64, dict(causal=True), 0),  # 32 blocks
+     (16384, 128, dict(causal=True), 0),  # D=128 keeps its persistent programs
+     (16384, 256, dict(window=(100, 0)), 0), (16384, 256, {}, 0)],
+)  # fmt: skip
+def test_forward_causal_heads_of_many_blocks_go_rank_by_rank(seqlen, d, options, by_rank,
+                                                            monkeypatch):  # fmt: skip
+    """MASKED_BY_RANK_BLOCKS: under a right bound alone, heads of MIN_BLOCKS_BY_RANK
+    query blocks or more at D 64/256 run a program per block (not folded, not
+    persistent), groups of heads rank by rank; windows bounded on the left and shorter
+    heads keep their schedule."""
+    from memattn.kernels import forward_sm90
+
+    spec = spec_and_inputs(b=1, sq=seqlen, sk=seqlen, h=3, d=d, **options)[0]
+    monkeypatch.setattr(forward_sm90.hopper, "sm_count", lambda device_index: 132)
+    forward_sm90.hopper.forget_plans()
+    try:
+        plan = forward_sm90.plan(spec, False, (0, 0), 0, 0)
+    finally:
+        forward_sm90.hopper.forget_plans()
+    assert plan.constexprs["BY_RANK"] == by_rank
+    if by_rank:
+        blocks = plan.counts[0]
+        assert not plan.constexprs["FOLD"] and plan.programs == 3 * blocks
+
+
+@gluon
+@pytest.mark.parametrize(
     "b, h, bias_shape, options, heads",
     [(3, 8, (1, 8, 16, 16), dict(causal=True), 4),  # a plane per head the sequences share
      (3, 2, (1, 1, 16, 16), dict(window=(5, 3)), 2),  # one plane: at most H heads together

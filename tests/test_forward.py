@@ -648,6 +648,29 @@ def test_hopper_kernel_persistent_gpu(name, fold, dtype, monkeypatch):
     assert grids and all(g == (5,) for g in grids), grids
 
 
+# Causal heads of many query blocks at D 64/256 run a program per block, groups of
+# heads rank by rank (MASKED_BY_RANK_BLOCKS, hopper.rank_major_item): here at every
+# length, every head dim, in groups of 16 blocks (two or three (batch, head)s of 6-12
+# blocks, the last group short), a bias plane's batches together, bottom-right, dropout.
+BY_RANK_CASES = ["D128 causal", "D256 causal GQA", "bias 1HQK causal B3 GQA",
+                 "causal bottom-right Sq>Sk", "dropout causal GQA", "Dqk64 Dv128 causal GQA",
+                 "dropout keeping all D64 causal"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", BY_RANK_CASES)
+def test_hopper_kernel_by_rank_gpu(name, monkeypatch):
+    if not hopper_kernel_runs_here():
+        pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
+    case = next(c for c in HOPPER_CASES if c.name == name)
+    monkeypatch.setattr(forward_sm90, "MASKED_BY_RANK_BLOCKS",
+                        dict.fromkeys(forward_sm90.HEAD_DIMS, 16))
+    monkeypatch.setattr(forward_sm90, "MIN_BLOCKS_BY_RANK", 1)
+    launches = record_launches(monkeypatch, forward_sm90, "_launch_forward")
+    assert_results(check_forward(case, torch.bfloat16, "cuda", seed=17))
+    assert launches and all(c["BY_RANK"] == 16 and not c["FOLD"] for _, c in launches)
+
+
 # Three softmax warpgroups (192-row blocks) under masks, which take them from
 # MIN_SEQLEN_Q_D64_MASKED on: the diagonal tiles' mask arithmetic spills there, and each
 # warpgroup keeps to its own rows' key range (OWN_KEY_RANGES).

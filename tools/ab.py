@@ -52,6 +52,9 @@ VARIANTS = {
     "fold_none": {"fwd.FOLD": False},  # masked calls unfolded
     "one_q": {"fwd.MAX_Q_STAGES": 1},  # one Q buffer
     "grid": {"fwd.PERSISTENT": False},  # a program per query block (per pair under a mask)
+    # masked forwards: a program per block, heads in groups of N blocks, rank by rank
+    **{f"fwd_by_rank{n}": {"fwd.MASKED_BY_RANK_BLOCKS": dict.fromkeys((64, 128, 192, 256), n)}
+       for n in (0, 128, 256, 512, 1024)},  # 0: folded strides, as before
     "bwd_rows64": {"bwd.BLOCK_M_D64": 64},  # 64 query rows a backward step at D=64
     "summed_outer": {"bwd.SUMMED_BIAS_INNER": False},  # summed biases in the shipped order
     "dbias_fp32": {"bwd.PACKED_BIAS_ADDS": 0},  # packed sequences' shared bias: fp32 buffer
@@ -106,7 +109,8 @@ VARIANTS = {
 }
 FORWARD_KNOBS = ("FOLD", "OWN_KEY_RANGES", "BLOCK_M_D64", "PERSISTENT", "MAX_Q_STAGES",
                  "RESCALE_THRESHOLD", "TURNS_MAX_HEAD_DIM", "MIN_SEQLEN_Q_D64_MASKED",
-                 "BIAS_BATCH_INNER", "POSITION_HEADS", "DROPOUT_SCRATCH", "IDLE_WARPGROUPS")
+                 "BIAS_BATCH_INNER", "POSITION_HEADS", "DROPOUT_SCRATCH", "IDLE_WARPGROUPS",
+                 "MASKED_BY_RANK_BLOCKS", "MIN_BLOCKS_BY_RANK")
 # "bwd.NAME": the backward module whose code reads the knob
 BACKWARD_KNOBS = {name: module for module, names in (
     (backward_sm90.narrow, ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "SKIP_EMPTY_KEY_BLOCKS",

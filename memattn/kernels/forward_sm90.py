@@ -14,7 +14,8 @@ warpgroups of 64 query rows each (a 128- or 192-row query block, `forward` says 
 Programs run persistent: one per SM at most walks the query blocks in strides (under a
 mask in pairs of blocks of equal work), and with two Q buffers (where shared memory
 holds them) each block's Q and first tiles load while the previous block ends
-(`_fwd_sm90_kernel`; at D=256 masked calls run a program per pair). The output leaves
+(`_fwd_sm90_kernel`; at D=256 masked calls run a program per pair, and causal heads
+of many blocks at D 64/256 a program per block, rank by rank). The output leaves
 by a TMA store, which clips rows past Sq; TMA loads zero-fill past S. Packed sequences
 (varlen) are one batch of all tokens to TMA, their blocks handed out dynamically
 sequence by sequence (hopper.packed_block) or, where the sequences share a bias plane
@@ -150,6 +151,20 @@ FOLD = "masked"
 PERSISTENT = True
 MASKED_PERSISTENT = {64: True, 128: True, 192: True, 256: False}
 MIN_BLOCKS_TO_FOLD = {64: 0, 128: 0, 192: 5, 256: 5}
+# Under a right bound alone (causal: a block's work falls with its rank), heads of at
+# least MIN_BLOCKS_BY_RANK query blocks run a program per block instead, the (batch,
+# head)s in groups of at least MASKED_BY_RANK_BLOCKS blocks, each group's blocks rank
+# by rank (hopper.rank_major_item, the masked D=128 backward's order): the hardware
+# hands the heaviest out first and the grid ends on short blocks, where pairs in static
+# strides end as unevenly as their count (D64 S16384 causal: 1376 pairs, 10.4 a
+# program, 11 the most). H200, tools/ab.py, medians of 3, folded -> groups of 256 / 512
+# / 1024 blocks: D256 S16384 causal 658 -> 675 / 666 / 657 TFLOP/s, D64 S16384 causal
+# 475 -> 480 / 476 / 477, S8192 452 -> 460 / 456 / 451; lost at D=128 (S16384 600 ->
+# 604 / 593 / 584, S8192 596 -> 584, S4096 570 -> 528: its persistent programs overlap
+# a block's start with the last one's end) and at fewer blocks (D256 S4096 597 -> 591).
+# Larger groups lose L2's sharing of K and V between blocks side by side. 0: off.
+MASKED_BY_RANK_BLOCKS = {64: 256, 128: 0, 192: 0, 256: 256}
+MIN_BLOCKS_BY_RANK = 40
 # A bias of tiles shared over the batch, a plane per head ((1, H, Sq, Sk): relative
 # positions), is read batch after batch within a head (hopper.query_block's
 # BATCH_INNER): programs side by side then read each of its tiles together, from L2,
@@ -791,7 +806,7 @@ def _fwd_sm90_kernel(
     num_items, scale_log2, window_left, window_right, dropout_p, softcap,
     HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    Q_STAGES: gl.constexpr, FOLD: gl.constexpr, O_IN_Q: gl.constexpr,
+    Q_STAGES: gl.constexpr, FOLD: gl.constexpr, BY_RANK: gl.constexpr, O_IN_Q: gl.constexpr,
     HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr, BIAS_ROW: gl.constexpr,
     HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
@@ -805,6 +820,9 @@ def _fwd_sm90_kernel(
     # frees (_load_partition). A block's start overlaps the previous one's end.
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
+    if BY_RANK > 0:  # a program per block (MASKED_BY_RANK_BLOCKS)
+        pid = hopper.rank_major_item(pid, programs, num_m_blocks,
+                                     gl.cdiv(BY_RANK, num_m_blocks))
     if IS_VARLEN:
         n_items = num_items
     else:
@@ -999,9 +1017,11 @@ def plan(spec: AttentionSpec, bias_row: bool, bias_dims: tuple[int, int], tokens
     block_n = key_tile(spec.head_dim_qk, spec.head_dim_v, tile_bias)
     num_m_blocks = cdiv(spec.seqlen_q, block_m)
     # Packed sequences walk their blocks sequence by sequence instead (hopper.query_block).
-    fold = not spec.varlen and (FOLD is True or (
+    by_rank = (MASKED_BY_RANK_BLOCKS[tile] if spec.window_right >= 0 and spec.window_left < 0
+               and not spec.varlen and num_m_blocks >= MIN_BLOCKS_BY_RANK else 0)
+    fold = not spec.varlen and not by_rank and (FOLD is True or (
         FOLD == "masked" and masked and num_m_blocks >= MIN_BLOCKS_TO_FOLD[tile]))
-    persistent = PERSISTENT and (not masked or MASKED_PERSISTENT[tile])
+    persistent = PERSISTENT and not by_rank and (not masked or MASKED_PERSISTENT[tile])
     num_items = num_m_blocks * spec.batch * spec.heads
     counts = (num_m_blocks, num_items)
     q_slots, bias_slots, with_o = buffers(spec.head_dim_qk, spec.head_dim_v,
@@ -1014,7 +1034,7 @@ def plan(spec: AttentionSpec, bias_row: bool, bias_dims: tuple[int, int], tokens
         HEAD_DIM_QK=spec.head_dim_qk, HEAD_DIM_V=spec.head_dim_v,
         QK_SPLIT=hopper.qk_split(spec.head_dim_qk), BLOCK_M=block_m, BLOCK_N=block_n,
         STAGES=STAGES,
-        Q_STAGES=q_slots, FOLD=fold, O_IN_Q=with_o, HAS_BIAS=tile_bias,
+        Q_STAGES=q_slots, FOLD=fold, BY_RANK=by_rank, O_IN_Q=with_o, HAS_BIAS=tile_bias,
         BIAS_STAGES=max(bias_slots, 1), BIAS_ROW=bias_row,
         HAS_ALIBI=spec.has_alibi, HAS_SOFTCAP=spec.softcap > 0,
         HAS_DROPOUT=spec.dropout_p > 0, IS_VARLEN=spec.varlen,
