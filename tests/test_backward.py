@@ -672,6 +672,40 @@ def test_hopper_backward_by_rank_gpu(case, dtype, blocks_together, hopper_backwa
     assert grids and all(g == ((programs,), False, blocks_together) for g in grids), grids
 
 
+# The wide dQ kernel (D=256) under a right bound alone: a program per query block,
+# groups of heads rank by rank (wide.DQ_MASKED_BY_RANK_BLOCKS; groups of 16 blocks here:
+# two heads of 9 blocks, the last group of B2 x 3 heads one), beside a bias, dropout,
+# bottom-right.
+WIDE_BY_RANK_CASES = [
+    Case("wide by rank causal GQA", batch=2, heads=3, kv_heads=1, seqlen_q=1031, seqlen_k=1031,
+         dqk=256, dv=256, options=dict(causal=True)),
+    Case("wide by rank bias 1HQK causal", batch=2, heads=3, kv_heads=3, seqlen_q=1031,
+         seqlen_k=904, dqk=256, dv=256, bias="1HQK", options=dict(causal=True)),
+    Case("wide by rank dropout bottom-right", batch=1, heads=3, kv_heads=3, seqlen_q=1031,
+         seqlen_k=1200, dqk=256, dv=128,
+         options=dict(causal=True, align="bottom_right", dropout_p=0.2)),
+]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", WIDE_BY_RANK_CASES, ids=lambda c: c.name)
+def test_hopper_backward_wide_dq_by_rank_gpu(case, hopper_backward_launches, monkeypatch):
+    from memattn.kernels import backward_sm90
+
+    monkeypatch.setattr(backward_sm90.wide, "DQ_MASKED_BY_RANK_BLOCKS", 16)
+    monkeypatch.setattr(backward_sm90.wide, "DQ_MIN_BLOCKS_BY_RANK", 1)
+    backward_sm90.hopper.forget_plans()
+    launches = record_launches(monkeypatch, backward_sm90.wide, "_launch_dq_wide")
+    try:
+        assert_results(check_backward(case, torch.bfloat16, "cuda", seed=29))
+    finally:
+        backward_sm90.hopper.forget_plans()
+    blocks = -(-case.seqlen_q // 128)
+    grids = [(grid, constexprs["BY_RANK"], constexprs["FOLD"]) for grid, constexprs in launches]
+    assert grids and all(g == ((case.batch * case.heads * blocks,), 16, False)
+                         for g in grids), grids
+
+
 # A bias plane per head that packed sequences share (backward_sm90.shared.PACKED_BIAS_ADDS):
 # each sequence's dS tiles added into the 16-bit gradient ("added"), or, past the
 # sequence count, into the fp32 buffer ("summed"); 20 sequences of mixed lengths (empty

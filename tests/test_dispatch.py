@@ -232,6 +232,7 @@ def test_forward_warpgroups_keep_their_own_key_ranges_in_192_row_blocks(
 @pytest.mark.parametrize(
     "seqlen, d, options, by_rank",
     [(16384, 256, dict(causal=True), 256), (8192, 64, dict(causal=True), 256),  # 43 blocks
+     (8192, 256, dict(causal=True), 0),  # 64 blocks: D=256 from 96
      (4096, 256, dict(causal=True), 0), (4096, 64, dict(causal=True), 0),  # 32 blocks
      (16384, 128, dict(causal=True), 0),  # D=128 keeps its persistent programs
      (16384, 256, dict(window=(100, 0)), 0), (16384, 256, {}, 0)],
@@ -653,6 +654,25 @@ def test_wide_backward_plans(varlen, bias_shape, kv_stages):
         assert flags == (kind == "full", kind == "summed", kind == "row")
         assert not any(f"DBIAS_{k}" in dq.constexprs for k in ("FULL", "SUM", "ROW"))
     assert dq.constexprs["KV_STAGES"] == kv_stages
+
+
+@gluon
+@pytest.mark.parametrize("seqlen, options, by_rank, fold", [
+    (8192, dict(causal=True), 256, False), (4096, dict(causal=True), 0, True),  # 64, 32 blocks
+    (8192, dict(window=(100, 0)), 0, True), (8192, {}, 0, False)])  # fmt: skip
+def test_wide_dq_takes_causal_heads_of_many_blocks_rank_by_rank(seqlen, options, by_rank, fold):
+    """The wide dQ kernel's grid as the forward's D=256 one: under a right bound alone,
+    heads of DQ_MIN_BLOCKS_BY_RANK query blocks or more a program per block, rank by
+    rank in groups (DQ_MASKED_BY_RANK_BLOCKS); shorter or windowed heads in folded pairs."""
+    bsm = dispatch.backward_sm90
+    spec = spec_and_inputs(b=1, sq=seqlen, sk=seqlen, h=3, d=256, **options)[0]
+    bsm.hopper.forget_plans()
+    try:
+        _, dq = bsm.wide._plans_wide(spec, False, None, 0, 0, 0)
+    finally:
+        bsm.hopper.forget_plans()
+    assert (dq.constexprs["BY_RANK"], dq.constexprs["FOLD"]) == (by_rank, fold)
+    assert dq.programs == 3 * (seqlen // 128) // (2 if fold else 1)
 
 
 @gluon

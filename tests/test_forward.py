@@ -665,7 +665,8 @@ def test_hopper_kernel_by_rank_gpu(name, monkeypatch):
     case = next(c for c in HOPPER_CASES if c.name == name)
     monkeypatch.setattr(forward_sm90, "MASKED_BY_RANK_BLOCKS",
                         dict.fromkeys(forward_sm90.HEAD_DIMS, 16))
-    monkeypatch.setattr(forward_sm90, "MIN_BLOCKS_BY_RANK", 1)
+    monkeypatch.setattr(forward_sm90, "MIN_BLOCKS_BY_RANK",
+                        dict.fromkeys(forward_sm90.HEAD_DIMS, 1))
     launches = record_launches(monkeypatch, forward_sm90, "_launch_forward")
     assert_results(check_forward(case, torch.bfloat16, "cuda", seed=17))
     assert launches and all(c["BY_RANK"] == 16 and not c["FOLD"] for _, c in launches)

@@ -157,14 +157,15 @@ MIN_BLOCKS_TO_FOLD = {64: 0, 128: 0, 192: 5, 256: 5}
 # by rank (hopper.rank_major_item, the masked D=128 backward's order): the hardware
 # hands the heaviest out first and the grid ends on short blocks, where pairs in static
 # strides end as unevenly as their count (D64 S16384 causal: 1376 pairs, 10.4 a
-# program, 11 the most). H200, tools/ab.py, medians of 3, folded -> groups of 256 / 512
-# / 1024 blocks: D256 S16384 causal 658 -> 675 / 666 / 657 TFLOP/s, D64 S16384 causal
-# 475 -> 480 / 476 / 477, S8192 452 -> 460 / 456 / 451; lost at D=128 (S16384 600 ->
-# 604 / 593 / 584, S8192 596 -> 584, S4096 570 -> 528: its persistent programs overlap
-# a block's start with the last one's end) and at fewer blocks (D256 S4096 597 -> 591).
-# Larger groups lose L2's sharing of K and V between blocks side by side. 0: off.
+# program, 11 the most). H200, tools/ab.py, folded -> groups of 256 blocks (medians of
+# 5): D256 S16384 causal 662 -> 677 TFLOP/s, D64 S16384 causal 477 -> 480, S8192 454 ->
+# 456; not at D256 S8192 (641 -> 640) or S4096 (597 -> 591, medians of 3), nor at
+# D=128 (S16384 600 -> 604, S8192 596 -> 584, S4096 570 -> 528: its persistent programs
+# overlap a block's start with the last one's end), nor in larger groups (512 / 1024
+# blocks: D256 S16384 666 / 657, D128 S16384 593 / 584: K and V shared less in L2).
+# 0: off.
 MASKED_BY_RANK_BLOCKS = {64: 256, 128: 0, 192: 0, 256: 256}
-MIN_BLOCKS_BY_RANK = 40
+MIN_BLOCKS_BY_RANK = {64: 40, 128: 0, 192: 0, 256: 96}
 # A bias of tiles shared over the batch, a plane per head ((1, H, Sq, Sk): relative
 # positions), is read batch after batch within a head (hopper.query_block's
 # BATCH_INNER): programs side by side then read each of its tiles together, from L2,
@@ -1018,7 +1019,7 @@ def plan(spec: AttentionSpec, bias_row: bool, bias_dims: tuple[int, int], tokens
     num_m_blocks = cdiv(spec.seqlen_q, block_m)
     # Packed sequences walk their blocks sequence by sequence instead (hopper.query_block).
     by_rank = (MASKED_BY_RANK_BLOCKS[tile] if spec.window_right >= 0 and spec.window_left < 0
-               and not spec.varlen and num_m_blocks >= MIN_BLOCKS_BY_RANK else 0)
+               and not spec.varlen and num_m_blocks >= MIN_BLOCKS_BY_RANK[tile] else 0)
     fold = not spec.varlen and not by_rank and (FOLD is True or (
         FOLD == "masked" and masked and num_m_blocks >= MIN_BLOCKS_TO_FOLD[tile]))
     persistent = PERSISTENT and not by_rank and (not masked or MASKED_PERSISTENT[tile])

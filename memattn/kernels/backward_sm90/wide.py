@@ -452,8 +452,14 @@ def dq_kv_stages(spec: AttentionSpec, bias_tiles: bool) -> int:
 
 
 # Under a mask a program takes a pair of query blocks of equal work from this many
-# blocks on, as the forward's D=256 grid does (forward_sm90.MIN_BLOCKS_TO_FOLD).
+# blocks on, as the forward's D=256 grid does (forward_sm90.MIN_BLOCKS_TO_FOLD); under a
+# right bound alone, heads of DQ_MIN_BLOCKS_BY_RANK blocks or more take a program per
+# block, groups of heads of DQ_MASKED_BY_RANK_BLOCKS blocks rank by rank, as the
+# forward's (forward_sm90.MASKED_BY_RANK_BLOCKS). H200, tools/ab.py --pass bwd, medians
+# of 3, pairs -> rank by rank: D256 S16384 causal 385 -> 393, S8192 375 -> 379. 0: off.
 DQ_MIN_BLOCKS_TO_FOLD = 5
+DQ_MASKED_BY_RANK_BLOCKS = 256
+DQ_MIN_BLOCKS_BY_RANK = 40
 
 
 @gluon.jit
@@ -673,13 +679,16 @@ def _bwd_dq_wide_kernel(
     seqlen_q, seqlen_k, num_seqs, num_m_blocks, num_items, scale, window_left, window_right,
     dropout_p, softcap, HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     QK_SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    KV_STAGES: gl.constexpr, FOLD: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
-    BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, HAS_BIAS: gl.constexpr,
-    BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
-    HAS_SOFTCAP: gl.constexpr, IS_VARLEN: gl.constexpr,
+    KV_STAGES: gl.constexpr, FOLD: gl.constexpr, BY_RANK: gl.constexpr,
+    BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    HAS_BIAS: gl.constexpr, BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr,
+    HAS_DROPOUT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_VARLEN: gl.constexpr,
 ):  # fmt: skip
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
+    if BY_RANK > 0:  # a program per block (DQ_MASKED_BY_RANK_BLOCKS)
+        pid = hopper.rank_major_item(pid, programs, num_m_blocks,
+                                     gl.cdiv(BY_RANK, num_m_blocks))
     n_items = hopper.work_items(pid, programs, num_items, FOLD)
     packed = pid  # a stand-in for dense batches
     if IS_VARLEN:  # a program per item of the packed grid; one past its sequence's blocks
@@ -888,9 +897,12 @@ def _plans_wide(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None, tok
     if spec.varlen:
         num_items = hopper.packed_items(spec.batch, tokens_q, spec.heads, block_m)
     masked = spec.window_left >= 0 or spec.window_right >= 0
-    fold = masked and num_m >= DQ_MIN_BLOCKS_TO_FOLD and not spec.varlen
+    by_rank = (DQ_MASKED_BY_RANK_BLOCKS if spec.window_right >= 0 and spec.window_left < 0
+               and not spec.varlen and num_m >= DQ_MIN_BLOCKS_BY_RANK else 0)
+    fold = masked and num_m >= DQ_MIN_BLOCKS_TO_FOLD and not spec.varlen and not by_rank
     dq = hopper.Plan(hopper.programs(num_items, fold, False, device_index), (num_m, num_items),
                      dict(BLOCK_M=block_m, BLOCK_N=dq_block_n(spec),
-                          KV_STAGES=dq_kv_stages(spec, bias_tiles), FOLD=fold, **bounds,
+                          KV_STAGES=dq_kv_stages(spec, bias_tiles), FOLD=fold,
+                          BY_RANK=by_rank, **bounds,
                           num_warps=4))  # fmt: skip
     return dkdv, dq
