@@ -653,6 +653,9 @@ def test_wide_backward_plans(varlen, bias_shape, kv_stages):
         flags = tuple(dkdv.constexprs[f"DBIAS_{k}"] for k in ("FULL", "SUM", "ROW"))
         assert flags == (kind == "full", kind == "summed", kind == "row")
         assert not any(f"DBIAS_{k}" in dq.constexprs for k in ("FULL", "SUM", "ROW"))
+        # dQ's kernel starts as the dK/dV grid's last wave frees SMs (DQ_AS_DEPENDENT)
+        assert dkdv.constexprs["DQ_DEPENDENT"] and dq.constexprs["DEPENDENT"]
+        assert dq.constexprs["launch_pdl"] and "launch_pdl" not in dkdv.constexprs
     assert dq.constexprs["KV_STAGES"] == kv_stages
 
 

@@ -717,6 +717,23 @@ def named_barrier(bar_id: gl.constexpr, threads: gl.constexpr, ARRIVE: gl.conste
 
 
 @gluon.jit
+def launch_dependents():
+    """griddepcontrol.launch_dependents: the next kernel in the stream, launched as this
+    one's programmatic dependent (launch_pdl), may start once every program here has
+    passed this or ended; its programs then take the SMs this grid's last wave leaves."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.b32 $0, 0;", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def wait_for_primary():
+    """griddepcontrol.wait: until the kernel this one depends on programmatically has
+    completed and its writes are visible (at once without such a kernel)."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; mov.b32 $0, 0;", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
 def wait_turn(lock, turn):
     """Spins until the int32 counter at ``lock`` reads ``turn`` (ld.acquire.gpu, every
     lane): adds from different programs in a fixed order (backward_sm90.narrow.ORDERED_DQ)."""
