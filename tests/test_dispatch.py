@@ -203,6 +203,20 @@ def test_forward_reads_a_bias_shared_over_the_batch_batch_inner(bias_shape, inne
     assert (on, off) == (inner, False)
 
 
+def _forward_plan(monkeypatch, seqlen: int, d: int, heads: int, options: dict):
+    """The Gluon forward's plan of a B1 call (S = seqlen, H = heads, head dim d) on 132
+    SMs, made afresh and forgotten after."""
+    from memattn.kernels import forward_sm90
+
+    spec = spec_and_inputs(b=1, sq=seqlen, sk=seqlen, h=heads, d=d, **options)[0]
+    monkeypatch.setattr(forward_sm90.hopper, "sm_count", lambda device_index: 132)
+    forward_sm90.hopper.forget_plans()
+    try:
+        return forward_sm90.plan(spec, False, (0, 0), 0, 0)
+    finally:
+        forward_sm90.hopper.forget_plans()
+
+
 @gluon
 @pytest.mark.parametrize(
     "seqlen, d, options, rows, own",
@@ -216,15 +230,7 @@ def test_forward_warpgroups_keep_their_own_key_ranges_in_192_row_blocks(
     """OWN_KEY_RANGES: under a right bound the three 64-row warpgroups of a 192-row
     block (D=64 from MIN_SEQLEN_Q_D64_MASKED) mask and walk their own rows' keys;
     128-row blocks keep the block's."""
-    from memattn.kernels import forward_sm90
-
-    spec = spec_and_inputs(b=1, sq=seqlen, sk=seqlen, h=1, d=d, **options)[0]
-    monkeypatch.setattr(forward_sm90.hopper, "sm_count", lambda device_index: 132)
-    forward_sm90.hopper.forget_plans()
-    try:
-        plan = forward_sm90.plan(spec, False, (0, 0), 0, 0)
-    finally:
-        forward_sm90.hopper.forget_plans()
+    plan = _forward_plan(monkeypatch, seqlen, d, 1, options)
     assert (plan.constexprs["BLOCK_M"], plan.constexprs["OWN_RANGES"]) == (rows, own)
 
 
@@ -243,15 +249,7 @@ def test_forward_causal_heads_of_many_blocks_go_rank_by_rank(seqlen, d, options,
     query blocks or more at D 64/256 run a program per block (not folded, not
     persistent), groups of heads rank by rank; windows bounded on the left and shorter
     heads keep their schedule."""
-    from memattn.kernels import forward_sm90
-
-    spec = spec_and_inputs(b=1, sq=seqlen, sk=seqlen, h=3, d=d, **options)[0]
-    monkeypatch.setattr(forward_sm90.hopper, "sm_count", lambda device_index: 132)
-    forward_sm90.hopper.forget_plans()
-    try:
-        plan = forward_sm90.plan(spec, False, (0, 0), 0, 0)
-    finally:
-        forward_sm90.hopper.forget_plans()
+    plan = _forward_plan(monkeypatch, seqlen, d, 3, options)
     assert plan.constexprs["BY_RANK"] == by_rank
     if by_rank:
         blocks = plan.counts[0]
