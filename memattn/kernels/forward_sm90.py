@@ -1018,8 +1018,8 @@ def plan(spec: AttentionSpec, bias_row: bool, bias_dims: tuple[int, int], tokens
     block_n = key_tile(spec.head_dim_qk, spec.head_dim_v, tile_bias)
     num_m_blocks = cdiv(spec.seqlen_q, block_m)
     # Packed sequences walk their blocks sequence by sequence instead (hopper.query_block).
-    by_rank = (MASKED_BY_RANK_BLOCKS[tile] if spec.window_right >= 0 and spec.window_left < 0
-               and not spec.varlen and num_m_blocks >= MIN_BLOCKS_BY_RANK[tile] else 0)
+    by_rank = hopper.rank_order(spec, num_m_blocks, MASKED_BY_RANK_BLOCKS[tile],
+                                MIN_BLOCKS_BY_RANK[tile])
     fold = not spec.varlen and not by_rank and (FOLD is True or (
         FOLD == "masked" and masked and num_m_blocks >= MIN_BLOCKS_TO_FOLD[tile]))
     persistent = PERSISTENT and not by_rank and (not masked or MASKED_PERSISTENT[tile])

@@ -207,6 +207,16 @@ def forget_plans() -> None:
         cached.cache_clear()
 
 
+def rank_order(spec, blocks: int, group_blocks: int, min_blocks: int) -> int:
+    """BY_RANK of a dense grid of query blocks (the forward's, the wide dQ kernel's):
+    ``group_blocks`` (rank_major_item's groups of heads of at least that many blocks)
+    under a right bound alone, where a block's work falls with its rank, for heads of
+    ``min_blocks`` blocks or more; 0 (the grid's own order) otherwise."""
+    takes = (spec.window_right >= 0 and spec.window_left < 0 and not spec.varlen
+             and blocks >= min_blocks)  # fmt: skip
+    return group_blocks if takes else 0
+
+
 def programs(items: int, fold: bool, persistent: bool, device_index: int) -> int:
     """Programs to launch for ``items`` blocks (`work_item` walks them): one per pair
     of blocks folded, one per block otherwise; persistent, one per SM at most."""

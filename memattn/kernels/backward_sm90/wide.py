@@ -901,25 +901,23 @@ def _plans_wide(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None, tok
                   HAS_DROPOUT=spec.dropout_p > 0, HAS_SOFTCAP=spec.softcap > 0,
                   IS_VARLEN=spec.varlen)
     num_n = cdiv(spec.seqlen_k, BLOCK_N_WIDE)
-    dependent = DQ_AS_DEPENDENT
     dkdv = hopper.Plan(
         _key_block_items(spec, num_n, BLOCK_N_WIDE, tokens_k if spec.varlen else None), (num_n,),
         dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N_WIDE, STAGES=STAGES, **bounds,
              DBIAS_FULL=dbias_kind == "full", DBIAS_SUM=dbias_kind == "summed",
-             DBIAS_ROW=dbias_kind == "row", DQ_DEPENDENT=dependent, num_warps=4))
+             DBIAS_ROW=dbias_kind == "row", DQ_DEPENDENT=DQ_AS_DEPENDENT, num_warps=4))
     block_m = 2 * ROWS.value
     num_m = cdiv(spec.seqlen_q, block_m)
     num_items = num_m * spec.batch * spec.heads
     if spec.varlen:
         num_items = hopper.packed_items(spec.batch, tokens_q, spec.heads, block_m)
     masked = spec.window_left >= 0 or spec.window_right >= 0
-    by_rank = (DQ_MASKED_BY_RANK_BLOCKS if spec.window_right >= 0 and spec.window_left < 0
-               and not spec.varlen and num_m >= DQ_MIN_BLOCKS_BY_RANK else 0)
+    by_rank = hopper.rank_order(spec, num_m, DQ_MASKED_BY_RANK_BLOCKS, DQ_MIN_BLOCKS_BY_RANK)
     fold = masked and num_m >= DQ_MIN_BLOCKS_TO_FOLD and not spec.varlen and not by_rank
     dq = hopper.Plan(hopper.programs(num_items, fold, False, device_index), (num_m, num_items),
                      dict(BLOCK_M=block_m, BLOCK_N=dq_block_n(spec),
                           KV_STAGES=dq_kv_stages(spec, bias_tiles), FOLD=fold,
-                          BY_RANK=by_rank, DEPENDENT=dependent, launch_pdl=dependent,
-                          **bounds,
+                          BY_RANK=by_rank, DEPENDENT=DQ_AS_DEPENDENT,
+                          launch_pdl=DQ_AS_DEPENDENT, **bounds,
                           num_warps=4))  # fmt: skip
     return dkdv, dq
