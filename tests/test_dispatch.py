@@ -236,24 +236,58 @@ def test_forward_warpgroups_keep_their_own_key_ranges_in_192_row_blocks(
 
 @gluon
 @pytest.mark.parametrize(
-    "seqlen, d, options, by_rank",
-    [(16384, 256, dict(causal=True), 256), (8192, 64, dict(causal=True), 256),  # 43 blocks
-     (8192, 256, dict(causal=True), 0),  # 64 blocks: D=256 from 96
-     (4096, 256, dict(causal=True), 0), (4096, 64, dict(causal=True), 0),  # 32 blocks
-     (16384, 128, dict(causal=True), 0),  # D=128 keeps its persistent programs
-     (16384, 256, dict(window=(100, 0)), 0), (16384, 256, {}, 0)],
+    "seqlen, d, options, by_rank, table",
+    [(16384, 256, dict(causal=True), 256, False),  # 128 blocks: a program per block
+     (8192, 256, dict(causal=True), 0, False),  # 64 blocks: D=256 from 96
+     (4096, 256, dict(causal=True), 0, False),
+     (8192, 64, dict(causal=True), 256, True),  # 43 blocks: persistent, the host's deal
+     (16384, 64, dict(window=(-1, 100)), 256, True),  # a right bound alone
+     (4096, 64, dict(causal=True), 0, False),  # 32 blocks: D=64 from 40
+     (16384, 128, dict(causal=True), 0, False),  # D=128 keeps its folded strides
+     (16384, 64, dict(window=(100, 0)), 0, False), (16384, 64, {}, 0, False),
+     (16384, 256, dict(window=(100, 0)), 0, False), (16384, 256, {}, 0, False)],
 )  # fmt: skip
-def test_forward_causal_heads_of_many_blocks_go_rank_by_rank(seqlen, d, options, by_rank,
-                                                            monkeypatch):  # fmt: skip
+def test_forward_causal_heads_go_rank_by_rank(seqlen, d, options, by_rank, table,
+                                              monkeypatch):  # fmt: skip
     """MASKED_BY_RANK_BLOCKS: under a right bound alone, heads of MIN_BLOCKS_BY_RANK
-    query blocks or more at D 64/256 run a program per block (not folded, not
-    persistent), groups of heads rank by rank; windows bounded on the left and shorter
-    heads keep their schedule."""
+    query blocks or more at D 64/256 go rank by rank in groups of heads: at D=64
+    persistent programs take the blocks the host dealt them (RANK_TABLE), every block
+    once; at D=256 a program per block. Windows bounded on the left, no mask, shorter
+    heads and D=128 keep their schedule."""
     plan = _forward_plan(monkeypatch, seqlen, d, 3, options)
-    assert plan.constexprs["BY_RANK"] == by_rank
+    blocks, items = plan.counts
+    assert (plan.constexprs["BY_RANK"], plan.constexprs["TABLE"]) == (by_rank, table)
     if by_rank:
-        blocks = plan.counts[0]
-        assert not plan.constexprs["FOLD"] and plan.programs == 3 * blocks
+        assert not plan.constexprs["FOLD"]
+    if table:
+        assert plan.programs == min(132, items)
+        offsets = plan.schedule[:plan.programs + 1]
+        assert offsets[0] == plan.programs + 1 and offsets[-1] == len(plan.schedule)
+        assert sorted(plan.schedule[offsets[0]:]) == list(range(items))
+    elif by_rank:
+        assert plan.programs == items == 3 * blocks and plan.schedule is None
+
+
+@gluon
+@pytest.mark.parametrize("why", ["capturing", "too many blocks"])
+def test_forward_without_its_table_takes_folded_strides(why, monkeypatch):
+    """Where the host's table cannot be used (a CUDA graph captures before it is on the
+    device: tabled=False; more blocks than RANK_TABLE_ITEMS), a causal D=64 call takes
+    the folded strides of persistent programs, no table."""
+    from memattn.kernels import forward_sm90
+
+    if why == "too many blocks":
+        monkeypatch.setattr(forward_sm90, "RANK_TABLE_ITEMS", 4 * 86 - 1)  # 192-row blocks
+    spec = spec_and_inputs(b=1, sq=16384, sk=16384, h=4, d=64, causal=True)[0]
+    monkeypatch.setattr(forward_sm90.hopper, "sm_count", lambda device_index: 132)
+    forward_sm90.hopper.forget_plans()
+    try:
+        plan = forward_sm90.plan(spec, False, (0, 0), 0, 0, tabled=why != "capturing")
+    finally:
+        forward_sm90.hopper.forget_plans()
+    assert not plan.constexprs["TABLE"] and plan.schedule is None
+    assert plan.constexprs["BY_RANK"] == 0 and plan.constexprs["FOLD"]
+    assert plan.programs == 132
 
 
 @gluon

@@ -20,6 +20,8 @@ from memattn.check import (
     check_forward_repeated,
     gpu_sized,
     make_inputs,
+    relative_error,
+    repeated_forward_reference,
 )
 from memattn.kernels import common, forward_sm90, hopper
 
@@ -648,18 +650,21 @@ def test_hopper_kernel_persistent_gpu(name, fold, dtype, monkeypatch):
     assert grids and all(g == (5,) for g in grids), grids
 
 
-# Causal heads of many query blocks at D 64/256 run a program per block, groups of
-# heads rank by rank (MASKED_BY_RANK_BLOCKS, hopper.rank_major_item): here at every
-# length, every head dim, in groups of 16 blocks (two or three (batch, head)s of 6-12
-# blocks, the last group short), a bias plane's batches together, bottom-right, dropout.
+# Causal heads go rank by rank in groups of heads (MASKED_BY_RANK_BLOCKS,
+# hopper.rank_major_item): a program per block, or persistent programs walking the
+# blocks the host dealt them (RANK_TABLE; five programs here, so that each walks blocks
+# of several heads and batches). Here at every length, every head dim, in groups of 16
+# blocks (two or three (batch, head)s of 6-12 blocks, the last group short), a bias
+# plane's batches together, bottom-right, dropout.
 BY_RANK_CASES = ["D128 causal", "D256 causal GQA", "bias 1HQK causal B3 GQA",
                  "causal bottom-right Sq>Sk", "dropout causal GQA", "Dqk64 Dv128 causal GQA",
                  "dropout keeping all D64 causal"]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("table", [False, True], ids=["per block", "host table"])
 @pytest.mark.parametrize("name", BY_RANK_CASES)
-def test_hopper_kernel_by_rank_gpu(name, monkeypatch):
+def test_hopper_kernel_by_rank_gpu(name, table, monkeypatch):
     if not hopper_kernel_runs_here():
         pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
     case = next(c for c in HOPPER_CASES if c.name == name)
@@ -667,9 +672,56 @@ def test_hopper_kernel_by_rank_gpu(name, monkeypatch):
                         dict.fromkeys(forward_sm90.HEAD_DIMS, 16))
     monkeypatch.setattr(forward_sm90, "MIN_BLOCKS_BY_RANK",
                         dict.fromkeys(forward_sm90.HEAD_DIMS, 1))
+    monkeypatch.setattr(forward_sm90, "RANK_TABLE", dict.fromkeys(forward_sm90.HEAD_DIMS, table))
+    monkeypatch.setattr(forward_sm90, "MASKED_PERSISTENT",
+                        dict.fromkeys(forward_sm90.HEAD_DIMS, True))
+    monkeypatch.setattr(hopper, "sm_count", lambda device_index: 5)
+    hopper.forget_plans()
     launches = record_launches(monkeypatch, forward_sm90, "_launch_forward")
     assert_results(check_forward(case, torch.bfloat16, "cuda", seed=17))
-    assert launches and all(c["BY_RANK"] == 16 and not c["FOLD"] for _, c in launches)
+    assert launches and all(c["BY_RANK"] == 16 and not c["FOLD"] and c["TABLE"] == table
+                            for _, c in launches)  # fmt: skip
+    if table:
+        assert all(grid == (5,) for grid, _ in launches)
+    hopper.forget_plans()
+
+
+@pytest.mark.gpu
+def test_hopper_kernel_host_table_under_cuda_graphs_gpu(monkeypatch):
+    """A causal call whose first launch a CUDA graph captures takes the folded strides
+    (the host's table cannot be copied to the device then) and replays them; an eager
+    call then copies the table, and a graph captured after replays the table's
+    schedule: all three within bf16's tolerance of the float64 reference (D=128's
+    blocks dealt here, in groups of 16)."""
+    if not hopper_kernel_runs_here():
+        pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
+    case = next(c for c in HOPPER_CASES if c.name == "D128 causal")
+    x = make_inputs(case, torch.bfloat16, "cuda", seed=23)
+    ref, _, allowed, _ = repeated_forward_reference(x, torch.bfloat16)
+    monkeypatch.setattr(forward_sm90, "MASKED_BY_RANK_BLOCKS",
+                        {**forward_sm90.MASKED_BY_RANK_BLOCKS, 128: 16})
+    monkeypatch.setattr(forward_sm90, "RANK_TABLE", {**forward_sm90.RANK_TABLE, 128: True})
+    launches = record_launches(monkeypatch, forward_sm90, "_launch_forward")
+    hopper.forget_plans()
+    with monkeypatch.context() as m:  # the folded strides' kernel, compiled before capture
+        m.setattr(hopper, "schedule_on_device", lambda plan, device_index: None)
+        memattn.attention(x.q, x.k, x.v, **x.kwargs)
+    hopper.forget_plans()
+    del launches[:]
+    for name in ("captured first", "eager", "captured after"):
+        if name == "eager":
+            out = memattn.attention(x.q, x.k, x.v, **x.kwargs)
+        else:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = memattn.attention(x.q, x.k, x.v, **x.kwargs)
+            out.fill_(float("nan"))
+            graph.replay()
+        torch.cuda.synchronize()
+        err = relative_error(out, ref)
+        assert err <= allowed, f"{name}: error {err:.3g} > allowed {allowed:.3g}"
+    assert [c["TABLE"] for _, c in launches] == [False, True, True]
+    hopper.forget_plans()
 
 
 # Three softmax warpgroups (192-row blocks) under masks, which take them from

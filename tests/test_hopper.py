@@ -510,6 +510,58 @@ def test_rank_major_items_cover_every_block_once(heads, blocks, together):
         assert ranks == sorted(ranks)
 
 
+@pytest.mark.parametrize("sq, sk, block_m, block_n, options", [
+    (1000, 1000, 128, 128, dict(causal=True)), (16384, 16384, 192, 128, dict(causal=True)),
+    (700, 1100, 128, 64, dict(causal=True, align="bottom_right")),
+    (1100, 700, 128, 128, dict(causal=True, align="bottom_right")),  # early rows see none
+    (900, 900, 128, 128, dict(window=(-1, 300)))])  # fmt: skip
+def test_right_bound_tiles_count_the_keys_each_block_walks(sq, sk, block_m, block_n, options):
+    """hopper.right_bound_tiles: a query block of rank r (rank 0 the last) walks key tiles
+    up to the last key its rows [start, start + BLOCK_M) may see (rows past the sequence
+    count, as the kernel's key range takes the block whole), none where no row sees a
+    key; counted here row by row from the mask's definition."""
+    q = torch.empty(1, sq, 1, 64, device="meta")
+    k = torch.empty(1, sk, 1, 64, device="meta")
+    spec = memattn.spec.check_call(q, k, k, **options)
+    off = sk - sq if spec.bottom_right else 0
+    blocks = -(-sq // block_m)
+    expected = []
+    for rank in range(blocks):
+        start = (blocks - 1 - rank) * block_m
+        last_key = max(min(sk - 1, row + off + spec.window_right)
+                       for row in range(start, start + block_m))  # fmt: skip
+        expected.append(-(-(last_key + 1) // block_n) if last_key >= 0 else 0)
+    assert hopper.right_bound_tiles(spec, blocks, block_m, block_n) == expected
+
+
+@pytest.mark.parametrize("heads, blocks, group, programs", [(1, 1, 256, 1), (3, 5, 16, 4),
+                                                            (16, 128, 256, 132),
+                                                            (128, 22, 256, 132), (7, 9, 1, 200)])
+def test_rank_table_deals_every_block_once_as_a_list_schedule(heads, blocks, group, programs):
+    """hopper.rank_table: every (head, rank) item once, each program's between its offsets;
+    replayed in rank_major_item's order, each block went to a program whose blocks so
+    far ended first by key tiles (ties to the lower program), and each program walks its
+    blocks in that order; so no program ends more than a block's tiles past another."""
+    gen = torch.Generator().manual_seed(heads * blocks)
+    tiles = sorted(torch.randint(1, 40, (blocks,), generator=gen).tolist(), reverse=True)
+    table = hopper.rank_table(tiles, heads, group, programs)
+    offsets = table[:programs + 1]
+    assert offsets[0] == programs + 1 and offsets[-1] == len(table) == programs + 1 + heads * blocks
+    dealt = [table[offsets[p]:offsets[p + 1]] for p in range(programs)]
+    assert sorted(table[programs + 1:]) == list(range(heads * blocks))
+    owner = {item: p for p, items in enumerate(dealt) for item in items}
+    ends, walked = [0] * programs, [[] for _ in range(programs)]
+    together = -(-group // blocks)
+    for pid in range(heads * blocks):
+        item = hopper.rank_major_item.fn(pid, heads * blocks, blocks, together)
+        p = owner[item]
+        assert p == min(range(programs), key=lambda q: (ends[q], q)), (pid, item)
+        ends[p] += tiles[item % blocks]
+        walked[p].append(item)
+    assert walked == dealt
+    assert max(ends) - min(ends) <= max(tiles)
+
+
 @pytest.mark.parametrize("lengths", [(700, 5, 1300, 64), (0, 128, 129, 0, 1), (4000,),
                                      (1,) * 7, (127, 128, 129, 255, 256, 257),
                                      bench.DOC_LENGTHS])  # fmt: skip

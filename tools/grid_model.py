@@ -17,10 +17,13 @@ blocks' starts with the previous blocks' ends, a program per block or pair canno
 paid once an SM): a schedule worked out on the host, or handed out by tickets.
 Shapes are tools/ab.py's dense ones ("DxS", "c" for causal; B = 16384 / S, H = 2048 / D).
 
-With --overhead 2 it matched the H200's A/B of the rank order against folded pairs
-(tools/ab.py, medians of 3-5) to about a point: D128 S4096 causal -7.6 % (measured -7.4
-%), S8192 -2.6 % (-2.0 %), S16384 0 (+0.7 %), D64 S8192 +1.3 % (+0.4 to +1.8 %), S16384
-+0.2 % (+0.6 %), D256 S16384 +2.0 % (+2.3 to +2.6 %).
+With --overhead 2 it matched the H200's A/B of a program per block rank by rank
+against folded pairs (tools/ab.py, medians of 3-5) to about a point: D128 S4096 causal
+-7.6 % (measured -7.4 %), S8192 -2.6 % (-2.0 %), S16384 0 (+0.7 %), D64 S8192 +1.3 %
+(+0.4 to +1.8 %), S16384 +0.2 % (+0.6 %), D256 S16384 +2.0 % (+2.3 to +2.6 %). Between
+persistent schedules it reads high: the host's deal (a plan's TABLE, modelled from its
+schedule) over folded pairs at D=128 causal, +3 % modelled, measured nothing (S4096 to
+S16384); over a program per block at D=64, +2-5 % modelled, +2-3 % measured.
 """
 
 import argparse
@@ -54,6 +57,10 @@ def program_blocks(plan: hopper.Plan) -> list[list[int]]:
     num_m, num_items = plan.counts
     fold, by_rank = plan.constexprs["FOLD"], plan.constexprs["BY_RANK"]
     programs = plan.programs
+    if plan.constexprs["TABLE"]:  # the host's deal (hopper.rank_table)
+        table = plan.schedule
+        return [[item % num_m for item in table[table[p]:table[p + 1]]]
+                for p in range(programs)]  # fmt: skip
     walks = []
     for pid in range(programs):
         if by_rank:
@@ -64,14 +71,13 @@ def program_blocks(plan: hopper.Plan) -> list[list[int]]:
     return walks
 
 
-def block_tiles(spec, plan: hopper.Plan, rank: int) -> int:
-    """Key tiles of the query block of this rank (top-left causal mask, or none)."""
+def rank_tiles(spec, plan: hopper.Plan) -> list[int]:
+    """Key tiles of a head's query blocks by rank (top-left causal mask, or none)."""
     block_m, block_n = plan.constexprs["BLOCK_M"], plan.constexprs["BLOCK_N"]
     num_m = plan.counts[0]
-    keys = spec.seqlen_k
-    if spec.window_right >= 0:  # causal: keys up to the block's last query
-        keys = min(keys, (num_m - rank) * block_m)
-    return cdiv(keys, block_n)
+    if spec.window_right >= 0:
+        return hopper.right_bound_tiles(spec, num_m, block_m, block_n)
+    return [cdiv(spec.seqlen_k, block_n)] * num_m
 
 
 def grid_end(spec, plan: hopper.Plan, sms: int, overhead: float,
@@ -81,7 +87,8 @@ def grid_end(spec, plan: hopper.Plan, sms: int, overhead: float,
     persistent: a grid of more programs than SMs run as ``sms`` persistent programs that
     take its programs in order as each frees (a start paid once an SM), as if a list
     schedule worked out on the host, or tickets, handed them out."""
-    tiles = [sum(block_tiles(spec, plan, r) for r in walk) for walk in program_blocks(plan)]
+    by_rank = rank_tiles(spec, plan)
+    tiles = [sum(by_rank[r] for r in walk) for walk in program_blocks(plan)]
     times = [(0.0 if persistent else overhead) + t for t in tiles]
     if len(times) <= sms:
         return max(times) + (overhead if persistent else 0.0), sum(tiles) / sms

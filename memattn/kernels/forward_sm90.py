@@ -14,8 +14,9 @@ warpgroups of 64 query rows each (a 128- or 192-row query block, `forward` says 
 Programs run persistent: one per SM at most walks the query blocks in strides (under a
 mask in pairs of blocks of equal work), and with two Q buffers (where shared memory
 holds them) each block's Q and first tiles load while the previous block ends
-(`_fwd_sm90_kernel`; at D=256 masked calls run a program per pair, and causal heads
-of many blocks at D 64/256 a program per block, rank by rank). The output leaves
+(`_fwd_sm90_kernel`; at D=256 masked calls run a program per pair; causal heads of
+many blocks go rank by rank, at D=64 as the host dealt them to the persistent programs
+(hopper.rank_table), at D=256 a program per block). The output leaves
 by a TMA store, which clips rows past Sq; TMA loads zero-fill past S. Packed sequences
 (varlen) are one batch of all tokens to TMA, their blocks handed out dynamically
 sequence by sequence (hopper.packed_block) or, where the sequences share a bias plane
@@ -152,20 +153,33 @@ PERSISTENT = True
 MASKED_PERSISTENT = {64: True, 128: True, 192: True, 256: False}
 MIN_BLOCKS_TO_FOLD = {64: 0, 128: 0, 192: 5, 256: 5}
 # Under a right bound alone (causal: a block's work falls with its rank), heads of at
-# least MIN_BLOCKS_BY_RANK query blocks run a program per block instead, the (batch,
-# head)s in groups of at least MASKED_BY_RANK_BLOCKS blocks, each group's blocks rank
-# by rank (hopper.rank_major_item, the masked D=128 backward's order): the hardware
-# hands the heaviest out first and the grid ends on short blocks, where pairs in static
-# strides end as unevenly as their count (D64 S16384 causal: 1376 pairs, 10.4 a
-# program, 11 the most). H200, tools/ab.py, folded -> groups of 256 blocks (medians of
-# 5): D256 S16384 causal 662 -> 677 TFLOP/s, D64 S16384 causal 477 -> 480, S8192 454 ->
-# 456; not at D256 S8192 (641 -> 640) or S4096 (597 -> 591, medians of 3), nor at
-# D=128 (S16384 600 -> 604, S8192 596 -> 584, S4096 570 -> 528: its persistent programs
-# overlap a block's start with the last one's end), nor in larger groups (512 / 1024
-# blocks: D256 S16384 666 / 657, D128 S16384 593 / 584: K and V shared less in L2).
-# 0: off.
+# least MIN_BLOCKS_BY_RANK query blocks go rank by rank instead, the (batch, head)s in
+# groups of at least MASKED_BY_RANK_BLOCKS blocks (hopper.rank_major_item, the masked
+# D=128 backward's order), so that the heaviest blocks go first and the grid ends on
+# short ones, where pairs in static strides end as unevenly as their count (D64 S16384
+# causal: 1376 pairs, 10.4 a program, 11 the most). At D=256 (no persistent programs)
+# a program per block takes them, the hardware handing them out: H200, tools/ab.py,
+# folded -> groups of 256 blocks (medians of 5): S16384 causal 662 -> 677 TFLOP/s; not
+# at S8192 (641 -> 640) or S4096 (597 -> 591, medians of 3); larger groups lost (512 /
+# 1024 blocks: 666 / 657: K and V shared less in L2). At D=64 (RANK_TABLE) persistent
+# programs take the blocks the host dealt each (hopper.rank_table: a list schedule by
+# key tiles, as if each took the next as it freed), keeping the overlap of a block's
+# start with the last one's end that a program per block gives up. H200, medians of
+# 3-5: folded -> a program per block, S16384 causal 477 -> 480, S8192 454 -> 456; a
+# program per block -> the table (another day), S16384 481 -> 491 (two calls), S8192
+# 462 -> 477. Off at D=128: a program per block
+# lost (S4096 causal 570 -> 528, S8192 596 -> 584), the table paid nothing (S4096 572
+# -> 564, S8192 594 -> 594, S16384 607 -> 608; S1024 445 -> 459 once), nor with a
+# block's cost in the deal counted 2 or 4 key tiles more (569 / 562, 595 / 590, 610 /
+# 606): the tail the model (tools/grid_model.py) puts at 3 % is not there. Up to
+# RANK_TABLE_ITEMS blocks (the host deals them once a plan; past that many waves the
+# tail is small); where a CUDA graph captures a call before its table is on the device
+# (hopper.schedule_on_device), the call takes the folded strides. 0: off. Tools set
+# these to A/B, then call hopper.forget_plans().
 MASKED_BY_RANK_BLOCKS = {64: 256, 128: 0, 192: 0, 256: 256}
 MIN_BLOCKS_BY_RANK = {64: 40, 128: 0, 192: 0, 256: 96}
+RANK_TABLE = {64: True, 128: True, 192: True, 256: False}
+RANK_TABLE_ITEMS = 1 << 16
 # A bias of tiles shared over the batch, a plane per head ((1, H, Sq, Sk): relative
 # positions), is read batch after batch within a head (hopper.query_block's
 # BATCH_INNER): programs side by side then read each of its tiles together, from L2,
@@ -209,7 +223,7 @@ SHARED_MEMORY = 227 * 1024  # an H100 block's opt-in maximum
 @gluon.jit
 def _load_partition(
     loads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    Q_STAGES: gl.constexpr, FOLD: gl.constexpr, QK_SPLIT: gl.constexpr,
+    Q_STAGES: gl.constexpr, FOLD: gl.constexpr, TABLE: gl.constexpr, QK_SPLIT: gl.constexpr,
     HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr, BIAS_ROW: gl.constexpr,
     IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
     BOUNDED_RIGHT: gl.constexpr, BATCH_INNER: gl.constexpr, POSITION_HEADS: gl.constexpr,
@@ -225,9 +239,9 @@ def _load_partition(
     (_fwd_sm90_kernel builds the tuple)."""
     (q_desc, k_desc, v_desc, bias_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, bias_smem,
      q2_smem, k2_smem, q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty,
-     bias_empty, info_smem, info_ready, info_empty, Tickets, pid, programs, batches, H,
-     GROUP, bias_batches, bias_heads, num_m_blocks, n_items, CuSeqQ, CuSeqK, seqlen_q,
-     seqlen_k, window_left, window_right) = loads
+     bias_empty, info_smem, info_ready, info_empty, Tickets, Schedule, pid, programs,
+     batches, H, GROUP, bias_batches, bias_heads, num_m_blocks, n_items, CuSeqQ, CuSeqK,
+     seqlen_q, seqlen_k, window_left, window_right) = loads
     kv = 0  # key tiles loaded so far
     qi = 0  # query blocks loaded so far: the Q ring's index
     if IS_VARLEN:
@@ -261,7 +275,7 @@ def _load_partition(
              n_tiles) = hopper.query_block(
                 pid, j, programs, H, GROUP, num_m_blocks, seqlen_q, seqlen_k, window_left,
                 window_right, BLOCK_M, BLOCK_N, FOLD, BOTTOM_RIGHT, BOUNDED_LEFT,
-                BOUNDED_RIGHT, BATCH_INNER, batches)  # fmt: skip
+                BOUNDED_RIGHT, BATCH_INNER, batches, Schedule, TABLE)  # fmt: skip
             kv, qi = _load_block(loads, b, h, hk, start_m, q_start, k_start, lo, n_tiles, kv,
                                  qi, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, QK_SPLIT, HAS_BIAS,
                                  BIAS_STAGES, BIAS_ROW, IS_VARLEN)  # fmt: skip
@@ -278,8 +292,8 @@ def _load_block(
     the rings' running indices (key tiles, query blocks) after it."""
     (q_desc, k_desc, v_desc, bias_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem, bias_smem,
      q2_smem, k2_smem, q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty,
-     bias_empty, _, _, _, _, _, _, _, _, _, bias_batches, bias_heads, _, _, _, _, _, _,
-     _, _) = loads
+     bias_empty, _, _, _, _, _, _, _, _, _, _, bias_batches, bias_heads, _, _, _, _, _,
+     _, _, _) = loads
     split_col: gl.constexpr = q_desc.block_type.shape[3]  # where Q's and K's split starts
     q_bytes: gl.constexpr = (q_desc.block_type.nbytes + q2_desc.block_type.nbytes
                              if QK_SPLIT > 0 else q_desc.block_type.nbytes)
@@ -514,7 +528,7 @@ def _softmax_partition(
     shared, PART: gl.constexpr, HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     QK_SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_STAGES: gl.constexpr,
-    FOLD: gl.constexpr, O_IN_Q: gl.constexpr, HAS_BIAS: gl.constexpr,
+    FOLD: gl.constexpr, TABLE: gl.constexpr, O_IN_Q: gl.constexpr, HAS_BIAS: gl.constexpr,
     BIAS_STAGES: gl.constexpr, BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr,
     HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, THRESHOLD: gl.constexpr,
@@ -530,9 +544,9 @@ def _softmax_partition(
     (o_desc, Out, stride_om, stride_oh, Lse, Alibi, stride_lb, stride_lh, stride_lm,
      stride_ab, stride_ah, q_smem, k_smem, v_smem, o_smem, bias_smem, q2_smem, k2_smem,
      q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, info_smem,
-     info_ready, info_empty, pid, programs, batches, H, GROUP, num_m_blocks, n_items,
-     max_seqlen_q, max_seqlen_k, scale_log2, window_left, window_right, seed, rng_offset,
-     dropout_p, _softcap) = shared
+     info_ready, info_empty, Schedule, pid, programs, batches, H, GROUP, num_m_blocks,
+     n_items, max_seqlen_q, max_seqlen_k, scale_log2, window_left, window_right, seed,
+     rng_offset, dropout_p, _softcap) = shared
     PARTS: gl.constexpr = BLOCK_M // ROWS
     kv = 0  # key tiles consumed so far: the ring's running index
     qi = 0  # query blocks taken so far: the Q ring's index
@@ -560,7 +574,7 @@ def _softmax_partition(
              n_tiles) = hopper.query_block(
                 pid, j, programs, H, GROUP, num_m_blocks, max_seqlen_q, max_seqlen_k,
                 window_left, window_right, BLOCK_M, BLOCK_N, FOLD, BOTTOM_RIGHT, BOUNDED_LEFT,
-                BOUNDED_RIGHT, BATCH_INNER, batches)  # fmt: skip
+                BOUNDED_RIGHT, BATCH_INNER, batches, Schedule, TABLE)  # fmt: skip
             kv, qi = _softmax_block(
                 shared, b, h, hk, start_m, q_start, seqlen_q, seqlen_k, off, lo, full_lo,
                 full_hi, n_tiles, kv, qi, PART, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M,
@@ -617,7 +631,7 @@ def _softmax_block(
     (o_desc, Out, stride_om, stride_oh, Lse, Alibi, stride_lb, stride_lh, stride_lm,
      stride_ab, stride_ah, q_smem, k_smem, v_smem, o_smem, bias_smem, q2_smem, k2_smem,
      q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, _, _, _,
-     _, _, _, H, _, _, _, _, _, scale_log2, window_left, window_right, seed, rng_offset,
+     _, _, _, _, H, _, _, _, _, _, scale_log2, window_left, window_right, seed, rng_offset,
      dropout_p, softcap) = shared
     QK_MAIN: gl.constexpr = HEAD_DIM_QK - QK_SPLIT  # Q's and K's columns in q_smem, k_smem
     PARTS: gl.constexpr = BLOCK_M // ROWS
@@ -802,13 +816,14 @@ def _store_block_output(
 @gluon.jit
 def _fwd_sm90_kernel(
     q_desc, k_desc, v_desc, o_desc, bias_desc, q2_desc, k2_desc, Out, Lse, Rng, Alibi,
-    CuSeqQ, CuSeqK, Tickets, stride_om, stride_oh, stride_lb, stride_lh, stride_lm, stride_ab,
-    stride_ah, H, GROUP, bias_batches, bias_heads, seqlen_q, seqlen_k, num_m_blocks,
+    CuSeqQ, CuSeqK, Tickets, Schedule, stride_om, stride_oh, stride_lb, stride_lh, stride_lm,
+    stride_ab, stride_ah, H, GROUP, bias_batches, bias_heads, seqlen_q, seqlen_k, num_m_blocks,
     num_items, scale_log2, window_left, window_right, dropout_p, softcap,
     HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr, QK_SPLIT: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    Q_STAGES: gl.constexpr, FOLD: gl.constexpr, BY_RANK: gl.constexpr, O_IN_Q: gl.constexpr,
-    HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr, BIAS_ROW: gl.constexpr,
+    Q_STAGES: gl.constexpr, FOLD: gl.constexpr, BY_RANK: gl.constexpr, TABLE: gl.constexpr,
+    O_IN_Q: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_STAGES: gl.constexpr,
+    BIAS_ROW: gl.constexpr,
     HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
     THRESHOLD: gl.constexpr, TURNS: gl.constexpr, BATCH_INNER: gl.constexpr,
@@ -817,16 +832,21 @@ def _fwd_sm90_kernel(
 ):  # fmt: skip
     # The programs (one per SM at most, persistent) walk the num_items query blocks in
     # strides (hopper.work_item), folded under a mask: pairs of blocks whose work adds
-    # up to the same; packed sequences' items (hopper.packed_block) as each program
-    # frees (_load_partition). A block's start overlaps the previous one's end.
+    # up to the same; or the blocks the host dealt each (TABLE: hopper.rank_table);
+    # packed sequences' items (hopper.packed_block) as each program frees
+    # (_load_partition). A block's start overlaps the previous one's end.
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
-    if BY_RANK > 0:  # a program per block (MASKED_BY_RANK_BLOCKS)
-        pid = hopper.rank_major_item(pid, programs, num_m_blocks,
-                                     gl.cdiv(BY_RANK, num_m_blocks))
-    if IS_VARLEN:
+    if TABLE:  # the blocks the host dealt this program: pid its first entry from here on
+        first = gl.load(Schedule + pid)
+        n_items = gl.load(Schedule + pid + 1) - first
+        pid = first
+    elif IS_VARLEN:
         n_items = num_items
     else:
+        if BY_RANK > 0:  # a program per block (MASKED_BY_RANK_BLOCKS)
+            pid = hopper.rank_major_item(pid, programs, num_m_blocks,
+                                         gl.cdiv(BY_RANK, num_m_blocks))
         n_items = hopper.work_items(pid, programs, num_items, FOLD)
     batches = 1  # dense batches' count, for BATCH_INNER's order (hopper.query_block)
     if BATCH_INNER:
@@ -876,48 +896,48 @@ def _fwd_sm90_kernel(
     shared = (o_desc, Out, stride_om, stride_oh, Lse, Alibi, stride_lb, stride_lh, stride_lm,
               stride_ab, stride_ah, q_smem, k_smem, v_smem, o_smem, bias_smem, q2_smem,
               k2_smem, q_ready, q_empty, k_ready, v_ready, bias_ready, k_empty, v_empty,
-              bias_empty, info_smem, info_ready, info_empty, pid, programs, batches, H, GROUP,
-              num_m_blocks, n_items, seqlen_q, seqlen_k, scale_log2, window_left,
+              bias_empty, info_smem, info_ready, info_empty, Schedule, pid, programs, batches, H,
+              GROUP, num_m_blocks, n_items, seqlen_q, seqlen_k, scale_log2, window_left,
               window_right, seed, rng_offset, dropout_p, softcap)
     loads = (q_desc, k_desc, v_desc, bias_desc, q2_desc, k2_desc, q_smem, k_smem, v_smem,
              bias_smem, q2_smem, k2_smem, q_ready, q_empty, k_ready, v_ready, bias_ready,
-             k_empty, v_empty, bias_empty, info_smem, info_ready, info_empty, Tickets, pid,
-             programs, batches, H, GROUP, bias_batches, bias_heads, num_m_blocks, n_items,
+             k_empty, v_empty, bias_empty, info_smem, info_ready, info_empty, Tickets, Schedule,
+             pid, programs, batches, H, GROUP, bias_batches, bias_heads, num_m_blocks, n_items,
              CuSeqQ, CuSeqK, seqlen_q, seqlen_k, window_left, window_right)
     if PARTS == 2:
         gl.warp_specialize([
             (_softmax_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
-                                  STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
+                                  STAGES, Q_STAGES, FOLD, TABLE, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
                                   BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER,
                                   OWN_RANGES, HAS_SOFTCAP, IDLE_ROWS)),
             (_softmax_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
-                                  STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
+                                  STAGES, Q_STAGES, FOLD, TABLE, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
                                   BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER,
                                   OWN_RANGES, HAS_SOFTCAP, IDLE_ROWS)),
-            (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, QK_SPLIT,
+            (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, TABLE, QK_SPLIT,
                                HAS_BIAS, BIAS_STAGES, BIAS_ROW, IS_VARLEN, BOTTOM_RIGHT,
                                BOUNDED_LEFT, BOUNDED_RIGHT, BATCH_INNER, POSITION_HEADS)),
         ], worker_num_warps=[4, 1], worker_num_regs=[232, 24])  # fmt: skip
     else:
         gl.warp_specialize([
             (_softmax_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
-                                  STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
+                                  STAGES, Q_STAGES, FOLD, TABLE, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
                                   BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER,
                                   OWN_RANGES, HAS_SOFTCAP, IDLE_ROWS)),
             (_softmax_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
-                                  STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
+                                  STAGES, Q_STAGES, FOLD, TABLE, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
                                   BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER,
                                   OWN_RANGES, HAS_SOFTCAP, IDLE_ROWS)),
             (_softmax_partition, (shared, 2, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
-                                  STAGES, Q_STAGES, FOLD, O_IN_Q, HAS_BIAS, BIAS_STAGES,
+                                  STAGES, Q_STAGES, FOLD, TABLE, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
                                   BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER,
                                   OWN_RANGES, HAS_SOFTCAP, IDLE_ROWS)),
-            (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, QK_SPLIT,
+            (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, TABLE, QK_SPLIT,
                                HAS_BIAS, BIAS_STAGES, BIAS_ROW, IS_VARLEN, BOTTOM_RIGHT,
                                BOUNDED_LEFT, BOUNDED_RIGHT, BATCH_INNER, POSITION_HEADS)),
         ], worker_num_warps=[4, 4, 1], worker_num_regs=[REGS_3, REGS_3, 24])  # fmt: skip
@@ -999,13 +1019,13 @@ def takes_head_dims(spec: AttentionSpec, bias_row: bool) -> bool:
 
 @hopper.plan_cache
 def plan(spec: AttentionSpec, bias_row: bool, bias_dims: tuple[int, int], tokens_q: int,
-         device_index: int) -> hopper.Plan:  # fmt: skip
+         device_index: int, tabled: bool = True) -> hopper.Plan:  # fmt: skip
     """The forward's launch for this spec (hopper.Plan), from this module's knobs (who sets
     them calls hopper.forget_plans); bias_row: the bias is one row of keys
     (hopper.bias_row), loaded beside K; bias_dims: its (batch, head) sizes
     (hopper.bias_dims), (0, 0) without one; tokens_q: packed sequences' query tokens in all
-    (0 for dense batches). Counts: query blocks per head (packed: sequences), work
-    items."""
+    (0 for dense batches); tabled: a host-built schedule may be used (RANK_TABLE).
+    Counts: query blocks per head (packed: sequences), work items."""
     masked = spec.window_left >= 0 or spec.window_right >= 0
     tile_bias = spec.has_bias and not bias_row
     # Three warpgroups have 160 registers a thread: no room for dropout or ALiBi.
@@ -1020,10 +1040,14 @@ def plan(spec: AttentionSpec, bias_row: bool, bias_dims: tuple[int, int], tokens
     # Packed sequences walk their blocks sequence by sequence instead (hopper.query_block).
     by_rank = hopper.rank_order(spec, num_m_blocks, MASKED_BY_RANK_BLOCKS[tile],
                                 MIN_BLOCKS_BY_RANK[tile])
+    num_items = num_m_blocks * spec.batch * spec.heads
+    table = bool(by_rank) and PERSISTENT and RANK_TABLE[tile]
+    if table and not (tabled and num_items <= RANK_TABLE_ITEMS):
+        table, by_rank = False, 0
     fold = not spec.varlen and not by_rank and (FOLD is True or (
         FOLD == "masked" and masked and num_m_blocks >= MIN_BLOCKS_TO_FOLD[tile]))
-    persistent = PERSISTENT and not by_rank and (not masked or MASKED_PERSISTENT[tile])
-    num_items = num_m_blocks * spec.batch * spec.heads
+    persistent = PERSISTENT and (table or not by_rank) and (
+        not masked or MASKED_PERSISTENT[tile])
     counts = (num_m_blocks, num_items)
     q_slots, bias_slots, with_o = buffers(spec.head_dim_qk, spec.head_dim_v,
                                           block_m // ROWS.value, tile_bias, bias_row,
@@ -1031,11 +1055,17 @@ def plan(spec: AttentionSpec, bias_row: bool, bias_dims: tuple[int, int], tokens
     if spec.varlen:
         num_items = hopper.packed_items(spec.batch, tokens_q, spec.heads, block_m)
         counts = (spec.batch, num_items)
+    programs = hopper.programs(num_items, fold, persistent, device_index)
+    schedule = None
+    if table:
+        tiles = hopper.right_bound_tiles(spec, num_m_blocks, block_m, block_n)
+        schedule = tuple(hopper.rank_table(tiles, spec.batch * spec.heads, by_rank, programs))
     constexprs = dict(
         HEAD_DIM_QK=spec.head_dim_qk, HEAD_DIM_V=spec.head_dim_v,
         QK_SPLIT=hopper.qk_split(spec.head_dim_qk), BLOCK_M=block_m, BLOCK_N=block_n,
         STAGES=STAGES,
-        Q_STAGES=q_slots, FOLD=fold, BY_RANK=by_rank, O_IN_Q=with_o, HAS_BIAS=tile_bias,
+        Q_STAGES=q_slots, FOLD=fold, BY_RANK=by_rank, TABLE=table, O_IN_Q=with_o,
+        HAS_BIAS=tile_bias,
         BIAS_STAGES=max(bias_slots, 1), BIAS_ROW=bias_row,
         HAS_ALIBI=spec.has_alibi, HAS_SOFTCAP=spec.softcap > 0,
         HAS_DROPOUT=spec.dropout_p > 0, IS_VARLEN=spec.varlen,
@@ -1054,8 +1084,7 @@ def plan(spec: AttentionSpec, bias_row: bool, bias_dims: tuple[int, int], tokens
                      and hopper.shared_over_batch(spec, bias_dims)),
         num_warps=4,
     )  # fmt: skip
-    return hopper.Plan(hopper.programs(num_items, fold, persistent, device_index), counts,
-                       constexprs)
+    return hopper.Plan(programs, counts, constexprs, schedule)
 
 
 def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seqlens_q,
@@ -1066,7 +1095,14 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
     offset] (memattn.dropout), None without dropout."""
     bias_row = hopper.bias_row(spec, bias)
     bias_dims = (0, 0) if bias is None else hopper.bias_dims(bias)
-    how = plan(spec, bias_row, bias_dims, q.shape[0] if spec.varlen else 0, q.device.index)
+    tokens_q = q.shape[0] if spec.varlen else 0
+    how = plan(spec, bias_row, bias_dims, tokens_q, q.device.index)
+    schedule = lse  # a stand-in, never read without a table
+    if how.schedule:
+        schedule = hopper.schedule_on_device(how, q.device.index)
+        if schedule is None:  # a CUDA graph captures, the table not yet on the device
+            how = plan(spec, bias_row, bias_dims, tokens_q, q.device.index, tabled=False)
+            schedule = lse
     if bias_row:  # (B', H', Sk) fp32 in Q K^T's units: S starts from it, by TMA
         bias = hopper.bias_row_scores(bias, spec.scale)
     # What the launch's arguments are made of beside the plan, shapes included (the
@@ -1076,7 +1112,8 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
     # Packed sequences' dynamic schedule counts its items taken here (zeroed per call).
     tickets = torch.zeros(1, dtype=torch.int32, device=q.device) if spec.varlen else lse
     call = (how, *map(hopper.tensor_key, (q, k, v, out, lse, bias, alibi_slopes, rng_state,
-                                           cu_seqlens_q, cu_seqlens_k, tickets)))  # fmt: skip
+                                           cu_seqlens_q, cu_seqlens_k, tickets,
+                                           schedule)))  # fmt: skip
     if _launch_forward.launch_prepared(how.programs, call):
         return
     block_n = how.constexprs["BLOCK_N"]
@@ -1115,7 +1152,7 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
         (how.programs,),
         q_desc, k_desc, hopper.descriptor(v, block_n, spec.head_dim_v), o_desc, bias_desc,
         q2_desc, k2_desc,
-        out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k, tickets,
+        out, lse, rng_state, alibi_slopes, cu_seqlens_q, cu_seqlens_k, tickets, schedule,
         stride_om, stride_oh, *lse_strides, alibi_batch_stride, alibi_head_stride,
         spec.heads, spec.group, bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k,
         *how.counts, spec.scale * LOG2E.value, spec.window_left, spec.window_right,

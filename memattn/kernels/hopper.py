@@ -6,7 +6,10 @@ layouts, the one Gluon builtin Triton 3.6 lacks (TMA reduce-add), and a launcher
 from __future__ import annotations
 
 import functools
+import heapq
+import itertools
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -187,6 +190,24 @@ class Plan:
     programs: int
     counts: tuple[int, ...]
     constexprs: dict
+    schedule: tuple[int, ...] | None = None  # each program's blocks, dealt by the host
+
+
+# Each plan's schedule on its device (schedule_on_device), while the plan lives.
+_SCHEDULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def schedule_on_device(plan: Plan, device_index: int) -> torch.Tensor | None:
+    """The plan's schedule as an int32 tensor on its device (a plan is made for one),
+    copied there on the first call; None while a CUDA graph captures before then: a
+    copy from the host cannot be captured."""
+    table = _SCHEDULES.get(plan)
+    if table is None:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        device = torch.device("cuda", device_index)
+        table = _SCHEDULES[plan] = torch.tensor(plan.schedule, dtype=torch.int32, device=device)
+    return table
 
 
 _PLAN_CACHES = []
@@ -205,6 +226,7 @@ def forget_plans() -> None:
     those calls this before its calls (and after, to leave no plan of its own)."""
     for cached in _PLAN_CACHES:
         cached.cache_clear()
+    _SCHEDULES.clear()
 
 
 def rank_order(spec, blocks: int, group_blocks: int, min_blocks: int) -> int:
@@ -215,6 +237,37 @@ def rank_order(spec, blocks: int, group_blocks: int, min_blocks: int) -> int:
     takes = (spec.window_right >= 0 and spec.window_left < 0 and not spec.varlen
              and blocks >= min_blocks)  # fmt: skip
     return group_blocks if takes else 0
+
+
+def right_bound_tiles(spec, blocks: int, block_m: int, block_n: int) -> list[int]:
+    """Key tiles of a head's query blocks under a right bound alone, by rank (rank 0 the
+    last block): common.key_range's hi (keys up to the block's last query's bound)."""
+    off = spec.seqlen_k - spec.seqlen_q if spec.bottom_right else 0
+    ends = ((blocks - rank) * block_m for rank in range(blocks))  # last row + 1
+    return [cdiv(max(0, min(spec.seqlen_k, end + off + spec.window_right)), block_n)
+            for end in ends]  # fmt: skip
+
+
+def rank_table(tiles: list[int], heads: int, group_blocks: int, programs: int) -> list[int]:
+    """The blocks persistent programs walk (the forward's TABLE): rank_major_item's order
+    (heads in groups of at least ``group_blocks`` blocks, each group's rank by rank)
+    dealt as a list schedule, each next block to the program whose blocks so far end
+    first by key tiles (``tiles[rank]``), ties to the lower program: as if each program
+    took the next block as it freed, without tickets or a hand-off between partitions.
+    Flat, for one int32 tensor: programs + 1 offsets into it, then each program's items
+    (head * blocks + rank) in its order."""
+    blocks = len(tiles)
+    total = heads * blocks
+    together = cdiv(group_blocks, blocks)
+    ends = [(0, p) for p in range(programs)]  # a heap of (key tiles so far, program)
+    dealt = [[] for _ in range(programs)]
+    for pid in range(total):
+        item = rank_major_item.fn(pid, total, blocks, together)
+        end, p = heapq.heappop(ends)
+        dealt[p].append(item)
+        heapq.heappush(ends, (end + tiles[item % blocks], p))
+    offsets = itertools.accumulate((len(items) for items in dealt), initial=programs + 1)
+    return [*offsets, *itertools.chain.from_iterable(dealt)]
 
 
 def programs(items: int, fold: bool, persistent: bool, device_index: int) -> int:
@@ -336,7 +389,7 @@ def query_block(
     pid, j, programs, H, GROUP, num_m_blocks, seqlen_q, seqlen_k, window_left, window_right,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
-    BATCH_INNER: gl.constexpr = False, batches=1,
+    BATCH_INNER: gl.constexpr = False, batches=1, Schedule=0, TABLE: gl.constexpr = False,
 ):  # fmt: skip
     """The j-th query block of program pid (work_item's order: each head's last block
     first, folded or not) of a dense grid over query blocks (the forward's, the D=256
@@ -344,8 +397,15 @@ def query_block(
     key token and lengths, the diagonal's offset, key range as common.key_range gives
     it, count of key tiles). The (batch, head)s go head after head within a batch, or
     with BATCH_INNER (of ``batches``) batch after batch within a head: programs side
-    by side then read a bias plane shared over the batch together, from L2."""
-    bh, rank = work_item(pid, j, programs, num_m_blocks, FOLD)
+    by side then read a bias plane shared over the batch together, from L2. With TABLE
+    the blocks are the host's (rank_table), pid the program's first entry in
+    ``Schedule``: one load a block, from L1 after the first."""
+    if TABLE:
+        item = gl.load(Schedule + pid + j)
+        bh = item // num_m_blocks
+        rank = item % num_m_blocks
+    else:
+        bh, rank = work_item(pid, j, programs, num_m_blocks, FOLD)
     if BATCH_INNER:
         b = bh % batches
         h = bh // batches
