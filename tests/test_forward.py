@@ -672,7 +672,7 @@ def test_hopper_kernel_by_rank_gpu(name, table, monkeypatch):
                         dict.fromkeys(forward_sm90.HEAD_DIMS, 16))
     monkeypatch.setattr(forward_sm90, "MIN_BLOCKS_BY_RANK",
                         dict.fromkeys(forward_sm90.HEAD_DIMS, 1))
-    monkeypatch.setattr(forward_sm90, "RANK_TABLE", dict.fromkeys(forward_sm90.HEAD_DIMS, table))
+    monkeypatch.setattr(forward_sm90, "RANK_TABLE", table)
     monkeypatch.setattr(forward_sm90, "MASKED_PERSISTENT",
                         dict.fromkeys(forward_sm90.HEAD_DIMS, True))
     monkeypatch.setattr(hopper, "sm_count", lambda device_index: 5)
@@ -700,7 +700,6 @@ def test_hopper_kernel_host_table_under_cuda_graphs_gpu(monkeypatch):
     ref, _, allowed, _ = repeated_forward_reference(x, torch.bfloat16)
     monkeypatch.setattr(forward_sm90, "MASKED_BY_RANK_BLOCKS",
                         {**forward_sm90.MASKED_BY_RANK_BLOCKS, 128: 16})
-    monkeypatch.setattr(forward_sm90, "RANK_TABLE", {**forward_sm90.RANK_TABLE, 128: True})
     launches = record_launches(monkeypatch, forward_sm90, "_launch_forward")
     hopper.forget_plans()
     with monkeypatch.context() as m:  # the folded strides' kernel, compiled before capture

@@ -60,7 +60,7 @@ VARIANTS = {
     **{f"fwd_table{n}": {"fwd.MASKED_BY_RANK_BLOCKS": {64: 256, 128: 256, 192: 0, 256: 256},
                          "fwd.MIN_BLOCKS_BY_RANK": {64: n, 128: n, 192: 0, 256: 96}}
        for n in (0, 8, 40)},
-    "fwd_no_table": {"fwd.RANK_TABLE": dict.fromkeys((64, 128, 192, 256), False)},
+    "fwd_no_table": {"fwd.RANK_TABLE": False},
     "dq_folded": {"bwd.DQ_MASKED_BY_RANK_BLOCKS": 0},  # the D=256 dQ kernel's pairs
     "dq_after": {"bwd.DQ_AS_DEPENDENT": False},  # ... launched after dK/dV's kernel ends
     "bwd_rows64": {"bwd.BLOCK_M_D64": 64},  # 64 query rows a backward step at D=64

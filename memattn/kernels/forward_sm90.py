@@ -161,13 +161,13 @@ MIN_BLOCKS_TO_FOLD = {64: 0, 128: 0, 192: 5, 256: 5}
 # a program per block takes them, the hardware handing them out: H200, tools/ab.py,
 # folded -> groups of 256 blocks (medians of 5): S16384 causal 662 -> 677 TFLOP/s; not
 # at S8192 (641 -> 640) or S4096 (597 -> 591, medians of 3); larger groups lost (512 /
-# 1024 blocks: 666 / 657: K and V shared less in L2). At D=64 (RANK_TABLE) persistent
-# programs take the blocks the host dealt each (hopper.rank_table: a list schedule by
-# key tiles, as if each took the next as it freed), keeping the overlap of a block's
-# start with the last one's end that a program per block gives up. H200, medians of
-# 3-5: folded -> a program per block, S16384 causal 477 -> 480, S8192 454 -> 456; a
-# program per block -> the table (another day), S16384 481 -> 491 (two calls), S8192
-# 462 -> 477. Off at D=128: a program per block
+# 1024 blocks: 666 / 657: K and V shared less in L2). Where masked programs are
+# persistent (D=64; RANK_TABLE), they take the blocks the host dealt each
+# (hopper.rank_table: a list schedule by key tiles, as if each took the next as it
+# freed), keeping the overlap of a block's start with the last one's end that a program
+# per block gives up. H200, medians of 3-5: folded -> a program per block, S16384
+# causal 477 -> 480, S8192 454 -> 456; a program per block -> the table (another day),
+# S16384 481 -> 491 (two calls), S8192 462 -> 477. Off at D=128: a program per block
 # lost (S4096 causal 570 -> 528, S8192 596 -> 584), the table paid nothing (S4096 572
 # -> 564, S8192 594 -> 594, S16384 607 -> 608; S1024 445 -> 459 once), nor with a
 # block's cost in the deal counted 2 or 4 key tiles more (569 / 562, 595 / 590, 610 /
@@ -178,7 +178,7 @@ MIN_BLOCKS_TO_FOLD = {64: 0, 128: 0, 192: 5, 256: 5}
 # these to A/B, then call hopper.forget_plans().
 MASKED_BY_RANK_BLOCKS = {64: 256, 128: 0, 192: 0, 256: 256}
 MIN_BLOCKS_BY_RANK = {64: 40, 128: 0, 192: 0, 256: 96}
-RANK_TABLE = {64: True, 128: True, 192: True, 256: False}
+RANK_TABLE = True  # False: a program per block wherever the rank order is on
 RANK_TABLE_ITEMS = 1 << 16
 # A bias of tiles shared over the batch, a plane per head ((1, H, Sq, Sk): relative
 # positions), is read batch after batch within a head (hopper.query_block's
@@ -1041,7 +1041,7 @@ def plan(spec: AttentionSpec, bias_row: bool, bias_dims: tuple[int, int], tokens
     by_rank = hopper.rank_order(spec, num_m_blocks, MASKED_BY_RANK_BLOCKS[tile],
                                 MIN_BLOCKS_BY_RANK[tile])
     num_items = num_m_blocks * spec.batch * spec.heads
-    table = bool(by_rank) and PERSISTENT and RANK_TABLE[tile]
+    table = bool(by_rank) and RANK_TABLE and PERSISTENT and MASKED_PERSISTENT[tile]
     if table and not (tabled and num_items <= RANK_TABLE_ITEMS):
         table, by_rank = False, 0
     fold = not spec.varlen and not by_rank and (FOLD is True or (
