@@ -276,6 +276,16 @@ def _call_backward(spec, args, options, deterministic: bool, needs) -> tuple:
     return torch.ops.memattn.backward(*args, *options, deterministic, list(needs))
 
 
+def _records_autograd(q, k, v, bias) -> bool:
+    """Whether autograd has anything to record for a call: a gradient asked of an
+    input, or forward-mode AD on (a dual level open: the Function then says it has no
+    jvp, where a bare call would drop the tangents)."""
+    return (torch.autograd.forward_ad._current_level >= 0
+            or (torch.is_grad_enabled()
+                and (q.requires_grad or k.requires_grad or v.requires_grad
+                     or (bias is not None and bias.requires_grad))))  # fmt: skip
+
+
 def _without_repeats(tensors: list) -> tuple[list, tuple[int, ...]]:
     """``tensors`` with each repeat of an earlier tensor replaced by None, and for each
     the index of that earlier tensor (-1 for a first occurrence or None)."""
@@ -352,6 +362,8 @@ def forward_call(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_st
     # records the call: its bookkeeping then runs while they do, not before (PERFORMANCE.md:
     # the host time before a launch is what a small call waits for).
     outputs = _run_forward(spec, *inputs) if direct is not None else None
+    if outputs is not None and not _records_autograd(q, k, v, bias):
+        return (*outputs, rng)  # inference: the Function would record nothing
     tensors, same_as = _without_repeats(inputs)
     out, lse = _Attention.apply(*tensors, (same_as, direct, _op_options(spec), outputs))
     return out, lse, rng

@@ -149,6 +149,35 @@ def test_eager_forward_launches_before_the_function_records(monkeypatch):
 
 
 @cpu_only
+def test_inference_calls_leave_the_function_out(monkeypatch):
+    """A call autograd has nothing to record for (no input asks for a gradient, or grad
+    mode off) returns the kernels' outputs without the Function, the same values as a
+    call it records; forward-mode AD still reaches the Function, which says it has no
+    jvp rather than dropping the tangents."""
+    recorded = []
+    real_forward = memattn.ops._Attention.forward
+
+    def forward(ctx, *args):
+        recorded.append(True)
+        return real_forward(ctx, *args)
+
+    monkeypatch.setattr(memattn.ops._Attention, "forward", staticmethod(forward))
+    x = make_inputs(OPCHECK_CASES[0], torch.float32, DEVICE, seed=6)
+    bare = memattn.attention(x.q, x.k, x.v, causal=True)
+    with torch.no_grad():
+        no_grad = memattn.attention(x.q.requires_grad_(), x.k, x.v, causal=True)
+    assert recorded == [] and bare.grad_fn is None and no_grad.grad_fn is None
+    recording = memattn.attention(x.q, x.k, x.v, causal=True)
+    assert recorded == [True] and recording.grad_fn is not None
+    torch.testing.assert_close(bare, recording.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(no_grad, bare, rtol=0, atol=0)
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(x.q.detach(), torch.ones_like(x.q))
+        with pytest.raises(NotImplementedError, match="jvp"):
+            memattn.attention(dual, x.k, x.v, causal=True)
+
+
+@cpu_only
 def test_modes_go_through_the_ops_and_agree(monkeypatch):
     """Under a torch-function mode (here torch.device's) the call goes through the
     custom ops, which give the same result as the direct path, forward and backward."""

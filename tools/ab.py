@@ -110,6 +110,9 @@ VARIANTS = {
     "dec64x64w8s2": {"decode.WIDE_ROWS_TILE": tuning.Config(64, 64, 8, 2)},
     "dec64x32w4s3": {"decode.WIDE_ROWS_TILE": tuning.Config(64, 32, 4, 3)},
     "dec64x128w8s2": {"decode.WIDE_ROWS_TILE": tuning.Config(64, 128, 8, 2)},
+    # ... and below 64 rows (keys, warps, stages; shipped 128, 4, 3: one program an SM)
+    **{f"few{n}w{w}s{s}": {"decode.FEW_ROWS_TILE": (n, w, s)}
+       for n, w, s in ((64, 4, 3), (64, 4, 2), (32, 4, 3), (128, 4, 2), (64, 4, 4), (128, 8, 3))},
     # the D 64/128 backward's K and V views made in each step: every call, or none
     "kv_views_always": {"bwd.KV_VIEWS_PER_STEP": True},
     "kv_views_never": {"bwd.KV_VIEWS_PER_STEP": False},
@@ -139,7 +142,8 @@ def knob_module(key: str):
 
 DEFAULTS = {**{f"fwd.{name}": getattr(forward_sm90, name) for name in FORWARD_KNOBS},
             **{f"bwd.{name}": getattr(module, name) for name, module in BACKWARD_KNOBS.items()},
-            "decode.PDL": decode.PDL, "decode.WIDE_ROWS_TILE": decode.WIDE_ROWS_TILE}
+            "decode.PDL": decode.PDL, "decode.WIDE_ROWS_TILE": decode.WIDE_ROWS_TILE,
+            "decode.FEW_ROWS_TILE": decode.FEW_ROWS_TILE}
 # A/B the kernels themselves, at every size
 DEFAULTS["bwd.MIN_KEYS_PER_QUERY"] = dict.fromkeys(backward_sm90.HEAD_DIMS, 0)
 

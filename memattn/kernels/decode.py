@@ -213,6 +213,12 @@ INTERPRETER_PROGRAMS = 16
 # 3124 / 2935; 32 keys, three stages 3231 / 2973; 128 keys, 8 warps, two stages 2654 /
 # 2575; 64 keys, 8 warps, two stages 2485 / 2334.
 WIDE_ROWS_TILE = tuning.Config(64, 64, 4, 3)
+# Fewer rows (Sq=1: a GQA group's 4 queries, padded to 16) at D <= 128: the tile's keys,
+# warps and stages (192 KiB, one program an SM). H200, GB/s, medians of 5, B64 Sk4096 /
+# B8 Sk32768 / B1 Sk131072: this 4281 / 4294 / 3974; 64 keys at four stages 4263 / 4319
+# / 3984, three 3836 / 4253 / 3929, two 3499 / 4271 / 3921; 32 keys at three 4258 / 4216
+# / 3898; 128 keys at two 3808 / 3209 / 3152. None ahead by more than a point: kept.
+FEW_ROWS_TILE = (128, 4, 3)
 
 try:  # on CUDA, launches go past JITFunction.run's per-call binding (hopper.Launcher)
     from . import hopper
@@ -237,6 +243,8 @@ def configs(spec: AttentionSpec, interpreting: bool) -> tuple[tuning.Config, ...
     fitting = (tuning.Config(block_m, 64, 4, 3), tuning.Config(block_m, 32, 4, 2))
     if block_m == 64 and block_n == 128:
         return tuple(dict.fromkeys((WIDE_ROWS_TILE,) + fitting))
+    if block_n == 128:
+        return tuple(dict.fromkeys((tuning.Config(block_m, *FEW_ROWS_TILE),) + fitting))
     return (tuning.Config(block_m, block_n, 4, 3),) + fitting
 
 
