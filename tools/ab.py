@@ -61,6 +61,9 @@ VARIANTS = {
                          "fwd.MIN_BLOCKS_BY_RANK": {64: n, 128: n, 192: 0, 256: 96}}
        for n in (0, 8, 40)},
     "fwd_no_table": {"fwd.RANK_TABLE": False},
+    # the mask's code in every step loop, or out of it wherever the keys fill the tiles
+    "fwd_masked_code": {"fwd.FULL_TILES": dict.fromkeys((64, 128, 192, 256), False)},
+    "fwd_full_tiles": {"fwd.FULL_TILES": dict.fromkeys((64, 128, 192, 256), True)},
     "dq_folded": {"bwd.DQ_MASKED_BY_RANK_BLOCKS": 0},  # the D=256 dQ kernel's pairs
     "dq_after": {"bwd.DQ_AS_DEPENDENT": False},  # ... launched after dK/dV's kernel ends
     "bwd_rows64": {"bwd.BLOCK_M_D64": 64},  # 64 query rows a backward step at D=64
@@ -121,7 +124,7 @@ VARIANTS = {
 FORWARD_KNOBS = ("FOLD", "OWN_KEY_RANGES", "BLOCK_M_D64", "PERSISTENT", "MAX_Q_STAGES",
                  "RESCALE_THRESHOLD", "TURNS_MAX_HEAD_DIM", "MIN_SEQLEN_Q_D64_MASKED",
                  "BIAS_BATCH_INNER", "POSITION_HEADS", "DROPOUT_SCRATCH", "IDLE_WARPGROUPS",
-                 "MASKED_BY_RANK_BLOCKS", "MIN_BLOCKS_BY_RANK", "RANK_TABLE")
+                 "MASKED_BY_RANK_BLOCKS", "MIN_BLOCKS_BY_RANK", "RANK_TABLE", "FULL_TILES")
 # "bwd.NAME": the backward module whose code reads the knob
 BACKWARD_KNOBS = {name: module for module, names in (
     (backward_sm90.narrow, ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "SKIP_EMPTY_KEY_BLOCKS",

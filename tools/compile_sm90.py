@@ -283,8 +283,9 @@ def _compile_hopper(name, launch, masks) -> int:
     packed sequences (varlen: 2100 and 704 tokens, cu_seqlens given; varlen_bias with a
     full bias, varlen_addbias with a plane per head the sequences share (its gradient
     added in bf16), varlen_sumbias with one plane for all, varlen_all with a key row,
-    dropout and ALiBi), GQA 4:2, Sq=2100 (D=64's three warpgroups), Sk=704; softcap
-    alone or before another ("softcap_bias"); returns the number of failures.
+    dropout and ALiBi), GQA 4:2, Sq=2100 (D=64's three warpgroups), Sk=704 (full_tiles:
+    768, every key tile full: forward_sm90.FULL_TILES); softcap alone or before another
+    ("softcap_bias"); returns the number of failures.
     MEMATTN_HOPPER_FEATURES=dropout (comma-separated from those names) and
     MEMATTN_HOPPER_DIMS=256 compile a subset."""
     from memattn.kernels import hopper
@@ -294,7 +295,7 @@ def _compile_hopper(name, launch, masks) -> int:
     features = os.environ.get("MEMATTN_HOPPER_FEATURES",
                               "none,bias,sumbias,rowbias,bias_read,rowbias_read,dropout,"
                               "alibi,softcap,varlen,varlen_bias,varlen_addbias,varlen_sumbias,"
-                              "varlen_all").split(",")
+                              "varlen_all,full_tiles").split(",")
     dims = [(int(d.split("/")[0]), int(d.split("/")[-1]))
             for d in os.environ.get("MEMATTN_HOPPER_DIMS", "64,128,256").split(",")]
     failures = 0
@@ -307,8 +308,9 @@ def _compile_hopper(name, launch, masks) -> int:
                 capped = feature.startswith("softcap")  # softcap, alone or beside the rest
                 feature = feature.removeprefix("softcap").removeprefix("_") or "none"
                 q = torch.randn(2, 2100, 4, d, dtype=torch.bfloat16)
-                k = torch.randn(2, 704, 2, d, dtype=torch.bfloat16)
-                v = torch.randn(2, 704, 2, dv, dtype=torch.bfloat16)
+                keys = 768 if feature == "full_tiles" else 704
+                k = torch.randn(2, keys, 2, d, dtype=torch.bfloat16)
+                v = torch.randn(2, keys, 2, dv, dtype=torch.bfloat16)
                 bias = None
                 if feature in ("bias", "bias_dropout"):
                     bias = torch.randn(2, 4, 2100, 704, dtype=torch.bfloat16)

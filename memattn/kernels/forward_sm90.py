@@ -212,6 +212,14 @@ MAX_Q_STAGES = 2
 # -> 580, D=256 663 -> 653: the check's code, D=256's 16 bytes of spills). Tools set it
 # to A/B, then call hopper.forget_plans().
 IDLE_WARPGROUPS = True
+# Without a mask's bounds, a dense call whose keys fill every tile (Sk a multiple of
+# BLOCK_N) needs no mask: where on (by the tiles' head dim), its step loop is compiled
+# without the mask's code (80 of the D=128 loop's 545 instructions). H200, tools/ab.py
+# --rounds 5, mask code -> none: D128 S16384 632 -> 641, S4096 617 -> 632, S1024 579 ->
+# 583; but D64 S16384 511 -> 483 and D256 S16384 720 -> 683 (ptxas schedules the
+# loop without the branch otherwise). Tools set it to A/B, then call
+# hopper.forget_plans().
+FULL_TILES = {64: False, 128: True, 192: False, 256: False}
 # Shared memory kept clear for the compiler's scratch of dropout's keep-bit exchange
 # (hopper.dropout_keep's convert_layout): 7.7-8.3 KiB in sm_90 compiles (D=128 with
 # bias tiles 204,928 bytes in all, 192/128 221,280, D=256 with bias tiles 221,312, of
@@ -533,7 +541,7 @@ def _softmax_partition(
     HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, THRESHOLD: gl.constexpr,
     TURNS: gl.constexpr, BATCH_INNER: gl.constexpr, OWN_RANGES: gl.constexpr,
-    HAS_SOFTCAP: gl.constexpr, IDLE_ROWS: gl.constexpr,
+    HAS_SOFTCAP: gl.constexpr, IDLE_ROWS: gl.constexpr, FULL_TILES: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: query rows [start_m + PART * ROWS, + ROWS) of each of the
     program's query blocks, over every key tile. S(t) and P(t-1)·V(t-1) are in flight
@@ -567,7 +575,7 @@ def _softmax_partition(
                     full_lo, full_hi, n_tiles, kv, qi, PART, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
                     BLOCK_M, BLOCK_N, STAGES, Q_STAGES, O_IN_Q, HAS_BIAS, BIAS_STAGES, BIAS_ROW,
                     HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOUNDED_LEFT, BOUNDED_RIGHT,
-                    THRESHOLD, TURNS, OWN_RANGES, HAS_SOFTCAP, IDLE_ROWS)  # fmt: skip
+                    THRESHOLD, TURNS, OWN_RANGES, HAS_SOFTCAP, IDLE_ROWS, FULL_TILES)  # fmt: skip
     else:
         for j in range(n_items):
             (b, h, hk, start_m, q_start, _, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
@@ -580,7 +588,7 @@ def _softmax_partition(
                 full_hi, n_tiles, kv, qi, PART, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M,
                 BLOCK_N, STAGES, Q_STAGES, O_IN_Q, HAS_BIAS, BIAS_STAGES, BIAS_ROW, HAS_ALIBI,
                 HAS_DROPOUT, IS_VARLEN, BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS,
-                OWN_RANGES, HAS_SOFTCAP, IDLE_ROWS)  # fmt: skip
+                OWN_RANGES, HAS_SOFTCAP, IDLE_ROWS, FULL_TILES)  # fmt: skip
     tma.store_wait(0)
 
 
@@ -624,7 +632,7 @@ def _softmax_block(
     BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr,
     IS_VARLEN: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
     THRESHOLD: gl.constexpr, TURNS: gl.constexpr, OWN_RANGES: gl.constexpr,
-    HAS_SOFTCAP: gl.constexpr, IDLE_ROWS: gl.constexpr,
+    HAS_SOFTCAP: gl.constexpr, IDLE_ROWS: gl.constexpr, FULL_TILES: gl.constexpr,
 ):  # fmt: skip
     """_softmax_partition's work for one query block (hopper.query_block's values);
     returns the rings' running indices (key tiles, query blocks) after it."""
@@ -685,7 +693,9 @@ def _softmax_block(
         mbarrier.arrive(k_empty.index(slot))
         bias = _bias(bias_smem, bias_ready, bias_empty, kv, s_layout, PART, PARTS, BLOCK_N,
                      BIAS_STAGES, HAS_BIAS)
-        needs_mask = (lo < full_lo) | (lo >= full_hi)
+        needs_mask = False  # FULL_TILES: the mask's code compiled out
+        if not FULL_TILES:
+            needs_mask = (lo < full_lo) | (lo >= full_hi)
         p_, m_i, l_i, alpha = _softmax_tile(
             s, m_i, l_i, lo, offs_m, bias, slope, seqlen_k, off, window_left,
             window_right, needs_mask, scale_log2, softcap, BLOCK_N, HAS_BIAS, HAS_ALIBI,
@@ -707,7 +717,9 @@ def _softmax_block(
             mbarrier.arrive(k_empty.index(k_slot))
             bias = _bias(bias_smem, bias_ready, bias_empty, kv + t, s_layout, PART, PARTS,
                          BLOCK_N, BIAS_STAGES, HAS_BIAS)
-            needs_mask = (start_n < full_lo) | (start_n >= full_hi)
+            needs_mask = False
+            if not FULL_TILES:
+                needs_mask = (start_n < full_lo) | (start_n >= full_hi)
             p_, m_i, l_i, alpha = _softmax_tile(
                 s, m_i, l_i, start_n, offs_m, bias, slope, seqlen_k, off, window_left,
                 window_right, needs_mask, scale_log2, softcap, BLOCK_N, HAS_BIAS, HAS_ALIBI,
@@ -828,7 +840,7 @@ def _fwd_sm90_kernel(
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
     THRESHOLD: gl.constexpr, TURNS: gl.constexpr, BATCH_INNER: gl.constexpr,
     OWN_RANGES: gl.constexpr, POSITION_HEADS: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-    IDLE_ROWS: gl.constexpr,
+    IDLE_ROWS: gl.constexpr, FULL_TILES: gl.constexpr,
 ):  # fmt: skip
     # The programs (one per SM at most, persistent) walk the num_items query blocks in
     # strides (hopper.work_item), folded under a mask: pairs of blocks whose work adds
@@ -910,12 +922,12 @@ def _fwd_sm90_kernel(
                                   STAGES, Q_STAGES, FOLD, TABLE, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
                                   BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER,
-                                  OWN_RANGES, HAS_SOFTCAP, IDLE_ROWS)),
+                                  OWN_RANGES, HAS_SOFTCAP, IDLE_ROWS, FULL_TILES)),
             (_softmax_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
                                   STAGES, Q_STAGES, FOLD, TABLE, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
                                   BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER,
-                                  OWN_RANGES, HAS_SOFTCAP, IDLE_ROWS)),
+                                  OWN_RANGES, HAS_SOFTCAP, IDLE_ROWS, FULL_TILES)),
             (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, TABLE, QK_SPLIT,
                                HAS_BIAS, BIAS_STAGES, BIAS_ROW, IS_VARLEN, BOTTOM_RIGHT,
                                BOUNDED_LEFT, BOUNDED_RIGHT, BATCH_INNER, POSITION_HEADS)),
@@ -926,17 +938,17 @@ def _fwd_sm90_kernel(
                                   STAGES, Q_STAGES, FOLD, TABLE, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
                                   BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER,
-                                  OWN_RANGES, HAS_SOFTCAP, IDLE_ROWS)),
+                                  OWN_RANGES, HAS_SOFTCAP, IDLE_ROWS, FULL_TILES)),
             (_softmax_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
                                   STAGES, Q_STAGES, FOLD, TABLE, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
                                   BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER,
-                                  OWN_RANGES, HAS_SOFTCAP, IDLE_ROWS)),
+                                  OWN_RANGES, HAS_SOFTCAP, IDLE_ROWS, FULL_TILES)),
             (_softmax_partition, (shared, 2, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT, BLOCK_M, BLOCK_N,
                                   STAGES, Q_STAGES, FOLD, TABLE, O_IN_Q, HAS_BIAS, BIAS_STAGES,
                                   BIAS_ROW, HAS_ALIBI, HAS_DROPOUT, IS_VARLEN, BOTTOM_RIGHT,
                                   BOUNDED_LEFT, BOUNDED_RIGHT, THRESHOLD, TURNS, BATCH_INNER,
-                                  OWN_RANGES, HAS_SOFTCAP, IDLE_ROWS)),
+                                  OWN_RANGES, HAS_SOFTCAP, IDLE_ROWS, FULL_TILES)),
             (_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, Q_STAGES, FOLD, TABLE, QK_SPLIT,
                                HAS_BIAS, BIAS_STAGES, BIAS_ROW, IS_VARLEN, BOTTOM_RIGHT,
                                BOUNDED_LEFT, BOUNDED_RIGHT, BATCH_INNER, POSITION_HEADS)),
@@ -1076,6 +1088,8 @@ def plan(spec: AttentionSpec, bias_row: bool, bias_dims: tuple[int, int], tokens
         TURNS=not spec.varlen and tile <= TURNS_MAX_HEAD_DIM,
         OWN_RANGES=OWN_KEY_RANGES and spec.window_right >= 0 and block_m > 2 * ROWS.value,
         IDLE_ROWS=IDLE_WARPGROUPS and spec.varlen,
+        FULL_TILES=(FULL_TILES[tile] and not masked and not spec.varlen
+                    and spec.seqlen_k % block_n == 0),
         POSITION_HEADS=(min(POSITION_HEADS, spec.heads)
                         if spec.varlen and tile_bias and bias_dims[0] == 1
                         and spec.window_right >= 0 and 1 < spec.batch <= hopper.POSITION_SEQS.value
