@@ -1130,18 +1130,30 @@ def resumed(path: Path, rows: list[Row], impls: list[str], env: dict, quick: boo
         if doc.get(key) != value:
             raise ResumeError(f"--resume: {path} has {key}={doc.get(key)!r}, this run "
                              f"{value!r}; give another --json")  # fmt: skip
-    by_name = {r.name: r for r in rows}
     entries: dict[str, dict[str, Result]] = {}
-    for e in doc["rows"]:
-        if e["row"] in by_name and e["impl"] in impls:
-            timing = Timing(e["fwd_ms"], e["bwd_ms"], e["fwd_error"], e["bwd_error"],
-                            e.get("first_call_s"), e.get("fwd_rounds_ms"),
-                            e.get("bwd_rounds_ms"))  # fmt: skip
-            entries.setdefault(e["row"], {})[e["impl"]] = Result(by_name[e["row"]], e["impl"],
-                                                                 timing)  # fmt: skip
+    for r in _results_of(doc["rows"], rows, impls):
+        entries.setdefault(r.row.name, {})[r.impl] = r
     done = [entries[r.name][i] for r in rows if len(entries.get(r.name, ())) == len(impls)
             for i in impls]  # fmt: skip
     return done, doc.get("started", doc.get("date"))
+
+
+def _results_of(entries: list[dict], rows: list[Row], impls: list[str]) -> list[Result]:
+    """The JSON's row entries of ``rows`` and ``impls`` as Results."""
+    by_name = {r.name: r for r in rows}
+    return [Result(by_name[e["row"]], e["impl"],
+                   Timing(e["fwd_ms"], e["bwd_ms"], e["fwd_error"], e["bwd_error"],
+                          e.get("first_call_s"), e.get("fwd_rounds_ms"),
+                          e.get("bwd_rounds_ms")))
+            for e in entries if e["row"] in by_name and e["impl"] in impls]  # fmt: skip
+
+
+def entries_not_asked(path: Path, names: set[str]) -> dict[str, list[dict]]:
+    """For ``--resume`` with ``--rows``: the JSON's row and ratio entries of the rows
+    this run was not asked for, which stay in the file as they were."""
+    doc = json.loads(path.read_text()) if path.exists() else {}
+    return {key: [e for e in doc.get(key, []) if e["row"] not in names]
+            for key in ("rows", "ratios")}
 
 
 def run(args, rows: list[Row], impls: list[str], device="cuda", console=None) -> list[Result]:
@@ -1168,16 +1180,22 @@ def run(args, rows: list[Row], impls: list[str], device="cuda", console=None) ->
 
     rounds = getattr(args, "rounds", 1)
     done, started = [], None
+    others = {"rows": [], "ratios": []}  # the file's rows outside --rows, kept as they are
     if args.resume:
         done, started = resumed(json_path, rows, impls, env, args.quick, rounds)
+        others = entries_not_asked(json_path, {r.name for r in rows})
     kept = {r.row.name for r in done}
-    order = {row.name: i for i, row in enumerate(rows)}
+    order = {name: i for i, name in enumerate(dict.fromkeys(
+        [row.name for row in all_rows()] + [row.name for row in rows]))}  # fmt: skip
 
     def with_kept(results):  # the kept rows and these, in the rows' order
         return sorted(done + results, key=lambda r: order[r.row.name])
 
     def save(results):
         doc = report_json(with_kept(results), env, args.quick, started, rounds)
+        for key in ("rows", "ratios"):  # sorted is stable: a row's entries keep their order
+            doc[key] = sorted(doc[key] + others[key],
+                              key=lambda e: order.get(e["row"], len(order)))
         json_path.write_text(json.dumps(doc, indent=1))
 
     def row_done(results):  # a log line per row (above the bar), and the JSON so far
@@ -1208,8 +1226,9 @@ def run(args, rows: list[Row], impls: list[str], device="cuda", console=None) ->
     for line in error_lines(results):
         console.print(Text(line, style="dim"), soft_wrap=True)
     console.print(f"results: {json_path}")
-    try:
-        plot(results, plot_path, title, console)
+    try:  # the file's grid, rows outside --rows included
+        plot(results + _results_of(others["rows"], all_rows(), impls), plot_path, title,
+             console)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - the results are saved; the plot is extra
         console.print(f"no plot: {_reason(e, [])}")
     return results

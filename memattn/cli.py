@@ -174,7 +174,8 @@ def main(argv=None) -> int:
     p.add_argument("--resume", action="store_true",
                    help="continue the run whose JSON is at --json: rows it has for every "
                         "implementation asked are kept, not run again (a full run spread "
-                        "over several calls on one machine)")
+                        "over several calls on one machine); with --rows, the file's other "
+                        "rows stay as they are")
     p.add_argument("--rounds", type=int, default=1, metavar="N",
                    help="time each row's implementations N times in turn, the order "
                         "rotated each round, and keep each one's median: the ratios then "

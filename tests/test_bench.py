@@ -536,6 +536,29 @@ def test_resume_keeps_the_rows_the_json_has_and_runs_the_rest(tmp_path):
                                                              device="another"))  # fmt: skip
 
 
+def test_resume_with_rows_keeps_the_other_rows_in_the_file(tmp_path):
+    """--resume with --rows (a run handed a subset of rows): the file's entries of the
+    rows it was not asked for stay as they were, rows and ratios, in the rows' order;
+    the asked rows run again where the file lacks them."""
+    rows = [r for r in bench.select_rows(True) if r.name in ("D128_S1024", "D128_S4096",
+                                                               "bias_grad", "gqa8")]
+    impls = ["memattn", "flex"]
+    _fake_bench(tmp_path, [rows[0], rows[2], rows[3]], impls, False, [])
+    doc = json.loads((tmp_path / "r.json").read_text())
+    measured = []
+    _fake_bench(tmp_path, [rows[1], rows[2]], impls, True, measured)  # D128_S4096 is new
+    assert sorted(measured) == [("D128_S4096", i) for i in sorted(impls)]
+    resumed = json.loads((tmp_path / "r.json").read_text())
+    assert [(e["row"], e["impl"]) for e in resumed["rows"]] == [
+        (r.name, i) for r in rows for i in impls]  # fmt: skip
+    before = {(e["row"], e["impl"]): e for e in doc["rows"]}
+    for e in resumed["rows"]:
+        if e["row"] != "D128_S4096":
+            assert e == before[(e["row"], e["impl"])]
+    assert [e["row"] for e in resumed["ratios"]] == [r.name for r in rows]
+    assert [e for e in resumed["ratios"] if e["row"] != "D128_S4096"] == doc["ratios"]
+
+
 def test_rounds_balance_the_order_and_keep_each_ones_median(tmp_path, monkeypatch):
     """--rounds 3: each row's implementations timed three times in turn (round_order:
     reversed every second round, turned every two), after every implementation's first
