@@ -257,14 +257,9 @@ HOPPER_CASES = [
     Case("GQA 8:2 transposed causal", heads=8, kv_heads=2, seqlen_q=700, seqlen_k=700,
          dqk=128, dv=128, layout="transposed", options=dict(causal=True)),
     Case("one key", seqlen_q=300, seqlen_k=1, dqk=64, dv=64),
-    # keys filling every tile: the step loop without the mask's code (FULL_TILES), with a
-    # key row and with bias tiles (64-key tiles) beside dropout
+    # keys filling every tile: the step loop without the mask's code (FULL_TILES)
     Case("D128 full key tiles GQA", heads=4, kv_heads=2, seqlen_q=777, seqlen_k=1024,
          dqk=128, dv=128),
-    Case("D128 full key tiles key bias B11K", seqlen_q=500, seqlen_k=768, dqk=128, dv=128,
-         bias="B11K"),
-    Case("D128 full key tiles bias BHQK dropout", seqlen_q=500, seqlen_k=768, dqk=128,
-         dv=128, bias="BHQK", options=dict(dropout_p=0.1)),
     Case("one tile", seqlen_q=100, seqlen_k=128, dqk=128, dv=128),
     # a bias by TMA: a full one (its gradient is dS, stored by the backward), one
     # broadcast over heads or the batch (dS added up by TMA reduce-adds), 192-row blocks
