@@ -240,7 +240,8 @@ def test_forward_warpgroups_keep_their_own_key_ranges_in_192_row_blocks(
     [(4096, 128, {}, True), (4000, 128, {}, False),  # the last key tile part-filled
      (4096, 128, dict(causal=True), False), (4096, 128, dict(window=(100, -1)), False),
      (4096, 64, {}, False), (4096, 256, {}, False),  # compiled with the mask's code
-     (4096, 128, dict(softcap=30.0), False), (4096, 128, dict(dropout_p=0.1), False)],
+     (4096, 128, dict(softcap=30.0), False), (4096, 128, dict(dropout_p=0.1), False),
+     (4096, 128, dict(dv=64), False)],
 )  # fmt: skip
 def test_forward_compiles_the_mask_out_where_keys_fill_every_tile(seqlen, d, options, full,
                                                                  monkeypatch):  # fmt: skip

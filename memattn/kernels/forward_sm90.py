@@ -218,8 +218,8 @@ IDLE_WARPGROUPS = True
 # --rounds 5, mask code -> none: D128 S16384 632 -> 641, S4096 617 -> 632, S1024 579 ->
 # 583; but D64 S16384 511 -> 483 and D256 S16384 720 -> 683 (ptxas schedules the
 # loop without the branch otherwise). So the loops of features (a bias, ALiBi,
-# dropout, softcap), each scheduled apart and not measured without it, keep it. Tools
-# set it to A/B, then call hopper.forget_plans().
+# dropout, softcap) and of another V width, each scheduled apart and not measured
+# without it, keep it. Tools set it to A/B, then call hopper.forget_plans().
 FULL_TILES = {64: False, 128: True, 192: False, 256: False}
 # Shared memory kept clear for the compiler's scratch of dropout's keep-bit exchange
 # (hopper.dropout_keep's convert_layout): 7.7-8.3 KiB in sm_90 compiles (D=128 with
@@ -1090,8 +1090,9 @@ def plan(spec: AttentionSpec, bias_row: bool, bias_dims: tuple[int, int], tokens
         OWN_RANGES=OWN_KEY_RANGES and spec.window_right >= 0 and block_m > 2 * ROWS.value,
         IDLE_ROWS=IDLE_WARPGROUPS and spec.varlen,
         FULL_TILES=(FULL_TILES[tile] and not masked and not spec.varlen
-                    and spec.seqlen_k % block_n == 0 and not spec.has_bias
-                    and not spec.has_alibi and spec.dropout_p == 0 and spec.softcap == 0),
+                    and spec.seqlen_k % block_n == 0 and spec.head_dim_v == spec.head_dim_qk
+                    and not spec.has_bias and not spec.has_alibi and spec.dropout_p == 0
+                    and spec.softcap == 0),
         POSITION_HEADS=(min(POSITION_HEADS, spec.heads)
                         if spec.varlen and tile_bias and bias_dims[0] == 1
                         and spec.window_right >= 0 and 1 < spec.batch <= hopper.POSITION_SEQS.value
