@@ -241,11 +241,11 @@ def configs(spec: AttentionSpec, interpreting: bool) -> tuple[tuning.Config, ...
         return (tuning.Config(block_m, 32, 4, 3), tuning.Config(block_m, 32, 4, 2))
     block_n = 64 if max(spec.head_dim_qk, spec.head_dim_v) > 128 else 128
     fitting = (tuning.Config(block_m, 64, 4, 3), tuning.Config(block_m, 32, 4, 2))
-    if block_m == 64 and block_n == 128:
-        return tuple(dict.fromkeys((WIDE_ROWS_TILE,) + fitting))
-    if block_n == 128:
-        return tuple(dict.fromkeys((tuning.Config(block_m, *FEW_ROWS_TILE),) + fitting))
-    return (tuning.Config(block_m, block_n, 4, 3),) + fitting
+    if block_n == 64:
+        first = tuning.Config(block_m, 64, 4, 3)
+    else:
+        first = WIDE_ROWS_TILE if block_m == 64 else tuning.Config(block_m, *FEW_ROWS_TILE)
+    return tuple(dict.fromkeys((first,) + fitting))
 
 
 @functools.cache

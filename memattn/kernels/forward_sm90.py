@@ -624,6 +624,16 @@ def _pass_tiles(k_ready, v_ready, bias_ready, k_empty, v_empty, bias_empty, kv, 
 
 
 @gluon.jit
+def _needs_mask(start_n, full_lo, full_hi, FULL_TILES: gl.constexpr):
+    """Whether key tile start_n is masked: outside the block's unmasked tiles [full_lo,
+    full_hi); a constant False where every tile is full and unbounded (FULL_TILES), so
+    that the mask's code is compiled out."""
+    if FULL_TILES:
+        return False
+    return (start_n < full_lo) | (start_n >= full_hi)
+
+
+@gluon.jit
 def _softmax_block(
     shared, b, h, hk, start_m, q_start, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
     n_tiles, kv, qi, PART: gl.constexpr, HEAD_DIM_QK: gl.constexpr,
@@ -694,9 +704,7 @@ def _softmax_block(
         mbarrier.arrive(k_empty.index(slot))
         bias = _bias(bias_smem, bias_ready, bias_empty, kv, s_layout, PART, PARTS, BLOCK_N,
                      BIAS_STAGES, HAS_BIAS)
-        needs_mask = False  # FULL_TILES: the mask's code compiled out
-        if not FULL_TILES:
-            needs_mask = (lo < full_lo) | (lo >= full_hi)
+        needs_mask = _needs_mask(lo, full_lo, full_hi, FULL_TILES)
         p_, m_i, l_i, alpha = _softmax_tile(
             s, m_i, l_i, lo, offs_m, bias, slope, seqlen_k, off, window_left,
             window_right, needs_mask, scale_log2, softcap, BLOCK_N, HAS_BIAS, HAS_ALIBI,
@@ -718,9 +726,7 @@ def _softmax_block(
             mbarrier.arrive(k_empty.index(k_slot))
             bias = _bias(bias_smem, bias_ready, bias_empty, kv + t, s_layout, PART, PARTS,
                          BLOCK_N, BIAS_STAGES, HAS_BIAS)
-            needs_mask = False
-            if not FULL_TILES:
-                needs_mask = (start_n < full_lo) | (start_n >= full_hi)
+            needs_mask = _needs_mask(start_n, full_lo, full_hi, FULL_TILES)
             p_, m_i, l_i, alpha = _softmax_tile(
                 s, m_i, l_i, start_n, offs_m, bias, slope, seqlen_k, off, window_left,
                 window_right, needs_mask, scale_log2, softcap, BLOCK_N, HAS_BIAS, HAS_ALIBI,
