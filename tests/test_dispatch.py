@@ -709,6 +709,42 @@ def test_wide_backward_plans(varlen, bias_shape, kv_stages):
 
 
 @gluon
+@pytest.mark.parametrize("dv, bias_shape, options, by_role", [
+    (256, None, {}, True), (256, None, dict(causal=True), True),
+    (256, None, dict(window=(100, 7)), True), (256, None, dict(varlen=True), True),
+    (256, None, dict(h_kv=1), True),  # GQA
+    (128, None, {}, False),  # another V width
+    (256, (2, 2, 64, 64), {}, False), (256, (2, 1, 1, 64), {}, False),  # a bias read
+    (256, None, dict(dropout_p=0.1), False), (256, None, dict(softcap=30.0), False),
+    (256, None, dict(alibi_slopes=torch.rand(2)), False)])  # fmt: skip
+def test_wide_dk_dv_by_role_for_calls_without_features(dv, bias_shape, options, by_role,
+                                                       monkeypatch):  # fmt: skip
+    """BY_ROLE: the D=256 dK/dV kernel's warpgroups split its matmuls by role (one P and
+    dV, the other dS and dK) at 256/256 without a bias, dropout, softcap or ALiBi,
+    masked, packed or grouped; the split by keys and columns elsewhere, and where the
+    knob is off."""
+    bsm = dispatch.backward_sm90
+    options = dict(options)
+    varlen = options.pop("varlen", False)
+    h_kv = options.pop("h_kv", 2)
+    spec, q, _, _, bias = spec_and_inputs(sq=64, sk=64, h=2, d=256, dv=dv, varlen=varlen,
+                                          bias_shape=bias_shape, **options)  # fmt: skip
+    if h_kv != 2:
+        k = torch.randn(2, 64, h_kv, 256, dtype=torch.float16)
+        spec = check_call(q, k, k, **options)
+    assert bsm.wide.by_role(spec) is by_role
+    tokens = (2 * 64, 2 * 64) if varlen else (0, 0)
+    bsm.hopper.forget_plans()
+    try:
+        dkdv, _ = bsm.wide._plans_wide(spec, bsm.hopper.bias_row(spec, bias), None, *tokens, 0)
+        assert dkdv.constexprs["ROLES"] is by_role
+        monkeypatch.setattr(bsm.wide, "BY_ROLE", False)
+        assert not bsm.wide.by_role(spec)
+    finally:
+        bsm.hopper.forget_plans()
+
+
+@gluon
 @pytest.mark.parametrize("seqlen, options, by_rank, fold", [
     (8192, dict(causal=True), 256, False), (4096, dict(causal=True), 0, True),  # 64, 32 blocks
     (8192, dict(window=(100, 0)), 0, True), (8192, {}, 0, False)])  # fmt: skip

@@ -66,6 +66,7 @@ VARIANTS = {
     "fwd_full_tiles": {"fwd.FULL_TILES": dict.fromkeys((64, 128, 192, 256), True)},
     "dq_folded": {"bwd.DQ_MASKED_BY_RANK_BLOCKS": 0},  # the D=256 dQ kernel's pairs
     "dq_after": {"bwd.DQ_AS_DEPENDENT": False},  # ... launched after dK/dV's kernel ends
+    "bwd_by_keys": {"bwd.BY_ROLE": False},  # D=256 dK/dV: warpgroups split by keys, columns
     "bwd_rows64": {"bwd.BLOCK_M_D64": 64},  # 64 query rows a backward step at D=64
     "summed_outer": {"bwd.SUMMED_BIAS_INNER": False},  # summed biases in the shipped order
     "dbias_fp32": {"bwd.PACKED_BIAS_ADDS": 0},  # packed sequences' shared bias: fp32 buffer
@@ -132,7 +133,8 @@ BACKWARD_KNOBS = {name: module for module, names in (
                             "PERSISTENT_BLOCKS", "MASKED_BY_RANK_BLOCKS", "BIAS_TILES_BATCH_INNER",
                             "MASKED_PERSISTENT_MAX_BLOCKS", "KV_VIEWS_PER_STEP", "IDLE_HALVES")),
     (backward_sm90.shared, ("PACKED_BIAS_ADDS", "SPLIT_HEAD_DIM_PAIRS", "FUSED_SPLIT")),
-    (backward_sm90.wide, ("DQ_BLOCK_N", "DQ_MASKED_BY_RANK_BLOCKS", "DQ_AS_DEPENDENT")),
+    (backward_sm90.wide, ("DQ_BLOCK_N", "DQ_MASKED_BY_RANK_BLOCKS", "DQ_AS_DEPENDENT",
+                          "BY_ROLE")),
     (backward_sm90.split, ("SPLIT_HEADS_TOGETHER", "SPLIT_VIEWS_PER_STEP")),
     (backward_sm90, ("MIN_KEYS_PER_QUERY",))) for name in names}  # fmt: skip
 

@@ -62,7 +62,6 @@ from ..common import (
     packed_stats_start,
     philox_key,
     tanh,
-    visible,
 )
 from ..forward import dense_strides
 from .shared import (
@@ -83,6 +82,7 @@ from .shared import (
     _runtime_zero,
     _store_rows,
     _store_transposed,
+    _visible_t,
     dbias_kind_of,
     dq_in_fp32,
     dq_split,
@@ -225,35 +225,6 @@ def _program_block(
     return _key_block(item, HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left,
                       window_right, BLOCK_M, BLOCK_N, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
                       BOUNDED_RIGHT, BATCH_INNER, HEAD_INNER, DESCENDING and BOUNDED_RIGHT)
-
-
-@gluon.jit
-def _visible_t(keys, start_m, seqlen_q, seqlen_k, off, window_left, window_right,
-               BLOCK_M: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
-               layout: gl.constexpr):  # fmt: skip
-    """common.visible for a (keys, queries) tile of queries [start_m, + BLOCK_M), the
-    query existing too. At 64 rows a step each key's range of visible query columns
-    comes first, so that a score is two compares of its column, a constant, against
-    its row's bounds: common.visible holds each column's bounds per thread and ptxas
-    keeps a select per condition (the masked tile's code at D=128: 181 -> 136
-    instructions causal, 261 -> 168 in a window; H100 window1024 causal backward 354 ->
-    364). At 128 rows (D=64) the per-key bounds spill more (causal 104 -> 128 bytes) and
-    did not pay (D64 S4096 causal 427 -> 422), so common.visible stays there."""
-    if BLOCK_M == 128:
-        queries = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
-        mask = visible(queries[None, :], keys[:, None], seqlen_k, off, window_left,
-                       window_right, BOUNDED_LEFT, BOUNDED_RIGHT)
-        return mask & (queries < seqlen_q)[None, :]
-    cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
-    diag = keys - off - start_m  # query column of the key's diagonal
-    first = gl.zeros_like(keys)
-    if BOUNDED_RIGHT:  # j <= i + off + right  <=>  i >= j - off - right
-        first = diag - window_right
-    last = gl.zeros_like(keys) + (seqlen_q - 1 - start_m)
-    if BOUNDED_LEFT:  # j >= i + off - left  <=>  i <= j - off + left
-        last = gl.minimum(last, diag + window_left)
-    last = gl.where(keys < seqlen_k, last, -1)
-    return (cols[None, :] >= first[:, None]) & (cols[None, :] <= last[:, None])
 
 
 @gluon.jit

@@ -1,6 +1,7 @@
 """The Hopper backward past 128 columns (D=256, and the pairs with a narrower q·k or
 V; Dqk=192 / Dv=128 where split.py's kernel does not take it): _bwd_wide_kernel makes dK
-and dV (and a bias's gradient), each warpgroup part of the head dims, and
+and dV (and a bias's gradient), each warpgroup part of the head dims (or, at 256/256
+without features, one warpgroup P and dV, the other dS and dK: BY_ROLE), and
 _bwd_dq_wide_kernel makes dQ apart, in the forward's shape, written in the output dtype:
 no fp32 buffer and no atomics, so deterministic. See BLOCK_N_WIDE and DQ_BLOCK_N."""
 
@@ -40,8 +41,10 @@ from .shared import (
     _packed_key_item,
     _query_tile,
     _row_stats_descriptor,
+    _runtime_zero,
     _split_descriptors,
     _store_rows,
+    _visible_t,
     dbias_kind_of,
     keeps_bits_in_shared,
 )
@@ -336,6 +339,173 @@ def _bwd_wide_compute_partition(
         tma.store_wait(0)
 
 
+# Head dims 256/256 without features (BY_ROLE): the warpgroups split each step's
+# matmuls by role instead of by keys and columns. The first makes Sᵀ = K Qᵀ over the
+# block's 64 keys, P from it and dV += Pᵀ dO (all 256 columns, P from registers); the
+# second dPᵀ = V dOᵀ, dS from P (which the first leaves in shared memory, fp32, in its
+# registers' order: hopper.accumulator_order) and dK += dSᵀ Q (dS from registers). So
+# S and dP are 64 wide, each operand read once a step, and dV and dK read only dO and
+# Q from shared memory: 208 KB of wgmma operands a step against the split by keys' 288
+# (S and dP 32 keys wide, both warpgroups reading all of Q and dO; a 32-wide wgmma asks
+# 192 bytes of shared memory a clock, which gives 128). P has two slots, so the first
+# warpgroup may run a step ahead: its softmax overlaps the second's matmuls. Each
+# warpgroup waits for its own matmuls within the step: with the next step's S or dP
+# issued ahead, the pipelined wgmmas need more than the 240 registers a warpgroup has
+# (ptxas serialised every wgmma, C7512). H200, tools/ab.py --pass bwd, split by keys ->
+# by role: S16384 397 -> 446 TFLOP/s, causal 392 -> 431 (the dK/dV kernel 8.5 -> 6.3 ms).
+BY_ROLE = True
+
+
+@gluon.constexpr_function
+def _role_layout(cols):
+    """A by-role warpgroup's (64 keys, cols) accumulator layout: the (keys, queries)
+    tile's, dK's or dV's."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, cols, 16])
+
+
+@gluon.jit
+def _bwd_role_probs_partition(
+    roles, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    IS_VARLEN: gl.constexpr,
+):  # fmt: skip
+    """BY_ROLE's first warpgroup: each step's Sᵀ (keys, queries), P from it (masked
+    where the tile crosses the mask's edge) into a p_smem slot for the second, and
+    dV += Pᵀ dO; the block's dV out at the end."""
+    (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, p_smem, kv_bar, q_ready, do_ready,
+     q_empty, do_empty, p_full, p_empty, done, b, hk, GROUP, start_n, lo, full_lo, full_hi,
+     n_tiles, seqlen_q, seqlen_k, off, scale, window_left, window_right, outputs) = roles
+    dtype: gl.constexpr = k_smem.dtype
+    s_layout: gl.constexpr = _role_layout(BLOCK_M)
+    dv_layout: gl.constexpr = _role_layout(HEAD_DIM // 2)
+    p_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout,
+                                                    k_width=2)
+    cols_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    zero = _runtime_zero(seqlen_k)
+    dv0 = gl.zeros([BLOCK_N, HEAD_DIM // 2], gl.float32, layout=dv_layout)
+    dv1 = gl.zeros([BLOCK_N, HEAD_DIM // 2], gl.float32, layout=dv_layout)
+    s_init = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+    mbarrier.wait(kv_bar, 0)
+    for i in range(GROUP * n_tiles):
+        slot = hopper.arrived(q_ready, i, STAGES)
+        s = warpgroup_mma(_role_keys(k_smem, zero * i, HEAD_DIM),
+                          q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)),
+                          s_init, use_acc=False, is_async=True)
+        start_m = _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M)[1]
+        lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        mbarrier.arrive(q_empty.index(slot))  # S was this warpgroup's read of Q
+        if (start_m < full_lo) | (start_m >= full_hi):
+            mask = _visible_t(offs_n, start_m, seqlen_q, seqlen_k, off, window_left,
+                              window_right, BLOCK_M, BOUNDED_LEFT, BOUNDED_RIGHT, s_layout)
+            s = gl.where(mask, s, float("-inf"))
+        p = gl.exp2(s * (scale * LOG2E) - lse2[None, :])
+        p_slot = i % 2  # the second warpgroup's read of the slot's last P is done
+        mbarrier.wait(p_empty.index(p_slot), ((i // 2) & 1) ^ 1, pred=i >= 2)
+        p_smem.index(p_slot).store(p)
+        mbarrier.arrive(p_full.index(p_slot))
+        p_op = gl.convert_layout(p.to(dtype), p_op_layout)
+        do = do_smem.index(hopper.arrived(do_ready, i, STAGES)).reshape([BLOCK_M, HEAD_DIM])
+        dv0 = warpgroup_mma(p_op, do.slice(0, HEAD_DIM // 2, dim=1), dv0, is_async=True)
+        dv1 = warpgroup_mma(p_op, do.slice(HEAD_DIM // 2, HEAD_DIM // 2, dim=1), dv1,
+                            is_async=True)
+        dv0, dv1, p_op = warpgroup_mma_wait(0, deps=(dv0, dv1, p_op))
+        mbarrier.arrive(do_empty.index(slot))
+    _store_role_grad((dv0.to(dtype), dv1.to(dtype)), q_smem.index(0), done, outputs, 1, b, hk,
+                     start_n, seqlen_k, dv_layout, IS_VARLEN)
+
+
+@gluon.jit
+def _bwd_role_grads_partition(
+    roles, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, IS_VARLEN: gl.constexpr,
+):  # fmt: skip
+    """BY_ROLE's second warpgroup: each step's dPᵀ (keys, queries), dS from it and the
+    first warpgroup's P, and dK += dSᵀ Q; the block's dK out, scaled, at the end."""
+    (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, p_smem, kv_bar, q_ready, do_ready,
+     q_empty, do_empty, p_full, p_empty, done, b, hk, GROUP, start_n, lo, full_lo, full_hi,
+     n_tiles, seqlen_q, seqlen_k, off, scale, window_left, window_right, outputs) = roles
+    dtype: gl.constexpr = k_smem.dtype
+    s_layout: gl.constexpr = _role_layout(BLOCK_M)
+    dk_layout: gl.constexpr = _role_layout(HEAD_DIM // 2)
+    ds_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout,
+                                                     k_width=2)
+    cols_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    zero = _runtime_zero(seqlen_k)
+    dk0 = gl.zeros([BLOCK_N, HEAD_DIM // 2], gl.float32, layout=dk_layout)
+    dk1 = gl.zeros([BLOCK_N, HEAD_DIM // 2], gl.float32, layout=dk_layout)
+    s_init = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+    mbarrier.wait(kv_bar, 0)
+    for i in range(GROUP * n_tiles):
+        slot = hopper.arrived(do_ready, i, STAGES)
+        dp = warpgroup_mma(_role_keys(v_smem, zero * i, HEAD_DIM),
+                           do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)),
+                           s_init, use_acc=False, is_async=True)
+        delta = delta_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
+        dp = warpgroup_mma_wait(0, deps=(dp,))
+        mbarrier.arrive(do_empty.index(slot))  # dP was this warpgroup's read of dO
+        p_slot = i % 2
+        mbarrier.wait(p_full.index(p_slot), (i // 2) & 1)
+        p = p_smem.index(p_slot).load(s_layout)
+        mbarrier.arrive(p_empty.index(p_slot))
+        ds = p * (dp - delta[None, :])  # dK takes the scale at the end
+        ds_op = gl.convert_layout(ds.to(dtype), ds_op_layout)
+        q = q_smem.index(hopper.arrived(q_ready, i, STAGES)).reshape([BLOCK_M, HEAD_DIM])
+        dk0 = warpgroup_mma(ds_op, q.slice(0, HEAD_DIM // 2, dim=1), dk0, is_async=True)
+        dk1 = warpgroup_mma(ds_op, q.slice(HEAD_DIM // 2, HEAD_DIM // 2, dim=1), dk1,
+                            is_async=True)
+        dk0, dk1, ds_op = warpgroup_mma_wait(0, deps=(dk0, dk1, ds_op))
+        mbarrier.arrive(q_empty.index(slot))
+    _store_role_grad(((dk0 * scale).to(dtype), (dk1 * scale).to(dtype)), do_smem.index(0), done,
+                     outputs, 0, b, hk, start_n, seqlen_k, dk_layout, IS_VARLEN)
+
+
+@gluon.jit
+def _role_keys(kv_smem, index, HEAD_DIM: gl.constexpr):
+    """The block's K (or V) as Sᵀ's (dPᵀ's) operand, viewed at index: its only slot, 0,
+    but a runtime 0 times the step, so that the view's 16 wgmma descriptors are made in
+    each step in the uniform datapath (made once a block, ptxas keeps them in 64 vector
+    registers, which the step has not to spare: _kv_views)."""
+    return kv_smem.index(index).reshape([kv_smem.shape[3], HEAD_DIM])
+
+
+@gluon.jit
+def _store_role_grad(halves, buf, done, outputs, WHICH: gl.constexpr, b, hk, start_n, seqlen_k,
+                     layout: gl.constexpr, IS_VARLEN: gl.constexpr):  # fmt: skip
+    """A by-role warpgroup's dK (WHICH 0) or dV (1) of the block's keys, as two halves of
+    its columns in the output dtype, out once both warpgroups' matmuls are done (done):
+    by TMA store through buf (a ring slot no matmul reads then; the store clips a dense
+    batch's keys past Sk), or by plain stores where a packed sequence's keys end inside
+    the block."""
+    descs, ptrs, key_strides, k_start = outputs
+    desc = descs[WHICH]
+    stride_b, stride_n, stride_h = key_strides[3 * WHICH:3 * WHICH + 3]
+    block_n: gl.constexpr = halves[0].shape[0]
+    half: gl.constexpr = halves[0].shape[1]
+    mbarrier.arrive(done)
+    mbarrier.wait(done, 0)
+    if IS_VARLEN and start_n + block_n > seqlen_k:
+        rows = start_n + gl.arange(0, block_n, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, half, layout=gl.SliceLayout(0, layout))
+        X = ptrs[WHICH] + k_start.to(gl.int64) * stride_n
+        for j in gl.static_range(2):
+            _store_rows(halves[j], X + j * half, b, hk, stride_b, stride_n, stride_h, seqlen_k,
+                        rows, cols, desc.shape[3] - j * half)
+    else:
+        b_tma = b
+        if IS_VARLEN:  # one batch of all tokens
+            b_tma = 0
+        stage = buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+        tile = stage.reshape([block_n, 2 * half])
+        for j in gl.static_range(2):
+            tile.slice(j * half, half, dim=1).store(halves[j])
+        fence_async_shared()
+        tma.async_copy_shared_to_global(desc, [b_tma, hk, k_start + start_n, 0], stage)
+        tma.store_wait(0)
+
+
 @gluon.jit
 def _bwd_wide_kernel(
     q_desc, k_desc, v_desc, do_desc, stats_desc, q2_desc, k2_desc, dk_desc, dk2_desc,
@@ -350,11 +520,12 @@ def _bwd_wide_kernel(
     HAS_BIAS: gl.constexpr, BIAS_ROW: gl.constexpr, DBIAS_FULL: gl.constexpr,
     DBIAS_SUM: gl.constexpr, DBIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr,
     HAS_DROPOUT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, IS_VARLEN: gl.constexpr,
-    DQ_DEPENDENT: gl.constexpr,
+    DQ_DEPENDENT: gl.constexpr, ROLES: gl.constexpr,
 ):  # fmt: skip
     # A program per key block; packed sequences (IS_VARLEN) on _bwd_sm90_kernel's packed
     # grid (an item past a sequence's blocks done at once), one batch of all tokens to
-    # TMA, the row statistics from common.packed_stats_start on.
+    # TMA, the row statistics from common.packed_stats_start on. ROLES: the warpgroups
+    # by role (BY_ROLE), dK's and dV's descriptors whole rows.
     if DQ_DEPENDENT:  # the dQ kernel (DQ_AS_DEPENDENT) may take the SMs this grid frees
         hopper.launch_dependents()
     item = gl.program_id(0)
@@ -375,54 +546,79 @@ def _bwd_wide_kernel(
     dtype: gl.constexpr = q_desc.dtype
     (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, ds_bar, q_ready, q_empty,
      do_ready, do_empty) = _operand_buffers(q_desc, do_desc, k_desc, v_desc, stats_desc, STAGES)
-    if QK_SPLIT > 0:  # Q's and K's last columns
-        q2_smem = gl.allocate_shared_memory(dtype, [STAGES] + q2_desc.block_type.shape,
-                                            q2_desc.layout)
-        k2_smem = gl.allocate_shared_memory(dtype, k2_desc.block_type.shape, k2_desc.layout)
-    else:  # stand-ins, never touched
-        q2_smem = q_smem
-        k2_smem = k_smem
-    pds_block: gl.constexpr = [BLOCK_N, BLOCK_M]
-    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(pds_block, dtype)
-    pt_smem = gl.allocate_shared_memory(dtype, pds_block, pds_layout)
-    dst_smem = gl.allocate_shared_memory(dtype, pds_block, pds_layout)
-    pds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(pds_free, count=2)  # both warpgroups' matmuls on P and dS done
-    if HAS_BIAS:  # a (queries, keys) tile beside each Q tile
-        bias_smem = gl.allocate_shared_memory(dtype, [STAGES] + bias_desc.block_type.shape,
-                                              bias_desc.layout)
-    else:  # a stand-in, never touched
-        bias_smem = q_smem
+    if ROLES:
+        p_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, BLOCK_M],
+                                           hopper.accumulator_order(BLOCK_N, BLOCK_M))
+        p_full, p_empty = hopper.ring(2, 1)
+        done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(done, count=2)  # both warpgroups' matmuls done: the rings are free
+        roles = (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, p_smem, kv_bar,
+                 q_ready, do_ready, q_empty, do_empty, p_full, p_empty, done, b, hk, GROUP,
+                 start_n, lo, full_lo, full_hi, n_tiles, seqlen_q, seqlen_k, off, scale,
+                 window_left, window_right,
+                 ((dk_desc, dv_desc), (DK, DV),
+                  (stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh), k_start))
+        gl.warp_specialize(
+            [(_bwd_role_probs_partition, (roles, HEAD_DIM_QK, BLOCK_M, BLOCK_N, STAGES,
+                                          BOUNDED_LEFT, BOUNDED_RIGHT, IS_VARLEN)),
+             (_bwd_role_grads_partition, (roles, HEAD_DIM_QK, BLOCK_M, BLOCK_N, STAGES,
+                                          IS_VARLEN)),
+             (_bwd_load_partition, (
+                q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem,
+                k_smem, v_smem, lse_smem, delta_smem, q_smem, kv_bar, q_ready, do_ready,
+                q_empty, do_empty, b_tma, hk, q_start, k_start, stats_start, GROUP, 0, 1,
+                start_n, lo, n_tiles, q2_desc, k2_desc, q_smem, k_smem, BLOCK_M, STAGES,
+                False, 0))],
+            worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
+    else:
+        if QK_SPLIT > 0:  # Q's and K's last columns
+            q2_smem = gl.allocate_shared_memory(dtype, [STAGES] + q2_desc.block_type.shape,
+                                                q2_desc.layout)
+            k2_smem = gl.allocate_shared_memory(dtype, k2_desc.block_type.shape, k2_desc.layout)
+        else:  # stand-ins, never touched
+            q2_smem = q_smem
+            k2_smem = k_smem
+        pds_block: gl.constexpr = [BLOCK_N, BLOCK_M]
+        pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(pds_block, dtype)
+        pt_smem = gl.allocate_shared_memory(dtype, pds_block, pds_layout)
+        dst_smem = gl.allocate_shared_memory(dtype, pds_block, pds_layout)
+        pds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(pds_free, count=2)  # both warpgroups' matmuls on P and dS done
+        if HAS_BIAS:  # a (queries, keys) tile beside each Q tile
+            bias_smem = gl.allocate_shared_memory(dtype, [STAGES] + bias_desc.block_type.shape,
+                                                  bias_desc.layout)
+        else:  # a stand-in, never touched
+            bias_smem = q_smem
 
-    # The options the partitions take (_wide_probs, _wide_bias_row)
-    seed, rng_offset = philox_key(Rng, HAS_DROPOUT)
-    features = (seed, rng_offset, HKV * GROUP, dropout_p, Alibi, stride_ab, stride_ah, softcap,
-                BiasRow, stride_rb, stride_rh, stride_rn, bias_batches, bias_heads)
-    shared = (dk_desc, dk2_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, q2_smem, k2_smem,
-              lse_smem, delta_smem, pt_smem, dst_smem, bias_smem, kv_bar, q_ready, do_ready,
-              q_empty, do_empty,
-              ds_bar, pds_free, b, hk, GROUP, start_n, lo, full_lo, full_hi, n_tiles,
-              seqlen_q, seqlen_k, off, scale, window_left, window_right, features, k_start,
-              DK, DV, (stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh),
-              (DBias, stride_gb, stride_gh, stride_gm))
-    gl.warp_specialize(
-        [(_bwd_wide_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
-                                        BLOCK_M, BLOCK_N, STAGES, BOUNDED_LEFT,
-                                        BOUNDED_RIGHT, HAS_BIAS, BIAS_ROW, DBIAS_FULL,
-                                        DBIAS_SUM, DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT,
-                                        HAS_SOFTCAP, IS_VARLEN)),
-         (_bwd_wide_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
-                                        BLOCK_M, BLOCK_N, STAGES, BOUNDED_LEFT,
-                                        BOUNDED_RIGHT, HAS_BIAS, BIAS_ROW, DBIAS_FULL,
-                                        DBIAS_SUM, DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT,
-                                        HAS_SOFTCAP, IS_VARLEN)),
-         (_bwd_load_partition, (
-            q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem,
-            v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready, q_empty,
-            do_empty, b_tma, hk, q_start, k_start, stats_start, GROUP, b % bias_batches,
-            bias_heads, start_n, lo, n_tiles, q2_desc, k2_desc, q2_smem, k2_smem, BLOCK_M,
-            STAGES, HAS_BIAS, QK_SPLIT))],
-        worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
+        # The options the partitions take (_wide_probs, _wide_bias_row)
+        seed, rng_offset = philox_key(Rng, HAS_DROPOUT)
+        features = (seed, rng_offset, HKV * GROUP, dropout_p, Alibi, stride_ab, stride_ah, softcap,
+                    BiasRow, stride_rb, stride_rh, stride_rn, bias_batches, bias_heads)
+        shared = (dk_desc, dk2_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, q2_smem, k2_smem,
+                  lse_smem, delta_smem, pt_smem, dst_smem, bias_smem, kv_bar, q_ready, do_ready,
+                  q_empty, do_empty,
+                  ds_bar, pds_free, b, hk, GROUP, start_n, lo, full_lo, full_hi, n_tiles,
+                  seqlen_q, seqlen_k, off, scale, window_left, window_right, features, k_start,
+                  DK, DV, (stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh),
+                  (DBias, stride_gb, stride_gh, stride_gm))
+        gl.warp_specialize(
+            [(_bwd_wide_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
+                                            BLOCK_M, BLOCK_N, STAGES, BOUNDED_LEFT,
+                                            BOUNDED_RIGHT, HAS_BIAS, BIAS_ROW, DBIAS_FULL,
+                                            DBIAS_SUM, DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT,
+                                            HAS_SOFTCAP, IS_VARLEN)),
+             (_bwd_wide_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
+                                            BLOCK_M, BLOCK_N, STAGES, BOUNDED_LEFT,
+                                            BOUNDED_RIGHT, HAS_BIAS, BIAS_ROW, DBIAS_FULL,
+                                            DBIAS_SUM, DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT,
+                                            HAS_SOFTCAP, IS_VARLEN)),
+             (_bwd_load_partition, (
+                q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem,
+                v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready, q_empty,
+                do_empty, b_tma, hk, q_start, k_start, stats_start, GROUP, b % bias_batches,
+                bias_heads, start_n, lo, n_tiles, q2_desc, k2_desc, q2_smem, k2_smem, BLOCK_M,
+                STAGES, HAS_BIAS, QK_SPLIT))],
+            worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
 
 
 # Head dim 256, dQ: a kernel of its own, the forward's shape. A program owns 128 query
@@ -835,14 +1031,18 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
         if not split and half_bytes < 128:
             q_cols = hopper.descriptor(q, BLOCK_M, spec.head_dim_qk, half_bytes)
         k_desc, k2_desc = parts(k, BLOCK_N_WIDE)
-        # dK's columns a warpgroup stores: half of them, or with a split each buffer's
+        # dK's columns a warpgroup stores: half of them, or with a split each buffer's;
+        # by role, one warpgroup stores all of dK, the other all of dV
+        roles = dkdv.constexprs["ROLES"]
         dk_parts = parts(dk, BLOCK_N_WIDE) if split else (
-            hopper.descriptor(dk, BLOCK_N_WIDE, cols=spec.head_dim_qk // 2),) * 2
+            hopper.descriptor(dk, BLOCK_N_WIDE, cols=None if roles else spec.head_dim_qk // 2),
+        ) * 2
+        dv_desc = hopper.descriptor(dv, BLOCK_N_WIDE, cols=None if roles else spec.head_dim_v // 2)
         _launch_backward_wide(
             (dkdv.programs,),
             q_cols, k_desc, hopper.descriptor(v, BLOCK_N_WIDE, spec.head_dim_v), do_desc,
             stats_desc, q2_desc,
-            k2_desc, *dk_parts, hopper.descriptor(dv, BLOCK_N_WIDE, cols=spec.head_dim_v // 2),
+            k2_desc, *dk_parts, dv_desc,
             bias_tiles(BLOCK_M, BLOCK_N_WIDE), dk_out, dv_out, *options[:3],
             dk_out if dbias is None else dbias, *options[3:], *key_strides, *strides[:5],
             *dbias_strides, *strides[5:], spec.kv_heads, spec.group, spec.seqlen_q,
@@ -882,6 +1082,13 @@ def wide_grad_strides(spec: AttentionSpec, dbias: torch.Tensor | None,
     return (*dbias.stride()[:2], 0)
 
 
+def by_role(spec: AttentionSpec) -> bool:
+    """Whether _bwd_wide_kernel's warpgroups split its matmuls by role (BY_ROLE): head
+    dims 256/256 without a bias, ALiBi, dropout or softcap."""
+    return (BY_ROLE and spec.head_dim_qk == spec.head_dim_v == 256 and not spec.has_bias
+            and not spec.has_alibi and spec.dropout_p == 0 and spec.softcap == 0)
+
+
 @hopper.plan_cache
 def _plans_wide(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None, tokens_q: int,
                 tokens_k: int, device_index: int) -> tuple[hopper.Plan, hopper.Plan]:  # fmt: skip
@@ -894,6 +1101,7 @@ def _plans_wide(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None, tok
     (hopper.bias_row), read by pointer. dbias_kind: dbias_kind_of's ("full", "summed"
     or "row"), None without a bias gradient; dK/dV's kernel makes it."""
     bias_tiles = spec.has_bias and not bias_row
+    roles = by_role(spec)
     bounds = dict(BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
                   BOUNDED_RIGHT=spec.window_right >= 0, HEAD_DIM_QK=spec.head_dim_qk,
                   HEAD_DIM_V=spec.head_dim_v, QK_SPLIT=hopper.qk_split(spec.head_dim_qk),
@@ -905,7 +1113,8 @@ def _plans_wide(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None, tok
         _key_block_items(spec, num_n, BLOCK_N_WIDE, tokens_k if spec.varlen else None), (num_n,),
         dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N_WIDE, STAGES=STAGES, **bounds,
              DBIAS_FULL=dbias_kind == "full", DBIAS_SUM=dbias_kind == "summed",
-             DBIAS_ROW=dbias_kind == "row", DQ_DEPENDENT=DQ_AS_DEPENDENT, num_warps=4))
+             DBIAS_ROW=dbias_kind == "row", DQ_DEPENDENT=DQ_AS_DEPENDENT, ROLES=roles,
+             num_warps=4))
     block_m = 2 * ROWS.value
     num_m = cdiv(spec.seqlen_q, block_m)
     num_items = num_m * spec.batch * spec.heads
