@@ -709,20 +709,23 @@ def test_wide_backward_plans(varlen, bias_shape, kv_stages):
 
 
 @gluon
-@pytest.mark.parametrize("dv, bias_shape, options, by_role", [
-    (256, None, {}, True), (256, None, dict(causal=True), True),
-    (256, None, dict(window=(100, 7)), True), (256, None, dict(varlen=True), True),
-    (256, None, dict(h_kv=1), True),  # GQA
-    (128, None, {}, False),  # another V width
-    (256, (2, 2, 64, 64), {}, False), (256, (2, 1, 1, 64), {}, False),  # a bias read
-    (256, None, dict(dropout_p=0.1), False), (256, None, dict(softcap=30.0), False),
-    (256, None, dict(alibi_slopes=torch.rand(2)), False)])  # fmt: skip
-def test_wide_dk_dv_by_role_for_calls_without_features(dv, bias_shape, options, by_role,
-                                                       monkeypatch):  # fmt: skip
+@pytest.mark.parametrize("dv, bias_shape, grad, options, by_role", [
+    (256, None, False, {}, True), (256, None, False, dict(causal=True), True),
+    (256, None, False, dict(window=(100, 7)), True), (256, None, False, dict(varlen=True), True),
+    (256, None, False, dict(h_kv=1), True),  # GQA
+    (256, None, False, dict(softcap=30.0, window=(100, 0)), True),
+    (256, None, False, dict(alibi_slopes=torch.rand(2)), True),
+    (256, (2, 1, 1, 64), False, {}, True), (256, (2, 1, 1, 64), True, {}, True),  # a key row
+    (128, None, False, {}, False),  # another V width
+    (256, (2, 2, 64, 64), False, {}, False),  # bias tiles: no room beside P's slots
+    (256, (1, 2, 64, 64), True, {}, False),
+    (256, None, False, dict(dropout_p=0.1), False)])  # fmt: skip
+def test_wide_dk_dv_by_role_without_bias_tiles_or_dropout(dv, bias_shape, grad, options, by_role,
+                                                         monkeypatch):  # fmt: skip
     """BY_ROLE: the D=256 dK/dV kernel's warpgroups split its matmuls by role (one P and
-    dV, the other dS and dK) at 256/256 without a bias, dropout, softcap or ALiBi,
-    masked, packed or grouped; the split by keys and columns elsewhere, and where the
-    knob is off."""
+    dV, the other dS and dK) at 256/256, masked, packed or grouped, beside softcap,
+    ALiBi and a key row's bias and gradient; the split by keys and columns beside bias
+    tiles, dropout and other V widths, and where the knob is off."""
     bsm = dispatch.backward_sm90
     options = dict(options)
     varlen = options.pop("varlen", False)
@@ -732,14 +735,16 @@ def test_wide_dk_dv_by_role_for_calls_without_features(dv, bias_shape, options, 
     if h_kv != 2:
         k = torch.randn(2, 64, h_kv, 256, dtype=torch.float16)
         spec = check_call(q, k, k, **options)
-    assert bsm.wide.by_role(spec) is by_role
+    row = bsm.hopper.bias_row(spec, bias)
+    kind = bsm.dbias_kind_of(spec, bias) if grad else None
+    assert bsm.wide.by_role(spec, row, kind) is by_role
     tokens = (2 * 64, 2 * 64) if varlen else (0, 0)
     bsm.hopper.forget_plans()
     try:
-        dkdv, _ = bsm.wide._plans_wide(spec, bsm.hopper.bias_row(spec, bias), None, *tokens, 0)
+        dkdv, _ = bsm.wide._plans_wide(spec, row, kind, *tokens, 0)
         assert dkdv.constexprs["ROLES"] is by_role
         monkeypatch.setattr(bsm.wide, "BY_ROLE", False)
-        assert not bsm.wide.by_role(spec)
+        assert not bsm.wide.by_role(spec, row, kind)
     finally:
         bsm.hopper.forget_plans()
 

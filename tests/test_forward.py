@@ -414,6 +414,12 @@ HOPPER_CASES = [
     Case("alibi BH bias D64 window", seqlen_q=600, seqlen_k=1000, dqk=64, dv=64, alibi="BH",
          bias="BHQK", options=dict(window=(300, 40))),
     Case("D256 alibi", seqlen_q=300, seqlen_k=400, dqk=256, dv=256, alibi="H"),
+    # D=256's dK/dV kernel by role beside softcap (P's slot holds P times tanh's
+    # derivative), and beside a key row's bias and its gradient, packed with ALiBi
+    Case("D256 softcap window GQA", heads=4, kv_heads=2, seqlen_q=700, seqlen_k=900, dqk=256,
+         dv=256, options=dict(window=(300, 0), softcap=20.0)),
+    Case("D256 varlen key bias alibi causal", lengths_q=(300, 0, 517), lengths_k=(400, 9, 517),
+         dqk=256, dv=256, bias="B11K", alibi="H", options=dict(causal=True)),
     # a bias constant along queries (key padding): a row of keys per key tile (by TMA
     # beside K in the forward, rows padded to 16 bytes; by pointer in the backward); its
     # gradient summed over queries in registers, then over the batch or the heads it

@@ -78,12 +78,27 @@ def _wide_probs(
     HAS_BIAS: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     """P of a wide kernel's (queries, keys) tile from S (raw q·k, fp32) as the D 64/128
-    kernel makes it: softcap's cap, then the bias (HAS_BIAS: ``bias``, fp32, the tile's
-    or a row of keys) and ALiBi, then the mask (``masked``: the tile crosses the mask's
-    edge); and tanh's derivative for dS (1.0 without softcap). features: the kernels'
-    options (dropout's seed, offset, heads and rate, ALiBi's slopes and their strides,
-    softcap, a key row bias's pointer, strides and (batch, head) sizes) for query head h
-    of batch b."""
+    kernel makes it: _wide_scores', then the mask (``masked``: the tile crosses the
+    mask's edge); and tanh's derivative for dS (1.0 without softcap)."""
+    s, p_scale, cap_slope = _wide_scores(s, offs_m[:, None], offs_n[None, :], bias, features,
+                                         b, h, off, scale, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP)
+    if masked:
+        mask = visible(offs_m[:, None], offs_n[None, :], seqlen_k, off, window_left,
+                       window_right, BOUNDED_LEFT, BOUNDED_RIGHT)
+        s = gl.where(mask, s, float("-inf"))
+    return gl.exp2(s * p_scale - lse2[:, None]), cap_slope
+
+
+@gluon.jit
+def _wide_scores(s, queries, keys, bias, features, b, h, off, scale, HAS_BIAS: gl.constexpr,
+                 HAS_ALIBI: gl.constexpr, HAS_SOFTCAP: gl.constexpr):  # fmt: skip
+    """A tile's scores from S (raw q·k, fp32; queries and keys: its positions, broadcast
+    as its rows and columns lie) as the D 64/128 kernel makes them: softcap's cap, then
+    the bias (HAS_BIAS: ``bias``, fp32, the tile's or a row of keys) and ALiBi; with the
+    factor to log2 units still to apply (p_scale) and tanh's derivative for dS (1.0
+    without softcap). features: the kernels' options (dropout's seed, offset, heads and
+    rate, ALiBi's slopes and their strides, softcap, a key row bias's pointer, strides
+    and (batch, head) sizes) for query head h of batch b."""
     _, _, _, _, Alibi, stride_ab, stride_ah, softcap = features[:8]
     p_scale = scale * LOG2E
     cap_slope = 1.0
@@ -96,24 +111,20 @@ def _wide_probs(
         slope = 0.0
         if HAS_ALIBI:
             slope = gl.load(Alibi + b.to(gl.int64) * stride_ab + h.to(gl.int64) * stride_ah)
-        s = add_bias_alibi_log2(s * p_scale, offs_m[:, None], offs_n[None, :], off, slope, bias,
-                                HAS_BIAS, HAS_ALIBI)  # fmt: skip
+        s = add_bias_alibi_log2(s * p_scale, queries, keys, off, slope, bias, HAS_BIAS,
+                                HAS_ALIBI)
         p_scale = 1.0
-    if masked:
-        mask = visible(offs_m[:, None], offs_n[None, :], seqlen_k, off, window_left,
-                       window_right, BOUNDED_LEFT, BOUNDED_RIGHT)
-        s = gl.where(mask, s, float("-inf"))
-    return gl.exp2(s * p_scale - lse2[:, None]), cap_slope
+    return s, p_scale, cap_slope
 
 
 @gluon.jit
 def _wide_bias_row(features, b, h, offs_n, seqlen_k):
     """Keys offs_n of a bias constant along queries (hopper.bias_row), query head h of
-    batch b, in fp32 as a (1, keys) row; 0 past Sk."""
+    batch b, in fp32; 0 past Sk."""
     BiasRow, stride_rb, stride_rh, stride_rn, bias_batches, bias_heads = features[8:]
     ptrs = (BiasRow + (b % bias_batches).to(gl.int64) * stride_rb
             + (h % bias_heads).to(gl.int64) * stride_rh + offs_n.to(gl.int64) * stride_rn)
-    return gl.load(ptrs, mask=offs_n < seqlen_k, other=0.0).to(gl.float32)[None, :]
+    return gl.load(ptrs, mask=offs_n < seqlen_k, other=0.0).to(gl.float32)
 
 
 @gluon.jit
@@ -249,7 +260,7 @@ def _bwd_wide_compute_partition(
             bias = (bias_smem.index(slot).reshape([BLOCK_M, BLOCK_N])
                     .slice(HALF * HALF_N, HALF_N, dim=1).load(s_layout).to(gl.float32))
         if BIAS_ROW:
-            bias = _wide_bias_row(features, b, h, offs_n, seqlen_k)
+            bias = _wide_bias_row(features, b, h, offs_n, seqlen_k)[None, :]
         s = warpgroup_mma_wait(1, deps=(s,))
         lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(rows_layout)
         p, cap_slope = _wide_probs(s, lse2, (start_m < full_lo) | (start_m >= full_hi),
@@ -339,20 +350,23 @@ def _bwd_wide_compute_partition(
         tma.store_wait(0)
 
 
-# Head dims 256/256 without features (BY_ROLE): the warpgroups split each step's
-# matmuls by role instead of by keys and columns. The first makes Sᵀ = K Qᵀ over the
-# block's 64 keys, P from it and dV += Pᵀ dO (all 256 columns, P from registers); the
-# second dPᵀ = V dOᵀ, dS from P (which the first leaves in shared memory, fp32, in its
-# registers' order: hopper.accumulator_order) and dK += dSᵀ Q (dS from registers). So
-# S and dP are 64 wide, each operand read once a step, and dV and dK read only dO and
-# Q from shared memory: 208 KB of wgmma operands a step against the split by keys' 288
-# (S and dP 32 keys wide, both warpgroups reading all of Q and dO; a 32-wide wgmma asks
-# 192 bytes of shared memory a clock, which gives 128). P has two slots, so the first
-# warpgroup may run a step ahead: its softmax overlaps the second's matmuls. Each
-# warpgroup waits for its own matmuls within the step: with the next step's S or dP
-# issued ahead, the pipelined wgmmas need more than the 240 registers a warpgroup has
-# (ptxas serialised every wgmma, C7512). H200, tools/ab.py --pass bwd, split by keys ->
-# by role: S16384 397 -> 446 TFLOP/s, causal 392 -> 431 (the dK/dV kernel 8.5 -> 6.3 ms).
+# Head dims 256/256 (BY_ROLE; by_role says beside which features): the warpgroups split
+# each step's matmuls by role instead of by keys and columns. The first makes Sᵀ = K Qᵀ
+# over the block's 64 keys, P from it and dV += Pᵀ dO (all 256 columns, P from
+# registers); the second dPᵀ = V dOᵀ, dS from P (which the first leaves in shared
+# memory, fp32, in its registers' order: hopper.accumulator_order) and dK += dSᵀ Q (dS
+# from registers). So S and dP are 64 wide, each operand read once a step, and dV and
+# dK read only dO and Q from shared memory: 208 KB of wgmma operands a step against the
+# split by keys' 288 (S and dP 32 keys wide, both warpgroups reading all of Q and dO; a
+# 32-wide wgmma asks 192 bytes of shared memory a clock, which gives 128). P has two
+# slots, so the first warpgroup may run a step ahead: its softmax overlaps the second's
+# matmuls. Each warpgroup waits for its own matmuls within the step: with the next
+# step's S or dP issued ahead, the pipelined wgmmas need more than the 240 registers a
+# warpgroup has (ptxas serialised every wgmma, C7512). H200, tools/ab.py --pass bwd,
+# split by keys -> by role: S16384 395 -> 448 TFLOP/s, causal 387 -> 430, S4096 384 ->
+# 429, causal softcap 342 -> 367, ALiBi 382 -> 411, a key row's gradient 326 -> 390
+# (the dK/dV kernel 8.5 -> 6.3 ms at S16384). Shared memory (231 KB of 232) leaves no
+# room for bias tiles or dropout's exchange: those keep the split kernel.
 BY_ROLE = True
 
 
@@ -368,14 +382,18 @@ def _role_layout(cols):
 def _bwd_role_probs_partition(
     roles, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    BIAS_ROW: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     IS_VARLEN: gl.constexpr,
 ):  # fmt: skip
-    """BY_ROLE's first warpgroup: each step's Sᵀ (keys, queries), P from it (masked
-    where the tile crosses the mask's edge) into a p_smem slot for the second, and
+    """BY_ROLE's first warpgroup: each step's Sᵀ (keys, queries), its scores as
+    _wide_scores makes them (softcap, a key row's bias, ALiBi), P from them (masked
+    where the tile crosses the mask's edge) into a p_smem slot for the second (times
+    tanh's derivative with softcap: all the second needs of P is dS's factor), and
     dV += Pᵀ dO; the block's dV out at the end."""
     (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, p_smem, kv_bar, q_ready, do_ready,
      q_empty, do_empty, p_full, p_empty, done, b, hk, GROUP, start_n, lo, full_lo, full_hi,
-     n_tiles, seqlen_q, seqlen_k, off, scale, window_left, window_right, outputs) = roles
+     n_tiles, seqlen_q, seqlen_k, off, scale, window_left, window_right, outputs, features,
+     dbias_out) = roles
     dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = _role_layout(BLOCK_M)
     dv_layout: gl.constexpr = _role_layout(HEAD_DIM // 2)
@@ -393,18 +411,29 @@ def _bwd_role_probs_partition(
         s = warpgroup_mma(_role_keys(k_smem, zero * i, HEAD_DIM),
                           q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)),
                           s_init, use_acc=False, is_async=True)
-        start_m = _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M)[1]
+        h, start_m = _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M)
         lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
+        bias = 0.0
+        if BIAS_ROW:
+            bias = _wide_bias_row(features, b, h, offs_n, seqlen_k)[:, None]
+        queries = 0
+        if HAS_ALIBI:
+            queries = (start_m + gl.arange(0, BLOCK_M, layout=cols_layout))[None, :]
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(q_empty.index(slot))  # S was this warpgroup's read of Q
+        s, p_scale, cap_slope = _wide_scores(s, queries, offs_n[:, None], bias, features, b, h,
+                                             off, scale, BIAS_ROW, HAS_ALIBI, HAS_SOFTCAP)
         if (start_m < full_lo) | (start_m >= full_hi):
             mask = _visible_t(offs_n, start_m, seqlen_q, seqlen_k, off, window_left,
                               window_right, BLOCK_M, BOUNDED_LEFT, BOUNDED_RIGHT, s_layout)
             s = gl.where(mask, s, float("-inf"))
-        p = gl.exp2(s * (scale * LOG2E) - lse2[None, :])
+        p = gl.exp2(s * p_scale - lse2[None, :])
         p_slot = i % 2  # the second warpgroup's read of the slot's last P is done
         mbarrier.wait(p_empty.index(p_slot), ((i // 2) & 1) ^ 1, pred=i >= 2)
-        p_smem.index(p_slot).store(p)
+        if HAS_SOFTCAP:
+            p_smem.index(p_slot).store(p * cap_slope)
+        else:
+            p_smem.index(p_slot).store(p)
         mbarrier.arrive(p_full.index(p_slot))
         p_op = gl.convert_layout(p.to(dtype), p_op_layout)
         do = do_smem.index(hopper.arrived(do_ready, i, STAGES)).reshape([BLOCK_M, HEAD_DIM])
@@ -420,13 +449,17 @@ def _bwd_role_probs_partition(
 @gluon.jit
 def _bwd_role_grads_partition(
     roles, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, IS_VARLEN: gl.constexpr,
+    STAGES: gl.constexpr, DBIAS_ROW: gl.constexpr, IS_VARLEN: gl.constexpr,
 ):  # fmt: skip
     """BY_ROLE's second warpgroup: each step's dPᵀ (keys, queries), dS from it and the
-    first warpgroup's P, and dK += dSᵀ Q; the block's dK out, scaled, at the end."""
+    first warpgroup's P, and dK += dSᵀ Q; the block's dK out, scaled, at the end.
+    DBIAS_ROW: a key row bias's gradient, dS summed over each query head's queries in
+    registers and stored once per head into a (B, H, Sk) fp32 buffer (as the split
+    kernel's)."""
     (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, p_smem, kv_bar, q_ready, do_ready,
      q_empty, do_empty, p_full, p_empty, done, b, hk, GROUP, start_n, lo, full_lo, full_hi,
-     n_tiles, seqlen_q, seqlen_k, off, scale, window_left, window_right, outputs) = roles
+     n_tiles, seqlen_q, seqlen_k, off, scale, window_left, window_right, outputs, features,
+     dbias_out) = roles
     dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = _role_layout(BLOCK_M)
     dk_layout: gl.constexpr = _role_layout(HEAD_DIM // 2)
@@ -437,6 +470,9 @@ def _bwd_role_grads_partition(
     dk0 = gl.zeros([BLOCK_N, HEAD_DIM // 2], gl.float32, layout=dk_layout)
     dk1 = gl.zeros([BLOCK_N, HEAD_DIM // 2], gl.float32, layout=dk_layout)
     s_init = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+    if DBIAS_ROW:  # this query head's dS summed over its query tiles so far
+        offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+        db_row = gl.zeros([BLOCK_N], gl.float32, layout=gl.SliceLayout(1, s_layout))
     mbarrier.wait(kv_bar, 0)
     for i in range(GROUP * n_tiles):
         slot = hopper.arrived(do_ready, i, STAGES)
@@ -451,6 +487,15 @@ def _bwd_role_grads_partition(
         p = p_smem.index(p_slot).load(s_layout)
         mbarrier.arrive(p_empty.index(p_slot))
         ds = p * (dp - delta[None, :])  # dK takes the scale at the end
+        if DBIAS_ROW:  # summed over queries; stored once per query head, its last tile
+            db_row += gl.sum(ds, 1)
+            head_done = i % n_tiles == n_tiles - 1
+            if head_done:
+                DBias, stride_gb, stride_gh, _ = dbias_out
+                h = _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M)[0]
+                gl.store(DBias + b.to(gl.int64) * stride_gb + h.to(gl.int64) * stride_gh
+                         + offs_n, db_row, mask=offs_n < seqlen_k)
+            db_row = gl.where(head_done, 0.0, db_row)
         ds_op = gl.convert_layout(ds.to(dtype), ds_op_layout)
         q = q_smem.index(hopper.arrived(q_ready, i, STAGES)).reshape([BLOCK_M, HEAD_DIM])
         dk0 = warpgroup_mma(ds_op, q.slice(0, HEAD_DIM // 2, dim=1), dk0, is_async=True)
@@ -546,6 +591,11 @@ def _bwd_wide_kernel(
     dtype: gl.constexpr = q_desc.dtype
     (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, ds_bar, q_ready, q_empty,
      do_ready, do_empty) = _operand_buffers(q_desc, do_desc, k_desc, v_desc, stats_desc, STAGES)
+    # The options the partitions take (_wide_scores, _wide_bias_row)
+    seed, rng_offset = philox_key(Rng, HAS_DROPOUT)
+    features = (seed, rng_offset, HKV * GROUP, dropout_p, Alibi, stride_ab, stride_ah, softcap,
+                BiasRow, stride_rb, stride_rh, stride_rn, bias_batches, bias_heads)
+    dbias_out = (DBias, stride_gb, stride_gh, stride_gm)
     if ROLES:
         p_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, BLOCK_M],
                                            hopper.accumulator_order(BLOCK_N, BLOCK_M))
@@ -557,12 +607,14 @@ def _bwd_wide_kernel(
                  start_n, lo, full_lo, full_hi, n_tiles, seqlen_q, seqlen_k, off, scale,
                  window_left, window_right,
                  ((dk_desc, dv_desc), (DK, DV),
-                  (stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh), k_start))
+                  (stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh), k_start),
+                 features, dbias_out)
         gl.warp_specialize(
             [(_bwd_role_probs_partition, (roles, HEAD_DIM_QK, BLOCK_M, BLOCK_N, STAGES,
-                                          BOUNDED_LEFT, BOUNDED_RIGHT, IS_VARLEN)),
+                                          BOUNDED_LEFT, BOUNDED_RIGHT, BIAS_ROW, HAS_ALIBI,
+                                          HAS_SOFTCAP, IS_VARLEN)),
              (_bwd_role_grads_partition, (roles, HEAD_DIM_QK, BLOCK_M, BLOCK_N, STAGES,
-                                          IS_VARLEN)),
+                                          DBIAS_ROW, IS_VARLEN)),
              (_bwd_load_partition, (
                 q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem,
                 k_smem, v_smem, lse_smem, delta_smem, q_smem, kv_bar, q_ready, do_ready,
@@ -590,17 +642,13 @@ def _bwd_wide_kernel(
         else:  # a stand-in, never touched
             bias_smem = q_smem
 
-        # The options the partitions take (_wide_probs, _wide_bias_row)
-        seed, rng_offset = philox_key(Rng, HAS_DROPOUT)
-        features = (seed, rng_offset, HKV * GROUP, dropout_p, Alibi, stride_ab, stride_ah, softcap,
-                    BiasRow, stride_rb, stride_rh, stride_rn, bias_batches, bias_heads)
         shared = (dk_desc, dk2_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, q2_smem, k2_smem,
                   lse_smem, delta_smem, pt_smem, dst_smem, bias_smem, kv_bar, q_ready, do_ready,
                   q_empty, do_empty,
                   ds_bar, pds_free, b, hk, GROUP, start_n, lo, full_lo, full_hi, n_tiles,
                   seqlen_q, seqlen_k, off, scale, window_left, window_right, features, k_start,
                   DK, DV, (stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh),
-                  (DBias, stride_gb, stride_gh, stride_gm))
+                  dbias_out)
         gl.warp_specialize(
             [(_bwd_wide_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
                                             BLOCK_M, BLOCK_N, STAGES, BOUNDED_LEFT,
@@ -824,7 +872,7 @@ def _dq_compute_partition(
                 bias = (bias_smem.index(k_slot).reshape([BLOCK_M, BLOCK_N])
                         .slice(PART * ROWS, ROWS, dim=0).load(s_layout).to(gl.float32))
             if BIAS_ROW:
-                bias = _wide_bias_row(features, b, h, offs_n, seq_k)
+                bias = _wide_bias_row(features, b, h, offs_n, seq_k)[None, :]
             s = warpgroup_mma_wait(1, deps=(s,))
             p, cap_slope = _wide_probs(s, lse2, (start_n < full_lo) | (start_n >= full_hi),
                                        offs_m, offs_n, bias, features, b, h, seq_k, off,
@@ -1082,11 +1130,14 @@ def wide_grad_strides(spec: AttentionSpec, dbias: torch.Tensor | None,
     return (*dbias.stride()[:2], 0)
 
 
-def by_role(spec: AttentionSpec) -> bool:
+def by_role(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None) -> bool:
     """Whether _bwd_wide_kernel's warpgroups split its matmuls by role (BY_ROLE): head
-    dims 256/256 without a bias, ALiBi, dropout or softcap."""
-    return (BY_ROLE and spec.head_dim_qk == spec.head_dim_v == 256 and not spec.has_bias
-            and not spec.has_alibi and spec.dropout_p == 0 and spec.softcap == 0)
+    dims 256/256 without dropout, bias tiles (shared memory has no room for their slots,
+    nor for dropout's exchange, beside P's) or a bias gradient other than a key row's;
+    with softcap, ALiBi, a key row's bias (hopper.bias_row) and its gradient."""
+    tiles = spec.has_bias and not bias_row
+    return (BY_ROLE and spec.head_dim_qk == spec.head_dim_v == 256 and not tiles
+            and spec.dropout_p == 0 and dbias_kind in (None, "row"))
 
 
 @hopper.plan_cache
@@ -1101,7 +1152,7 @@ def _plans_wide(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None, tok
     (hopper.bias_row), read by pointer. dbias_kind: dbias_kind_of's ("full", "summed"
     or "row"), None without a bias gradient; dK/dV's kernel makes it."""
     bias_tiles = spec.has_bias and not bias_row
-    roles = by_role(spec)
+    roles = by_role(spec, bias_row, dbias_kind)
     bounds = dict(BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
                   BOUNDED_RIGHT=spec.window_right >= 0, HEAD_DIM_QK=spec.head_dim_qk,
                   HEAD_DIM_V=spec.head_dim_v, QK_SPLIT=hopper.qk_split(spec.head_dim_qk),
