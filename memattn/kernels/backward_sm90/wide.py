@@ -1082,10 +1082,12 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
         # dK's columns a warpgroup stores: half of them, or with a split each buffer's;
         # by role, one warpgroup stores all of dK, the other all of dV
         roles = dkdv.constexprs["ROLES"]
+        # (the kernel's columns: a head dim padded to 256 (dispatch.kernel_spec) is wider
+        # than the tensor's, whose store TMA clips)
         dk_parts = parts(dk, BLOCK_N_WIDE) if split else (
-            hopper.descriptor(dk, BLOCK_N_WIDE, cols=None if roles else spec.head_dim_qk // 2),
+            hopper.descriptor(dk, BLOCK_N_WIDE, cols=spec.head_dim_qk // (1 if roles else 2)),
         ) * 2
-        dv_desc = hopper.descriptor(dv, BLOCK_N_WIDE, cols=None if roles else spec.head_dim_v // 2)
+        dv_desc = hopper.descriptor(dv, BLOCK_N_WIDE, cols=spec.head_dim_v // (1 if roles else 2))
         _launch_backward_wide(
             (dkdv.programs,),
             q_cols, k_desc, hopper.descriptor(v, BLOCK_N_WIDE, spec.head_dim_v), do_desc,
