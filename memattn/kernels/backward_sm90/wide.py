@@ -408,9 +408,7 @@ def _bwd_role_probs_partition(
     mbarrier.wait(kv_bar, 0)
     for i in range(GROUP * n_tiles):
         slot = hopper.arrived(q_ready, i, STAGES)
-        s = warpgroup_mma(_role_keys(k_smem, zero * i, HEAD_DIM),
-                          q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)),
-                          s_init, use_acc=False, is_async=True)
+        s = _role_transposed(k_smem, zero * i, q_smem.index(slot), s_init)
         h, start_m = _query_tile(i, hk, GROUP, lo, n_tiles, BLOCK_M)
         lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
         bias = 0.0
@@ -437,10 +435,7 @@ def _bwd_role_probs_partition(
         mbarrier.arrive(p_full.index(p_slot))
         p_op = gl.convert_layout(p.to(dtype), p_op_layout)
         do = do_smem.index(hopper.arrived(do_ready, i, STAGES)).reshape([BLOCK_M, HEAD_DIM])
-        dv0 = warpgroup_mma(p_op, do.slice(0, HEAD_DIM // 2, dim=1), dv0, is_async=True)
-        dv1 = warpgroup_mma(p_op, do.slice(HEAD_DIM // 2, HEAD_DIM // 2, dim=1), dv1,
-                            is_async=True)
-        dv0, dv1, p_op = warpgroup_mma_wait(0, deps=(dv0, dv1, p_op))
+        dv0, dv1 = _role_accumulate(p_op, do, dv0, dv1)
         mbarrier.arrive(do_empty.index(slot))
     _store_role_grad((dv0.to(dtype), dv1.to(dtype)), q_smem.index(0), done, outputs, 1, b, hk,
                      start_n, seqlen_k, dv_layout, IS_VARLEN)
@@ -476,9 +471,7 @@ def _bwd_role_grads_partition(
     mbarrier.wait(kv_bar, 0)
     for i in range(GROUP * n_tiles):
         slot = hopper.arrived(do_ready, i, STAGES)
-        dp = warpgroup_mma(_role_keys(v_smem, zero * i, HEAD_DIM),
-                           do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)),
-                           s_init, use_acc=False, is_async=True)
+        dp = _role_transposed(v_smem, zero * i, do_smem.index(slot), s_init)
         delta = delta_smem.index(slot).reshape([BLOCK_M]).load(cols_layout)
         dp = warpgroup_mma_wait(0, deps=(dp,))
         mbarrier.arrive(do_empty.index(slot))  # dP was this warpgroup's read of dO
@@ -498,22 +491,33 @@ def _bwd_role_grads_partition(
             db_row = gl.where(head_done, 0.0, db_row)
         ds_op = gl.convert_layout(ds.to(dtype), ds_op_layout)
         q = q_smem.index(hopper.arrived(q_ready, i, STAGES)).reshape([BLOCK_M, HEAD_DIM])
-        dk0 = warpgroup_mma(ds_op, q.slice(0, HEAD_DIM // 2, dim=1), dk0, is_async=True)
-        dk1 = warpgroup_mma(ds_op, q.slice(HEAD_DIM // 2, HEAD_DIM // 2, dim=1), dk1,
-                            is_async=True)
-        dk0, dk1, ds_op = warpgroup_mma_wait(0, deps=(dk0, dk1, ds_op))
+        dk0, dk1 = _role_accumulate(ds_op, q, dk0, dk1)
         mbarrier.arrive(q_empty.index(slot))
     _store_role_grad(((dk0 * scale).to(dtype), (dk1 * scale).to(dtype)), do_smem.index(0), done,
                      outputs, 0, b, hk, start_n, seqlen_k, dk_layout, IS_VARLEN)
 
 
 @gluon.jit
-def _role_keys(kv_smem, index, HEAD_DIM: gl.constexpr):
-    """The block's K (or V) as Sᵀ's (dPᵀ's) operand, viewed at index: its only slot, 0,
+def _role_transposed(kv_smem, index, rows, init):
+    """Issues a by-role step's Sᵀ = K Qᵀ (or dPᵀ = V dOᵀ): the block's K (V) times the
+    step's Q (dO) tile ``rows`` transposed. K is viewed at ``index``: its only slot, 0,
     but a runtime 0 times the step, so that the view's 16 wgmma descriptors are made in
     each step in the uniform datapath (made once a block, ptxas keeps them in 64 vector
     registers, which the step has not to spare: _kv_views)."""
-    return kv_smem.index(index).reshape([kv_smem.shape[3], HEAD_DIM])
+    keys = kv_smem.index(index).reshape([kv_smem.shape[3], kv_smem.shape[4]])
+    rows = rows.reshape([rows.shape[2], rows.shape[3]])
+    return warpgroup_mma(keys, rows.permute((1, 0)), init, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _role_accumulate(op, rows, acc0, acc1):
+    """acc0, acc1 += op rows' two column halves (dV from P and dO, or dK from dS and Q:
+    256 columns in two accumulators of 128), done."""
+    half: gl.constexpr = rows.shape[1] // 2
+    acc0 = warpgroup_mma(op, rows.slice(0, half, dim=1), acc0, is_async=True)
+    acc1 = warpgroup_mma(op, rows.slice(half, half, dim=1), acc1, is_async=True)
+    acc0, acc1, op = warpgroup_mma_wait(0, deps=(acc0, acc1, op))
+    return acc0, acc1
 
 
 @gluon.jit
