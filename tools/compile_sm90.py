@@ -1,7 +1,8 @@
 """Compile every kernel variant the check cases launch, for sm_90, on a machine with no
 GPU: Triton's own ptxas does the work; a stand-in driver supplies the target, and the
 launches become compile-only. Catches what Triton's interpreter does not (compile-time
-rules, layouts, register spills) before any device time is spent.
+rules, layouts, register spills, wgmmas ptxas serialises) before any device time is
+spent.
 
     python tools/compile_sm90.py [--all]    # one line per distinct kernel variant
                                             # (--all: every head dim and dtype, slow)
@@ -92,7 +93,11 @@ def ptxas_report(kernel) -> str:
                          capture_output=True, text=True)
     regs = re.search(r"Used (\d+) registers", res.stderr)
     spill = re.search(r"(\d+) bytes spill stores", res.stderr)
-    return f"regs={regs.group(1) if regs else '?'} spill_stores={spill.group(1) if spill else '?'}"
+    # ptxas waits after every wgmma of the kernel where it cannot pipeline one (C7512:
+    # registers; C7514: an accumulator or register operand touched while in flight)
+    serialised = re.search(r"\((C75\d\d)\) Potential Performance Loss: wgmma", res.stderr)
+    return (f"regs={regs.group(1) if regs else '?'} spill_stores={spill.group(1) if spill else '?'}"
+            + (f" WGMMA SERIALISED ({serialised.group(1)})" if serialised else ""))
 
 
 def _compile_through_run(self, grid, *args, **kwargs):
