@@ -1,7 +1,7 @@
 """The Hopper backward past 128 columns (D=256, and the pairs with a narrower q·k or
 V; Dqk=192 / Dv=128 where split.py's kernel does not take it): _bwd_wide_kernel makes dK
 and dV (and a bias's gradient), each warpgroup part of the head dims (or, at 256/256
-without features, one warpgroup P and dV, the other dS and dK: BY_ROLE), and
+without bias tiles or dropout, one warpgroup P and dV, the other dS and dK: BY_ROLE), and
 _bwd_dq_wide_kernel makes dQ apart, in the forward's shape, written in the output dtype:
 no fp32 buffer and no atomics, so deterministic. See BLOCK_N_WIDE and DQ_BLOCK_N."""
 
