@@ -92,6 +92,7 @@ def test_varlen_bias_gradient_and_empty_sequences_cpu():
 @settings(max_examples=6, deadline=None)
 @given(st.lists(st.integers(0, 150), min_size=1, max_size=7).filter(lambda ls: sum(ls) > 0))
 @example([130, 0, 77, 301, 6, 1])
+@example([1, 0, 700, 1, 1])  # one long among short ones: most of a block grid's programs idle
 def test_packed_row_stats_for_hopper_cpu(lengths):
     """The preprocess lays packed sequences' row statistics out for the Gluon backward's
     TMA (backward_sm90.shared.row_stats_buffer): sequence b's rows from common.packed_stats_start
@@ -156,6 +157,30 @@ def _tile_spec(head_dim, lengths, batch, seqlen):
     q = torch.randn(batch, seqlen, 3, head_dim)
     spec = memattn.spec.check_call(q, q, q)
     return spec, q, None, [(b, 0, seqlen) for b in range(batch)]
+
+
+@cpu_only
+def test_packed_preprocess_grid_grows_with_tokens():
+    """The preprocess and dQ's conversion run common.packed_items' programs over packed
+    sequences (a grid over each sequence's blocks to the longest: 256 sequences, one of
+    16384 tokens, would launch 256 * 256 programs a head, almost all idle)."""
+    from memattn.kernels import backward_sm90
+    from memattn.kernels.common import packed_items
+
+    lengths = [16384] + [64] * 255
+    tokens, heads = sum(lengths), 2
+    q = torch.empty(tokens, heads, 128)
+    cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    spec = memattn.spec.check_call(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                   max_seqlen_q=16384, max_seqlen_k=16384)
+    lse = torch.empty(heads, tokens)
+    stats = backward_sm90.shared.row_stats_buffer(spec, lse)
+    grid, _, _ = backward_kernels.delta_launch(spec, q, q, lse, None, cu, stats[:, 0, 1],
+                                               stats[:, 0, 0])  # fmt: skip
+    assert grid == (packed_items(256, tokens, heads, 64),) == (heads * (tokens // 64 + 256),)
+    buffer = backward_sm90.shared.dq_tiles(spec, tokens, 64, "cpu")
+    grid, _, _ = backward_sm90.dq_from_tiles_launch(spec, buffer, 64, q, cu)
+    assert grid == (packed_items(256, tokens, heads, 64),)
 
 
 _TILE_CASES = dict(

@@ -447,7 +447,7 @@ def test_backward_programs_persistent_where_the_blocks_order_is_free(
     finally:
         bsm.hopper.forget_plans()
     blocks = 3 * 2 * (1024 // bsm.narrow.BLOCK_N)
-    if varlen:  # hopper.packed_items over the keys: one item more a (sequence, kv head)
+    if varlen:  # common.packed_items over the keys: one item more a (sequence, kv head)
         blocks = 3 * 2 * (1024 // bsm.narrow.BLOCK_N + 1)
     assert plan.constexprs["PERSISTENT"] is persistent
     assert plan.constexprs["FOLD"] is fold
@@ -681,7 +681,7 @@ def test_kernel_head_dims(dqk, dv, forward, backward):
     (None, 3), ((3, 1, 1024, 1024), 2), ((3, 1, 1, 1024), 3), ((3, 2, 1024, 1024), 2)])
 def test_wide_backward_plans(varlen, bias_shape, kv_stages):
     """The wide kernels' launches: dK/dV a program per 64-key block, dQ one per 128-query
-    block (packed sequences: hopper.packed_items over the keys and over the queries, one
+    block (packed sequences: common.packed_items over the keys and over the queries, one
     item more a (sequence, head)); bias tiles beside K's in the dQ kernel take a stage
     of its K and V rings, a key row (read by pointer) none; a bias gradient made by the
     dK/dV kernel (DBIAS_FULL, DBIAS_SUM, DBIAS_ROW)."""

@@ -11,7 +11,7 @@ from triton.experimental.gluon import language as gl
 
 import memattn
 from memattn import bench
-from memattn.kernels import backward_sm90, forward_sm90, hopper
+from memattn.kernels import backward_sm90, common, forward_sm90, hopper
 
 from .test_forward import hopper_kernel_runs_here
 
@@ -568,7 +568,7 @@ def test_rank_table_deals_every_block_once_as_a_list_schedule(heads, blocks, gro
 @pytest.mark.parametrize("heads", [1, 3, 16])
 @pytest.mark.parametrize("extra", [0, 300], ids=["exact", "tokens past cu_seqlens"])
 def test_packed_items_cover_every_block_once(lengths, heads, extra):
-    """Packed sequences' grid (hopper.packed_items, packed_rank; the kernel's search for
+    """Packed sequences' grid (common.packed_items, packed_rank; the kernel's search for
     an item's sequence, packed_sequence, done here in Python): its items hold every
     (sequence, head, block) exactly once, each sequence's after the last one's, blocks
     last first, each block across the heads; every other item is past its sequence's
@@ -576,7 +576,7 @@ def test_packed_items_cover_every_block_once(lengths, heads, extra):
     block = 128
     cu = [0, *itertools.accumulate(lengths)]
     walked = []
-    for g in range(hopper.packed_items(len(lengths), cu[-1] + extra, heads, block)):
+    for g in range(common.packed_items(len(lengths), cu[-1] + extra, heads, block)):
         b = sum(heads * (cu[i] // block + i) <= g for i in range(len(lengths))) - 1
         h, rank = hopper.packed_rank.fn(g, heads, b, cu[b], block)
         assert 0 <= h < heads and rank >= 0
@@ -616,7 +616,7 @@ def test_packed_position_items_cover_every_block_once_gpu(lengths, heads, togeth
     if not hopper_kernel_runs_here():
         pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
     cu = [0, *itertools.accumulate(lengths)]
-    num_items = hopper.packed_items(len(lengths), cu[-1], heads, block)
+    num_items = common.packed_items(len(lengths), cu[-1], heads, block)
     items = torch.full((num_items, 4), -7, device="cuda", dtype=torch.int32)
     cu_seqlens = torch.tensor(cu, device="cuda", dtype=torch.int32)
     _position_items_kernel[(1,)](items, cu_seqlens, num_items, heads, len(lengths),
@@ -641,7 +641,7 @@ def test_packed_position_items_cover_every_block_once_gpu(lengths, heads, togeth
 @pytest.mark.parametrize("block", [96, 128])
 @pytest.mark.parametrize("extra", [0, 300], ids=["exact", "tokens past cu_seqlens"])
 def test_packed_head_ranks_cover_every_block_once(lengths, heads, block, extra):
-    """The backward's packed grid (hopper.packed_items over the keys, packed_head_rank;
+    """The backward's packed grid (common.packed_items over the keys, packed_head_rank;
     packed_sequence done here in Python): every (sequence, kv head, key block) exactly
     once, each sequence's after the last one's, each head's blocks back to back first
     first; at most one item a (sequence, head) past its blocks, for 128-key blocks and
@@ -651,7 +651,7 @@ def test_packed_head_ranks_cover_every_block_once(lengths, heads, block, extra):
     take it as it comes)."""
     cu = [0, *itertools.accumulate(lengths)]
     walked, past = [], collections.Counter()
-    for g in range(hopper.packed_items(len(lengths), cu[-1] + extra, heads, block)):
+    for g in range(common.packed_items(len(lengths), cu[-1] + extra, heads, block)):
         b = sum(heads * (cu[i] // block + i) <= g for i in range(len(lengths))) - 1
         h, rank = hopper.packed_head_rank.fn(g, heads, b, cu[b], lengths[b], block)
         assert 0 <= h < heads and rank >= 0
@@ -685,7 +685,7 @@ def _packed_key_items_kernel(Items, CuSeq, num_items, H, num_seqs, num_n_blocks,
                                      bench.DOC_LENGTHS, (300, 900) * 64])  # fmt: skip
 @pytest.mark.parametrize("heads", [1, 3, 16])
 def test_packed_key_items_cover_every_block_once_gpu(lengths, heads):
-    """The backward's packed grid on the GPU (_packed_key_item over hopper.packed_items)
+    """The backward's packed grid on the GPU (_packed_key_item over common.packed_items)
     where the packed tensor holds 200 tokens past cu_seqlens's last (unchecked where its
     values go unread): every (sequence, kv head, key block) exactly once, sequence after
     sequence, each head's blocks back to back first first; every other program -1, the
@@ -695,7 +695,7 @@ def test_packed_key_items_cover_every_block_once_gpu(lengths, heads):
     block = 128
     cu = [0, *itertools.accumulate(lengths)]
     num_n = max(1, -(-max(lengths) // block))
-    num_items = hopper.packed_items(len(lengths), cu[-1] + 200, heads, block)
+    num_items = common.packed_items(len(lengths), cu[-1] + 200, heads, block)
     items = torch.full((num_items,), -7, device="cuda", dtype=torch.int32)
     cu_seqlens = torch.tensor(cu, device="cuda", dtype=torch.int32)
     _packed_key_items_kernel[(1,)](items, cu_seqlens, num_items, heads, len(lengths), num_n,
@@ -727,7 +727,7 @@ def _packed_blocks_kernel(Items, CuSeq, num_items, H, num_seqs, BLOCK_M: gl.cons
 @pytest.mark.parametrize("heads", [1, 3, 16])
 def test_packed_blocks_cover_every_block_once_gpu(lengths, heads):
     """The forward's packed grid without a mask on the GPU (hopper.packed_block over
-    hopper.packed_items) where the packed tensor holds 200 tokens past cu_seqlens's
+    common.packed_items) where the packed tensor holds 200 tokens past cu_seqlens's
     last (unchecked where its values go unread): every (sequence, head, query block)
     exactly once, sequence after sequence, each head's blocks back to back last first,
     with its key tiles; every other item past its sequence's end (no key tile) and
@@ -736,7 +736,7 @@ def test_packed_blocks_cover_every_block_once_gpu(lengths, heads):
         pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
     block = 128
     cu = [0, *itertools.accumulate(lengths)]
-    num_items = hopper.packed_items(len(lengths), cu[-1] + 200, heads, block)
+    num_items = common.packed_items(len(lengths), cu[-1] + 200, heads, block)
     items = torch.full((num_items, 4), -7, device="cuda", dtype=torch.int32)
     cu_seqlens = torch.tensor(cu, device="cuda", dtype=torch.int32)
     _packed_blocks_kernel[(1,)](items, cu_seqlens, num_items, heads, len(lengths),

@@ -39,6 +39,8 @@ from .common import (
     dropout_keep,
     key_range,
     new_output,
+    packed_items,
+    packed_row_block,
     packed_stats_start,
     philox_key,
     query_range,
@@ -64,7 +66,7 @@ def _delta_kernel(
     stride_db, stride_dh, stride_dm,
     stride_ab, stride_ah,
     stride_eb, stride_eh, stride_em,
-    CuSeqQ, H, seqlen_q, num_m_blocks,
+    CuSeqQ, H, seqlen_q, num_m_blocks, num_seqs,
     DV: tl.constexpr, DQK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_VARLEN: tl.constexpr, FOR_SM90: tl.constexpr, ZERO_DQ: tl.constexpr,
     DQ_BLOCK_M: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
@@ -75,8 +77,13 @@ def _delta_kernel(
     stored beside delta (strides stride_d*), packed sequences' at packed_stats_start,
     each followed by STATS_SLACK rows of lse2 = +inf and delta = 0;
     with ZERO_DQ, zeros for the fp32 dQ accumulator (backward_sm90.shared.dq_tiles: DQ_BLOCK_M
-    rows a tile, each zeroed whole by the program at its first row)."""
-    b, h, _, m_block = row_block(num_m_blocks, H, False)
+    rows a tile, each zeroed whole by the program at its first row). Packed sequences
+    take packed_items' grid over their tokens (a grid over each sequence's blocks to
+    the longest holds mostly empty programs where the lengths differ)."""
+    if IS_VARLEN:
+        b, h, m_block = packed_row_block(H, CuSeqQ, num_seqs, BLOCK_M)
+    else:
+        b, h, _, m_block = row_block(num_m_blocks, H, False)
     start_m = m_block * BLOCK_M
     q_start, _, seqlen_q, _ = sequence_bounds(CuSeqQ, CuSeqQ, b, seqlen_q, seqlen_q, IS_VARLEN)
     row0 = tl.cast(q_start + start_m, tl.int64)
@@ -134,7 +141,8 @@ def delta_launch(spec: AttentionSpec, out, grad_out, lse, grad_lse, cu_seqlens_q
     launcher."""
     zero_dq = dq_acc is not None
     num_m = cdiv(spec.seqlen_q, _DELTA_BLOCK_M)
-    grid = (num_m * spec.batch * spec.heads,)
+    programs = (packed_items(spec.batch, out.shape[0], spec.heads, _DELTA_BLOCK_M)
+                if spec.varlen else num_m * spec.batch * spec.heads)
     args = (
         out, grad_out, delta, lse, lse2, dq_acc if zero_dq else lse2,
         lse if grad_lse is None else grad_lse,
@@ -143,7 +151,7 @@ def delta_launch(spec: AttentionSpec, out, grad_out, lse, grad_lse, cu_seqlens_q
         0 if spec.varlen or not zero_dq else dq_acc.stride(0),
         dq_acc.stride(1) if zero_dq else 0,
         *(lse_strides(grad_lse, spec.varlen) if grad_lse is not None else (0, 0, 0)),
-        cu_seqlens_q, spec.heads, spec.seqlen_q, num_m,
+        cu_seqlens_q, spec.heads, spec.seqlen_q, num_m, spec.batch,
     )  # fmt: skip
     # O's own columns (the Gluon backward's spec may count more: dispatch.kernel_spec);
     # dq_acc's tiles span the spec's
@@ -153,7 +161,7 @@ def delta_launch(spec: AttentionSpec, out, grad_out, lse, grad_lse, cu_seqlens_q
         FOR_SM90=lse2 is not None, ZERO_DQ=zero_dq, DQ_BLOCK_M=dq_block_m,
         HAS_GRAD_LSE=grad_lse is not None,
     )  # fmt: skip
-    return grid, args, constexprs
+    return (programs,), args, constexprs
 
 
 @triton.jit

@@ -75,6 +75,34 @@ def row_block(num_m_blocks, H, DESCENDING: tl.constexpr):
     return bh // H, bh % H, bh, m_block
 
 
+def packed_items(seqs: int, tokens: int, heads: int, block: int) -> int:
+    """The items of a packed grid over ``seqs`` sequences of ``tokens`` in all
+    (packed_row_block's, hopper.packed_rank's): sequence b's from heads *
+    (cu_seqlens[b] // block + b) on, at least one a head more than its blocks, so that
+    the grid grows with the tokens, not with the sequences times the longest."""
+    return heads * (tokens // block + seqs)
+
+
+@triton.jit
+def packed_row_block(H, CuSeq, num_seqs, BLOCK: tl.constexpr):
+    """(b, h, block) of this program on packed_items' grid over num_seqs packed
+    sequences of BLOCK-row blocks: each sequence's blocks first first, each across the
+    H heads; a program past its sequence's blocks gets a block past its end (the
+    caller's bounds skip it). b by binary search of cu_seqlens (the last sequence whose
+    items start at or before the program's): no host sync, log2(num_seqs) loads."""
+    g = tl.program_id(0)
+    lo = 0
+    hi = num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if H * (tl.load(CuSeq + mid) // BLOCK + mid) <= g:
+            lo = mid
+        else:
+            hi = mid
+    local = g - H * (tl.load(CuSeq + lo) // BLOCK + lo)
+    return lo, local % H, local // H
+
+
 @triton.jit
 def dq_tile(start_m, q_start, b, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr):
     """The index, among its head's, of the BLOCK_M-row dQ tile from query row start_m

@@ -65,6 +65,7 @@ from .common import (
     alibi_strides,
     cdiv,
     key_range,
+    packed_items,
     philox_key,
     tanh,
     visible,
@@ -1072,7 +1073,7 @@ def plan(spec: AttentionSpec, bias_row: bool, bias_dims: tuple[int, int], tokens
                                           block_m // ROWS.value, tile_bias, bias_row,
                                           spec.dropout_p > 0)  # fmt: skip
     if spec.varlen:
-        num_items = hopper.packed_items(spec.batch, tokens_q, spec.heads, block_m)
+        num_items = packed_items(spec.batch, tokens_q, spec.heads, block_m)
         counts = (spec.batch, num_items)
     programs = hopper.programs(num_items, fold, persistent, device_index)
     schedule = None

@@ -345,11 +345,6 @@ def packed_head_rank(g, H, b, first_token, tokens, BLOCK: gl.constexpr):
     return h, local - h * ranks
 
 
-def packed_items(seqs: int, tokens: int, heads: int, block: int) -> int:
-    """The items of packed_rank's grid over ``seqs`` sequences of ``tokens`` in all."""
-    return heads * (tokens // block + seqs)
-
-
 @gluon.jit
 def rank_major_item(pid, programs, blocks, together):
     """The item (head * blocks + rank) program pid of a grid of ``programs`` (heads x

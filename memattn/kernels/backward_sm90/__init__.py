@@ -36,7 +36,17 @@ import triton.language as tl
 from ...spec import AttentionSpec
 from .. import backward as tiles
 from .. import hopper
-from ..common import cdiv, diagonal_offset, dq_tile, new_output, row_block, sequence_bounds, visible
+from ..common import (
+    cdiv,
+    diagonal_offset,
+    dq_tile,
+    new_output,
+    packed_items,
+    packed_row_block,
+    row_block,
+    sequence_bounds,
+    visible,
+)
 from ..forward import dense_strides
 from ..hopper import accumulator_offset
 from . import narrow, split, wide
@@ -89,8 +99,8 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
 @triton.jit
 def _dq_from_tiles_kernel(
     Tiles, DQ, CuSeqQ, stride_tb, stride_th, stride_qb, stride_qm, stride_qh, H, seqlen_q,
-    num_m, scale, dq_cols, DQK: tl.constexpr, BLOCK_M: tl.constexpr, ROWS_SPLIT: tl.constexpr,
-    BLOCK_D: tl.constexpr, PART_COLS: tl.constexpr, C_BITS: tl.constexpr,
+    num_m, num_seqs, scale, dq_cols, DQK: tl.constexpr, BLOCK_M: tl.constexpr,
+    ROWS_SPLIT: tl.constexpr, BLOCK_D: tl.constexpr, PART_COLS: tl.constexpr, C_BITS: tl.constexpr,
     R_BITS: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
     """dQ in its dtype from dq_tiles' fp32 tiles, one tile (BLOCK_M rows) a program; its
@@ -99,7 +109,10 @@ def _dq_from_tiles_kernel(
     main kernels would pay a multiply per value and step (FA4's postprocess does the
     same). Columns from dq_cols on (past dQ's own, where DQK spans more:
     dispatch.kernel_spec) are not written."""
-    b, h, _, m_block = row_block(num_m, H, False)
+    if IS_VARLEN:  # packed_items' grid over the tokens (the delta kernel's)
+        b, h, m_block = packed_row_block(H, CuSeqQ, num_seqs, BLOCK_M)
+    else:
+        b, h, _, m_block = row_block(num_m, H, False)
     start_m = m_block * BLOCK_M
     q_start, _, seqlen_q, _ = sequence_bounds(CuSeqQ, CuSeqQ, b, seqlen_q, seqlen_q, IS_VARLEN)
     if start_m < seqlen_q:
@@ -133,13 +146,15 @@ def dq_from_tiles_launch(spec: AttentionSpec, buffer: torch.Tensor, rows: int,
     num_m = cdiv(spec.seqlen_q, rows)
     split = dq_split(spec.head_dim_qk, rows)
     args = (buffer, dq, cu_seqlens_q, 0 if spec.varlen else buffer.stride(0), buffer.stride(1),
-            *dense_strides(dq, spec.varlen)[:3], spec.heads, spec.seqlen_q, num_m, spec.scale,
-            dq.shape[-1])
+            *dense_strides(dq, spec.varlen)[:3], spec.heads, spec.seqlen_q, num_m, spec.batch,
+            spec.scale, dq.shape[-1])
     constexprs = dict(DQK=spec.head_dim_qk, BLOCK_M=rows, ROWS_SPLIT=split[0] < rows,
                       BLOCK_D=triton.next_power_of_2(spec.head_dim_qk), PART_COLS=split[1],
                       C_BITS=(split[1] // 8).bit_length() - 1,
                       R_BITS=(split[0] // 64).bit_length() - 1, IS_VARLEN=spec.varlen)
-    return (spec.batch * spec.heads * num_m,), args, constexprs
+    programs = (packed_items(spec.batch, dq.shape[0], spec.heads, rows) if spec.varlen
+                else spec.batch * spec.heads * num_m)
+    return (programs,), args, constexprs
 
 
 # The preprocess (backward.py's delta kernel, FOR_SM90), launched past JITFunction.run

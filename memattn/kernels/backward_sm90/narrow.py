@@ -937,7 +937,7 @@ ORDERED_DQ = True
 # Packed sequences in SUMMED_BIAS_INNER's orders (a program per key block of the
 # longest sequence): programs past their sequence's blocks return before loading K and
 # V (SKIP_PAST_END). H100, the bench's docs row on that grid (4480 of 6656 programs past
-# their end), backward 358 -> 381 TFLOP/s. The packed grid (hopper.packed_items: at most
+# their end), backward 358 -> 381 TFLOP/s. The packed grid (common.packed_items: at most
 # one a (sequence, kv head) past its blocks) returns those by itself (_packed_key_item).
 SKIP_EMPTY_KEY_BLOCKS = True
 # Programs persistent (one per SM at most, the forward's strides: hopper.work_item,
@@ -1158,7 +1158,7 @@ def block_m(spec: AttentionSpec, bias_row: bool) -> int:
 def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
           inner: tuple[bool, bool], tokens_k: int, device_index: int) -> hopper.Plan:  # fmt: skip
     """The D 64/128 kernel's launch (hopper.Plan): key blocks of each (batch, kv head)
-    (packed sequences: hopper.packed_items over the keys, blocks of the longest with
+    (packed sequences: common.packed_items over the keys, blocks of the longest with
     inner dims), persistent programs walking them where PERSISTENT_BLOCKS allows, else a
     program per block. bias_row: the bias is one row of keys (hopper.bias_row), read by
     pointer. dbias_kind: dbias_kind_of's, None without a bias gradient. inner: batch and

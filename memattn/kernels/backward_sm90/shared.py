@@ -22,6 +22,7 @@ from ..common import (
     cdiv,
     diagonal_offset,
     dq_tile,
+    packed_items,
     query_range,
     sequence_bounds,
     visible,
@@ -250,7 +251,7 @@ def _packed_key_item(pid, HKV, CuSeqK, num_seqs, num_n_blocks, BLOCK_N: gl.const
                      DESCENDING: gl.constexpr = False):  # fmt: skip
     """The item of _key_block's grid (packed sequences' key blocks counted to the
     longest) that program pid of the packed grid stands for, -1 past its sequence's
-    blocks. The packed grid (hopper.packed_items over the keys, in packed_head_rank's
+    blocks. The packed grid (common.packed_items over the keys, in packed_head_rank's
     order, which is _key_block's: sequence after sequence, each kv head's blocks back to
     back) holds at most one item a (sequence, head) past its blocks: 13 documents in
     16k tokens, H16, 208 of 2256 programs against 4480 of 6656. Worked out once, before
@@ -503,9 +504,9 @@ def _key_block_items(spec: AttentionSpec, num_n: int, block_n: int,
                      packed_tokens_k: int | None = None) -> int:  # fmt: skip
     """The programs of a backward grid of key blocks: num_n a (batch, kv head), or
     on the packed grid (_packed_key_item's; packed_tokens_k: the packed sequences' keys
-    in all) hopper.packed_items over them."""
+    in all) common.packed_items over them."""
     if packed_tokens_k is not None:
-        return hopper.packed_items(spec.batch, packed_tokens_k, spec.kv_heads, block_n)
+        return packed_items(spec.batch, packed_tokens_k, spec.kv_heads, block_n)
     return num_n * spec.batch * spec.kv_heads
 
 

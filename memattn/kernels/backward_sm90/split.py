@@ -290,7 +290,7 @@ def _bwd_split_kernel(
 ):  # fmt: skip
     # The programs of HEADS_TOGETHER (batch, kv head)s take their key blocks by rank
     # (SPLIT_HEADS_TOGETHER). Packed sequences (IS_VARLEN): one batch of all tokens to
-    # TMA, and _bwd_sm90_kernel's grid (hopper.packed_items over the keys, an item past
+    # TMA, and _bwd_sm90_kernel's grid (common.packed_items over the keys, an item past
     # a sequence's blocks done at once); DK and DV take the stores TMA would clip at the
     # packed tensor's end.
     KEYS: gl.constexpr = k_desc.block_type.shape[2]  # a warpgroup's
@@ -409,7 +409,7 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, cu_seqlens_q, cu_seqlens_k,
 @hopper.plan_cache
 def _plan_split(spec: AttentionSpec, tokens_k: int, device_index: int) -> hopper.Plan:
     """_bwd_split_kernel's launch (hopper.Plan): a program per key block and key head
-    (packed sequences: hopper.packed_items over their tokens_k keys; counts: key blocks
+    (packed sequences: common.packed_items over their tokens_k keys; counts: key blocks
     per head)."""
     block_n = SPLIT_WARPGROUPS * SPLIT_KEYS
     num_n = cdiv(spec.seqlen_k, block_n)

@@ -25,6 +25,7 @@ from ..common import (
     add_bias_alibi_log2,
     alibi_strides,
     cdiv,
+    packed_items,
     packed_stats_start,
     philox_key,
     tanh,
@@ -1153,7 +1154,7 @@ def _plans_wide(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None, tok
     and key head (counts: key blocks per head); dQ, a program per query block and head,
     or per pair of them folded under a mask (counts: query blocks per head, work items).
     Packed sequences (tokens_q, tokens_k: their tokens in all; 0 for dense batches): a
-    program per item of the packed grids (hopper.packed_items over the keys, and over
+    program per item of the packed grids (common.packed_items over the keys, and over
     the queries as the forward's). bias_row: the bias is one row of keys
     (hopper.bias_row), read by pointer. dbias_kind: dbias_kind_of's ("full", "summed"
     or "row"), None without a bias gradient; dK/dV's kernel makes it."""
@@ -1176,7 +1177,7 @@ def _plans_wide(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None, tok
     num_m = cdiv(spec.seqlen_q, block_m)
     num_items = num_m * spec.batch * spec.heads
     if spec.varlen:
-        num_items = hopper.packed_items(spec.batch, tokens_q, spec.heads, block_m)
+        num_items = packed_items(spec.batch, tokens_q, spec.heads, block_m)
     masked = spec.window_left >= 0 or spec.window_right >= 0
     by_rank = hopper.rank_order(spec, num_m, DQ_MASKED_BY_RANK_BLOCKS, DQ_MIN_BLOCKS_BY_RANK)
     fold = masked and num_m >= DQ_MIN_BLOCKS_TO_FOLD and not spec.varlen and not by_rank
