@@ -307,7 +307,7 @@ def _dkdv_kernel(
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
     stride_dqb, stride_dqm, stride_dqh, stride_dqd,
-    H, HKV, GROUP, seqlen_q, seqlen_k, num_n_blocks,
+    H, HKV, GROUP, seqlen_q, seqlen_k, num_n_blocks, num_seqs,
     scale, softcap, window_left, window_right, dropout_p, pos_q, pos_k,
     DQK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -319,15 +319,18 @@ def _dkdv_kernel(
     DBIAS_COLS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, DQ_ATOMIC: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # One program per (key block, batch * kv head) on a 1-D grid, as in the forward.
-    pid = tl.program_id(0)
-    bhk = pid // num_n_blocks
-    n_block = pid % num_n_blocks
-    b = bhk // HKV
-    hk = bhk % HKV
+    # One program per (key block, batch * kv head) on a 1-D grid, as in the forward
+    # (packed sequences: common.packed_items' grid over the keys, first block first).
+    if IS_VARLEN:
+        b, hk, n_block = packed_row_block(HKV, CuSeqK, num_seqs, BLOCK_N)
+    else:
+        b, hk, _, n_block = row_block(num_n_blocks, HKV, False)
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
         CuSeqQ, CuSeqK, b, seqlen_q, seqlen_k, IS_VARLEN)
     start_n = n_block * BLOCK_N
+    if IS_VARLEN:
+        if start_n >= seqlen_k:  # an item past its sequence's blocks
+            return
     off = diagonal_offset(seqlen_q, seqlen_k, BOTTOM_RIGHT)
 
     b64 = tl.cast(b, tl.int64)
@@ -474,7 +477,7 @@ def _dq_kernel(
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_ab, stride_ah,
     stride_dqb, stride_dqm, stride_dqh, stride_dqd,
-    H, GROUP, seqlen_q, seqlen_k, num_m_blocks,
+    H, GROUP, seqlen_q, seqlen_k, num_m_blocks, num_seqs,
     scale, softcap, window_left, window_right, dropout_p, pos_q, pos_k,
     DQK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -484,10 +487,18 @@ def _dq_kernel(
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    b, h, bh, m_block = row_block(num_m_blocks, H, True)
+    # The forward's grid and order (_fwd_kernel)
+    if IS_VARLEN:
+        b, h, m_block = packed_row_block(H, CuSeqQ, num_seqs, BLOCK_M, True)
+        bh = b * H + h
+    else:
+        b, h, bh, m_block = row_block(num_m_blocks, H, True)
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
         CuSeqQ, CuSeqK, b, seqlen_q, seqlen_k, IS_VARLEN)
     start_m = m_block * BLOCK_M
+    if IS_VARLEN:
+        if start_m >= seqlen_q:  # an item past its sequence's blocks
+            return
     off = diagonal_offset(seqlen_q, seqlen_k, BOTTOM_RIGHT)
 
     b64 = tl.cast(b, tl.int64)
@@ -683,7 +694,9 @@ def backward(
 
         def launch_dkdv(c: tuning.BackwardConfig):
             num_n = cdiv(spec.seqlen_k, c.block_n_dkdv)
-            _dkdv_kernel[(num_n * spec.batch * spec.kv_heads,)](
+            programs = (packed_items(spec.batch, k.shape[0], spec.kv_heads, c.block_n_dkdv)
+                        if spec.varlen else num_n * spec.batch * spec.kv_heads)
+            _dkdv_kernel[(programs,)](
                 q, k, v, grad_out, lse, delta, bias, db_buf, alibi_slopes, rng_state,
                 cu_seqlens_q, cu_seqlens_k, dk, dv, dq_acc, *qkv_strides,
                 *lse_strides(lse, spec.varlen), *bias_strides(bias, spec), *db_strides,
@@ -691,7 +704,7 @@ def backward(
                 *dense_strides(dv, spec.varlen),
                 *(dense_strides(dq_acc, spec.varlen) if dq_atomic else (0, 0, 0, 0)),
                 spec.heads, spec.kv_heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_n,
-                *options, BLOCK_M=c.block_m_dkdv, BLOCK_N=c.block_n_dkdv,
+                spec.batch, *options, BLOCK_M=c.block_m_dkdv, BLOCK_N=c.block_n_dkdv,
                 HAS_DBIAS=need_dbias, DBIAS_ROWS=db_rows, DBIAS_COLS=db_cols,
                 DBIAS_ATOMIC=db_atomic, DQ_ATOMIC=dq_atomic,
                 num_warps=c.num_warps_dkdv, num_stages=c.num_stages_dkdv, **common,
@@ -717,12 +730,15 @@ def backward(
 
         def launch_dq(c: tuning.BackwardConfig):
             num_m = cdiv(spec.seqlen_q, c.block_m_dq)
-            _dq_kernel[(num_m * spec.batch * spec.heads,)](
+            programs = (packed_items(spec.batch, q.shape[0], spec.heads, c.block_m_dq)
+                        if spec.varlen else num_m * spec.batch * spec.heads)
+            _dq_kernel[(programs,)](
                 q, k, v, grad_out, lse, delta, bias, alibi_slopes, rng_state, cu_seqlens_q,
                 cu_seqlens_k, dq, *qkv_strides, *lse_strides(lse, spec.varlen),
                 *bias_strides(bias, spec), *alibi_strides(alibi_slopes),
                 *dense_strides(dq, spec.varlen),
-                spec.heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_m, *options,
+                spec.heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_m, spec.batch,
+                *options,
                 BLOCK_M=c.block_m_dq, BLOCK_N=c.block_n_dq,
                 num_warps=c.num_warps_dq, num_stages=c.num_stages_dq, **common,
             )  # fmt: skip

@@ -84,12 +84,13 @@ def packed_items(seqs: int, tokens: int, heads: int, block: int) -> int:
 
 
 @triton.jit
-def packed_row_block(H, CuSeq, num_seqs, BLOCK: tl.constexpr):
+def packed_row_block(H, CuSeq, num_seqs, BLOCK: tl.constexpr, DESCENDING: tl.constexpr = False):
     """(b, h, block) of this program on packed_items' grid over num_seqs packed
-    sequences of BLOCK-row blocks: each sequence's blocks first first, each across the
-    H heads; a program past its sequence's blocks gets a block past its end (the
-    caller's bounds skip it). b by binary search of cu_seqlens (the last sequence whose
-    items start at or before the program's): no host sync, log2(num_seqs) loads."""
+    sequences of BLOCK-row blocks: each sequence's blocks first first (DESCENDING: last
+    first), each across the H heads; a program past its sequence's blocks gets a block
+    past its end (the caller's bounds skip it). b by binary search of cu_seqlens (the
+    last sequence whose items start at or before the program's): no host sync,
+    log2(num_seqs) loads."""
     g = tl.program_id(0)
     lo = 0
     hi = num_seqs
@@ -99,8 +100,14 @@ def packed_row_block(H, CuSeq, num_seqs, BLOCK: tl.constexpr):
             lo = mid
         else:
             hi = mid
-    local = g - H * (tl.load(CuSeq + lo) // BLOCK + lo)
-    return lo, local % H, local // H
+    first = tl.load(CuSeq + lo)
+    local = g - H * (first // BLOCK + lo)
+    block = local // H
+    if DESCENDING:
+        blocks = tl.cdiv(tl.load(CuSeq + lo + 1) - first, BLOCK)
+        if block < blocks:
+            block = blocks - 1 - block
+    return lo, local % H, block
 
 
 @triton.jit

@@ -22,6 +22,8 @@ from .common import (
     diagonal_offset,
     dropout_keep,
     key_range,
+    packed_items,
+    packed_row_block,
     philox_key,
     row_block,
     sequence_bounds,
@@ -125,7 +127,7 @@ def _fwd_kernel(
     stride_lb, stride_lh, stride_lm,
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_ab, stride_ah,
-    H, GROUP, seqlen_q, seqlen_k, num_m_blocks,
+    H, GROUP, seqlen_q, seqlen_k, num_m_blocks, num_seqs,
     scale, softcap, window_left, window_right, dropout_p, pos_q, pos_k,
     DQK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -137,11 +139,19 @@ def _fwd_kernel(
 ):  # fmt: skip
     # One program per (query block, batch * head), on a 1-D grid: no 65,535 limit on
     # batch * heads. Query blocks of one head run back to back, last block first: with
-    # causal masks the last blocks are the longest.
-    b, h, bh, m_block = row_block(num_m_blocks, H, True)
+    # causal masks the last blocks are the longest. Packed sequences: common.packed_items'
+    # grid over the tokens, each block across the heads.
+    if IS_VARLEN:
+        b, h, m_block = packed_row_block(H, CuSeqQ, num_seqs, BLOCK_M, True)
+        bh = b * H + h
+    else:
+        b, h, bh, m_block = row_block(num_m_blocks, H, True)
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
         CuSeqQ, CuSeqK, b, seqlen_q, seqlen_k, IS_VARLEN)
     start_m = m_block * BLOCK_M
+    if IS_VARLEN:
+        if start_m >= seqlen_q:  # an item past its sequence's blocks
+            return
     off = diagonal_offset(seqlen_q, seqlen_k, BOTTOM_RIGHT)
 
     # 64-bit base offsets: batch * stride and token * stride can pass 2**31.
@@ -271,13 +281,15 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
 
     def launch(cfg: tuning.Config):
         num_m_blocks = cdiv(spec.seqlen_q, cfg.block_m)
-        _fwd_kernel[(num_m_blocks * spec.batch * spec.heads,)](
+        programs = (packed_items(spec.batch, q.shape[0], spec.heads, cfg.block_m) if spec.varlen
+                    else num_m_blocks * spec.batch * spec.heads)
+        _fwd_kernel[(programs,)](
             q, k, v, out, lse, bias, alibi_slopes, rng_state, cu_seqlens_q, cu_seqlens_k,
             *dense_strides(q, spec.varlen), *dense_strides(k, spec.varlen),
             *dense_strides(v, spec.varlen), *dense_strides(out, spec.varlen),
             *lse_strides(lse, spec.varlen), *bias_strides(bias, spec),
             *alibi_strides(alibi_slopes),
-            spec.heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_m_blocks,
+            spec.heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_m_blocks, spec.batch,
             spec.scale, spec.softcap, spec.window_left, spec.window_right, spec.dropout_p,
             spec.position_q, spec.position_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
