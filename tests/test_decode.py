@@ -49,6 +49,8 @@ DECODE_CASES = [few_queries(c) for c in FEATURE_CASES] + [
          options=dict(window=(9, 0), align="bottom_right")),
     Case("varlen decode, an empty cache", lengths_q=(1, 1, 1, 1), lengths_k=(40, 0, 7, 66),
          options=dict(causal=True, align="bottom_right")),
+    Case("varlen decode, one long cache beside short ones", lengths_q=(1, 2, 1, 1, 1),
+         lengths_k=(3, 200, 9, 0, 17), heads=4, kv_heads=2),
 ]
 
 
@@ -78,6 +80,24 @@ def test_one_split_writes_out_itself(decode_runs, monkeypatch):
     assert_results(check_forward(case, torch.float32, "cpu", seed=3))
     cfg = decode.configs(decode_runs[0], interpreting=True)[0]
     assert decode.num_splits(decode_runs[0], 4, cfg, torch.device("cpu")) == 1
+
+
+@cpu_only
+def test_packed_splits_follow_the_batchs_keys(decode_runs):
+    """Packed sequences of different lengths: a split is the batch's keys spread over one
+    wave (16 programs under the interpreter), so a 4096-key cache beside seven of 64
+    keys (4544 in all, to 8192) takes 8 splits of 512, where the longest's keys over the
+    splits the batch leaves room for (16 // 8 programs) gave it 2 of 2048."""
+    case = Case("lengths", lengths_q=(1,) * 8, lengths_k=(4096,) + (64,) * 7, heads=4,
+                kv_heads=1)
+    assert_results(check_forward(case, torch.float32, "cpu", seed=5))
+    spec = decode_runs[0]
+    cfg = decode.configs(spec, interpreting=True)[0]
+    k = torch.empty(4544, 1, spec.head_dim_qk)
+    assert decode.packed_keys(spec, k) == 8192
+    cpu = torch.device("cpu")
+    assert decode.plan(spec, cfg, cpu, 8192) == (1, 8, 8, 512)
+    assert decode.plan(spec, cfg, cpu) == (1, 8, 2, 2048)  # the dense batches' rule
 
 
 @cpu_only
@@ -115,6 +135,8 @@ GPU_DECODE = [
          kv_heads=2, dqk=64, dv=64, alibi="H", options=dict(dropout_p=0.1)),
     Case("varlen decode", lengths_q=(1, 4, 1, 64), lengths_k=(9000, 4100, 0, 20000),
          heads=32, kv_heads=8, dqk=128, dv=128, options=dict(causal=True, align="bottom_right")),
+    Case("varlen decode, one long cache beside short ones", lengths_q=(1,) * 8,
+         lengths_k=(65536,) + (2048,) * 6 + (0,), heads=32, kv_heads=8, dqk=128, dv=128),
     Case("D256 window", batch=2, seqlen_q=8, seqlen_k=6000, heads=8, kv_heads=8, dqk=256,
          dv=256, options=dict(window=(1024, 0), align="bottom_right")),
 ]  # fmt: skip

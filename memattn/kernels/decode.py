@@ -88,6 +88,9 @@ def _split_kv_kernel(
     hk = bhk % KV_HEADS
     q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
         CuSeqQ, CuSeqK, b, SQ, seqlen_k, IS_VARLEN)
+    if SPLIT and IS_VARLEN:  # the splits follow the batch's keys (plan): the merge
+        if split * split_keys >= seqlen_k:  # reads none past a sequence's own
+            return
     off = diagonal_offset(seqlen_q, seqlen_k, BOTTOM_RIGHT)
 
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -157,17 +160,19 @@ def _split_kv_kernel(
 
 @triton.jit
 def _merge_kernel(
-    OutPart, LsePart, Out, Lse, CuSeqQ,
+    OutPart, LsePart, Out, Lse, CuSeqQ, CuSeqK,
     stride_ob, stride_om, stride_oh, stride_od,
     stride_lb, stride_lh, stride_lm,
-    H, SQ, num_splits, split_rows,
+    H, SQ, num_splits, split_rows, split_keys,
     DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_VARLEN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out and lse of one query of one (sequence, head) from every split's partial
     results, all splits at once (a loop over them waits on each load in turn):
     lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s. A split that saw no
-    key has lse_s = -inf and weighs 0; a row no split saw gets out 0 and lse -inf."""
+    key has lse_s = -inf and weighs 0; a row no split saw gets out 0 and lse -inf.
+    Packed sequences: a sequence's own splits alone, those its keys reach (the split
+    kernel writes no other)."""
     if PDL:  # launched as the split-KV kernel ends: its partial results first
         gdc_wait()
     pid = tl.program_id(0)
@@ -175,10 +180,12 @@ def _merge_kernel(
     bh = pid // SQ
     b = bh // H
     h = bh % H
-    q_start, _, seqlen_q, _ = sequence_bounds(CuSeqQ, CuSeqQ, b, SQ, SQ, IS_VARLEN)
+    q_start, _, seqlen_q, seqlen_k = sequence_bounds(CuSeqQ, CuSeqK, b, SQ, 0, IS_VARLEN)
     if i < seqlen_q:
         splits = tl.arange(0, BLOCK_S)
         split_ok = splits < num_splits
+        if IS_VARLEN:
+            split_ok &= splits * split_keys < seqlen_k
         rows = splits.to(tl.int64) * split_rows + (b.to(tl.int64) * H + h) * SQ + i
         lse_s = tl.load(LsePart + rows, mask=split_ok, other=float("-inf"))
         m = tl.max(lse_s, 0)
@@ -253,27 +260,50 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _wave(spec: AttentionSpec, cfg: tuning.Config, device) -> tuple[int, int]:
+    """(programs one wave holds, keys a split at least: MIN_SPLIT_KEYS, a tile under
+    the interpreter)."""
+    if device.type != "cuda":
+        return INTERPRETER_PROGRAMS, cfg.block_n
+    shared = (cfg.num_stages * cfg.block_n * (spec.head_dim_qk + spec.head_dim_v)
+              * spec.dtype.itemsize)  # K's and V's rings
+    per_sm = max(1, min(PROGRAMS_PER_SM, SHARED_MEMORY // shared))
+    return per_sm * _sm_count(device.index), MIN_SPLIT_KEYS
+
+
 def num_splits(spec: AttentionSpec, programs: int, cfg: tuning.Config, device) -> int:
     """How many stretches to split the keys into: as many as one wave of programs holds
     beside ``programs`` (sequence, KV head, row block) triples, each at least
     MIN_SPLIT_KEYS long (a tile under the interpreter)."""
-    if device.type != "cuda":
-        wave, min_keys = INTERPRETER_PROGRAMS, cfg.block_n
-    else:
-        shared = (cfg.num_stages * cfg.block_n * (spec.head_dim_qk + spec.head_dim_v)
-                  * spec.dtype.itemsize)  # K's and V's rings
-        per_sm = max(1, min(PROGRAMS_PER_SM, SHARED_MEMORY // shared))
-        wave, min_keys = per_sm * _sm_count(device.index), MIN_SPLIT_KEYS
+    wave, min_keys = _wave(spec, cfg, device)
     return max(1, min(spec.seqlen_k // min_keys, wave // programs, MAX_SPLITS))
 
 
-def plan(spec: AttentionSpec, cfg: tuning.Config, device: torch.device) -> tuple[int, ...]:
+def packed_keys(spec: AttentionSpec, k: torch.Tensor) -> int:
+    """`plan`'s tokens_k: packed sequences' keys in all, to the next power of 2 (a decode
+    loop's growing caches keep one plan for many steps); 0 for dense batches."""
+    return triton.next_power_of_2(k.shape[0]) if spec.varlen else 0
+
+
+def plan(spec: AttentionSpec, cfg: tuning.Config, device: torch.device,
+         tokens_k: int = 0) -> tuple[int, ...]:  # fmt: skip
     """(row blocks, programs per split, splits, keys per split) of a launch with tiles
-    ``cfg`` (on CUDA worked out once per spec: `_plans`)."""
+    ``cfg`` (on CUDA worked out once per spec: `_plans`). Packed sequences (tokens_k:
+    `packed_keys`) of different lengths: a split is the batch's keys spread over one
+    wave, a power of 2, so that a long sequence takes many splits and a short one few
+    (its others return at once), not the longest's keys over as many splits as the
+    batch leaves room for, which gives a long sequence beside short ones few programs."""
     num_m_blocks = cdiv(spec.group * spec.seqlen_q, cfg.block_m)
     programs = spec.batch * spec.kv_heads * num_m_blocks
-    splits = num_splits(spec, programs, cfg, device)
-    split_keys = cdiv(cdiv(spec.seqlen_k, splits), cfg.block_n) * cfg.block_n
+    if tokens_k:
+        wave, min_keys = _wave(spec, cfg, device)
+        per_key = spec.kv_heads * num_m_blocks  # programs that read a key
+        split_keys = max(min_keys, cfg.block_n,
+                         triton.next_power_of_2(cdiv(tokens_k * per_key, wave)),
+                         triton.next_power_of_2(cdiv(spec.seqlen_k, MAX_SPLITS)))
+    else:
+        splits = num_splits(spec, programs, cfg, device)
+        split_keys = cdiv(cdiv(spec.seqlen_k, splits), cfg.block_n) * cfg.block_n
     return num_m_blocks, programs, cdiv(spec.seqlen_k, split_keys), split_keys
 
 
@@ -287,8 +317,9 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
     # So the launch is planned once per spec (`_plans`) and, where a call repeats the
     # last's tensors, launched from the arguments prepared then (hopper.Launcher).
     level = _LEVEL.get(spec, 0)
+    tokens_k = packed_keys(spec, k)
     while True:
-        split_plan, merge_plan = _plans(spec, q.device.index, level)
+        split_plan, merge_plan = _plans(spec, q.device.index, level, tokens_k)
         try:
             _launch_on_cuda(spec, split_plan, merge_plan, q, k, v, bias, alibi_slopes,
                             rng_state, cu_seqlens_q, cu_seqlens_k, out, lse)  # fmt: skip
@@ -304,11 +335,13 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
 _LEVEL: dict[AttentionSpec, int] = {}  # per spec, the first of `configs` that fits
 
 
-def _make_plans(spec: AttentionSpec, device_index: int, level: int):
+def _make_plans(spec: AttentionSpec, device_index: int, level: int, tokens_k: int):
     """(the split-KV kernel's hopper.Plan, the merge's or None) with the tiles of
-    ``configs(spec)[level]``; cached per spec, device and level (`_plans`)."""
+    ``configs(spec)[level]``; cached per spec, device, level and `packed_keys`
+    (`_plans`)."""
     cfg = configs(spec, False)[level]
-    num_m_blocks, programs, splits, split_keys = plan(spec, cfg, torch.device("cuda", device_index))
+    num_m_blocks, programs, splits, split_keys = plan(spec, cfg, torch.device("cuda", device_index),
+                                                      tokens_k)  # fmt: skip
     switches = feature_switches(spec, "decode")
     pdl = PDL and torch.cuda.get_device_capability(device_index)[0] >= 9
     split_plan = hopper.Plan(
@@ -347,10 +380,10 @@ def _launch_on_cuda(spec, split_plan, merge_plan, q, k, v, bias, alibi_slopes, r
     if merge_plan is None:
         return
     call = (merge_plan, out_part.data_ptr(), lse_part.data_ptr(), key(out), key(lse),
-            key(cu_seqlens_q))  # fmt: skip
+            key(cu_seqlens_q), key(cu_seqlens_k))  # fmt: skip
     if not _launch_merge.launch_prepared(merge_plan.programs, call):
-        tensors = (out_part, lse_part, out, lse, cu_seqlens_q)
-        ints = _merge_ints(spec, out, lse, splits)
+        tensors = (out_part, lse_part, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ints = _merge_ints(spec, out, lse, splits, split_keys)
         kinds = tuple(None if t is None else (t.dtype, hopper.aligned(t)) for t in tensors)
         _launch_merge((merge_plan.programs,), *tensors, *ints, variant=(merge_plan, ints, kinds),
                       prepare=call, **merge_plan.constexprs)  # fmt: skip
@@ -380,9 +413,9 @@ def _floats(spec) -> tuple:
     return (spec.scale, spec.softcap, spec.window_left, spec.window_right, spec.dropout_p)
 
 
-def _merge_ints(spec, out, lse, splits) -> tuple:
+def _merge_ints(spec, out, lse, splits, split_keys) -> tuple:
     return (*dense_strides(out, spec.varlen), *lse_strides(lse, spec.varlen), spec.heads,
-            spec.seqlen_q, splits, spec.batch * spec.heads * spec.seqlen_q)
+            spec.seqlen_q, splits, spec.batch * spec.heads * spec.seqlen_q, split_keys)
 
 
 def _forward_by_triton(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state,
@@ -393,7 +426,8 @@ def _forward_by_triton(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_sta
     parts = {}
 
     def launch(cfg: tuning.Config):
-        num_m_blocks, programs, splits, split_keys = plan(spec, cfg, q.device)
+        num_m_blocks, programs, splits, split_keys = plan(spec, cfg, q.device,
+                                                          packed_keys(spec, k))
         out_part, lse_part = _partials(spec, splits, lse)
         _split_kv_kernel[(programs * splits,)](
             q, k, v, out, lse, out_part, lse_part, bias, alibi_slopes, rng_state,
@@ -403,14 +437,14 @@ def _forward_by_triton(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_sta
             *_floats(spec), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=splits > 1,
             PDL=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **switches,
         )  # fmt: skip
-        parts.update(splits=splits, out=out_part, lse=lse_part)
+        parts.update(splits=splits, split_keys=split_keys, out=out_part, lse=lse_part)
 
     tuning.launch_fitting("decode", spec, configs(spec, interpreting), launch)
     splits = parts["splits"]
     if splits > 1:
         _merge_kernel[(spec.batch * spec.heads * spec.seqlen_q,)](
-            parts["out"], parts["lse"], out, lse, cu_seqlens_q,
-            *_merge_ints(spec, out, lse, splits),
+            parts["out"], parts["lse"], out, lse, cu_seqlens_q, cu_seqlens_k,
+            *_merge_ints(spec, out, lse, splits, parts["split_keys"]),
             DV=spec.head_dim_v, BLOCK_S=triton.next_power_of_2(splits),
             BLOCK_DV=switches["BLOCK_DV"], IS_VARLEN=spec.varlen, PDL=False,
             num_warps=1 if interpreting else (4 if splits <= 32 else 8),
