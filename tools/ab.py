@@ -14,13 +14,15 @@ reference draws no mask), "wN" for a window of N keys ending at the query (the b
 it broadcasts; no gradient asked of it, but with ".grad": "+1HQK.grad"; the error
 column then covers dQ, dK and dV only); the shapes "docs" and "docs-full" are the
 bench's packed documents (causal and not, H=16, D=128), "docs/N" and "docs/N-full"
-16384 tokens of documents N long; "docs+1HQK.grad" adds a bias the documents share,
-"docs@192/128" other head dims; a "d" after the documents' part
-("docs-fulld", "docs/512d") makes the call deterministic, as after a dense shape, and
+16384 tokens of documents N long, "docs/skew" one of 16384 tokens beside 255 of 64;
+"docs+1HQK.grad" adds a bias the documents share, "docs@192/128" other head dims; a "d"
+after the documents' part ("docs-fulld", "docs/512d") makes the call deterministic, as
+after a dense shape, and
 "pP" at its end adds dropout ("docsp0.1": the bench's documents with dropout); an "a"
 at a dense shape's end (before a bias) adds ALiBi ("128x4096a": the bench's alibi row).
 "decodeBqSQkSK" is a decode row of the bench (H32/8, D128, forward only, no autograd;
-"decode8q16k32768": B8 Sq16 Sk32768), rated in GB/s of K and V read once.
+"decode8q16k32768": B8 Sq16 Sk32768), rated in GB/s of K and V read once;
+"decode-skew8" and "decode-skew64" packed caches, one long beside short ones (SKEWED_DECODE).
 
 --rounds N times the variants N times more, in turn, and prints each one's median.
 
@@ -161,11 +163,25 @@ def use(knobs) -> None:
     hopper.forget_plans()  # plans are made from the knobs
 
 
+# Packed batches of one long sequence beside short ones: "docs/skew" (H16, D128) and
+# "decode-skew8", "decode-skew64" (Sq=1 a sequence, H32/8, D128)
+SKEWED_DOCS = (16384,) + (64,) * 255
+SKEWED_DECODE = {"decode-skew8": (131072,) + (4096,) * 7,
+                 "decode-skew64": (65536,) + (1024,) * 63}
+
+
 def inputs(shape: str, device: str = "cuda"):
     """(q, k, v, grad_out, options, flops of the forward) for "Dqk[/Dv]xS[c][+BIAS]" or
     "docs[/N][-full]"; for "decodeBqSQkSK" (q, k, v, None, {}, bytes of K and V) (see the
     module's docstring)."""
     new = lambda *s: torch.randn(*s, device=device, dtype=torch.bfloat16)  # noqa: E731
+    if shape in SKEWED_DECODE:  # packed caches of different lengths, one query each
+        lengths = SKEWED_DECODE[shape]
+        cu_k = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
+        k, v = new(sum(lengths), 8, 128), new(sum(lengths), 8, 128)
+        kw = dict(cu_seqlens_q=torch.arange(len(lengths) + 1, device=device, dtype=torch.int32),
+                  cu_seqlens_k=cu_k, max_seqlen_q=1, max_seqlen_k=max(lengths))
+        return new(len(lengths), 32, 128), k, v, None, kw, 2 * k.numel() * k.element_size()
     if shape.startswith("decode"):  # the bench's decode rows: bytes of K and V, not flops
         b, rest = shape.removeprefix("decode").split("q")
         sq, sk = (int(x) for x in rest.split("k"))
@@ -180,7 +196,8 @@ def inputs(shape: str, device: str = "cuda"):
         shape = shape.removesuffix("d")
         causal = not shape.endswith("-full")
         size = shape.removesuffix("-full").partition("/")[2]
-        lengths = (int(size),) * (16384 // int(size)) if size else bench.DOC_LENGTHS
+        lengths = (SKEWED_DOCS if size == "skew" else (int(size),) * (16384 // int(size))
+                   if size else bench.DOC_LENGTHS)  # fmt: skip
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
                           device=device)  # fmt: skip
         q, k = new(sum(lengths), 16, d), new(sum(lengths), 16, d)
