@@ -288,7 +288,7 @@ def packed_keys(spec: AttentionSpec, k: torch.Tensor) -> int:
 def plan(spec: AttentionSpec, cfg: tuning.Config, device: torch.device,
          tokens_k: int = 0) -> tuple[int, ...]:  # fmt: skip
     """(row blocks, programs per split, splits, keys per split) of a launch with tiles
-    ``cfg`` (on CUDA worked out once per spec: `_plans`). Packed sequences (tokens_k:
+    ``cfg`` (on CUDA worked out once per spec and tokens_k: `_plans`). Packed sequences (tokens_k:
     `packed_keys`) of different lengths: a split is the batch's keys spread over one
     wave, a power of 2, so that a long sequence takes many splits and a short one few
     (its others return at once), not the longest's keys over as many splits as the
