@@ -740,7 +740,7 @@ def accumulator_order(M, N):
     then columns c + 8, 16, ... and rows r + 64; lanes 4r + c / 2; warps 16 rows each.
     The offset's bits, lowest first: the first two registers', the lanes', the other
     registers', the warps' (offset_bases: each bit's (row, column)). What TMA copies is
-    the tile in that order; accumulator_offset reads it back."""
+    the tile in that order; accumulator_tile reads it back."""
     regs_hi = [[0, 8 << i] for i in range((N // 8).bit_length() - 1)]
     regs_hi += [[64 << i, 0] for i in range((M // 64).bit_length() - 1)]
     lanes = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]
@@ -749,13 +749,15 @@ def accumulator_order(M, N):
 
 
 @triton.jit
-def accumulator_offset(rows, cols, C_BITS: tl.constexpr, R_BITS: tl.constexpr):
-    """Where accumulator_order puts element (rows, cols) of its tile; C_BITS, R_BITS:
-    log2(N / 8) and log2(M / 64), the register bits past the first two."""
-    off = (cols & 1) | (((rows >> 3) & 1) << 1) | (((cols >> 1) & 3) << 2) | ((rows & 7) << 4)
-    off |= ((cols >> 3) & ((1 << C_BITS) - 1)) << 7
-    off |= ((rows >> 6) & ((1 << R_BITS) - 1)) << (7 + C_BITS)
-    return off | (((rows >> 4) & 3) << (7 + C_BITS + R_BITS))
+def accumulator_tile(first, M: tl.constexpr, N: tl.constexpr):
+    """The (M, N) tile that accumulator_order laid out from pointer ``first``, in rows and
+    columns: read in its stored order (contiguous, so every load is 16 bytes wide; read
+    element by element through its offsets they were 4), then its offset's bits
+    (accumulator_order's, lowest first: column 0, row 3, columns 1-2, rows 0-2, columns
+    3.., rows 6.., rows 4-5) put back in row and column order."""
+    x = tl.load(first + tl.arange(0, M * N))
+    x = tl.reshape(x, [4, M // 64, N // 8, 8, 4, 2, 2])
+    return tl.reshape(tl.permute(x, [1, 0, 5, 3, 2, 4, 6]), [M, N])
 
 
 @gl_core.builtin

@@ -48,7 +48,7 @@ from ..common import (
     visible,
 )
 from ..forward import dense_strides
-from ..hopper import accumulator_offset
+from ..hopper import accumulator_tile
 from . import narrow, split, wide
 from .narrow import block_m, dq_from_full_bias, orders_dq
 from .shared import (
@@ -99,15 +99,14 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
 @triton.jit
 def _dq_from_tiles_kernel(
     Tiles, DQ, CuSeqQ, stride_tb, stride_th, stride_qb, stride_qm, stride_qh, H, seqlen_q,
-    num_m, num_seqs, scale, dq_cols, DQK: tl.constexpr, BLOCK_M: tl.constexpr,
-    ROWS_SPLIT: tl.constexpr, BLOCK_D: tl.constexpr, PART_COLS: tl.constexpr, C_BITS: tl.constexpr,
-    R_BITS: tl.constexpr, IS_VARLEN: tl.constexpr,
+    num_m, num_seqs, scale, dq_cols, BLOCK_M: tl.constexpr, PART_ROWS: tl.constexpr,
+    PART_COLS: tl.constexpr, PARTS: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
     """dQ in its dtype from dq_tiles' fp32 tiles, one tile (BLOCK_M rows) a program; its
-    parts (dq_split) hold PART_COLS columns each, or with ROWS_SPLIT half the rows. The
-    tiles hold dS K without the softmax scale: it goes in here, once a value, where the
-    main kernels would pay a multiply per value and step (FA4's postprocess does the
-    same). Columns from dq_cols on (past dQ's own, where DQK spans more:
+    PARTS parts (dq_split) hold PART_COLS columns each, or (PART_ROWS < BLOCK_M) half the
+    rows. The tiles hold dS K without the softmax scale: it goes in here, once a value,
+    where the main kernels would pay a multiply per value and step (FA4's postprocess
+    does the same). Columns from dq_cols on (past dQ's own, where DQK spans more:
     dispatch.kernel_spec) are not written."""
     if IS_VARLEN:  # packed_items' grid over the tokens (the delta kernel's)
         b, h, m_block = packed_row_block(H, CuSeqQ, num_seqs, BLOCK_M)
@@ -117,23 +116,19 @@ def _dq_from_tiles_kernel(
     q_start, _, seqlen_q, _ = sequence_bounds(CuSeqQ, CuSeqQ, b, seqlen_q, seqlen_q, IS_VARLEN)
     if start_m < seqlen_q:
         tile = dq_tile(start_m, q_start, b, BLOCK_M, IS_VARLEN)
-        rows = tl.arange(0, BLOCK_M)[:, None]
-        cols = tl.arange(0, BLOCK_D)[None, :]  # DQK's next power of 2
-        if ROWS_SPLIT:
-            part = rows // (BLOCK_M // 2)
-            at = accumulator_offset(rows % (BLOCK_M // 2), cols, C_BITS, R_BITS)
-        else:
-            part = cols // PART_COLS
-            at = accumulator_offset(rows, cols % PART_COLS, C_BITS, R_BITS)
-        parts: tl.constexpr = 2 if ROWS_SPLIT else DQK // PART_COLS
-        off = ((parts * tile + part) * (BLOCK_M * DQK // parts)).to(tl.int64) + at
         b64 = b.to(tl.int64)
         h64 = h.to(tl.int64)
-        x = tl.load(Tiles + b64 * stride_tb + h64 * stride_th + off, mask=cols < DQK)
-        row64 = (q_start + start_m + rows).to(tl.int64)
-        tl.store(DQ + b64 * stride_qb + h64 * stride_qh + row64 * stride_qm + cols,
-                 (x * scale).to(DQ.dtype.element_ty),
-                 mask=(rows < seqlen_q - start_m) & (cols < dq_cols))
+        first = (Tiles + b64 * stride_tb + h64 * stride_th
+                 + tile.to(tl.int64) * (PARTS * PART_ROWS * PART_COLS))
+        by_rows: tl.constexpr = PART_ROWS < BLOCK_M
+        for part in tl.static_range(PARTS):
+            x = accumulator_tile(first + part * PART_ROWS * PART_COLS, PART_ROWS, PART_COLS)
+            rows = (part * PART_ROWS if by_rows else 0) + tl.arange(0, PART_ROWS)[:, None]
+            cols = (0 if by_rows else part * PART_COLS) + tl.arange(0, PART_COLS)[None, :]
+            row64 = (q_start + start_m + rows).to(tl.int64)
+            tl.store(DQ + b64 * stride_qb + h64 * stride_qh + row64 * stride_qm + cols,
+                     (x * scale).to(DQ.dtype.element_ty),
+                     mask=(rows < seqlen_q - start_m) & (cols < dq_cols))
 
 
 _launch_dq_from_tiles = hopper.Launcher(_dq_from_tiles_kernel)
@@ -148,10 +143,9 @@ def dq_from_tiles_launch(spec: AttentionSpec, buffer: torch.Tensor, rows: int,
     args = (buffer, dq, cu_seqlens_q, 0 if spec.varlen else buffer.stride(0), buffer.stride(1),
             *dense_strides(dq, spec.varlen)[:3], spec.heads, spec.seqlen_q, num_m, spec.batch,
             spec.scale, dq.shape[-1])
-    constexprs = dict(DQK=spec.head_dim_qk, BLOCK_M=rows, ROWS_SPLIT=split[0] < rows,
-                      BLOCK_D=triton.next_power_of_2(spec.head_dim_qk), PART_COLS=split[1],
-                      C_BITS=(split[1] // 8).bit_length() - 1,
-                      R_BITS=(split[0] // 64).bit_length() - 1, IS_VARLEN=spec.varlen)
+    constexprs = dict(BLOCK_M=rows, PART_ROWS=split[0], PART_COLS=split[1],
+                      PARTS=rows * spec.head_dim_qk // (split[0] * split[1]),
+                      IS_VARLEN=spec.varlen)
     programs = (packed_items(spec.batch, dq.shape[0], spec.heads, rows) if spec.varlen
                 else spec.batch * spec.heads * num_m)
     return (programs,), args, constexprs
