@@ -14,6 +14,8 @@ if not torch.cuda.is_available():
 os.environ["MEMATTN_POISON_OUTPUTS"] = "1"
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# tests at the interpreter's small sizes; the GPU suite has its own at the device's
+cpu_only = pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes; the GPU has its own")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -29,7 +29,7 @@ from memattn.check import (
 from memattn.kernels import backward as backward_kernels
 from memattn.kernels import tuning
 
-from .conftest import DEVICE
+from .conftest import cpu_only
 from .test_forward import (
     HOPPER_CASES,
     assert_results,
@@ -37,8 +37,6 @@ from .test_forward import (
     hopper_kernel_runs_here,
     record_launches,
 )
-
-cpu_only = pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes; the GPU has its own")
 
 # Every feature case, each with a bias that needs a gradient where the case has one.
 BIAS_BROADCASTS = ["BHQK", "1HQK", "B1QK", "BH1K", "BHQ1", "11Q1", "QK", "K"]

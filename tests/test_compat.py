@@ -19,9 +19,7 @@ import memattn
 from memattn import compat
 from memattn.check import relative_error
 
-from .conftest import DEVICE
-
-cpu_only = pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes; the GPU has its own")
+from .conftest import DEVICE, cpu_only
 
 B, H, L, S, E = 2, 2, 13, 19, 16  # CPU sizes: small, odd where it matters
 NAMES = ("out", "dq", "dk", "dv")

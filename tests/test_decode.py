@@ -23,10 +23,8 @@ from memattn.check import (
 )
 from memattn.kernels import decode
 
-from .conftest import DEVICE
+from .conftest import cpu_only
 from .test_forward import assert_results
-
-cpu_only = pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes; the GPU has its own")
 
 
 def few_queries(case: Case) -> Case:

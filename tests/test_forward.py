@@ -25,9 +25,7 @@ from memattn.check import (
 )
 from memattn.kernels import common, forward_sm90, hopper
 
-from .conftest import DEVICE
-
-cpu_only = pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes; the GPU has its own")
+from .conftest import DEVICE, cpu_only
 
 
 def assert_results(results):

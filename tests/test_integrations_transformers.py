@@ -24,9 +24,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 import memattn.integrations.transformers as mt  # noqa: E402  (registers "memattn")
 from memattn.check import relative_error  # noqa: E402
 
-from .conftest import DEVICE  # noqa: E402
-
-cpu_only = pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes; the GPU has its own")
+from .conftest import cpu_only  # noqa: E402
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip

@@ -12,9 +12,7 @@ from memattn.check import FEATURE_CASES, FLOOR, Case, make_inputs, relative_erro
 from memattn.ops import _op_options
 from memattn.spec import check_call
 
-from .conftest import DEVICE
-
-cpu_only = pytest.mark.skipif(DEVICE != "cpu", reason="interpreter sizes; the GPU has its own")
+from .conftest import DEVICE, cpu_only
 
 OPCHECK_CASES = [
     Case("plain", seqlen_q=9, seqlen_k=11, dqk=16, dv=8),
