@@ -17,6 +17,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import memattn
+from memattn import reference
 from memattn.check import (
     FEATURE_CASES,
     FLOOR,
@@ -511,6 +512,71 @@ def test_hopper_dropout_of_every_key_gpu(head_dim, hopper_backward_launches):
     assert hopper_backward_launches, "the call ran the tile backward"
     for name, x in [("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)]:
         assert torch.count_nonzero(x) == 0, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "cuda_graph"])
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_hopper_backward_sees_the_kernels_before_it_gpu(packed, graphed,
+                                                        hopper_backward_launches):  # fmt: skip
+    """The Hopper backward's kernels launch as programmatic dependents
+    (backward_sm90.narrow.DEPENDENT_LAUNCHES): each may start while the kernel before it
+    in the stream ends, and must wait for that kernel's writes before it reads them.
+    Backward steps that each copy their output gradient into place just before the call
+    (what the preprocess reads), whose statistics and zeroed dQ buffer (what the main
+    kernel reads and adds into) take the memory the step before left, eager and replayed
+    from a CUDA graph, against each step in float64."""
+    torch.manual_seed(0)
+    steps, heads, head_dim = 3, 8, 128
+    lengths = [1000, 2048, 700, 333] if packed else [2048, 2048]
+    new = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    kw = dict(causal=True)
+    if packed:
+        cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
+        kw.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
+                  max_seqlen_k=max(lengths))  # fmt: skip
+        shape = (sum(lengths), heads, head_dim)
+    else:
+        shape = (len(lengths), lengths[0], heads, head_dim)
+    q, k, v = (new(*shape).requires_grad_() for _ in range(3))
+    out = memattn.attention(q, k, v, **kw)
+    grads_out = new(steps, *shape)
+    grad_out = torch.empty_like(grads_out[0])
+    results = torch.empty(steps, 3, *shape, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        for s in range(steps):
+            grad_out.copy_(grads_out[s])
+            for i, g in enumerate(torch.autograd.grad(out, (q, k, v), grad_out,
+                                                      retain_graph=True)):  # fmt: skip
+                results[s, i] = g
+
+    run()  # compiles, outside any capture
+    if graphed:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        results.fill_(float("nan"))
+        graph.replay()
+    torch.cuda.synchronize()
+    assert hopper_backward_launches, "the call ran the tile backward"
+
+    def reference_grads(dtype, s):
+        leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+        o = reference.attention(*leaves, **kw)
+        return torch.autograd.grad(o, leaves, grads_out[s].to(dtype))
+
+    for s in range(steps):
+        for name, got, exact, low in zip("qkv", results[s], reference_grads(torch.float64, s),
+                                         reference_grads(torch.bfloat16, s)):  # fmt: skip
+            err = relative_error(got, exact)
+            allowed = 2 * relative_error(low, exact) + FLOOR[torch.bfloat16]
+            assert err <= allowed, f"step {s} d{name}: error {err:.3g} > allowed {allowed:.3g}"
 
 
 @pytest.mark.gpu

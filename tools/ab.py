@@ -109,6 +109,7 @@ VARIANTS = {
     # a last block's warpgroup past the sequence does its work all the same
     "no_idle": {"fwd.IDLE_WARPGROUPS": False, "bwd.IDLE_HALVES": False},
     "no_pdl": {"decode.PDL": False},  # decode's kernels launched after the last one ends
+    "bwd_serial": {"bwd.DEPENDENT_LAUNCHES": False},  # the backward's three launches so too
     # decode's tile at 64 rows (block_m, block_n, warps, stages; shipped 64, 64, 4, 3):
     # the programs an SM holds and the splits follow from its shared memory
     "dec64x64w8s4": {"decode.WIDE_ROWS_TILE": tuning.Config(64, 64, 8, 4)},  # one an SM
@@ -133,7 +134,8 @@ BACKWARD_KNOBS = {name: module for module, names in (
     (backward_sm90.narrow, ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "SKIP_EMPTY_KEY_BLOCKS",
                             "DQ_WRITER", "DQ_WRITER_PACKED_UNMASKED", "ORDERED_DQ",
                             "PERSISTENT_BLOCKS", "MASKED_BY_RANK_BLOCKS", "BIAS_TILES_BATCH_INNER",
-                            "MASKED_PERSISTENT_MAX_BLOCKS", "KV_VIEWS_PER_STEP", "IDLE_HALVES")),
+                            "MASKED_PERSISTENT_MAX_BLOCKS", "KV_VIEWS_PER_STEP", "IDLE_HALVES",
+                            "DEPENDENT_LAUNCHES")),
     (backward_sm90.shared, ("PACKED_BIAS_ADDS", "SPLIT_HEAD_DIM_PAIRS", "FUSED_SPLIT")),
     (backward_sm90.wide, ("DQ_BLOCK_N", "DQ_MASKED_BY_RANK_BLOCKS", "DQ_AS_DEPENDENT",
                           "BY_ROLE")),

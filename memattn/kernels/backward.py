@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..spec import AttentionSpec
 from . import tuning
@@ -69,7 +70,7 @@ def _delta_kernel(
     CuSeqQ, H, seqlen_q, num_m_blocks, num_seqs,
     DV: tl.constexpr, DQK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_VARLEN: tl.constexpr, FOR_SM90: tl.constexpr, ZERO_DQ: tl.constexpr,
-    DQ_BLOCK_M: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
+    DQ_BLOCK_M: tl.constexpr, HAS_GRAD_LSE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """delta = rowsum(dO * O), minus grad_lse where a gradient flows into lse (it adds
     P * grad_lse to dS). FOR_SM90 (the Gluon backward's inputs): also
@@ -79,7 +80,12 @@ def _delta_kernel(
     with ZERO_DQ, zeros for the fp32 dQ accumulator (backward_sm90.shared.dq_tiles: DQ_BLOCK_M
     rows a tile, each zeroed whole by the program at its first row). Packed sequences
     take packed_items' grid over their tokens (a grid over each sequence's blocks to
-    the longest holds mostly empty programs where the lengths differ)."""
+    the longest holds mostly empty programs where the lengths differ). PDL: launched as
+    the stream's last kernel ends (backward_sm90.narrow.DEPENDENT_LAUNCHES), it waits for
+    that kernel's writes, then lets the main kernel launch, which waits for this one's."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     if IS_VARLEN:
         b, h, m_block = packed_row_block(H, CuSeqQ, num_seqs, BLOCK_M)
     else:
@@ -159,7 +165,7 @@ def delta_launch(spec: AttentionSpec, out, grad_out, lse, grad_lse, cu_seqlens_q
         DV=out.shape[-1], DQK=spec.head_dim_qk, BLOCK_M=_DELTA_BLOCK_M,
         BLOCK_DV=tuning.padded_head_dim(out.shape[-1]), IS_VARLEN=spec.varlen,
         FOR_SM90=lse2 is not None, ZERO_DQ=zero_dq, DQ_BLOCK_M=dq_block_m,
-        HAS_GRAD_LSE=grad_lse is not None,
+        HAS_GRAD_LSE=grad_lse is not None, PDL=False,
     )  # fmt: skip
     return (programs,), args, constexprs
 

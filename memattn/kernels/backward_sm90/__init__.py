@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from ...spec import AttentionSpec
 from .. import backward as tiles
@@ -101,13 +102,17 @@ def _dq_from_tiles_kernel(
     Tiles, DQ, CuSeqQ, stride_tb, stride_th, stride_qb, stride_qm, stride_qh, H, seqlen_q,
     num_m, num_seqs, scale, dq_cols, BLOCK_M: tl.constexpr, PART_ROWS: tl.constexpr,
     PART_COLS: tl.constexpr, PARTS: tl.constexpr, IS_VARLEN: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """dQ in its dtype from dq_tiles' fp32 tiles, one tile (BLOCK_M rows) a program; its
     PARTS parts (dq_split) hold PART_COLS columns each, or (PART_ROWS < BLOCK_M) half the
     rows. The tiles hold dS K without the softmax scale: it goes in here, once a value,
     where the main kernels would pay a multiply per value and step (FA4's postprocess
     does the same). Columns from dq_cols on (past dQ's own, where DQK spans more:
-    dispatch.kernel_spec) are not written."""
+    dispatch.kernel_spec) are not written. PDL: launched while the main kernel runs
+    (narrow.DEPENDENT_LAUNCHES), it waits for its end."""
+    if PDL:
+        gdc_wait()
     if IS_VARLEN:  # packed_items' grid over the tokens (the delta kernel's)
         b, h, m_block = packed_row_block(H, CuSeqQ, num_seqs, BLOCK_M)
     else:
@@ -145,7 +150,7 @@ def dq_from_tiles_launch(spec: AttentionSpec, buffer: torch.Tensor, rows: int,
             spec.scale, dq.shape[-1])
     constexprs = dict(BLOCK_M=rows, PART_ROWS=split[0], PART_COLS=split[1],
                       PARTS=rows * spec.head_dim_qk // (split[0] * split[1]),
-                      IS_VARLEN=spec.varlen)
+                      IS_VARLEN=spec.varlen, PDL=False)
     programs = (packed_items(spec.batch, dq.shape[0], spec.heads, rows) if spec.varlen
                 else spec.batch * spec.heads * num_m)
     return (programs,), args, constexprs
@@ -286,11 +291,12 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
     zeroed, zeroed_rows = (None, 0) if dq_by_matmul else (dq_acc, rows)
     grid, args, constexprs = tiles.delta_launch(
         spec, out, grad_out, lse, grad_lse, cu_seqlens_q, delta, lse2, zeroed, zeroed_rows)
+    pdl = narrow.DEPENDENT_LAUNCHES
     # the stats and dq_acc fresh: what the spec does not fix is here
-    variant = (spec, zeroed_rows, out.shape[-1], *out.stride(), *grad_out.stride(),
+    variant = (spec, zeroed_rows, pdl, out.shape[-1], *out.stride(), *grad_out.stride(),
                *lse.stride(), *map(hopper.aligned, (out, grad_out, lse, cu_seqlens_q)),
                None if grad_lse is None else (*grad_lse.stride(), hopper.aligned(grad_lse)))
-    _launch_delta(grid, *args, variant=variant, **constexprs)
+    _launch_delta(grid, *args, variant=variant, **dict(constexprs, PDL=pdl), launch_pdl=pdl)
     dq = new_output(q.shape, q.dtype, q.device)
     dk = new_output(k.shape, k.dtype, k.device)
     dv = new_output(v.shape, v.dtype, v.device)
@@ -317,9 +323,9 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
         tiles.dq_from_ds(dq, dbias, k, spec)
     elif dq_acc is not None:
         grid, args, constexprs = dq_from_tiles_launch(spec, dq_acc, rows, dq, cu_seqlens_q)
-        _launch_dq_from_tiles(grid, *args, variant=(spec, rows, dq.shape[-1], *dq.stride(),
+        _launch_dq_from_tiles(grid, *args, variant=(spec, rows, pdl, dq.shape[-1], *dq.stride(),
                                                     hopper.aligned(cu_seqlens_q)),
-                              num_warps=4, **constexprs)  # fmt: skip
+                              num_warps=4, **dict(constexprs, PDL=pdl), launch_pdl=pdl)  # fmt: skip
     if dbias_kind == "row":
         dbias = hopper.sum_to_bias(dbias, bias)
     elif dbias_kind == "summed":

@@ -90,6 +90,13 @@ from .shared import (
 )
 
 BLOCK_N = 128  # keys a program: two warpgroups x 64
+# The preprocess, the D 64/128 kernel and dQ's conversion launch as programmatic
+# dependents, each while the one before it ends (FA4's chain): the preprocess lets the
+# main kernel launch at its start, whose load warp sends a block's K and V before it
+# waits for the preprocess's writes (its statistics, dQ's zeroed buffer); the main
+# kernel lets the conversion launch at its start, which waits for its end. Without
+# it the three launches left ~7 us of idle GPU between them (FA4's ~1.4).
+DEPENDENT_LAUNCHES = True
 # Query rows a step at D=64 (a knob tools/ab.py sets): dK and dV take 64 registers a
 # thread there, S and dP 64 each at 128 rows (FA4's D=64 step).
 BLOCK_M_D64 = 128
@@ -162,13 +169,19 @@ def _bwd_blocks_load_partition(
     HAS_BIAS: gl.constexpr, IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr, BATCH_INNER: gl.constexpr,
     HEAD_INNER: gl.constexpr, ORDERED: gl.constexpr, ROTATE: gl.constexpr,
-    PERSISTENT: gl.constexpr, FOLD: gl.constexpr,
+    PERSISTENT: gl.constexpr, FOLD: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
     """_bwd_sm90_kernel's load warp: _bwd_load_partition's loads for each of the
     program's key blocks (_program_block), each block's K and V once the compute
     warpgroups are done with the last block's (kv_empty), while they store its dK and
     dV; the Q and dO rings run on from block to block. ``loads``: its runtime
-    arguments (``blocks``: _program_block's)."""
+    arguments (``blocks``: _program_block's). PDL (DEPENDENT_LAUNCHES): the first
+    reads of the preprocess's writes wait for its end; the other warps' first reads and
+    writes of them (dQ's buffer, its counters) follow from those."""
+    # The overlapped ends send a block's first query tile before its K and V.
+    WAIT_AFTER_KV: gl.constexpr = PDL and not overlaps_block_ends(FOLD, BLOCK_M)
+    if PDL and not WAIT_AFTER_KV:
+        hopper.wait_for_primary()
     (q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem, v_smem,
      lse_smem, delta_smem, bias_smem, kv_bar, kv_empty, q_ready, do_ready, q_empty, do_empty,
      GROUP, bias_batches, bias_heads, blocks, n_items) = loads
@@ -199,7 +212,7 @@ def _bwd_blocks_load_partition(
             v_smem, lse_smem, delta_smem, bias_smem, kv_bar, q_ready, do_ready, q_empty,
             do_empty, b_tma, hk, q_start, k_start, stats_start, GROUP, b % bias_batches,
             bias_heads, start_n, lo, n_tiles, q_desc, k_desc, q_smem, k_smem, BLOCK_M, STAGES,
-            HAS_BIAS, 0, rot, ROTATE, step, first)  # fmt: skip
+            HAS_BIAS, 0, rot, ROTATE, step, first, WAIT_AFTER_KV)  # fmt: skip
         step += GROUP * n_tiles
 
 
@@ -694,7 +707,7 @@ def _bwd_dq_writer_partition(
     IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
     BOUNDED_RIGHT: gl.constexpr, BATCH_INNER: gl.constexpr, HEAD_INNER: gl.constexpr,
     ORDERED: gl.constexpr, ROTATE: gl.constexpr, PERSISTENT: gl.constexpr,
-    FOLD: gl.constexpr,
+    FOLD: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
     """One warp (DQ_WRITER, ORDERED_DQ): for each of its program's key blocks
     (_program_block), each step's two dQ halves, left in dq_smem by the compute
@@ -702,7 +715,10 @@ def _bwd_dq_writer_partition(
     once read. The compute warpgroups then neither issue nor wait for these copies
     (FA4's dQ warp). ORDERED: each tile's adds wait for their turn (dq_add_turn) on the
     tile's counter in DqLocks, and count it on once they are done. ``blocks``: as
-    _program_block takes them."""
+    _program_block takes them. PDL: the counters, zeroed by the kernel before this one,
+    are read once it has ended (DEPENDENT_LAUNCHES)."""
+    if PDL:
+        hopper.wait_for_primary()
     TILE_ROWS: gl.constexpr = dq_desc.block_type.shape[2]
     window_left, window_right = blocks[8], blocks[9]
     step = gl.to_tensor(0)  # the rings' count of tiles before this block's
@@ -757,8 +773,10 @@ def _bwd_sm90_kernel(
     DQ_BUFS: gl.constexpr, ORDERED: gl.constexpr,
     ROTATE: gl.constexpr, PERSISTENT: gl.constexpr, FOLD: gl.constexpr,
     BY_RANK: gl.constexpr, HAS_DQ: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-    KV_VIEWS_PER_STEP: gl.constexpr, IDLE_KEYS: gl.constexpr,
+    KV_VIEWS_PER_STEP: gl.constexpr, IDLE_KEYS: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
+    if PDL:  # dQ's conversion may launch (DEPENDENT_LAUNCHES); it waits for our end
+        hopper.launch_dependents()
     # A program per key block, or PERSISTENT (PERSISTENT_BLOCKS) one per SM at most,
     # walking num_items blocks in hopper.work_item's strides (_program_block). Packed
     # sequences in the default order: a program per item of the packed grid, which
@@ -857,12 +875,12 @@ def _bwd_sm90_kernel(
              (_bwd_blocks_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, IS_VARLEN,
                                            BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
                                            BATCH_INNER, HEAD_INNER, ORDERED, ROTATE,
-                                           PERSISTENT, FOLD)),
+                                           PERSISTENT, FOLD, PDL)),
              (_bwd_dq_writer_partition, (dq_desc, dq_smem, dq_full, dq_empty, blocks,
                                          n_items, GROUP, DqLocks, heads, BLOCK_M, BLOCK_N,
                                          DQ_BUFS, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
                                          BOUNDED_RIGHT, BATCH_INNER, HEAD_INNER, ORDERED,
-                                         ROTATE, PERSISTENT, FOLD))],
+                                         ROTATE, PERSISTENT, FOLD, PDL))],
             worker_num_warps=[4, 1, 1], worker_num_regs=[240, 24, 24])  # fmt: skip
     else:
         gl.warp_specialize(
@@ -883,7 +901,7 @@ def _bwd_sm90_kernel(
              (_bwd_blocks_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, IS_VARLEN,
                                            BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
                                            BATCH_INNER, HEAD_INNER, ORDERED, ROTATE,
-                                           PERSISTENT, FOLD))],
+                                           PERSISTENT, FOLD, PDL))],
             worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
 
 
@@ -1196,8 +1214,8 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
         PERSISTENT=persistent, FOLD=fold, BY_RANK=by_rank,
         HAS_DQ=not dq_from_full_bias(spec, dbias_kind), HAS_SOFTCAP=spec.softcap > 0,
         KV_VIEWS_PER_STEP=kv_views_per_step(spec, bias_row),
-        IDLE_KEYS=IDLE_HALVES and spec.varlen,
-        num_warps=4,
+        IDLE_KEYS=IDLE_HALVES and spec.varlen, PDL=DEPENDENT_LAUNCHES,
+        num_warps=4, launch_pdl=DEPENDENT_LAUNCHES,
     )  # fmt: skip
     return hopper.Plan(hopper.programs(items, fold, persistent, device_index), (num_n, items),
                        constexprs)

@@ -120,7 +120,7 @@ def _bwd_load_partition(
     hk, q_start, k_start, stats_start, GROUP, bias_b, bias_heads, start_n, lo, n_tiles,
     q2_desc, k2_desc, q2_smem, k2_smem, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     HAS_BIAS: gl.constexpr, QK_SPLIT: gl.constexpr, rot=0, ROTATE: gl.constexpr = False,
-    step=0, first=0,
+    step=0, first=0, WAIT_PRIMARY: gl.constexpr = False,
 ):  # fmt: skip
     """One warp: K and V once, then Q (with its rows' lse and the bias tile) and dO
     (with delta) tiles of every query head of the group. b_tma: the batch's index to
@@ -129,7 +129,9 @@ def _bwd_load_partition(
     stats_start (common.packed_stats_start; 0 dense). With QK_SPLIT, Q's and K's last
     QK_SPLIT columns go to buffers of their own (q2, k2) on the same barriers. step: the
     rings' count of tiles before this block's (a persistent program's earlier blocks);
-    first: the block's tiles loaded before (_bwd_blocks_load_partition)."""
+    first: the block's tiles loaded before (_bwd_blocks_load_partition). WAIT_PRIMARY
+    (narrow.DEPENDENT_LAUNCHES): K and V go out before the wait for the preprocess's writes,
+    which the query tiles' row statistics are."""
     split_col: gl.constexpr = q_desc.block_type.shape[3]  # where Q's and K's split starts
     kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes + (
         k2_desc.block_type.nbytes if QK_SPLIT > 0 else 0)
@@ -141,6 +143,8 @@ def _bwd_load_partition(
                                         kv_bar, k2_smem)
     tma.async_copy_global_to_shared(v_desc, [b_tma, hk, k_start + start_n, 0], kv_bar,
                                     v_smem.index(0))
+    if WAIT_PRIMARY:
+        hopper.wait_for_primary()
     _query_tile_loads(
         q_desc, do_desc, stats_desc, bias_desc, q_smem, do_smem, lse_smem, delta_smem,
         bias_smem, q_ready, do_ready, q_empty, do_empty, b_tma, hk, q_start, stats_start,
