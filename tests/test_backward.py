@@ -522,10 +522,12 @@ def test_hopper_backward_sees_the_kernels_before_it_gpu(packed, graphed,
     """The Hopper backward's kernels launch as programmatic dependents
     (backward_sm90.narrow.DEPENDENT_LAUNCHES): each may start while the kernel before it
     in the stream ends, and must wait for that kernel's writes before it reads them.
-    Backward steps that each copy their output gradient into place just before the call
-    (what the preprocess reads), whose statistics and zeroed dQ buffer (what the main
-    kernel reads and adds into) take the memory the step before left, eager and replayed
-    from a CUDA graph, against each step in float64."""
+    Training steps that each copy their query and output gradient into place, then run
+    the forward just before the backward (whose output and lse the preprocess reads),
+    whose statistics and zeroed dQ buffer (what the main kernel reads and adds into)
+    take the memory the step before left, eager and replayed from a CUDA graph (forward
+    and backward captured: autograd runs a backward on its forward's stream), against
+    each step in float64."""
     torch.manual_seed(0)
     steps, heads, head_dim = 3, 8, 128
     lengths = [1000, 2048, 700, 333] if packed else [2048, 2048]
@@ -539,16 +541,17 @@ def test_hopper_backward_sees_the_kernels_before_it_gpu(packed, graphed,
     else:
         shape = (len(lengths), lengths[0], heads, head_dim)
     q, k, v = (new(*shape).requires_grad_() for _ in range(3))
-    out = memattn.attention(q, k, v, **kw)
-    grads_out = new(steps, *shape)
+    queries, grads_out = new(steps, *shape), new(steps, *shape)
     grad_out = torch.empty_like(grads_out[0])
     results = torch.empty(steps, 3, *shape, device="cuda", dtype=torch.bfloat16)
 
     def run():
         for s in range(steps):
-            grad_out.copy_(grads_out[s])
-            for i, g in enumerate(torch.autograd.grad(out, (q, k, v), grad_out,
-                                                      retain_graph=True)):  # fmt: skip
+            with torch.no_grad():
+                q.copy_(queries[s])
+                grad_out.copy_(grads_out[s])
+            out = memattn.attention(q, k, v, **kw)
+            for i, g in enumerate(torch.autograd.grad(out, (q, k, v), grad_out)):
                 results[s, i] = g
 
     run()  # compiles, outside any capture
@@ -567,7 +570,7 @@ def test_hopper_backward_sees_the_kernels_before_it_gpu(packed, graphed,
     assert hopper_backward_launches, "the call ran the tile backward"
 
     def reference_grads(dtype, s):
-        leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+        leaves = [x.detach().to(dtype).requires_grad_() for x in (queries[s], k, v)]
         o = reference.attention(*leaves, **kw)
         return torch.autograd.grad(o, leaves, grads_out[s].to(dtype))
 
