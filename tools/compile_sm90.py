@@ -246,8 +246,10 @@ def compile_hopper_forward(masks=HOPPER_MASKS) -> int:
 
 
 def compile_hopper_backward(masks=HOPPER_MASKS) -> int:
-    """The Gluon backward (kernels/backward_sm90/): every head dim and mask variant."""
-    from memattn.kernels import backward_sm90, dispatch, hopper
+    """The Gluon backward (kernels/backward_sm90/): every head dim and mask variant, by
+    the pass as dispatch runs it (backward_sm90.run: the preprocess, the main kernels,
+    dQ's conversion and a bias gradient's kernels, launched as on the device)."""
+    from memattn.kernels import backward_sm90, dispatch
 
     def launch(spec, q, k, v, bias, alibi, cu_seqlens=(None, None), dbias=True):
         spec = dispatch.kernel_spec(spec, "backward")  # other head dims as the next wider
@@ -257,23 +259,10 @@ def compile_hopper_backward(masks=HOPPER_MASKS) -> int:
             return  # backward.py's call: other Dqk/Dv; D=256 with a bias...
         lse = (torch.empty(spec.heads, q.shape[0]) if spec.varlen
                else torch.empty(*spec.bias_shape[:3]))  # fmt: skip
-        stats = backward_sm90.shared.row_stats_buffer(spec, lse)
-        kind = backward_sm90.dbias_kind_of(spec, bias) if dbias else None
-        dbias = None  # as backward_sm90.run makes it
-        if kind == "row":
-            dbias = torch.empty(*spec.bias_shape[:2], spec.seqlen_k)
-        elif kind is not None:
-            fp32 = kind == "summed"  # the buffer it is added into
-            shape = spec.bias_shape if kind == "expanded" else bias.shape
-            dbias = torch.empty(shape, dtype=torch.float32 if fp32 else bias.dtype)
         rng = torch.zeros(2, dtype=torch.int64) if spec.dropout_p > 0 else None
-        dq = torch.empty(q.shape, dtype=q.dtype)
-        if backward_sm90.dq_in_fp32(spec):  # as backward_sm90.run makes it
-            rows = backward_sm90.narrow.block_m(spec, hopper.bias_row(spec, bias))
-            dq = backward_sm90.shared.dq_tiles(spec, q.shape[0], rows, q.device)
-        grad_out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
-        backward_sm90.backward(spec, q, k, v, grad_out, bias, alibi, rng, *cu_seqlens, stats,
-                               dq, torch.empty_like(k), torch.empty_like(v), dbias)  # fmt: skip
+        out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)  # and dO: any values
+        backward_sm90.run(spec, out, None, q, k, v, out, lse, bias, alibi, *cu_seqlens, rng,
+                          (True, True, True, dbias))  # fmt: skip
 
     return _compile_hopper("backward_sm90", launch, masks)
 
