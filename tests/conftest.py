@@ -32,6 +32,21 @@ def device():
     return DEVICE
 
 
+def capture(fn):
+    """fn captured into a CUDA graph after a warm-up call on a side stream (torch's
+    recipe: lazy set-up and first allocations outside the capture). Returns the graph
+    and what fn returned while captured: the tensors each replay refills."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = fn()
+    return graph, static
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _check_launch_variants():
     """Every Gluon launch given a `variant` also works out its key from the arguments and

@@ -30,7 +30,7 @@ from memattn.check import (
 from memattn.kernels import backward as backward_kernels
 from memattn.kernels import tuning
 
-from .conftest import cpu_only
+from .conftest import capture, cpu_only
 from .test_forward import (
     HOPPER_CASES,
     assert_results,
@@ -556,14 +556,7 @@ def test_hopper_backward_sees_the_kernels_before_it_gpu(packed, graphed,
 
     run()  # compiles, outside any capture
     if graphed:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
+        graph, _ = capture(run)
         results.fill_(float("nan"))
         graph.replay()
     torch.cuda.synchronize()

@@ -12,7 +12,7 @@ from memattn.check import FEATURE_CASES, FLOOR, Case, make_inputs, relative_erro
 from memattn.ops import _op_options
 from memattn.spec import check_call
 
-from .conftest import DEVICE, cpu_only
+from .conftest import DEVICE, capture, cpu_only
 
 OPCHECK_CASES = [
     Case("plain", seqlen_q=9, seqlen_k=11, dqk=16, dv=8),
@@ -311,16 +311,8 @@ def test_cuda_graph_replay_dropout_gpu():
     """Each replay draws a fresh mask, as eager calls do; the same torch.manual_seed
     before two replays gives the same masks."""
     q, k, v = (torch.randn(2, 256, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    static_out = None
     memattn.attention(q, k, v, dropout_p=0.3)  # compile the kernel outside the capture
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        memattn.attention(q, k, v, dropout_p=0.3)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = memattn.attention(q, k, v, dropout_p=0.3)
+    graph, static_out = capture(lambda: memattn.attention(q, k, v, dropout_p=0.3))
     outs = []
     for seed in (5, 5, 6):
         torch.manual_seed(seed)
@@ -356,14 +348,7 @@ def test_cuda_graph_varlen_backward_gpu():
         return torch.autograd.grad(out.float().sum(), [q, k, v])
 
     eager = step()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
+    graph, static = capture(step)
     graph.replay()
     for a, b in zip(static, eager):
         assert torch.equal(a, b)
