@@ -42,3 +42,26 @@ def test_ab_use_sets_a_variant_and_puts_the_shipped_knobs_back(ab):
     ab.use(ab.VARIANTS["default"])
     for key, value in ab.DEFAULTS.items():
         assert getattr(ab.knob_module(key), key.split(".")[1]) == value, key
+
+
+def test_ab_kernel_windows_count_the_gaps_between_a_calls_kernels(ab):
+    """kernel_windows: a call's window runs from a flush's end to the next flush's start
+    (its kernels and the idle time between them, as do_bench times it), each kernel's
+    time is its median over the calls, the first call is left out."""
+    flush = f"void at::native::vectorized_elementwise_kernel<4, at::native::{ab.FLUSH_MARKER}>"
+    events, t = [], 0.0
+    for pre, main, post in [(99, 99, 99), (70, 700, 50), (72, 720, 52), (71, 710, 51),
+                            (73, 730, 53), (74, 740, 54)]:
+        events.append((t, t + 80, flush))
+        t += 82  # 2 us before the first kernel, 1 between the next ones
+        for name, us in (("_delta_kernel", pre), ("_bwd_sm90_kernel", main),
+                         ("_dq_from_tiles_kernel", post)):
+            events.append((t, t + us, name))
+            t += us + 1
+    events.append((t, t + 80, flush))
+    window, kernels = ab.kernel_windows(events[::-1])  # any order
+    assert window == 72 + 720 + 52 + 5  # the median call and its 5 us of gaps
+    assert kernels == [("_delta_kernel", 72), ("_bwd_sm90_kernel", 720),
+                       ("_dq_from_tiles_kernel", 52)]
+    with pytest.raises(ValueError, match="fewer than three flushes"):
+        ab.kernel_windows(events[:5])

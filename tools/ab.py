@@ -4,7 +4,9 @@ tile backward where dispatch does), and Gluon knob settings (VARIANTS).
 Per shape and variant: the relative error against the float64 reference (S <= 4096,
 first batch), TFLOP/s as `memattn bench` times it (do_bench, autograd recording, host
 included), TFLOP/s of the GPU alone (CUDA graph replay) and host µs per call in a loop;
---kernels adds torch.profiler's table of GPU time per kernel. bf16, 16k tokens a shape
+--kernels adds, from torch.profiler over calls each after do_bench's L2 flush, the
+median window from a flush's end to the next one's start (the call's GPU time, idle gaps
+between its kernels included) and each kernel's median time. bf16, 16k tokens a shape
 (B = 16384 / S, H = 2048 / Dqk): "DxS", "c" for causal, then "d" for deterministic,
 "Dqk/DvxS" for another V (any head dims: "96x4096c" runs as 128, dispatch.kernel_spec),
 "sN" for a softcap of N ("128x4096s30": the bench's
@@ -249,7 +251,8 @@ def main():
     ap.add_argument("--pass", dest="which", choices=("fwd", "bwd"), default="fwd")
     ap.add_argument("--shapes", default="64x1024,64x4096c,128x1024,128x4096c,256x4096c,docs")
     ap.add_argument("--variants", default="tile,default")
-    ap.add_argument("--kernels", action="store_true", help="GPU time per kernel (profiler)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="the call's window and each kernel's time (profiler, flushed calls)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time the variants this many times each, in turn (the bench's "
                          "round_order), and print the median with the range: a device's clock "
@@ -308,15 +311,50 @@ def main():
                   f"{flops / bench_ms / 1e9:6.0f} {gpu} {host_us:8.0f}",
                   flush=True)  # fmt: skip
             if args.kernels:
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(10):
-                        call()
-                    torch.cuda.synchronize()
-                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8,
-                                                max_name_column_width=60))  # fmt: skip
+                window, kernels = profiled_window(call)
+                busy = sum(us for _, us in kernels)
+                print(f"{args.which}: {shape:12s} {name:10s} window {window:.1f} us = "
+                      + " + ".join(f"{kernel[:40]} {us:.1f}" for kernel, us in kernels)
+                      + f" + idle {window - busy:.1f} (< 0: kernels overlapping)", flush=True)
         if args.rounds > 1:
             _rounds(args, shape, names, calls, flops)
         use({})
+
+
+FLUSH_MARKER = "FillFunctor<unsigned char>"  # profiled_window's flush, by its kernel's name
+
+
+def profiled_window(call, calls: int = 20) -> tuple[float, list[tuple[str, float]]]:
+    """call's GPU time as do_bench sees it, from torch.profiler over ``calls`` calls each
+    after an L2 flush of do_bench's size (bytes zeroed: a kernel of a name no call
+    launches): kernel_windows of the events."""
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls + 1):
+            flush.zero_()
+            call()
+        flush.zero_()
+        torch.cuda.synchronize()
+    return kernel_windows([(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                           if e.device_type == torch.autograd.DeviceType.CUDA])  # fmt: skip
+
+
+def kernel_windows(events) -> tuple[float, list[tuple[str, float]]]:
+    """From GPU events (start µs, end µs, name) of calls each after a flush (a kernel
+    named with FLUSH_MARKER): the median window from a flush's end to the next flush's
+    start, and each of the call's kernels' median time, in launch order. The first
+    call, after the profiler starts, is left out."""
+    events = sorted(events)
+    flushes = [i for i, (_, _, name) in enumerate(events) if FLUSH_MARKER in name]
+    windows, kernels = [], {}
+    for a, b in zip(flushes[1:], flushes[2:]):
+        windows.append(events[b][0] - events[a][1])
+        for j, (start, end, name) in enumerate(events[a + 1:b]):
+            kernels.setdefault((j, name), []).append(end - start)
+    if not windows:
+        raise ValueError("kernel_windows: fewer than three flushes among the events")
+    return (statistics.median(windows),
+            [(name, statistics.median(times)) for (_, name), times in sorted(kernels.items())])
 
 
 def _rounds(args, shape, names, calls, flops) -> None:
