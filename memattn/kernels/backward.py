@@ -139,12 +139,14 @@ _DELTA_BLOCK_M = 64
 
 
 def delta_launch(spec: AttentionSpec, out, grad_out, lse, grad_lse, cu_seqlens_q, delta,
-                 lse2=None, dq_acc=None, dq_block_m=0) -> tuple[tuple, tuple, dict]:  # fmt: skip
+                 lse2=None, dq_acc=None, dq_block_m=0,
+                 pdl=False) -> tuple[tuple, tuple, dict]:  # fmt: skip
     """_delta_kernel's (grid, arguments, constexprs): delta (laid out as lse; for the
     Gluon backward, lse2 given, as backward_sm90.shared.row_stats_buffer) minus grad_lse where
     given, lse2, and zeros in dq_acc where given (backward_sm90.shared.dq_tiles, tiles of
-    dq_block_m rows). The tile backward launches it here, backward_sm90 through its
-    launcher."""
+    dq_block_m rows). pdl: the kernel waits for the one before it, then lets the next
+    launch (it must be launched with launch_pdl then). The tile backward launches it
+    here, backward_sm90 through its launcher."""
     zero_dq = dq_acc is not None
     num_m = cdiv(spec.seqlen_q, _DELTA_BLOCK_M)
     programs = (packed_items(spec.batch, out.shape[0], spec.heads, _DELTA_BLOCK_M)
@@ -165,7 +167,7 @@ def delta_launch(spec: AttentionSpec, out, grad_out, lse, grad_lse, cu_seqlens_q
         DV=out.shape[-1], DQK=spec.head_dim_qk, BLOCK_M=_DELTA_BLOCK_M,
         BLOCK_DV=tuning.padded_head_dim(out.shape[-1]), IS_VARLEN=spec.varlen,
         FOR_SM90=lse2 is not None, ZERO_DQ=zero_dq, DQ_BLOCK_M=dq_block_m,
-        HAS_GRAD_LSE=grad_lse is not None, PDL=False,
+        HAS_GRAD_LSE=grad_lse is not None, PDL=pdl,
     )  # fmt: skip
     return (programs,), args, constexprs
 

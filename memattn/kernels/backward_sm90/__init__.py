@@ -140,9 +140,11 @@ _launch_dq_from_tiles = hopper.Launcher(_dq_from_tiles_kernel)
 
 
 def dq_from_tiles_launch(spec: AttentionSpec, buffer: torch.Tensor, rows: int,
-                         dq: torch.Tensor, cu_seqlens_q) -> tuple[tuple, tuple, dict]:  # fmt: skip
+                         dq: torch.Tensor, cu_seqlens_q,
+                         pdl: bool = False) -> tuple[tuple, tuple, dict]:  # fmt: skip
     """_dq_from_tiles_kernel's (grid, arguments, constexprs): dq (the output) from
-    dq_tiles' ``buffer`` of ``rows``-row tiles."""
+    dq_tiles' ``buffer`` of ``rows``-row tiles. pdl: the kernel waits for the one before
+    it (launched with launch_pdl then)."""
     num_m = cdiv(spec.seqlen_q, rows)
     split = dq_split(spec.head_dim_qk, rows)
     args = (buffer, dq, cu_seqlens_q, 0 if spec.varlen else buffer.stride(0), buffer.stride(1),
@@ -150,7 +152,7 @@ def dq_from_tiles_launch(spec: AttentionSpec, buffer: torch.Tensor, rows: int,
             spec.scale, dq.shape[-1])
     constexprs = dict(BLOCK_M=rows, PART_ROWS=split[0], PART_COLS=split[1],
                       PARTS=rows * spec.head_dim_qk // (split[0] * split[1]),
-                      IS_VARLEN=spec.varlen, PDL=False)
+                      IS_VARLEN=spec.varlen, PDL=pdl)
     programs = (packed_items(spec.batch, dq.shape[0], spec.heads, rows) if spec.varlen
                 else spec.batch * spec.heads * num_m)
     return (programs,), args, constexprs
@@ -289,14 +291,14 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
         rows = block_m(spec, hopper.bias_row(spec, bias))
         dq_acc = dq_tiles(spec, q.shape[0], rows, q.device)
     zeroed, zeroed_rows = (None, 0) if dq_by_matmul else (dq_acc, rows)
-    grid, args, constexprs = tiles.delta_launch(
-        spec, out, grad_out, lse, grad_lse, cu_seqlens_q, delta, lse2, zeroed, zeroed_rows)
     pdl = narrow.DEPENDENT_LAUNCHES
+    grid, args, constexprs = tiles.delta_launch(
+        spec, out, grad_out, lse, grad_lse, cu_seqlens_q, delta, lse2, zeroed, zeroed_rows, pdl)
     # the stats and dq_acc fresh: what the spec does not fix is here
     variant = (spec, zeroed_rows, pdl, out.shape[-1], *out.stride(), *grad_out.stride(),
                *lse.stride(), *map(hopper.aligned, (out, grad_out, lse, cu_seqlens_q)),
                None if grad_lse is None else (*grad_lse.stride(), hopper.aligned(grad_lse)))
-    _launch_delta(grid, *args, variant=variant, **dict(constexprs, PDL=pdl), launch_pdl=pdl)
+    _launch_delta(grid, *args, variant=variant, **constexprs, launch_pdl=pdl)
     dq = new_output(q.shape, q.dtype, q.device)
     dk = new_output(k.shape, k.dtype, k.device)
     dv = new_output(v.shape, v.dtype, v.device)
@@ -322,10 +324,10 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
     if dq_by_matmul:  # deterministic: dQ from the stored dS
         tiles.dq_from_ds(dq, dbias, k, spec)
     elif dq_acc is not None:
-        grid, args, constexprs = dq_from_tiles_launch(spec, dq_acc, rows, dq, cu_seqlens_q)
+        grid, args, constexprs = dq_from_tiles_launch(spec, dq_acc, rows, dq, cu_seqlens_q, pdl)
         _launch_dq_from_tiles(grid, *args, variant=(spec, rows, pdl, dq.shape[-1], *dq.stride(),
                                                     hopper.aligned(cu_seqlens_q)),
-                              num_warps=4, **dict(constexprs, PDL=pdl), launch_pdl=pdl)  # fmt: skip
+                              num_warps=4, **constexprs, launch_pdl=pdl)  # fmt: skip
     if dbias_kind == "row":
         dbias = hopper.sum_to_bias(dbias, bias)
     elif dbias_kind == "summed":
