@@ -81,7 +81,7 @@ def _delta_kernel(
     rows a tile, each zeroed whole by the program at its first row). Packed sequences
     take packed_items' grid over their tokens (a grid over each sequence's blocks to
     the longest holds mostly empty programs where the lengths differ). PDL: launched as
-    the stream's last kernel ends (backward_sm90.narrow.DEPENDENT_LAUNCHES), it waits for
+    the stream's last kernel ends (backward_sm90.shared.DEPENDENT_LAUNCHES), it waits for
     that kernel's writes, then lets the main kernel launch, which waits for this one's."""
     if PDL:
         gdc_wait()
@@ -127,7 +127,11 @@ def _delta_kernel(
     if ZERO_DQ:
         if (start_m % DQ_BLOCK_M == 0) & (start_m < seqlen_q):
             tile = dq_tile(start_m, q_start, b, DQ_BLOCK_M, IS_VARLEN)
-            first = b64 * stride_ab + h64 * stride_ah + tl.cast(tile, tl.int64) * DQ_BLOCK_M * DQK
+            first = h64 * stride_ah + tl.cast(tile, tl.int64) * DQ_BLOCK_M * DQK
+            if not IS_VARLEN:  # packed sequences number their tiles across the batch;
+                # their zero batch term would cost the offset its alignment (b comes from
+                # the search's loop) and the stores their width: 4 bytes, not 16
+                first += b64 * stride_ab
             # in pieces of a power of 2 (DQK's largest factor that is one: 192 -> 64)
             PIECE: tl.constexpr = DQ_BLOCK_M * (DQK & -DQK)
             for piece in tl.static_range(DQK // (DQK & -DQK)):
