@@ -520,7 +520,7 @@ def test_hopper_dropout_of_every_key_gpu(head_dim, hopper_backward_launches):
 def test_hopper_backward_sees_the_kernels_before_it_gpu(packed, graphed,
                                                         hopper_backward_launches):  # fmt: skip
     """The Hopper backward's kernels launch as programmatic dependents
-    (backward_sm90.narrow.DEPENDENT_LAUNCHES): each may start while the kernel before it
+    (backward_sm90.shared.DEPENDENT_LAUNCHES): each may start while the kernel before it
     in the stream ends, and must wait for that kernel's writes before it reads them.
     Training steps that each copy their query and output gradient into place, then run
     the forward just before the backward (whose output and lse the preprocess reads),

@@ -50,7 +50,7 @@ from ..common import (
 )
 from ..forward import dense_strides
 from ..hopper import accumulator_tile
-from . import narrow, split, wide
+from . import narrow, shared, split, wide
 from .narrow import block_m, dq_from_full_bias, orders_dq
 from .shared import (
     HEAD_DIMS,
@@ -110,7 +110,7 @@ def _dq_from_tiles_kernel(
     where the main kernels would pay a multiply per value and step (FA4's postprocess
     does the same). Columns from dq_cols on (past dQ's own, where DQK spans more:
     dispatch.kernel_spec) are not written. PDL: launched while the main kernel runs
-    (narrow.DEPENDENT_LAUNCHES), it waits for its end."""
+    (shared.DEPENDENT_LAUNCHES), it waits for its end."""
     if PDL:
         gdc_wait()
     if IS_VARLEN:  # packed_items' grid over the tokens (the delta kernel's)
@@ -291,7 +291,7 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
         rows = block_m(spec, hopper.bias_row(spec, bias))
         dq_acc = dq_tiles(spec, q.shape[0], rows, q.device)
     zeroed, zeroed_rows = (None, 0) if dq_by_matmul else (dq_acc, rows)
-    pdl = narrow.DEPENDENT_LAUNCHES
+    pdl = shared.DEPENDENT_LAUNCHES
     grid, args, constexprs = tiles.delta_launch(
         spec, out, grad_out, lse, grad_lse, cu_seqlens_q, delta, lse2, zeroed, zeroed_rows, pdl)
     # the stats and dq_acc fresh: what the spec does not fix is here

@@ -64,6 +64,7 @@ from ..common import (
     tanh,
 )
 from ..forward import dense_strides
+from . import shared
 from .shared import (
     BLOCK_M,
     STAGES,
@@ -90,13 +91,6 @@ from .shared import (
 )
 
 BLOCK_N = 128  # keys a program: two warpgroups x 64
-# The preprocess, the D 64/128 kernel and dQ's conversion launch as programmatic
-# dependents, each while the one before it ends (FA4's chain): the preprocess lets the
-# main kernel launch at its start, whose load warp sends a block's K and V before it
-# waits for the preprocess's writes (its statistics, dQ's zeroed buffer); the main
-# kernel lets the conversion launch at its start, which waits for its end. Without
-# it the three launches left ~7 us of idle GPU between them (FA4's ~1.4).
-DEPENDENT_LAUNCHES = True
 # Query rows a step at D=64 (a knob tools/ab.py sets): dK and dV take 64 registers a
 # thread there, S and dP 64 each at 128 rows (FA4's D=64 step).
 BLOCK_M_D64 = 128
@@ -175,7 +169,7 @@ def _bwd_blocks_load_partition(
     program's key blocks (_program_block), each block's K and V once the compute
     warpgroups are done with the last block's (kv_empty), while they store its dK and
     dV; the Q and dO rings run on from block to block. ``loads``: its runtime
-    arguments (``blocks``: _program_block's). PDL (DEPENDENT_LAUNCHES): the first
+    arguments (``blocks``: _program_block's). PDL (shared.DEPENDENT_LAUNCHES): the first
     reads of the preprocess's writes wait for its end; the other warps' first reads and
     writes of them (dQ's buffer, its counters) follow from those."""
     # The overlapped ends send a block's first query tile before its K and V.
@@ -716,7 +710,7 @@ def _bwd_dq_writer_partition(
     (FA4's dQ warp). ORDERED: each tile's adds wait for their turn (dq_add_turn) on the
     tile's counter in DqLocks, and count it on once they are done. ``blocks``: as
     _program_block takes them. PDL: the counters, zeroed by the kernel before this one,
-    are read once it has ended (DEPENDENT_LAUNCHES)."""
+    are read once it has ended (shared.DEPENDENT_LAUNCHES)."""
     if PDL:
         hopper.wait_for_primary()
     TILE_ROWS: gl.constexpr = dq_desc.block_type.shape[2]
@@ -775,7 +769,7 @@ def _bwd_sm90_kernel(
     BY_RANK: gl.constexpr, HAS_DQ: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     KV_VIEWS_PER_STEP: gl.constexpr, IDLE_KEYS: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
-    if PDL:  # dQ's conversion may launch (DEPENDENT_LAUNCHES); it waits for our end
+    if PDL:  # dQ's conversion may launch (shared.DEPENDENT_LAUNCHES); it waits for our end
         hopper.launch_dependents()
     # A program per key block, or PERSISTENT (PERSISTENT_BLOCKS) one per SM at most,
     # walking num_items blocks in hopper.work_item's strides (_program_block). Packed
@@ -1214,8 +1208,8 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
         PERSISTENT=persistent, FOLD=fold, BY_RANK=by_rank,
         HAS_DQ=not dq_from_full_bias(spec, dbias_kind), HAS_SOFTCAP=spec.softcap > 0,
         KV_VIEWS_PER_STEP=kv_views_per_step(spec, bias_row),
-        IDLE_KEYS=IDLE_HALVES and spec.varlen, PDL=DEPENDENT_LAUNCHES,
-        num_warps=4, launch_pdl=DEPENDENT_LAUNCHES,
+        IDLE_KEYS=IDLE_HALVES and spec.varlen, PDL=shared.DEPENDENT_LAUNCHES,
+        num_warps=4, launch_pdl=shared.DEPENDENT_LAUNCHES,
     )  # fmt: skip
     return hopper.Plan(hopper.programs(items, fold, persistent, device_index), (num_n, items),
                        constexprs)

@@ -30,6 +30,15 @@ from ..common import (
 
 BLOCK_M = 64  # query rows a step (registers: dK and dV take 2 * D / 2 a thread)
 STAGES = 2  # Q and dO rings
+# The preprocess, the main kernel (narrow's, split's) and dQ's conversion launch as
+# programmatic dependents, each while the one before it ends (FA4's chain): the
+# preprocess lets the main kernel launch at its start, whose load warp sends a block's
+# K and V before it waits for the preprocess's writes (its statistics, dQ's zeroed
+# buffer); the main kernel lets the conversion launch at its start, which waits for its
+# end. Without it the three launches left ~7 us of idle GPU between them (FA4's ~1.4).
+# The wide kernels' dQ kernel, the dK/dV kernel's own dependent, reads the statistics
+# unwaited, so the dK/dV kernel launches once the preprocess has ended.
+DEPENDENT_LAUNCHES = True
 
 
 @gluon.jit
@@ -130,7 +139,7 @@ def _bwd_load_partition(
     QK_SPLIT columns go to buffers of their own (q2, k2) on the same barriers. step: the
     rings' count of tiles before this block's (a persistent program's earlier blocks);
     first: the block's tiles loaded before (_bwd_blocks_load_partition). WAIT_PRIMARY
-    (narrow.DEPENDENT_LAUNCHES): K and V go out before the wait for the preprocess's writes,
+    (DEPENDENT_LAUNCHES): K and V go out before the wait for the preprocess's writes,
     which the query tiles' row statistics are."""
     split_col: gl.constexpr = q_desc.block_type.shape[3]  # where Q's and K's split starts
     kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes + (

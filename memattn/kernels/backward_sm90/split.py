@@ -43,6 +43,7 @@ from ..common import (
     visible,
 )
 from ..forward import dense_strides
+from . import shared
 from .shared import (
     BLOCK_M,
     STAGES,
@@ -254,9 +255,10 @@ def _store_key_cols(xt, X, hk, stride_n, stride_h, seqlen_k, row0, width, COLS: 
 
 @gluon.jit
 def _bwd_split_load_partition(loads, WARPGROUPS: gl.constexpr, BLOCK_M: gl.constexpr,
-                              STAGES: gl.constexpr):  # fmt: skip
+                              STAGES: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
     """One warp: each warpgroup's keys of K (both buffers) and V, then the Q and dO
-    tiles (_query_tile_loads)."""
+    tiles (_query_tile_loads). PDL (shared.DEPENDENT_LAUNCHES): K and V go out before
+    the wait for the preprocess's writes, as _bwd_load_partition's."""
     (q_desc, do_desc, k_desc, k2_desc, v_desc, stats_desc, q2_desc, q_smem, do_smem, k_smem,
      k2_smem, v_smem, q2_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, q_empty,
      do_empty, b_tma, hk, q_start, k_start, stats_start, GROUP, start_n, lo, n_tiles) = loads
@@ -271,6 +273,8 @@ def _bwd_split_load_partition(loads, WARPGROUPS: gl.constexpr, BLOCK_M: gl.const
         tma.async_copy_global_to_shared(k2_desc, [b_tma, hk, row, split_col], kv_bar,
                                         k2_smem.index(j))
         tma.async_copy_global_to_shared(v_desc, [b_tma, hk, row, 0], kv_bar, v_smem.index(j))
+    if PDL:
+        hopper.wait_for_primary()
     _query_tile_loads(
         q_desc, do_desc, stats_desc, q_desc, q_smem, do_smem, lse_smem, delta_smem, q_smem,
         q_ready, do_ready, q_empty, do_empty, b_tma, hk, q_start, stats_start, GROUP, 0, 1,
@@ -287,7 +291,10 @@ def _bwd_split_kernel(
     BLOCK_M: gl.constexpr, WARPGROUPS: gl.constexpr, STAGES: gl.constexpr,
     IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
     BOUNDED_RIGHT: gl.constexpr, HEADS_TOGETHER: gl.constexpr, VIEWS_PER_STEP: gl.constexpr,
+    PDL: gl.constexpr,
 ):  # fmt: skip
+    if PDL:  # dQ's conversion may launch (shared.DEPENDENT_LAUNCHES); it waits for our end
+        hopper.launch_dependents()
     # The programs of HEADS_TOGETHER (batch, kv head)s take their key blocks by rank
     # (SPLIT_HEADS_TOGETHER). Packed sequences (IS_VARLEN): one batch of all tokens to
     # TMA, and _bwd_sm90_kernel's grid (common.packed_items over the keys, an item past
@@ -363,7 +370,7 @@ def _bwd_split_kernel(
          (_bwd_split_compute_partition, (shared, 1, WARPGROUPS, HEAD_DIM_QK, HEAD_DIM_V, QK_SPLIT,
                                          BLOCK_M, KEYS, STAGES, IS_VARLEN,
                                          BOUNDED_LEFT, BOUNDED_RIGHT, VIEWS_PER_STEP)),
-         (_bwd_split_load_partition, (loads, WARPGROUPS, BLOCK_M, STAGES))],
+         (_bwd_split_load_partition, (loads, WARPGROUPS, BLOCK_M, STAGES, PDL))],
         worker_num_warps=[4, 1], worker_num_regs=[240, 24])  # fmt: skip
 
 
@@ -421,4 +428,5 @@ def _plan_split(spec: AttentionSpec, tokens_k: int, device_index: int) -> hopper
              BOTTOM_RIGHT=spec.bottom_right,
              BOUNDED_LEFT=spec.window_left >= 0, BOUNDED_RIGHT=spec.window_right >= 0,
              HEADS_TOGETHER=SPLIT_HEADS_TOGETHER, VIEWS_PER_STEP=SPLIT_VIEWS_PER_STEP,
-             num_warps=4))  # fmt: skip
+             PDL=shared.DEPENDENT_LAUNCHES, num_warps=4,
+             launch_pdl=shared.DEPENDENT_LAUNCHES))  # fmt: skip
