@@ -517,7 +517,8 @@ def test_hopper_dropout_of_every_key_gpu(head_dim, hopper_backward_launches):
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "cuda_graph"])
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
-def test_hopper_backward_sees_the_kernels_before_it_gpu(packed, graphed,
+@pytest.mark.parametrize("head_dims", [(128, 128), (192, 128)], ids=["narrow", "split"])
+def test_hopper_backward_sees_the_kernels_before_it_gpu(head_dims, packed, graphed,
                                                         hopper_backward_launches):  # fmt: skip
     """The Hopper backward's kernels launch as programmatic dependents
     (backward_sm90.shared.DEPENDENT_LAUNCHES): each may start while the kernel before it
@@ -527,9 +528,10 @@ def test_hopper_backward_sees_the_kernels_before_it_gpu(packed, graphed,
     whose statistics and zeroed dQ buffer (what the main kernel reads and adds into)
     take the memory the step before left, eager and replayed from a CUDA graph (forward
     and backward captured: autograd runs a backward on its forward's stream), against
-    each step in float64."""
+    each step in float64. Both kernels in the chain: D 64/128's and 192/128's (split)."""
     torch.manual_seed(0)
-    steps, heads, head_dim = 3, 8, 128
+    steps, heads = 3, 8
+    dqk, dv = head_dims
     lengths = [1000, 2048, 700, 333] if packed else [2048, 2048]
     new = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     kw = dict(causal=True)
@@ -537,13 +539,15 @@ def test_hopper_backward_sees_the_kernels_before_it_gpu(packed, graphed,
         cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
         kw.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
                   max_seqlen_k=max(lengths))  # fmt: skip
-        shape = (sum(lengths), heads, head_dim)
+        rows = (sum(lengths), heads)
     else:
-        shape = (len(lengths), lengths[0], heads, head_dim)
-    q, k, v = (new(*shape).requires_grad_() for _ in range(3))
-    queries, grads_out = new(steps, *shape), new(steps, *shape)
+        rows = (len(lengths), lengths[0], heads)
+    q, k = (new(*rows, dqk).requires_grad_() for _ in range(2))
+    v = new(*rows, dv).requires_grad_()
+    queries, grads_out = new(steps, *rows, dqk), new(steps, *rows, dv)
     grad_out = torch.empty_like(grads_out[0])
-    results = torch.empty(steps, 3, *shape, device="cuda", dtype=torch.bfloat16)
+    results = [torch.empty(steps, *x.shape, device="cuda", dtype=torch.bfloat16)
+               for x in (q, k, v)]
 
     def run():
         for s in range(steps):
@@ -552,12 +556,13 @@ def test_hopper_backward_sees_the_kernels_before_it_gpu(packed, graphed,
                 grad_out.copy_(grads_out[s])
             out = memattn.attention(q, k, v, **kw)
             for i, g in enumerate(torch.autograd.grad(out, (q, k, v), grad_out)):
-                results[s, i] = g
+                results[i][s] = g
 
     run()  # compiles, outside any capture
     if graphed:
         graph, _ = capture(run)
-        results.fill_(float("nan"))
+        for r in results:
+            r.fill_(float("nan"))
         graph.replay()
     torch.cuda.synchronize()
     assert hopper_backward_launches, "the call ran the tile backward"
@@ -568,7 +573,8 @@ def test_hopper_backward_sees_the_kernels_before_it_gpu(packed, graphed,
         return torch.autograd.grad(o, leaves, grads_out[s].to(dtype))
 
     for s in range(steps):
-        for name, got, exact, low in zip("qkv", results[s], reference_grads(torch.float64, s),
+        for name, got, exact, low in zip("qkv", (r[s] for r in results),
+                                         reference_grads(torch.float64, s),
                                          reference_grads(torch.bfloat16, s)):  # fmt: skip
             err = relative_error(got, exact)
             allowed = 2 * relative_error(low, exact) + FLOOR[torch.bfloat16]
