@@ -259,6 +259,11 @@ HOPPER_CASES = [
     Case("D128 full key tiles GQA", heads=4, kv_heads=2, seqlen_q=777, seqlen_k=1024,
          dqk=128, dv=128),
     Case("one tile", seqlen_q=100, seqlen_k=128, dqk=128, dv=128),
+    # masked tiles past the whole ones at D=128: the last key tile part-filled, a right
+    # bound off the diagonal, bottom-right with more keys than queries
+    Case("D128 last key tile part-filled", seqlen_q=300, seqlen_k=1000, dqk=128, dv=128),
+    Case("window (-1, 37) bottom-right GQA", heads=4, kv_heads=2, seqlen_q=600, seqlen_k=1100,
+         dqk=128, dv=128, options=dict(window=(-1, 37), align="bottom_right")),
     # a bias by TMA: a full one (its gradient is dS, stored by the backward), one
     # broadcast over heads or the batch (dS added up by TMA reduce-adds), 192-row blocks
     Case("bias BHQK window GQA", heads=4, kv_heads=2, seqlen_q=777, seqlen_k=1032, dqk=128,
