@@ -971,8 +971,10 @@ SKIP_EMPTY_KEY_BLOCKS = True
 # with its gradient 439 -> 452, causal 376 -> 402. But without a feature D128 S16384
 # 605 -> 576, S4096 563 -> 550 (no spills to save, the descriptors' work in the step),
 # D64 S16384 529 -> 484 (causal 512 -> 507, the packed documents 403 -> 402), D64
-# dropout 309 -> 306. "features": those calls; True / False: every call, none (tools
-# A/B them).
+# dropout 309 -> 306. Packed sequences at D=128 too: H200, --rounds 7, once a program
+# -> each step: the bench's causal documents 414 -> 422, without a mask 488 -> 494,
+# 4096-token ones 532 -> 539, deterministic 393 -> 396 (128/64's 353 -> 350 keep
+# theirs). "features": those calls; True / False: every call, none (tools A/B them).
 KV_VIEWS_PER_STEP = "features"
 # Packed sequences: a last key block whose second half lies past its sequence has its
 # second warpgroup make only its part of dQ, from the first half's dS (_idle_steps).
@@ -1016,7 +1018,8 @@ def kv_views_per_step(spec: AttentionSpec, bias_row: bool) -> bool:
     if KV_VIEWS_PER_STEP != "features":
         return bool(KV_VIEWS_PER_STEP)
     feature = spec.dropout_p > 0 or spec.softcap > 0 or spec.has_alibi or spec.has_bias
-    return bias_row or (feature and 128 in (spec.head_dim_qk, spec.head_dim_v))
+    packed = spec.varlen and spec.head_dim_qk == spec.head_dim_v == 128
+    return bias_row or packed or (feature and 128 in (spec.head_dim_qk, spec.head_dim_v))
 
 
 def dq_buffers(spec: AttentionSpec, bias_tiles: bool, dbias_kind: str | None) -> int:
