@@ -65,3 +65,23 @@ def test_ab_kernel_windows_count_the_gaps_between_a_calls_kernels(ab):
                        ("_dq_from_tiles_kernel", 52)]
     with pytest.raises(ValueError, match="fewer than three flushes"):
         ab.kernel_windows(events[:5])
+
+
+def test_compile_report_counts_global_accesses_of_one_element(monkeypatch):
+    """compile_sm90.narrow_global_accesses: loads and stores without .v2 / .v4 (cache
+    qualifiers and predicates aside), the figure that shows a variant's lost alignment."""
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
+    monkeypatch.syspath_prepend(TOOLS)
+    import compile_sm90  # pops TRITON_INTERPRET: monkeypatch puts it back after
+
+    ptx = """
+\t@%p1 st.global.v4.b32 [ %rd1 + 0 ], { %r1, %r2, %r3, %r4 };
+\t@!%p2 st.global.b32 [ %rd2 + 0 ], { %r5 };
+\tst.global.b16 [%rd3], %rs1;
+\tld.global.nc.L1::evict_last.v4.b32 { %r6, %r7, %r8, %r9 }, [ %rd4 + 0 ];
+\tld.global.L1::evict_last.b32 { %r10 }, [ %rd5 + 0 ];
+\t@%p3 ld.global.v2.b32 { %r11, %r12 }, [ %rd6 + 0 ];
+\tred.global.add.f32 [%rd7], %f1;
+\tld.shared.b32 %r13, [%r14];
+"""
+    assert compile_sm90.narrow_global_accesses(ptx) == (1, 2)

@@ -5,7 +5,10 @@ rules, layouts, register spills, wgmmas ptxas serialises) before any device time
 spent.
 
     python tools/compile_sm90.py [--all]    # one line per distinct kernel variant
-                                            # (--all: every head dim and dtype, slow)
+                                            # (--all: every head dim and dtype, slow):
+                                            # registers, spills, shared memory, global
+                                            # loads / stores of one element (no .v4),
+                                            # a digest of the code
     python tools/compile_sm90.py --pass backward [--variant NAME] [--masks none,causal]
         # one Gluon pass alone (MEMATTN_HOPPER_DIMS, MEMATTN_HOPPER_FEATURES: see
         # _compile_hopper), with tools/ab.py's knobs of that variant over the shipped ones:
@@ -69,8 +72,25 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
 
 def report_line(name, kernel) -> str:
     over = kernel.metadata.shared > H100_SHARED_BYTES
+    loads, stores = narrow_global_accesses(kernel.asm["ptx"])
     return (f"{name:28s} {ptxas_report(kernel)} shared={kernel.metadata.shared} "
-            f"code={code_digest(kernel)}" + ("  OVER the H100's shared memory" if over else ""))
+            f"narrow_ld_st={loads}/{stores} code={code_digest(kernel)}"
+            + ("  OVER the H100's shared memory" if over else ""))
+
+
+_GLOBAL_ACCESS = re.compile(r"^\s*(?:@!?%\w+\s+)?(ld|st)\.global\.([\w.:]+)", re.M)
+
+
+def narrow_global_accesses(ptx: str) -> tuple[int, int]:
+    """Global loads and stores in the PTX that move one element each (no .v2 / .v4): a
+    variant with many more than its sibling has lost its offsets' alignment (the
+    packed preprocess zeroed dQ's buffer 4 bytes a store where a dense batch's stored
+    16, for a batch term of 0 that Triton could not prove aligned)."""
+    counts = {"ld": 0, "st": 0}
+    for op, suffix in _GLOBAL_ACCESS.findall(ptx):
+        if not re.search(r"(^|\.)v[24](\.|$)", suffix):
+            counts[op] += 1
+    return counts["ld"], counts["st"]
 
 
 def code_digest(kernel) -> str:
