@@ -7,7 +7,7 @@ spent.
     python tools/compile_sm90.py [--all]    # one line per distinct kernel variant
                                             # (--all: every head dim and dtype, slow):
                                             # registers, spills, shared memory, global
-                                            # loads / stores of one element (no .v4),
+                                            # loads / stores of one element (no .v2/.v4),
                                             # a digest of the code
     python tools/compile_sm90.py --pass backward [--variant NAME] [--masks none,causal]
         # one Gluon pass alone (MEMATTN_HOPPER_DIMS, MEMATTN_HOPPER_FEATURES: see

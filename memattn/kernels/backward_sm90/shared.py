@@ -35,7 +35,9 @@ STAGES = 2  # Q and dO rings
 # preprocess lets the main kernel launch at its start, whose load warp sends a block's
 # K and V before it waits for the preprocess's writes (its statistics, dQ's zeroed
 # buffer); the main kernel lets the conversion launch at its start, which waits for its
-# end. Without it the three launches left ~7 us of idle GPU between them (FA4's ~1.4).
+# end. The profiler showed the three launches one after the other leaving ~7 us of idle
+# GPU a call (FA4's ~1.4), partly its own cost a launch: A/Bs read +1-4 % on one H200
+# (the causal documents, D 64/128 at S1024), nothing on another (PERFORMANCE.md).
 # The wide kernels' dQ kernel, the dK/dV kernel's own dependent, reads the statistics
 # unwaited, so the dK/dV kernel launches once the preprocess has ended.
 DEPENDENT_LAUNCHES = True
