@@ -1040,19 +1040,16 @@ def test_deterministic_backward_on_hopper_gpu(head_dim, hopper_backward_launches
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim, bias, dropout_p",
-                         [(64, "BHQK", 0.0), (128, "BHQK", 0.0), (128, "1HQK", 0.0),
-                          (64, "B1QK", 0.0), (128, "QK", 0.0), (128, "BHQK", 0.2)])  # fmt: skip
-def test_deterministic_full_bias_gradient_on_hopper_gpu(head_dim, bias, dropout_p,
+@pytest.mark.parametrize("head_dim, dropout_p", [(64, 0.0), (128, 0.0), (128, 0.2)])
+def test_deterministic_full_bias_gradient_on_hopper_gpu(head_dim, dropout_p,
                                                         hopper_backward_launches):  # fmt: skip
-    """Deterministic calls with a bias gradient on the Gluon backward: the kernel stores
-    dS whole (a broadcast bias's expanded over batch and heads, summed by torch after:
-    dbias_kind_of's "expanded"), and dQ comes from it by one matmul
-    (backward_sm90.dq_from_full_bias), not from the kernel's adds. Two runs agree bit
-    for bit, and the gradients (the bias's too) match the reference. With dropout the
-    keep bits go through the dS buffers the stores read from (KEEP_IN_DS)."""
+    """Deterministic calls with a full bias's gradient on the Gluon backward: the kernel
+    stores dS whole, and dQ comes from it by one matmul (backward_sm90.dq_from_full_bias),
+    not from the kernel's adds. Two runs agree bit for bit, and the gradients (the
+    bias's too) match the reference. With dropout the keep bits go through the dS
+    buffers the stores read from (KEEP_IN_DS)."""
     case = Case("det full bias", batch=2, heads=8, kv_heads=2, seqlen_q=1000, seqlen_k=1104,
-                dqk=head_dim, dv=head_dim, bias=bias,
+                dqk=head_dim, dv=head_dim, bias="BHQK",
                 options=dict(causal=True, align="bottom_right", deterministic=True,
                              dropout_p=dropout_p))
     runs = [_gradients(case, torch.bfloat16, "cuda") for _ in range(2)]
@@ -1060,6 +1057,70 @@ def test_deterministic_full_bias_gradient_on_hopper_gpu(head_dim, bias, dropout_
     for a, b in zip(*runs):
         assert torch.equal(a, b)
     assert_results(check_backward(case, torch.bfloat16, "cuda", seed=9))
+
+
+ORDERED_BIAS_SUM_CASES = [
+    # over the batch: (kv head, batch, key block) programs, the right bound's turns
+    Case("1HQK causal bottom-right GQA", batch=3, heads=8, kv_heads=2, seqlen_q=1000,
+         seqlen_k=1104, dqk=128, dv=128, bias="1HQK",
+         options=dict(causal=True, align="bottom_right")),
+    # over the heads: dQ's turns rotate round a head's blocks (no bound)
+    Case("B1QK D64", batch=2, heads=6, kv_heads=3, seqlen_q=777, seqlen_k=904, dqk=64,
+         dv=64, bias="B1QK"),
+    # over both, a window; and with softcap, whose dS leaves before tanh's derivative
+    Case("QK window", batch=2, heads=4, seqlen_q=640, seqlen_k=704, dqk=128, dv=128,
+         bias="QK", options=dict(window=(200, 30))),
+    Case("1HQK softcap", batch=2, heads=4, seqlen_q=500, seqlen_k=640, dqk=128, dv=128,
+         bias="1HQK", options=dict(softcap=20.0)),
+    Case("11QK D64 dropout causal", batch=2, heads=4, kv_heads=1, seqlen_q=600,
+         seqlen_k=600, dqk=64, dv=64, bias="QK", options=dict(causal=True, dropout_p=0.15)),
+]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ORDERED_BIAS_SUM_CASES, ids=lambda c: c.name)
+def test_deterministic_summed_bias_gradient_on_hopper_gpu(case, hopper_backward_launches):
+    """Deterministic calls with the gradient of a bias broadcast over batch or heads
+    (dbias_kind_of's "ordered"): the D 64/128 kernel adds each (b, h)'s dS tile into the
+    fp32 gradient, and dQ's tiles into theirs, in turns. Three runs agree bit for bit,
+    and the gradients (the bias's too) match the reference."""
+    from memattn.kernels import backward_sm90
+
+    case = dataclasses.replace(case, options=dict(case.options, deterministic=True))
+    runs = [_gradients(case, torch.bfloat16, "cuda") for _ in range(3)]
+    assert hopper_backward_launches, "the deterministic call fell back to backward.py"
+    x = make_inputs(case, torch.bfloat16, "cuda", seed=4)
+    spec = memattn.spec.check_call(x.q, x.k, x.v, **x.kwargs)
+    assert backward_sm90.dbias_kind_of(spec, x.kwargs["bias"]) == "ordered"
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            assert torch.equal(a, b)
+    assert_results(check_backward(case, torch.bfloat16, "cuda", seed=9))
+
+
+@pytest.mark.gpu
+def test_deterministic_summed_bias_gradient_needs_no_expanded_buffer_gpu():
+    """A deterministic gradient of a bias shared by every batch and head takes the bias's
+    own fp32 buffer, not a (B, H, Sq, Sk) one: the backward's peak beyond its inputs and
+    outputs stays below a quarter of what the expanded buffer would take."""
+    case = Case("11QK", batch=4, heads=16, seqlen_q=1024, seqlen_k=1024, dqk=64, dv=64,
+                bias="QK", options=dict(causal=True, deterministic=True))
+    x = make_inputs(case, torch.bfloat16, "cuda", seed=4)
+    leaves = [x.q, x.k, x.v, x.kwargs["bias"]]
+    for t in leaves:
+        t.requires_grad_(True)
+    out = memattn.attention(x.q, x.k, x.v, **x.kwargs)
+    grad = torch.randn_like(out)
+    torch.autograd.grad(out, leaves, grad, retain_graph=True)  # compiled and warm
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    grads = torch.autograd.grad(out, leaves, grad, retain_graph=True)
+    torch.cuda.synchronize()
+    grads_bytes = sum(g.numel() * g.element_size() for g in grads)
+    expanded = case.batch * case.heads * case.seqlen_q * case.seqlen_k * 2
+    extra = torch.cuda.max_memory_allocated() - before - grads_bytes
+    assert extra < expanded / 4, f"{extra / 2**20:.1f} MiB beyond the gradients"
 
 
 FLOAT32_CASES = [

@@ -139,13 +139,12 @@ def test_bias_gradient_kinds(bias_shape, varlen, sequences, kind, deterministic,
                              monkeypatch):  # fmt: skip
     """dbias_kind_of: a plane per head shared by at most PACKED_BIAS_ADDS packed
     sequences takes their dS added into the gradient itself; any other broadcast, the
-    fp32 buffer, but in deterministic dense calls each (b, h)'s dS stored expanded, to
-    be summed in a fixed order."""
+    fp32 buffer, in turns ("ordered") in deterministic dense calls."""
     monkeypatch.setattr(dispatch.backward_sm90.shared, "PACKED_BIAS_ADDS", 2)
     spec, *_, bias = spec_and_inputs(b=sequences, bias_shape=bias_shape, varlen=varlen,
                                      deterministic=deterministic)  # fmt: skip
     if deterministic and kind == "summed" and not varlen:
-        kind = "expanded"
+        kind = "ordered"
     assert dispatch.backward_sm90.dbias_kind_of(spec, bias) == kind
 
 
@@ -365,7 +364,7 @@ def test_gluon_forward_takes_key_rows_at_positive_scales(scale, bias_shape, take
      (64, dict(dropout_p=0.1), None, 1),  # dropout's scratch: one
      (64, {}, "full", 0),  # dS leaves by TMA from the warpgroups
      (64, {}, "summed", 0),
-     (128, dict(deterministic=True), "expanded", 0),
+     (128, dict(deterministic=True), "ordered", 0),  # the warpgroups add dQ in turns
      (64, {}, "added", 0),
      (64, {}, "row", 2),
      (128, {}, None, 0),  # DQ_WRITER: off at Dqk=128
@@ -890,14 +889,17 @@ def test_ordered_dq_turns_follow_the_walks(seqlen_q, seqlen_k, align, window, bl
      (dict(causal=True), True, None, True, False),  # packed sequences: their own blocks
      ({}, True, None, True, True),
      (dict(causal=True), False, (2, 2, 16, 16), False, False),  # dS leaves by TMA
-     (dict(causal=True), False, (2, 1, 1, 16), True, False)],  # a key row's gradient
+     (dict(causal=True), False, (2, 1, 1, 16), True, False),  # a key row's gradient
+     (dict(causal=True), False, (1, 2, 16, 16), True, False),  # summed: "ordered"
+     ({}, False, (2, 1, 16, 16), True, True)],
 )  # fmt: skip
 def test_ordered_dq_takes_deterministic_calls(options, varlen, bias_shape, ordered, rotate,
                                               monkeypatch):  # fmt: skip
     """ORDERED_DQ takes deterministic D 64/128 calls of dense or packed batches, without
-    a bias gradient sent by TMA or a window bounded on the left alone; there the plan has the
-    dQ writer warp, and the rotated walk without a right bound. Off, and for calls that
-    are not deterministic, nothing changes."""
+    a bias gradient sent by TMA but a summed one's (added in turns too, "ordered"); there
+    the plan has the dQ writer warp (not beside the summed tiles: the compute warpgroups
+    add dQ themselves), and the rotated walk without a right bound. Off, and for calls
+    that are not deterministic, nothing changes."""
     bsm = dispatch.backward_sm90
     monkeypatch.setattr(bsm.hopper, "sm_count", lambda device_index: 132)
     spec, *_, bias = spec_and_inputs(d=128, bias_shape=bias_shape, varlen=varlen,
@@ -914,9 +916,33 @@ def test_ordered_dq_takes_deterministic_calls(options, varlen, bias_shape, order
     assert bsm.orders_dq(spec, kind) is ordered
     assert plan.constexprs["ORDERED"] is ordered
     assert plan.constexprs["ROTATE"] is rotate
-    assert (plan.constexprs["DQ_BUFS"] > 0) is ordered
+    assert (plan.constexprs["DQ_BUFS"] > 0) is (ordered and kind != "ordered")
+    assert plan.constexprs["DBIAS_SUM"] is (kind == "ordered")
     plain = dataclasses.replace(spec, deterministic=False)
     assert not bsm.orders_dq(plain, kind)
+
+
+@gluon
+@pytest.mark.parametrize("bias_shape, inner, rotate",
+                         [((1, 4), (True, False), False),  # over the batch alone
+                          ((2, 1), (False, True), False),  # over the kv heads
+                          ((), (False, False), True)])  # over both: the shipped order
+def test_ordered_bias_sum_keeps_the_summed_order(bias_shape, inner, rotate, monkeypatch):
+    """An "ordered" bias gradient runs its programs in the summed gradient's order (a
+    tile's adds from programs side by side, whose turns then come close together), its
+    key blocks last first under a right bound; its dQ turns rotate only where all the
+    programs among which a head's blocks lie fit on half the SMs."""
+    bsm = dispatch.backward_sm90
+    monkeypatch.setattr(bsm.hopper, "sm_count", lambda device_index: 8)
+    sk = 4 * bsm.narrow.BLOCK_N
+    spec, *_, bias = spec_and_inputs(d=128, h=4, sk=sk, deterministic=True,
+                                     bias_shape=(*bias_shape, 16, sk))  # fmt: skip
+    kind = bsm.dbias_kind_of(spec, bias)
+    assert kind == "ordered"
+    plain = dataclasses.replace(spec, deterministic=False)
+    assert bsm.narrow.inner_dims(spec, bias, kind) == inner
+    assert bsm.narrow.inner_dims(plain, bias, bsm.dbias_kind_of(plain, bias)) == inner
+    assert bsm.narrow.rotates_dq(spec, inner) is rotate  # 4 blocks a head, x2 or x4
 
 
 @gluon
@@ -941,16 +967,15 @@ def test_ordered_dq_rotates_only_where_a_whole_head_runs(monkeypatch):
     "d, bias_shape, varlen, takes",
     [(128, (2, 2, 16, 16), False, True),  # a full gradient: dQ = scale dS K, one matmul
      (64, (2, 2, 16, 16), False, True),
-     (128, (1, 2, 16, 16), False, True),  # summed: dS stored expanded, summed after
-     (64, (16, 16), False, True),  # over batch and heads alike
+     (128, (1, 2, 16, 16), False, False),  # summed: dS and dQ added in turns
+     (64, (16, 16), False, False),  # over batch and heads alike
      (128, (2, 2, 1, 16), False, False),  # a key row: ORDERED_DQ's
      (128, (2, 2, 16, 16), True, False)],  # packed sequences: the tile kernels
 )  # fmt: skip
 def test_deterministic_full_bias_gradient_takes_dq_from_ds(d, bias_shape, varlen, takes):
-    """dq_from_full_bias: a deterministic dense call with a bias gradient from dS tiles
-    (full, or summed over batch or heads from dS stored expanded) runs the Gluon
-    backward and takes dQ from the stored dS by one matmul; not otherwise, and never
-    outside deterministic calls."""
+    """dq_from_full_bias: a deterministic dense call with a full bias's gradient runs the
+    Gluon backward and takes dQ from the stored dS by one matmul; not otherwise, and
+    never outside deterministic calls."""
     bsm = dispatch.backward_sm90
     spec, *_, bias = spec_and_inputs(d=d, bias_shape=bias_shape, varlen=varlen,
                                      deterministic=True, causal=True)  # fmt: skip

@@ -864,31 +864,3 @@ def test_bias_grad_tiles_zero_convert_and_fill_what_no_query_sees(name, per_sequ
     # one rounding to bf16, one ulp at most (the interpreter truncates; the GPU rounds)
     torch.testing.assert_close(out.float(), torch.where(seen, adds, 0.0), rtol=2**-7, atol=0)
     assert (out[~seen] == 0).all()
-
-
-@pytest.mark.parametrize("bias_shape", [(1, 2), (2, 1), ()], ids=["1HQK", "B1QK", "QK"])
-@pytest.mark.parametrize("name", [n for n in BIAS_GRAD_CALLS if n.startswith("dense")])
-def test_bias_grad_tiles_sum_an_expanded_gradient(name, bias_shape, monkeypatch):
-    """A deterministic call's bias gradient broadcast over batch or heads
-    (dbias_kind_of's "expanded"): the kernel's (B, H, Sq, Sk) dS, zeros where no query
-    sees (ZERO_UNSEEN, as backward_sm90.run calls it), summed by CONVERT over the
-    planes each of the bias's gathers, in fp32, one rounding; zeros where no query
-    sees."""
-    def launch(grid, *args, variant, **kwargs):
-        backward_sm90._bias_grad_tiles_kernel[grid](*args, **kwargs)
-
-    monkeypatch.setattr(backward_sm90, "_launch_bias_grad_tiles", launch)
-    lens_q, lens_k, options = BIAS_GRAD_CALLS[name]
-    q, k = torch.zeros(2, lens_q[0], 2, 16), torch.zeros(2, lens_k[0], 2, 16)
-    spec = memattn.spec.check_call(q, k, k, **options)
-    seen = memattn.reference.visible_mask(spec, spec.seqlen_q, spec.seqlen_k, "cpu")
-    expanded = torch.full((2, 2, spec.seqlen_q, spec.seqlen_k), float("nan"),
-                          dtype=torch.bfloat16)  # fmt: skip
-    backward_sm90.bias_grad_tiles(backward_sm90.ZERO_UNSEEN, spec, None, expanded, None, None)
-    expanded[:, :, seen] = torch.randn(2, 2, int(seen.sum())).to(torch.bfloat16)
-    out = torch.full((*bias_shape, spec.seqlen_q, spec.seqlen_k), float("nan"),
-                     dtype=torch.bfloat16)  # fmt: skip
-    backward_sm90.bias_grad_tiles(backward_sm90.CONVERT, spec, expanded, out, None, None)
-    want = expanded.double().sum_to_size(out.shape)
-    torch.testing.assert_close(out.double(), want, rtol=2**-7, atol=1e-6)
-    assert (out[..., ~seen] == 0).all()

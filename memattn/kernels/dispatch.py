@@ -17,8 +17,8 @@ backward alike.
   read by tiles (dS stored, or added up across the batch or heads it broadcasts over:
   past 128 columns, D=256, Dqk=192, V of 256, by atomics from registers); deterministic
   mode only where dQ is not added up in fp32 across programs, or is in a fixed order
-  (backward_sm90.narrow.ORDERED_DQ), or comes from dS stored whole (a full bias gradient, or
-  one summed over batch or heads stored expanded first) by one matmul
+  (backward_sm90.narrow.ORDERED_DQ; a bias gradient summed over batch or heads then in
+  one too), or comes from dS stored whole (a full bias gradient) by one matmul
   (backward_sm90.dq_from_full_bias).
   Neither takes global positions for ALiBi or dropout (AttentionSpec.positioned).
 - The split-KV forward (decode.py), before either: few queries a sequence (Sq <= 64)

@@ -823,6 +823,36 @@ def end_turn(lock):
         "=r,l", [lock], dtype=gl.int32, is_pure=False, pack=1)
 
 
+@gluon.constexpr_function
+def _wait_group_asm(pending):
+    return f"cp.async.bulk.wait_group {pending}; mov.b32 $0, 0;"
+
+
+@gluon.jit
+def end_turn_of_warpgroup(lock, PENDING: gl.constexpr):
+    """end_turn's for a warpgroup that issues its own bulk copies, for all of them but
+    the last PENDING: cp.async.bulk.wait_group PENDING in every thread (whichever issued
+    them), the warpgroup's barrier, then each warp's lane 0 red.add.release, so that a
+    turn counts four (backward_sm90.narrow's "ordered" bias gradients). Lane 0 of each
+    warp, not one thread of the four: %tid.x there cost the D=128 kernel 250-370 bytes
+    of spills (sm_90 compile), %laneid none."""
+    asm: gl.constexpr = _wait_group_asm(PENDING)
+    gl.inline_asm_elementwise(asm, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    gl.thread_barrier()
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; "
+        "@p red.release.gpu.global.add.s32 [$1], 1; mov.b32 $0, 0; }",
+        "=r,l", [lock], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def load_acquire(ptr):
+    """The int32 at ``ptr`` (ld.acquire.gpu): a turn's counter read ahead of wait_turn,
+    whose spin a caller then skips where it already reads the turn."""
+    return gl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr],
+                                     dtype=gl.int32, is_pure=False, pack=1)
+
+
 # Arguments a launch key holds by value: Triton specialises an int on its value (is it
 # 1, divisible by 16, its width), a float or a bool on its type. Keying on the value
 # (the types sit beside it in the key) costs a tenth of working those out on each call,

@@ -2,7 +2,7 @@
 kernel) fills the row statistics (lse * log2(e) and delta: row_stats_buffer) and zeroes
 dQ's fp32 buffer where the kernel adds into one (dq_tiles); one kernel, by the head
 dims (`backward`); then _dq_from_tiles_kernel converts dQ, and bias_grad_tiles a summed
-or expanded bias gradient. The kernels, a module each:
+bias gradient. The kernels, a module each:
 - narrow.py, Dqk and Dv up to 128: FlashAttention-3's kernel. A program owns 128 keys,
   keeps dK and dV in registers and walks every query tile of its GQA group once, adding
   each tile's dQ into the fp32 buffer by TMA reduce-add.
@@ -167,7 +167,7 @@ _launch_delta = hopper.Launcher(tiles._delta_kernel)
 @triton.jit
 def _bias_grad_tiles_kernel(
     Buf, Out, CuSeqQ, CuSeqK, batches, heads, seqlen_q, seqlen_k, tiles_k, window_left,
-    window_right, sum_batches, sum_heads, buf_heads, MODE: tl.constexpr,
+    window_right, MODE: tl.constexpr,
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, BAND: tl.constexpr,
     BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -176,10 +176,8 @@ def _bias_grad_tiles_kernel(
     (B', H', Sq, Sk). Seen: the (query, key) pairs some call's batch that the plane
     serves sees (the causal or window band, BAND; with packed sequences and a bias plane
     a sequence, that sequence's own lengths). MODE 0 zeroes the fp32 buffer Buf where a
-    tile holds a seen pair, 1 sums those tiles of Buf's planes into Out (sum_batches x
-    sum_heads planes of Buf, buf_heads heads a batch: the summed buffer's one, or an
-    expanded gradient's planes that a broadcast plane gathers) and writes zeros in the
-    others, 2 writes zeros in Out wherever a pair is not seen."""
+    tile holds a seen pair, 1 converts those tiles of Buf into Out and writes zeros in
+    the others, 2 writes zeros in Out wherever a pair is not seen."""
     pid = tl.program_id(0)
     tiles = pid // tiles_k
     tiles_q = tl.cdiv(seqlen_q, BLOCK_Q)
@@ -214,12 +212,8 @@ def _bias_grad_tiles_kernel(
             tl.store(Buf + start + offs, tl.zeros([BLOCK_Q, BLOCK_K], tl.float32), mask=inside)
     elif MODE == 1:
         x = tl.zeros([BLOCK_Q, BLOCK_K], tl.float32)
-        if some:  # Buf's planes (b + i, h + j): Out's (b, h) where it does not broadcast
-            for i in range(sum_batches):
-                for j in range(sum_heads):
-                    plane = (bh // heads + i) * buf_heads + bh % heads + j
-                    x += tl.load(Buf + (plane.to(tl.int64) * seqlen_q + r0) * seqlen_k + c0
-                                 + offs, mask=inside, other=0.0).to(tl.float32)
+        if some:
+            x = tl.load(Buf + start + offs, mask=inside, other=0.0)
         tl.store(Out + start + offs, x.to(Out.dtype.element_ty), mask=inside)
     else:
         zeros = tl.zeros([BLOCK_Q, BLOCK_K], Out.dtype.element_ty)
@@ -239,15 +233,10 @@ ZERO_SEEN, CONVERT, ZERO_UNSEEN = 0, 1, 2  # _bias_grad_tiles_kernel's modes
 def bias_grad_tiles(mode: int, spec: AttentionSpec, buf, out, cu_seqlens_q,
                     cu_seqlens_k) -> None:  # fmt: skip
     """_bias_grad_tiles_kernel over a bias gradient in the bias's shape (buf: the fp32
-    buffer a summed gradient is added into, or the (B, H, Sq, Sk) one of an expanded
-    gradient, to sum; out: the gradient; None where the mode takes none), so that the
-    pairs no query sees are neither zeroed, read nor written twice."""
+    buffer a summed gradient is added into; out: the gradient; None where the mode takes
+    none), so that the pairs no query sees are neither zeroed, read nor written twice."""
     t = buf if out is None else out
     shape = [1] * (4 - t.dim()) + list(t.shape)
-    planes = shape if buf is None else [1] * (4 - buf.dim()) + list(buf.shape)
-    # Buf's planes a plane of Out sums (more than one for an expanded gradient): batches,
-    # heads; Buf's heads
-    sums = (planes[0] // shape[0], planes[1] // shape[1], planes[1])
     block_q, block_k = 32, 128
     tiles_k = cdiv(shape[3], block_k)
     # Packed sequences sharing a plane: bottom-right diagonals differ by each's lengths,
@@ -260,7 +249,7 @@ def bias_grad_tiles(mode: int, spec: AttentionSpec, buf, out, cu_seqlens_q,
                       BAND=band, BOUNDED_LEFT=spec.window_left >= 0,
                       BOUNDED_RIGHT=spec.window_right >= 0, BLOCK_Q=block_q,
                       BLOCK_K=block_k)  # fmt: skip
-    ints = (*shape, tiles_k, spec.window_left, spec.window_right, *sums)
+    ints = (*shape, tiles_k, spec.window_left, spec.window_right)
     _launch_bias_grad_tiles(
         (shape[0] * shape[1] * cdiv(shape[2], block_q) * tiles_k,), t if buf is None else buf,
         t, cu_seqlens_q, cu_seqlens_k, *ints,
@@ -306,14 +295,14 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
     if dbias_kind == "row":  # dS summed over queries per (b, h, key), then over broadcast dims
         dbias = torch.zeros(spec.batch, spec.heads, spec.seqlen_k, dtype=torch.float32,
                             device=bias.device)
-    elif dbias_kind == "summed":  # every (b, h)'s dS added in, converted at the end
+    elif dbias_kind in ("summed", "ordered"):  # every (b, h)'s dS added in (in turns:
+        # "ordered"), converted at the end
         dbias = torch.empty(bias.shape, dtype=torch.float32, device=bias.device)
         bias_grad_tiles(ZERO_SEEN, spec, dbias, None, cu_seqlens_q, cu_seqlens_k)
     elif dbias_kind == "added":  # every sequence's dS added in
         dbias = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device)
-    elif dbias_kind in ("full", "expanded"):  # expanded: every (b, h)'s dS
-        shape = bias.shape if dbias_kind == "full" else spec.bias_shape
-        dbias = new_output(shape, bias.dtype, bias.device)
+    elif dbias_kind == "full":
+        dbias = new_output(bias.shape, bias.dtype, bias.device)
         # tiles no query sees (past a sequence too) are never written; the D 64/128
         # kernel writes a dense batch's zeros itself (_zero_unseen_ds_tiles)
         masked = spec.window_left >= 0 or spec.window_right >= 0
@@ -330,10 +319,7 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
                               num_warps=4, **constexprs, launch_pdl=pdl)  # fmt: skip
     if dbias_kind == "row":
         dbias = hopper.sum_to_bias(dbias, bias)
-    elif dbias_kind == "summed":
+    elif dbias_kind in ("summed", "ordered"):
         summed, dbias = dbias, new_output(bias.shape, bias.dtype, bias.device)
         bias_grad_tiles(CONVERT, spec, summed, dbias, cu_seqlens_q, cu_seqlens_k)
-    elif dbias_kind == "expanded":  # summed in fp32, in a fixed order, seen tiles alone
-        expanded, dbias = dbias, new_output(bias.shape, bias.dtype, bias.device)
-        bias_grad_tiles(CONVERT, spec, expanded, dbias, cu_seqlens_q, cu_seqlens_k)
     return dq, dk if need_dk else None, dv if need_dv else None, dbias

@@ -144,6 +144,58 @@ def dq_add_turn(n, start_m, num_n, n_tiles, off, window_left, window_right,
     return turn
 
 
+@gluon.jit
+def _dq_lock(b, h, start_m, q_start, seqlen_q, heads, BLOCK_M: gl.constexpr,
+             IS_VARLEN: gl.constexpr):  # fmt: skip
+    """ORDERED_DQ: the index of the dQ tile of rows [start_m, + BLOCK_M) of (b, h)'s
+    counter."""
+    tile = dq_tile(start_m, q_start, b, BLOCK_M, IS_VARLEN)
+    if IS_VARLEN:  # packed sequences' tiles (common.dq_tile), heads inner
+        return tile * heads + h
+    return (b * heads + h) * gl.cdiv(seqlen_q, BLOCK_M) + tile
+
+
+@gluon.jit
+def _bias_sum_turn(b, h, start_m, start_n, seqlen_q, seqlen_k, heads, bias_batches,
+                   bias_heads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+    """A deterministic summed bias gradient (dbias_kind_of's "ordered"): the index of
+    the counter of its tile of rows [start_m, + BLOCK_M) and keys [start_n, + BLOCK_N)
+    in its plane, and (b, h)'s turn there: its place among the (batch, head)s the plane
+    sums, batch-major, the order in which their programs start (inner_dims). Each of
+    them sees the tile (one mask for all), so the turns have no gaps."""
+    plane = (b % bias_batches) * bias_heads + h % bias_heads
+    tile = (plane * gl.cdiv(seqlen_q, BLOCK_M) + start_m // BLOCK_M) * gl.cdiv(seqlen_k, BLOCK_N)
+    turn = h * 0
+    per_batch = h * 0 + 1
+    if bias_heads == 1:
+        turn = h
+        per_batch = h * 0 + heads
+    if bias_batches == 1:
+        turn += b * per_batch
+    return tile + start_n // BLOCK_N, turn
+
+
+@gluon.jit
+def _step_turns(t, block, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+                ROTATE: gl.constexpr):  # fmt: skip
+    """An "ordered" bias gradient's block step t (a dense batch): its summed gradient
+    tile's counter (_bias_sum_turn) and the count it must read for (b, h)'s turn, then
+    its dQ tile's (_dq_lock, dq_add_turn): four a warpgroup a turn
+    (hopper.end_turn_of_warpgroup). Worked out where needed, not carried across the
+    step: registers are short. ``block``: the block's runtime values it takes."""
+    (b, hk, GROUP, lo, n_tiles, rot, start_n, seqlen_q, seqlen_k, off, window_left,
+     window_right, heads, bias_batches, bias_heads) = block
+    h, start_m = _query_tile(t, hk, GROUP, lo, n_tiles, BLOCK_M, rot, ROTATE)
+    sum_lock, sum_turn = _bias_sum_turn(b, h, start_m, start_n, seqlen_q, seqlen_k, heads,
+                                        bias_batches, bias_heads, BLOCK_M, BLOCK_N)
+    dq_turn = dq_add_turn(start_n // BLOCK_N, start_m, gl.cdiv(seqlen_k, BLOCK_N), n_tiles, off,
+                          window_left, window_right, BLOCK_M, BLOCK_N, BOUNDED_LEFT,
+                          BOUNDED_RIGHT, ROTATE)  # fmt: skip
+    dq_lock = _dq_lock(b, h, start_m, 0, seqlen_q, heads, BLOCK_M, False)
+    return sum_lock, 8 * sum_turn, dq_lock, 8 * dq_turn
+
+
 @gluon.constexpr_function
 def overlaps_block_ends(fold, block_m):
     """Whether a program's key blocks overlap one's end with the next one's start: folded
@@ -245,7 +297,7 @@ def _bwd_compute_partition(
     BATCH_INNER: gl.constexpr, HEAD_INNER: gl.constexpr, ORDERED: gl.constexpr,
     PERSISTENT: gl.constexpr, FOLD: gl.constexpr, HAS_DQ: gl.constexpr,
     HAS_SOFTCAP: gl.constexpr,
-    KV_VIEWS_PER_STEP: gl.constexpr, IDLE_KEYS: gl.constexpr,
+    KV_VIEWS_PER_STEP: gl.constexpr, IDLE_KEYS: gl.constexpr, TURN_LAG: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup, for each of its program's key blocks (_program_block): keys
     [start_n + HALF * 64, + 64) against every query tile. ``shared``: the runtime
@@ -266,7 +318,7 @@ def _bwd_compute_partition(
      q_empty, do_empty, ds_bar, blocks, n_items, GROUP, scale, window_left, window_right,
      seed, rng_offset, heads, dropout_p, Alibi, stride_ab, stride_ah, BiasRow, stride_rb,
      stride_rh, stride_rn, bias_batches, bias_heads, DBiasRow, stride_pb, stride_ph,
-     softcap) = shared
+     softcap, DqLocks, SumLocks) = shared
     dtype: gl.constexpr = k_smem.dtype
     HALF_N: gl.constexpr = BLOCK_N // 2
     DQ_ROWS: gl.constexpr = dq_split(HEAD_DIM_QK, BLOCK_M)[0]  # dQ's part made here
@@ -312,6 +364,12 @@ def _bwd_compute_partition(
     # that the first one's wgmmas have the tensor cores to themselves.
     IDLE_HALF: gl.constexpr = (IDLE_KEYS and HALF == 1 and HAS_DQ and DBIAS_TILES == 0
                                and not DBIAS_SUM and not DBIAS_ROW and not OVERLAP_ENDS)
+    # Deterministic with a bias gradient summed over batch or heads ("ordered"):
+    # this warpgroup adds dS's fp32 tiles and dQ's itself, each in its turn, and counts
+    # a step's turns TURN_LAG steps later (ORDERED_SUM_TURN_LAG; the copies alternate,
+    # two a step, so that wait_group leaves the later ones in flight), so that it does
+    # not wait for its adds to land as it makes them.
+    ORDERED_SUM: gl.constexpr = ORDERED and DBIAS_SUM
     # The rings' tiles before this block's (dS's and dQ's buffers go by them too)
     step = gl.to_tensor(0)
 
@@ -332,6 +390,9 @@ def _bwd_compute_partition(
         bias_b = (b % bias_batches).to(gl.int64)  # 0 where the bias broadcasts over batches
         rot = _walk_rotation(start_n, n_tiles, seqlen_k, BLOCK_N, ROTATE)
         mbarrier.wait(kv_bar, blk & 1)
+        if ORDERED_SUM:  # _step_turns' arguments beside the step
+            turns_of = (b, hk, GROUP, lo, n_tiles, rot, start_n, seqlen_q, seqlen_k, off,
+                        window_left, window_right, heads, bias_batches, bias_heads)
 
         zero = _runtime_zero(seqlen_k)
         busy_steps = GROUP * n_tiles
@@ -353,6 +414,18 @@ def _bwd_compute_partition(
             hopper.arrived(do_ready, i, STAGES)
             do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_V])
             dp = warpgroup_mma(v_half, do.permute((1, 0)), s_init, use_acc=False, is_async=True)
+            if ORDERED_SUM:  # while S and dP run: the summed tile of TURN_LAG steps ago
+                # has landed, its turn counts (the adds since, two a step, run on); this
+                # step's counters are read ahead, spun on below only if not at their turns
+                if t >= TURN_LAG:
+                    last_sum, _, _, _ = _step_turns(
+                        t - TURN_LAG, turns_of, BLOCK_M, BLOCK_N, BOUNDED_LEFT, BOUNDED_RIGHT,
+                        ROTATE)  # fmt: skip
+                    hopper.end_turn_of_warpgroup(SumLocks + last_sum, 2 * TURN_LAG - 1)
+                sum_lock, sum_count, dq_lock, dq_count = _step_turns(
+                    t, turns_of, BLOCK_M, BLOCK_N, BOUNDED_LEFT, BOUNDED_RIGHT, ROTATE)
+                sum_ready = hopper.load_acquire(SumLocks + sum_lock) == sum_count
+                dq_ready = hopper.load_acquire(DqLocks + dq_lock) == dq_count
             if KEEP_IN_DS:  # the keep bits through this step's dS buffer (two steps
                 # ago's, read), before dS: its bias gradient copy then (or the unseen
                 # tiles' zeros) has read it
@@ -418,6 +491,11 @@ def _bwd_compute_partition(
             if HAS_SOFTCAP:  # the bias gradient out before tanh's derivative, which dK's
                 # and dQ's dS carry: d(softcap * tanh(x / softcap)) / dx
                 if DBIAS_SUM:
+                    if ORDERED_SUM:
+                        if not sum_ready:
+                            sum_lock, sum_count, _, _ = _step_turns(
+                                t, turns_of, BLOCK_M, BLOCK_N, BOUNDED_LEFT, BOUNDED_RIGHT, ROTATE)
+                            hopper.wait_turn(SumLocks + sum_lock, sum_count)
                     _store_transposed(ds, dsum_smem.index(HALF), dbias_desc,
                                       [b % bias_batches, h % bias_heads, start_m, row0], True)
                 if RAW_DS_IN_DQ:  # its tile through this warpgroup's dQ buffer (free once
@@ -441,6 +519,11 @@ def _bwd_compute_partition(
             if DBIAS_SUM and not HAS_SOFTCAP:  # a bias broadcast over batch or heads: dS
                 # added into its fp32 gradient by TMA reduce-add, as dQ is (several (b, h)
                 # add to each tile)
+                if ORDERED_SUM:
+                    if not sum_ready:
+                        sum_lock, sum_count, _, _ = _step_turns(
+                            t, turns_of, BLOCK_M, BLOCK_N, BOUNDED_LEFT, BOUNDED_RIGHT, ROTATE)
+                        hopper.wait_turn(SumLocks + sum_lock, sum_count)
                 _store_transposed(ds, dsum_smem.index(HALF), dbias_desc,
                                   [b % bias_batches, h % bias_heads, start_m, row0], True)
             ds_op = gl.convert_layout(ds_lo, ds_op_layout)
@@ -480,6 +563,16 @@ def _bwd_compute_partition(
             if OVERLAP_ENDS and t == GROUP * n_tiles - 1:
                 mbarrier.arrive(kv_empty)  # dQ's was the last wgmma to read K or V
 
+            if ORDERED_SUM:  # likewise dQ's tile of TURN_LAG steps ago; this one's turn
+                if t >= TURN_LAG:
+                    _, _, last_dq, _ = _step_turns(
+                        t - TURN_LAG, turns_of, BLOCK_M, BLOCK_N, BOUNDED_LEFT, BOUNDED_RIGHT,
+                        ROTATE)  # fmt: skip
+                    hopper.end_turn_of_warpgroup(DqLocks + last_dq, 2 * TURN_LAG - 1)
+                if not dq_ready:
+                    _, _, dq_lock, dq_count = _step_turns(
+                        t, turns_of, BLOCK_M, BLOCK_N, BOUNDED_LEFT, BOUNDED_RIGHT, ROTATE)
+                    hopper.wait_turn(DqLocks + dq_lock, dq_count)
             if HAS_DQ:
                 _send_dq(dq, dq_smem, dq_full, dq_empty, dq_desc, i, t, b, b_tma, h, q_start,
                          start_m, HALF, BLOCK_M, DQ_BUFS, OTHER_BULK, OVERLAP_ENDS,
@@ -497,6 +590,14 @@ def _bwd_compute_partition(
             free = ds_smem.index((step + GROUP * n_tiles) % 2 * 2 + HALF)
             _zero_unseen_ds_tiles(dbias_desc, free, b, hk, GROUP, row0, seqlen_q, lo, n_tiles,
                                   BLOCK_M, HALF_N)  # fmt: skip
+        if ORDERED_SUM:  # the last TURN_LAG steps' turns, once all has landed
+            for lag in gl.static_range(TURN_LAG):
+                if busy_steps - TURN_LAG + lag >= 0:
+                    last_sum, _, last_dq, _ = _step_turns(
+                        busy_steps - TURN_LAG + lag, turns_of, BLOCK_M, BLOCK_N, BOUNDED_LEFT,
+                        BOUNDED_RIGHT, ROTATE)  # fmt: skip
+                    hopper.end_turn_of_warpgroup(SumLocks + last_sum, 0)
+                    hopper.end_turn_of_warpgroup(DqLocks + last_dq, 0)
         step += GROUP * n_tiles
         if not OVERLAP_ENDS or n_tiles == 0:  # done with K and V: the next block's
             mbarrier.arrive(kv_empty)  # may load
@@ -727,11 +828,8 @@ def _bwd_dq_writer_partition(
             i = step + t
             h, start_m = _query_tile(t, hk, GROUP, lo, n_tiles, BLOCK_M, rot, ROTATE)
             if ORDERED:
-                tile = dq_tile(start_m, q_start, b, BLOCK_M, IS_VARLEN)
-                if IS_VARLEN:  # packed sequences' tiles (common.dq_tile), heads inner
-                    lock = DqLocks + tile * heads + h
-                else:
-                    lock = DqLocks + (b * heads + h) * gl.cdiv(seqlen_q, BLOCK_M) + tile
+                lock = DqLocks + _dq_lock(b, h, start_m, q_start, seqlen_q, heads, BLOCK_M,
+                                          IS_VARLEN)
                 turn = dq_add_turn(start_n // BLOCK_N, start_m, num_n, n_tiles, off,
                                    window_left, window_right, BLOCK_M, BLOCK_N,
                                    BOUNDED_LEFT, BOUNDED_RIGHT, ROTATE)  # fmt: skip
@@ -753,12 +851,12 @@ def _bwd_dq_writer_partition(
 @gluon.jit
 def _bwd_sm90_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, bias_desc, dbias_desc, dk_desc,
-    dv_desc, DK, DV, Rng, Alibi, CuSeqQ, CuSeqK, DqLocks, BiasRow, DBiasRow, stride_kb,
-    stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ab, stride_ah, stride_rb,
-    stride_rh, stride_rn, stride_pb, stride_ph, HKV, GROUP, bias_batches, bias_heads, seqlen_q,
-    seqlen_k, num_seqs, num_n_blocks, num_items, scale, window_left, window_right, dropout_p,
-    softcap, HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
+    dv_desc, DK, DV, Rng, Alibi, CuSeqQ, CuSeqK, DqLocks, SumLocks, BiasRow, DBiasRow,
+    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ab, stride_ah,
+    stride_rb, stride_rh, stride_rn, stride_pb, stride_ph, HKV, GROUP, bias_batches,
+    bias_heads, seqlen_q, seqlen_k, num_seqs, num_n_blocks, num_items, scale, window_left,
+    window_right, dropout_p, softcap, HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, DBIAS_TILES: gl.constexpr,
     DBIAS_SUM: gl.constexpr, BIAS_ROW: gl.constexpr, DBIAS_ROW: gl.constexpr,
     HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr,
@@ -768,6 +866,7 @@ def _bwd_sm90_kernel(
     ROTATE: gl.constexpr, PERSISTENT: gl.constexpr, FOLD: gl.constexpr,
     BY_RANK: gl.constexpr, HAS_DQ: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     KV_VIEWS_PER_STEP: gl.constexpr, IDLE_KEYS: gl.constexpr, PDL: gl.constexpr,
+    TURN_LAG: gl.constexpr,
 ):  # fmt: skip
     if PDL:  # dQ's conversion may launch (shared.DEPENDENT_LAUNCHES); it waits for our end
         hopper.launch_dependents()
@@ -845,7 +944,7 @@ def _bwd_sm90_kernel(
               kv_empty, q_ready, do_ready, q_empty, do_empty, ds_bar, blocks, n_items, GROUP,
               scale, window_left, window_right, seed, rng_offset, heads, dropout_p, Alibi,
               stride_ab, stride_ah, BiasRow, stride_rb, stride_rh, stride_rn, bias_batches,
-              bias_heads, DBiasRow, stride_pb, stride_ph, softcap)
+              bias_heads, DBiasRow, stride_pb, stride_ph, softcap, DqLocks, SumLocks)
     loads = (q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem,
              v_smem, lse_smem, delta_smem, bias_smem, kv_bar, kv_empty, q_ready, do_ready,
              q_empty, do_empty, GROUP, bias_batches, bias_heads, blocks, n_items)
@@ -858,14 +957,14 @@ def _bwd_sm90_kernel(
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
                                        BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD,
                                        HAS_DQ, HAS_SOFTCAP, KV_VIEWS_PER_STEP,
-                                       IDLE_KEYS)),
+                                       IDLE_KEYS, TURN_LAG)),
              (_bwd_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, DBIAS_TILES, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
                                        BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD,
                                        HAS_DQ, HAS_SOFTCAP, KV_VIEWS_PER_STEP,
-                                       IDLE_KEYS)),
+                                       IDLE_KEYS, TURN_LAG)),
              (_bwd_blocks_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, IS_VARLEN,
                                            BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
                                            BATCH_INNER, HEAD_INNER, ORDERED, ROTATE,
@@ -884,14 +983,14 @@ def _bwd_sm90_kernel(
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
                                        BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD,
                                        HAS_DQ, HAS_SOFTCAP, KV_VIEWS_PER_STEP,
-                                       IDLE_KEYS)),
+                                       IDLE_KEYS, TURN_LAG)),
              (_bwd_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, DBIAS_TILES, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
                                        BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD,
                                        HAS_DQ, HAS_SOFTCAP, KV_VIEWS_PER_STEP,
-                                       IDLE_KEYS)),
+                                       IDLE_KEYS, TURN_LAG)),
              (_bwd_blocks_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, IS_VARLEN,
                                            BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
                                            BATCH_INNER, HEAD_INNER, ORDERED, ROTATE,
@@ -946,6 +1045,15 @@ DQ_WRITER_PACKED_UNMASKED = True
 # backward: 385 -> 504 TFLOP/s (default 546: 1.08x its time), causal 309 -> 427 (458:
 # 1.07x), D64 456 (default 443).
 ORDERED_DQ = True
+# An "ordered" bias gradient (dbias_kind_of's: deterministic, summed over batch or
+# heads): each compute warpgroup adds its summed tiles and dQ's in turns
+# (_bias_sum_turn, dq_add_turn) and counts a step's two turns this many steps later,
+# once those adds have landed (hopper.end_turn_of_warpgroup's wait_group), while the
+# next step's S and dP run; the programs after it in a tile's turns wait as long.
+# H200, tools/ab.py --rounds 2, B4 S4096 H16 D128 1HQK, causal / not, TFLOP/s: 1 step
+# 212 / 244, 2 steps 205 / 224, 3 steps 176 / 191 (the default, not deterministic: 310 /
+# 340). Tools set it to A/B, then call hopper.forget_plans().
+ORDERED_SUM_TURN_LAG = 1
 # Packed sequences in SUMMED_BIAS_INNER's orders (a program per key block of the
 # longest sequence): programs past their sequence's blocks return before loading K and
 # V (SKIP_PAST_END). H100, the bench's docs row on that grid (4480 of 6656 programs past
@@ -1040,30 +1148,34 @@ def orders_dq(spec: AttentionSpec, dbias_kind: str | None) -> bool:
     """Whether a deterministic call runs the D 64/128 kernel with dQ's adds in a fixed
     order (ORDERED_DQ): dense or packed batches (a packed sequence's blocks as a dense
     head's, their counters common.dq_tile's), and no bias gradient sent by TMA from the
-    compute warpgroups (dQ's writer warp has no room beside it). dq_add_turn's orders
-    wait only on programs started before, or (rotates_dq) running beside."""
+    compute warpgroups (dQ's writer warp has no room beside it) but an "ordered" one's,
+    beside which they add dQ themselves, in turns too. dq_add_turn's orders wait only on
+    programs started before, or (rotates_dq) running beside."""
     return (ORDERED_DQ and spec.deterministic and dq_in_fp32(spec)
-            and dbias_kind not in TILE_GRADIENTS)
+            and (dbias_kind not in TILE_GRADIENTS or dbias_kind == "ordered"))
 
 
-def rotates_dq(spec: AttentionSpec) -> bool:
+def rotates_dq(spec: AttentionSpec, inner: tuple[bool, bool] = (False, False)) -> bool:
     """Whether ORDERED_DQ's walks rotate (_walk_rotation): without bounds, where every
     key block of a head (packed sequences: of the longest) runs at once, at most half
     the SMs, to leave room for other streams' work; then no add waits in the steady
-    state. Elsewhere without a right bound the blocks add first first, each one step
-    behind the block before it (dq_add_turn)."""
+    state. With inner dims (inner_dims: an "ordered" bias gradient's) a head's blocks
+    lie among the other batches' or heads' ones, all of which must run at once. Elsewhere
+    without a right bound the blocks add first first, each one step behind the block
+    before it (dq_add_turn)."""
     unbounded = spec.window_left < 0 and spec.window_right < 0
-    return unbounded and cdiv(spec.seqlen_k, BLOCK_N) <= hopper.sm_count(spec.device.index) // 2
+    window = (cdiv(spec.seqlen_k, BLOCK_N) * (spec.batch if inner[0] else 1)
+              * (spec.kv_heads if inner[1] else 1))
+    return unbounded and window <= hopper.sm_count(spec.device.index) // 2
 
 
 def dq_from_full_bias(spec: AttentionSpec, dbias_kind: str | None) -> bool:
     """Whether a deterministic call takes dQ = scale · dS K from the (B, H, Sq, Sk) dS
     the kernel stores (backward.dq_from_ds: one batched matmul, in a fixed order): the
     tiles leave no room for ORDERED_DQ's writer, so the kernel's own dQ adds would land
-    in any order; it makes none. Dense batches with a full bias gradient, or one summed
-    over batch or heads from dS stored expanded (dbias_kind_of's "expanded"), where dQ
-    goes through the fp32 buffer (D 64/128)."""
-    return (spec.deterministic and dbias_kind in ("full", "expanded") and not spec.varlen
+    in any order; it makes none. Dense batches with a full bias gradient, where dQ goes
+    through the fp32 buffer (D 64/128)."""
+    return (spec.deterministic and dbias_kind == "full" and not spec.varlen
             and dq_in_fp32(spec) and spec.softcap == 0)  # softcap: dS lacks tanh's derivative
 
 
@@ -1076,7 +1188,7 @@ def inner_dims(spec: AttentionSpec, bias, dbias_kind: str | None) -> tuple[bool,
     if (BIAS_TILES_BATCH_INNER and dbias_kind is None and bias is not None
             and not spec.varlen and not spec.deterministic and not hopper.bias_row(spec, bias)):
         return (hopper.shared_over_batch(spec, hopper.bias_dims(bias)), False)
-    if dbias_kind not in ("added", "summed") or not SUMMED_BIAS_INNER:
+    if dbias_kind not in ("added", "summed", "ordered") or not SUMMED_BIAS_INNER:
         return (False, False)
     batches, heads = hopper.bias_dims(bias)
     inner = (batches == 1 and spec.batch > 1, heads == 1 and spec.kv_heads > 1)
@@ -1094,17 +1206,25 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
     dbias_kind = None if dbias is None else dbias_kind_of(spec, bias)
     how = _plan(spec, bias_row, dbias_kind, inner_dims(spec, bias, dbias_kind),
                 k.shape[0] if spec.varlen else 0, q.device.index)
-    dq_locks = dk  # a stand-in, never read
-    if how.constexprs["ORDERED"]:  # a counter per dQ tile (packed: common.dq_tile's)
+    dq_locks = sum_locks = dk  # stand-ins, never read
+    if how.constexprs["ORDERED"]:  # a counter per dQ tile (packed: common.dq_tile's), and
+        # an "ordered" bias gradient's per tile (_bias_sum_turn), 16-byte aligned
         rows = how.constexprs["BLOCK_M"]
         tiles = (q.shape[0] // rows + spec.batch if spec.varlen
                  else spec.batch * cdiv(spec.seqlen_q, rows))
-        dq_locks = torch.zeros(tiles * spec.heads, dtype=torch.int32, device=q.device)
+        dq_count = cdiv(tiles * spec.heads, 4) * 4
+        sum_count = 0
+        if how.constexprs["DBIAS_SUM"]:
+            batches, heads = hopper.bias_dims(bias)
+            sum_count = (batches * heads * cdiv(spec.seqlen_q, rows)
+                         * cdiv(spec.seqlen_k, BLOCK_N))
+        dq_locks = torch.zeros(dq_count + sum_count, dtype=torch.int32, device=q.device)
+        sum_locks = dq_locks[dq_count:]
     # What the arguments are made of beside the plan, shapes included (the spec does not
     # fix packed sequences' token counts): hopper.Launcher.launch_prepared.
     call = (how, *map(hopper.tensor_key, (q, k, v, grad_out, stats, dq, dk, dv, bias, dbias,
                                            alibi_slopes, rng_state, cu_seqlens_q,
-                                           cu_seqlens_k, dq_locks)))  # fmt: skip
+                                           cu_seqlens_k, dq_locks, sum_locks)))  # fmt: skip
     if _launch_backward.launch_prepared(how.programs, call):
         return
     half_d = spec.head_dim_qk // 2
@@ -1147,7 +1267,7 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
         bias_desc, dbias_desc, hopper.descriptor(dk_tma, BLOCK_N // 2, spec.head_dim_qk),
         hopper.descriptor(dv_tma, BLOCK_N // 2, spec.head_dim_v), dk, dv, rng_state,
         alibi_slopes,
-        cu_seqlens_q, cu_seqlens_k, dq_locks,
+        cu_seqlens_q, cu_seqlens_k, dq_locks, sum_locks,
         bias if bias_row else dk, dbias if dbias_kind == "row" else dk,
         *k_strides, *v_strides,
         alibi_batch_stride, alibi_head_stride, *row_strides, *partial_strides,
@@ -1200,19 +1320,19 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
         HEAD_DIM_QK=spec.head_dim_qk, HEAD_DIM_V=spec.head_dim_v,
         BLOCK_M=block_m(spec, bias_row), BLOCK_N=BLOCK_N, STAGES=STAGES,
         HAS_BIAS=bias_tiles,
-        DBIAS_TILES={"full": 1, "expanded": 1, "added": 2}.get(dbias_kind, 0),
-        DBIAS_SUM=dbias_kind == "summed",
+        DBIAS_TILES={"full": 1, "added": 2}.get(dbias_kind, 0),
+        DBIAS_SUM=dbias_kind in ("summed", "ordered"),
         BIAS_ROW=bias_row, DBIAS_ROW=dbias_kind == "row", HAS_ALIBI=spec.has_alibi,
         HAS_DROPOUT=spec.dropout_p > 0, IS_VARLEN=spec.varlen,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
         BOUNDED_RIGHT=spec.window_right >= 0, BATCH_INNER=inner[0], HEAD_INNER=inner[1],
         SKIP_PAST_END=spec.varlen and SKIP_EMPTY_KEY_BLOCKS and not packed_grid,
-        DQ_BUFS=dq_bufs, ORDERED=ordered, ROTATE=ordered and rotates_dq(spec),
+        DQ_BUFS=dq_bufs, ORDERED=ordered, ROTATE=ordered and rotates_dq(spec, inner),
         PERSISTENT=persistent, FOLD=fold, BY_RANK=by_rank,
         HAS_DQ=not dq_from_full_bias(spec, dbias_kind), HAS_SOFTCAP=spec.softcap > 0,
         KV_VIEWS_PER_STEP=kv_views_per_step(spec, bias_row),
         IDLE_KEYS=IDLE_HALVES and spec.varlen, PDL=shared.DEPENDENT_LAUNCHES,
-        num_warps=4, launch_pdl=shared.DEPENDENT_LAUNCHES,
+        TURN_LAG=ORDERED_SUM_TURN_LAG, num_warps=4, launch_pdl=shared.DEPENDENT_LAUNCHES,
     )  # fmt: skip
     return hopper.Plan(hopper.programs(items, fold, persistent, device_index), (num_n, items),
                        constexprs)

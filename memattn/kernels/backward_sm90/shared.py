@@ -305,7 +305,7 @@ def _key_block(
     vary fastest instead (SUMMED_BIAS_INNER; a program per item, so the grid's size
     counts the batches). DESCENDING (ORDERED_DQ under a right bound): each head's key
     blocks last first, so that a program's dQ adds wait only on programs started before
-    it (dq_add_turn)."""
+    it (dq_add_turn), the inner dims' too."""
     if BATCH_INNER or HEAD_INNER:
         rest = item
         if BATCH_INNER:
@@ -316,6 +316,8 @@ def _key_block(
             hk = rest % HKV
             rest = rest // HKV
         start_n = (rest % num_n_blocks) * BLOCK_N
+        if DESCENDING and not IS_VARLEN:
+            start_n = (num_n_blocks - 1 - rest % num_n_blocks) * BLOCK_N
         rest = rest // num_n_blocks
         if not HEAD_INNER:
             hk = rest % HKV
@@ -425,11 +427,8 @@ def dbias_kind_of(spec: AttentionSpec, bias: torch.Tensor) -> str:
     (each tile added into the gradient by TMA reduce-add; not past 128 columns), "summed"
     for any other broadcast over batch or heads (dS added into an fp32 buffer by TMA
     reduce-adds, as dQ is; past 128 columns by atomics: _bwd_wide_kernel), but for
-    deterministic dense calls "expanded": each (b, h)'s dS stored as a full gradient's
-    is, into a (B, H, Sq, Sk) buffer that bias_grad_tiles' CONVERT then sums over the
-    broadcast dimensions in a fixed order (as backward.py's deterministic calls do, in
-    half its bytes: the bias's dtype, where it sums fp32), and dQ made from it
-    (dq_from_full_bias)."""
+    deterministic dense calls "ordered": the same buffer, each tile's adds (and dQ's)
+    in turns (narrow._bias_sum_turn), with no expanded (B, H, Sq, Sk) buffer."""
     if hopper.bias_row(spec, bias):
         return "row"
     if hopper.bias_full(spec, bias):
@@ -438,13 +437,13 @@ def dbias_kind_of(spec: AttentionSpec, bias: torch.Tensor) -> str:
             and hopper.bias_dims(bias) == (1, spec.heads)):
         return "added"
     if spec.deterministic and not spec.varlen and dq_in_fp32(spec):
-        return "expanded"
+        return "ordered"
     return "summed"
 
 
 # dbias_kind_of's kinds whose tiles leave the compute warpgroups by TMA (stored or
 # added), where the dQ writer warp has no room
-TILE_GRADIENTS = ("full", "expanded", "added", "summed")
+TILE_GRADIENTS = ("full", "added", "summed", "ordered")
 
 
 def row_stats_buffer(spec: AttentionSpec, lse: torch.Tensor) -> torch.Tensor:
