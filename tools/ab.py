@@ -83,6 +83,8 @@ VARIANTS = {
     "no_dq_writer": {"bwd.DQ_WRITER": {64: False, 128: False},  # ... from the warpgroups
                      "bwd.DQ_WRITER_PACKED_UNMASKED": False},
     "no_ordered": {"bwd.ORDERED_DQ": False},  # deterministic calls on the tile kernels
+    # an "ordered" bias gradient's turns counted 2 or 3 steps late
+    **{f"sum_lag{n}": {"bwd.ORDERED_SUM_TURN_LAG": n} for n in (2, 3)},
     "bwd_grid": {"bwd.PERSISTENT_BLOCKS": False},  # a backward program per key block
     # ... with dQ's writer warp (a program then ends without waiting for its last adds)
     "grid_writer": {"bwd.PERSISTENT_BLOCKS": False, "bwd.DQ_WRITER": {64: True, 128: True}},
@@ -136,7 +138,8 @@ BACKWARD_KNOBS = {name: module for module, names in (
     (backward_sm90.narrow, ("BLOCK_M_D64", "SUMMED_BIAS_INNER", "SKIP_EMPTY_KEY_BLOCKS",
                             "DQ_WRITER", "DQ_WRITER_PACKED_UNMASKED", "ORDERED_DQ",
                             "PERSISTENT_BLOCKS", "MASKED_BY_RANK_BLOCKS", "BIAS_TILES_BATCH_INNER",
-                            "MASKED_PERSISTENT_MAX_BLOCKS", "KV_VIEWS_PER_STEP", "IDLE_HALVES")),
+                            "MASKED_PERSISTENT_MAX_BLOCKS", "KV_VIEWS_PER_STEP", "IDLE_HALVES",
+                            "ORDERED_SUM_TURN_LAG")),
     (backward_sm90.shared, ("PACKED_BIAS_ADDS", "SPLIT_HEAD_DIM_PAIRS", "FUSED_SPLIT",
                             "DEPENDENT_LAUNCHES")),
     (backward_sm90.wide, ("DQ_BLOCK_N", "DQ_MASKED_BY_RANK_BLOCKS", "DQ_AS_DEPENDENT",

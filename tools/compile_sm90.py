@@ -135,8 +135,8 @@ def main():
     ap.add_argument("--pass", dest="which", choices=("forward", "backward"),
                     help="that Gluon pass alone")
     ap.add_argument("--variant", help="tools/ab.py's knobs of that name (with --pass)")
-    ap.add_argument("--masks", help=f"of {', '.join(MASK_NAMES)}, comma-separated "
-                                    "(with --pass; default: all)")
+    ap.add_argument("--masks", help=f"of {', '.join([*MASK_NAMES, *MORE_MASKS])}, "
+                                    "comma-separated (with --pass; default: the first four)")
     ap.add_argument("--against", metavar="REV",
                     help="compile REV's tree too and compare the two trees' lines")
     args = ap.parse_args()
@@ -225,6 +225,9 @@ def summary(failures: int) -> int:
 HOPPER_MASKS = ({}, dict(causal=True), dict(causal=True, align="bottom_right"),
                 dict(window=(300, 7)))
 MASK_NAMES = ("none", "causal", "bottom_right", "window")  # HOPPER_MASKS' in order
+# --masks' options beyond those, named alone: deterministic calls (their own orders)
+MORE_MASKS = {"deterministic": dict(deterministic=True),
+              "deterministic_causal": dict(causal=True, deterministic=True)}
 
 
 def compile_one_pass(which, variant, masks) -> int:
@@ -239,10 +242,11 @@ def compile_one_pass(which, variant, masks) -> int:
             return 2
         ab.use(ab.VARIANTS[variant])
     names = MASK_NAMES if masks is None else masks.split(",")
-    if unknown := set(names) - set(MASK_NAMES):
-        print(f"--masks: of {', '.join(MASK_NAMES)}, not {', '.join(sorted(unknown))}")
+    every = dict(zip(MASK_NAMES, HOPPER_MASKS), **MORE_MASKS)
+    if unknown := set(names) - set(every):
+        print(f"--masks: of {', '.join(every)}, not {', '.join(sorted(unknown))}")
         return 2
-    chosen = tuple(m for m, name in zip(HOPPER_MASKS, MASK_NAMES) if name in names)
+    chosen = tuple(every[name] for name in every if name in names)
     compile_pass = compile_hopper_forward if which == "forward" else compile_hopper_backward
     return summary(compile_pass(chosen))
 
