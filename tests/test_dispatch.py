@@ -946,6 +946,76 @@ def test_ordered_bias_sum_keeps_the_summed_order(bias_shape, inner, rotate, monk
 
 
 @gluon
+@pytest.mark.parametrize("batch, heads, kv_heads", [(3, 4, 2), (2, 6, 6), (1, 4, 1)])
+@pytest.mark.parametrize("bias_dims", [(1, "H"), ("B", 1), (1, 1)], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_ordered_bias_sum_turns_follow_the_programs(batch, heads, kv_heads, bias_dims,
+                                                    causal, monkeypatch):  # fmt: skip
+    """An "ordered" bias gradient's turns (backward_sm90.narrow._bias_sum_turn), run in
+    Python over the programs in the order the grid starts them (_key_block's, with the
+    summed order's inner dims and, under a right bound, key blocks last first): at each
+    summed tile the (b, h)s that add into it take turns 0, 1, ... in the order their
+    programs start (a program's GQA heads in its walk's order), so that a program waits
+    only on programs started before it or on its own earlier steps (dQ's turns too,
+    under the causal mask); and the tiles' counters are within the count backward()
+    allocates."""
+    bsm = dispatch.backward_sm90
+    monkeypatch.setattr(bsm.narrow.gl, "cdiv", lambda a, b: -(-a // b))  # run in Python
+    block_m, block_n, seqlen_q, seqlen_k = 64, bsm.narrow.BLOCK_N, 300, 520
+    planes_b = batch if bias_dims[0] == "B" else 1
+    planes_h = heads if bias_dims[1] == "H" else 1
+    q = torch.zeros(batch, seqlen_q, heads, 64)
+    k = torch.zeros(batch, seqlen_k, kv_heads, 64)
+    bias = torch.zeros(planes_b, planes_h, seqlen_q, seqlen_k)
+    spec = check_call(q, k, k, bias=bias, causal=causal, deterministic=True)
+    kind = bsm.dbias_kind_of(spec, bias)
+    if (planes_b, planes_h) == (batch, heads):  # nothing summed: a full gradient
+        assert kind == "full"
+        return
+    assert kind == "ordered"
+    batch_inner, head_inner = bsm.narrow.inner_dims(spec, bias, kind)
+    num_n, group, tiles_q = -(-seqlen_k // block_n), heads // kv_heads, -(-seqlen_q // block_m)
+    order = []  # (b, kv head, key block) in the order the grid starts them
+    for item in range(batch * kv_heads * num_n):
+        rest = item
+        if batch_inner or head_inner:
+            b = rest % batch if batch_inner else None
+            rest //= batch if batch_inner else 1
+            hk = rest % kv_heads if head_inner else None
+            rest //= kv_heads if head_inner else 1
+            n, rest = rest % num_n, rest // num_n
+            hk = rest % kv_heads if hk is None else hk
+            rest //= 1 if head_inner else kv_heads
+            b = rest if b is None else b
+        else:
+            (b, hk), n = divmod(rest // num_n, kv_heads), rest % num_n
+        order.append((b, hk, num_n - 1 - n if causal else n))
+    arrivals, dq_arrivals, locks = {}, {}, set()
+    for start, (b, hk, n) in enumerate(order):
+        for g in range(group):
+            h = hk * group + g
+            for m in range(tiles_q):
+                if causal and n * block_n > m * block_m + block_m - 1:
+                    continue  # no row of the tile sees the block
+                lock, turn = bsm.narrow._bias_sum_turn.fn(
+                    b, h, m * block_m, n * block_n, seqlen_q, seqlen_k, heads, planes_b,
+                    planes_h, block_m, block_n)  # fmt: skip
+                arrivals.setdefault(lock, []).append((start, g, turn))
+                locks.add(lock)
+                if causal:  # dQ's turns: the later block first, started first
+                    dq_turn = bsm.narrow.dq_add_turn.fn(
+                        n, m * block_m, num_n, 0, 0, -1, 0, block_m, block_n, False, True,
+                        False)  # fmt: skip
+                    dq_arrivals.setdefault((b, h, m), []).append((start, dq_turn))
+    assert max(locks) < planes_b * planes_h * tiles_q * num_n
+    summed = batch * heads // (planes_b * planes_h)
+    for lock, adds in arrivals.items():
+        assert [turn for _, _, turn in sorted(adds)] == list(range(summed)), lock
+    for tile, adds in dq_arrivals.items():
+        assert [turn for _, turn in sorted(adds)] == list(range(len(adds))), tile
+
+
+@gluon
 def test_ordered_dq_rotates_only_where_a_whole_head_runs(monkeypatch):
     """Without bounds the rotated turns go round a head's key blocks, so they must all
     run at once: at most half the SMs' worth; longer calls, and windows bounded on the
