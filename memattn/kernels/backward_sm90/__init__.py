@@ -54,6 +54,7 @@ from . import narrow, shared, split, wide
 from .narrow import block_m, dq_from_full_bias, orders_dq
 from .shared import (
     HEAD_DIMS,
+    SUMMED_GRADIENTS,
     dbias_kind_of,
     dq_in_fp32,
     dq_split,
@@ -295,7 +296,7 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
     if dbias_kind == "row":  # dS summed over queries per (b, h, key), then over broadcast dims
         dbias = torch.zeros(spec.batch, spec.heads, spec.seqlen_k, dtype=torch.float32,
                             device=bias.device)
-    elif dbias_kind in ("summed", "ordered"):  # every (b, h)'s dS added in (in turns:
+    elif dbias_kind in SUMMED_GRADIENTS:  # every (b, h)'s dS added in (in turns:
         # "ordered"), converted at the end
         dbias = torch.empty(bias.shape, dtype=torch.float32, device=bias.device)
         bias_grad_tiles(ZERO_SEEN, spec, dbias, None, cu_seqlens_q, cu_seqlens_k)
@@ -319,7 +320,7 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
                               num_warps=4, **constexprs, launch_pdl=pdl)  # fmt: skip
     if dbias_kind == "row":
         dbias = hopper.sum_to_bias(dbias, bias)
-    elif dbias_kind in ("summed", "ordered"):
+    elif dbias_kind in SUMMED_GRADIENTS:
         summed, dbias = dbias, new_output(bias.shape, bias.dtype, bias.device)
         bias_grad_tiles(CONVERT, spec, summed, dbias, cu_seqlens_q, cu_seqlens_k)
     return dq, dk if need_dk else None, dv if need_dv else None, dbias

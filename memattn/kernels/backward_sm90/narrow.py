@@ -68,6 +68,7 @@ from . import shared
 from .shared import (
     BLOCK_M,
     STAGES,
+    SUMMED_GRADIENTS,
     TILE_GRADIENTS,
     _bwd_load_partition,
     _dq_tile_row,
@@ -194,6 +195,18 @@ def _step_turns(t, block, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                           BOUNDED_RIGHT, ROTATE)  # fmt: skip
     dq_lock = _dq_lock(b, h, start_m, 0, seqlen_q, heads, BLOCK_M, False)
     return sum_lock, 8 * sum_turn, dq_lock, 8 * dq_turn
+
+
+@gluon.jit
+def _wait_bias_sum_turn(ready, SumLocks, t, block, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+                        ROTATE: gl.constexpr):  # fmt: skip
+    """Before step t's summed tile is added: spins for its turn unless its counter, read
+    ahead, already said so (``ready``)."""
+    if not ready:
+        lock, count, _, _ = _step_turns(t, block, BLOCK_M, BLOCK_N, BOUNDED_LEFT,
+                                        BOUNDED_RIGHT, ROTATE)  # fmt: skip
+        hopper.wait_turn(SumLocks + lock, count)
 
 
 @gluon.constexpr_function
@@ -492,10 +505,8 @@ def _bwd_compute_partition(
                 # and dQ's dS carry: d(softcap * tanh(x / softcap)) / dx
                 if DBIAS_SUM:
                     if ORDERED_SUM:
-                        if not sum_ready:
-                            sum_lock, sum_count, _, _ = _step_turns(
-                                t, turns_of, BLOCK_M, BLOCK_N, BOUNDED_LEFT, BOUNDED_RIGHT, ROTATE)
-                            hopper.wait_turn(SumLocks + sum_lock, sum_count)
+                        _wait_bias_sum_turn(sum_ready, SumLocks, t, turns_of, BLOCK_M, BLOCK_N,
+                                            BOUNDED_LEFT, BOUNDED_RIGHT, ROTATE)  # fmt: skip
                     _store_transposed(ds, dsum_smem.index(HALF), dbias_desc,
                                       [b % bias_batches, h % bias_heads, start_m, row0], True)
                 if RAW_DS_IN_DQ:  # its tile through this warpgroup's dQ buffer (free once
@@ -520,10 +531,8 @@ def _bwd_compute_partition(
                 # added into its fp32 gradient by TMA reduce-add, as dQ is (several (b, h)
                 # add to each tile)
                 if ORDERED_SUM:
-                    if not sum_ready:
-                        sum_lock, sum_count, _, _ = _step_turns(
-                            t, turns_of, BLOCK_M, BLOCK_N, BOUNDED_LEFT, BOUNDED_RIGHT, ROTATE)
-                        hopper.wait_turn(SumLocks + sum_lock, sum_count)
+                    _wait_bias_sum_turn(sum_ready, SumLocks, t, turns_of, BLOCK_M, BLOCK_N,
+                                        BOUNDED_LEFT, BOUNDED_RIGHT, ROTATE)  # fmt: skip
                 _store_transposed(ds, dsum_smem.index(HALF), dbias_desc,
                                   [b % bias_batches, h % bias_heads, start_m, row0], True)
             ds_op = gl.convert_layout(ds_lo, ds_op_layout)
@@ -1188,7 +1197,7 @@ def inner_dims(spec: AttentionSpec, bias, dbias_kind: str | None) -> tuple[bool,
     if (BIAS_TILES_BATCH_INNER and dbias_kind is None and bias is not None
             and not spec.varlen and not spec.deterministic and not hopper.bias_row(spec, bias)):
         return (hopper.shared_over_batch(spec, hopper.bias_dims(bias)), False)
-    if dbias_kind not in ("added", "summed", "ordered") or not SUMMED_BIAS_INNER:
+    if dbias_kind not in ("added", *SUMMED_GRADIENTS) or not SUMMED_BIAS_INNER:
         return (False, False)
     batches, heads = hopper.bias_dims(bias)
     inner = (batches == 1 and spec.batch > 1, heads == 1 and spec.kv_heads > 1)
@@ -1321,7 +1330,7 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
         BLOCK_M=block_m(spec, bias_row), BLOCK_N=BLOCK_N, STAGES=STAGES,
         HAS_BIAS=bias_tiles,
         DBIAS_TILES={"full": 1, "added": 2}.get(dbias_kind, 0),
-        DBIAS_SUM=dbias_kind in ("summed", "ordered"),
+        DBIAS_SUM=dbias_kind in SUMMED_GRADIENTS,
         BIAS_ROW=bias_row, DBIAS_ROW=dbias_kind == "row", HAS_ALIBI=spec.has_alibi,
         HAS_DROPOUT=spec.dropout_p > 0, IS_VARLEN=spec.varlen,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,

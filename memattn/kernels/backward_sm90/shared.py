@@ -444,6 +444,8 @@ def dbias_kind_of(spec: AttentionSpec, bias: torch.Tensor) -> str:
 # dbias_kind_of's kinds whose tiles leave the compute warpgroups by TMA (stored or
 # added), where the dQ writer warp has no room
 TILE_GRADIENTS = ("full", "added", "summed", "ordered")
+# dbias_kind_of's kinds added into an fp32 buffer in the bias's shape, converted after
+SUMMED_GRADIENTS = ("summed", "ordered")
 
 
 def row_stats_buffer(spec: AttentionSpec, lse: torch.Tensor) -> torch.Tensor:
