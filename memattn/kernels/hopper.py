@@ -557,12 +557,12 @@ def take_ticket(counter):
 
 
 @gluon.jit
-def ring(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+def ring(STAGES: gl.constexpr, CONSUMERS: gl.constexpr, PRODUCERS: gl.constexpr = 1):
     """Allocates and initialises a ring's (ready, empty) barriers, [STAGES, 1] each."""
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(ready.index(i), count=PRODUCERS)
         mbarrier.init(empty.index(i), count=CONSUMERS)
     return ready, empty
 
@@ -815,7 +815,8 @@ def end_turn(lock):
     """Counts a turn done at ``lock``, from one warp, once the warp's bulk copies have
     completed: cp.async.bulk.wait_group 0 (tma.store_wait's .read variant only waits
     for their sources to be read, not for their writes), the warp's lanes together,
-    fence.acq_rel.gpu, then lane 0's red.add; the next wait_turn then sees the writes."""
+    fence.acq_rel.gpu, then lane 0's red.add; the next wait_turn then sees the writes
+    (and those of warpgroups that handed the turn to this warp: hand_over_turn)."""
     gl.inline_asm_elementwise(
         "{ .reg .pred p; .reg .b32 l; cp.async.bulk.wait_group 0; bar.warp.sync -1; "
         "mov.u32 l, %laneid; setp.eq.u32 p, l, 0; fence.acq_rel.gpu; "
@@ -829,20 +830,22 @@ def _wait_group_asm(pending):
 
 
 @gluon.jit
-def end_turn_of_warpgroup(lock, PENDING: gl.constexpr):
-    """end_turn's for a warpgroup that issues its own bulk copies, for all of them but
-    the last PENDING: cp.async.bulk.wait_group PENDING in every thread (whichever issued
-    them), the warpgroup's barrier, then each warp's lane 0 red.add.release, so that a
-    turn counts four (backward_sm90.narrow's "ordered" bias gradients). Lane 0 of each
-    warp, not one thread of the four: %tid.x there cost the D=128 kernel 250-370 bytes
-    of spills (sm_90 compile), %laneid none."""
+def hand_over_turn(landed, counted, i, KIND: gl.constexpr, RING: gl.constexpr,
+                   PENDING: gl.constexpr):  # fmt: skip
+    """A warpgroup that issues its own bulk copies hands its i-th turn of a kind (KIND) to
+    the warp that counts them (backward_sm90.narrow's "ordered" bias gradients), once all
+    its copies but the last PENDING have completed: cp.async.bulk.wait_group PENDING in
+    every thread (whichever issued them), the warpgroup's barrier, an arrive on the turn's
+    slot of ``landed`` ([KIND * RING + i % RING]), which the counting warp gives back on
+    ``counted`` (the slot's last use waited for first). The counting warp's end_turn
+    then makes the writes visible at gpu scope: a release's fence in the warpgroup itself
+    held up its steps (H200: 1HQK's row 213 -> 241 TFLOP/s where its adds were relaxed)."""
+    slot = KIND * RING + i % RING
+    mbarrier.wait(counted.index(slot), ((i // RING) & 1) ^ 1, pred=i >= RING)
     asm: gl.constexpr = _wait_group_asm(PENDING)
     gl.inline_asm_elementwise(asm, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     gl.thread_barrier()
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; "
-        "@p red.release.gpu.global.add.s32 [$1], 1; mov.b32 $0, 0; }",
-        "=r,l", [lock], dtype=gl.int32, is_pure=False, pack=1)
+    mbarrier.arrive(landed.index(slot))
 
 
 @gluon.jit

@@ -182,9 +182,9 @@ def _step_turns(t, block, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 ROTATE: gl.constexpr):  # fmt: skip
     """An "ordered" bias gradient's block step t (a dense batch): its summed gradient
     tile's counter (_bias_sum_turn) and the count it must read for (b, h)'s turn, then
-    its dQ tile's (_dq_lock, dq_add_turn): four a warpgroup a turn
-    (hopper.end_turn_of_warpgroup). Worked out where needed, not carried across the
-    step: registers are short. ``block``: the block's runtime values it takes."""
+    its dQ tile's (_dq_lock, dq_add_turn): one a turn (_bwd_turn_counter_partition).
+    Worked out where needed, not carried across the step: registers are short.
+    ``block``: the block's runtime values it takes."""
     (b, hk, GROUP, lo, n_tiles, rot, start_n, seqlen_q, seqlen_k, off, window_left,
      window_right, heads, bias_batches, bias_heads) = block
     h, start_m = _query_tile(t, hk, GROUP, lo, n_tiles, BLOCK_M, rot, ROTATE)
@@ -194,7 +194,7 @@ def _step_turns(t, block, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                           window_left, window_right, BLOCK_M, BLOCK_N, BOUNDED_LEFT,
                           BOUNDED_RIGHT, ROTATE)  # fmt: skip
     dq_lock = _dq_lock(b, h, start_m, 0, seqlen_q, heads, BLOCK_M, False)
-    return sum_lock, 8 * sum_turn, dq_lock, 8 * dq_turn
+    return sum_lock, sum_turn, dq_lock, dq_turn
 
 
 @gluon.jit
@@ -331,7 +331,7 @@ def _bwd_compute_partition(
      q_empty, do_empty, ds_bar, blocks, n_items, GROUP, scale, window_left, window_right,
      seed, rng_offset, heads, dropout_p, Alibi, stride_ab, stride_ah, BiasRow, stride_rb,
      stride_rh, stride_rn, bias_batches, bias_heads, DBiasRow, stride_pb, stride_ph,
-     softcap, DqLocks, SumLocks) = shared
+     softcap, DqLocks, SumLocks, landed, counted) = shared
     dtype: gl.constexpr = k_smem.dtype
     HALF_N: gl.constexpr = BLOCK_N // 2
     DQ_ROWS: gl.constexpr = dq_split(HEAD_DIM_QK, BLOCK_M)[0]  # dQ's part made here
@@ -378,10 +378,10 @@ def _bwd_compute_partition(
     IDLE_HALF: gl.constexpr = (IDLE_KEYS and HALF == 1 and HAS_DQ and DBIAS_TILES == 0
                                and not DBIAS_SUM and not DBIAS_ROW and not OVERLAP_ENDS)
     # Deterministic with a bias gradient summed over batch or heads ("ordered"):
-    # this warpgroup adds dS's fp32 tiles and dQ's itself, each in its turn, and counts
-    # a step's turns TURN_LAG steps later (ORDERED_SUM_TURN_LAG; the copies alternate,
-    # two a step, so that wait_group leaves the later ones in flight), so that it does
-    # not wait for its adds to land as it makes them.
+    # this warpgroup adds dS's fp32 tiles and dQ's itself, each in its turn, and hands a
+    # step's turns to the counting warps TURN_LAG steps later (ORDERED_SUM_TURN_LAG; the
+    # copies alternate, two a step, so that wait_group leaves the later ones in flight),
+    # so that it does not wait for its adds to land as it makes them.
     ORDERED_SUM: gl.constexpr = ORDERED and DBIAS_SUM
     # The rings' tiles before this block's (dS's and dQ's buffers go by them too)
     step = gl.to_tensor(0)
@@ -428,13 +428,12 @@ def _bwd_compute_partition(
             do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_V])
             dp = warpgroup_mma(v_half, do.permute((1, 0)), s_init, use_acc=False, is_async=True)
             if ORDERED_SUM:  # while S and dP run: the summed tile of TURN_LAG steps ago
-                # has landed, its turn counts (the adds since, two a step, run on); this
-                # step's counters are read ahead, spun on below only if not at their turns
+                # has landed, its turn goes to be counted (the adds since, two a step, run
+                # on); this step's counters are read ahead, spun on below only if not at
+                # their turns
                 if t >= TURN_LAG:
-                    last_sum, _, _, _ = _step_turns(
-                        t - TURN_LAG, turns_of, BLOCK_M, BLOCK_N, BOUNDED_LEFT, BOUNDED_RIGHT,
-                        ROTATE)  # fmt: skip
-                    hopper.end_turn_of_warpgroup(SumLocks + last_sum, 2 * TURN_LAG - 1)
+                    hopper.hand_over_turn(landed, counted, i - TURN_LAG, 0, TURN_RING,
+                                          2 * TURN_LAG - 1)  # fmt: skip
                 sum_lock, sum_count, dq_lock, dq_count = _step_turns(
                     t, turns_of, BLOCK_M, BLOCK_N, BOUNDED_LEFT, BOUNDED_RIGHT, ROTATE)
                 sum_ready = hopper.load_acquire(SumLocks + sum_lock) == sum_count
@@ -574,10 +573,8 @@ def _bwd_compute_partition(
 
             if ORDERED_SUM:  # likewise dQ's tile of TURN_LAG steps ago; this one's turn
                 if t >= TURN_LAG:
-                    _, _, last_dq, _ = _step_turns(
-                        t - TURN_LAG, turns_of, BLOCK_M, BLOCK_N, BOUNDED_LEFT, BOUNDED_RIGHT,
-                        ROTATE)  # fmt: skip
-                    hopper.end_turn_of_warpgroup(DqLocks + last_dq, 2 * TURN_LAG - 1)
+                    hopper.hand_over_turn(landed, counted, i - TURN_LAG, 1, TURN_RING,
+                                          2 * TURN_LAG - 1)  # fmt: skip
                 if not dq_ready:
                     _, _, dq_lock, dq_count = _step_turns(
                         t, turns_of, BLOCK_M, BLOCK_N, BOUNDED_LEFT, BOUNDED_RIGHT, ROTATE)
@@ -602,11 +599,9 @@ def _bwd_compute_partition(
         if ORDERED_SUM:  # the last TURN_LAG steps' turns, once all has landed
             for lag in gl.static_range(TURN_LAG):
                 if busy_steps - TURN_LAG + lag >= 0:
-                    last_sum, _, last_dq, _ = _step_turns(
-                        busy_steps - TURN_LAG + lag, turns_of, BLOCK_M, BLOCK_N, BOUNDED_LEFT,
-                        BOUNDED_RIGHT, ROTATE)  # fmt: skip
-                    hopper.end_turn_of_warpgroup(SumLocks + last_sum, 0)
-                    hopper.end_turn_of_warpgroup(DqLocks + last_dq, 0)
+                    last = step + busy_steps - TURN_LAG + lag
+                    hopper.hand_over_turn(landed, counted, last, 0, TURN_RING, 0)
+                    hopper.hand_over_turn(landed, counted, last, 1, TURN_RING, 0)
         step += GROUP * n_tiles
         if not OVERLAP_ENDS or n_tiles == 0:  # done with K and V: the next block's
             mbarrier.arrive(kv_empty)  # may load
@@ -858,6 +853,41 @@ def _bwd_dq_writer_partition(
 
 
 @gluon.jit
+def _bwd_turn_counter_partition(
+    landed, counted, Locks, blocks, n_items, GROUP, heads, bias_batches, bias_heads,
+    KIND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
+    BATCH_INNER: gl.constexpr, HEAD_INNER: gl.constexpr, ROTATE: gl.constexpr,
+    PERSISTENT: gl.constexpr, FOLD: gl.constexpr,
+):  # fmt: skip
+    """One warp of an "ordered" bias gradient's two: counts one kind of the compute
+    warpgroups' turns (KIND 0: the summed tiles', SumLocks; 1: dQ's, DqLocks) in their
+    steps' order. Once both warpgroups have handed a step's turn over
+    (hopper.hand_over_turn), its adds have landed: a release add of one on the tile's
+    counter (hopper.end_turn), then the slot back. A release's fence waits for the
+    memory system, here beside the steps instead of in them. ``blocks``: as
+    _program_block takes them (a dense batch)."""
+    window_left, window_right = blocks[8], blocks[9]
+    step = gl.to_tensor(0)  # the steps before this block's
+    for blk in range(n_items):
+        b, hk, start_n, _, _, seqlen_q, seqlen_k, off, lo, _, _, n_tiles = _program_block(
+            blk, blocks, BLOCK_M, BLOCK_N, False, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
+            BATCH_INNER, HEAD_INNER, True, PERSISTENT, FOLD)  # fmt: skip
+        rot = _walk_rotation(start_n, n_tiles, seqlen_k, BLOCK_N, ROTATE)
+        turns_of = (b, hk, GROUP, lo, n_tiles, rot, start_n, seqlen_q, seqlen_k, off,
+                    window_left, window_right, heads, bias_batches, bias_heads)
+        for t in range(GROUP * n_tiles):
+            i = step + t
+            slot = KIND * TURN_RING + i % TURN_RING
+            mbarrier.wait(landed.index(slot), (i // TURN_RING) & 1)
+            sum_lock, _, dq_lock, _ = _step_turns(t, turns_of, BLOCK_M, BLOCK_N, BOUNDED_LEFT,
+                                                  BOUNDED_RIGHT, ROTATE)  # fmt: skip
+            hopper.end_turn(Locks + (sum_lock if KIND == 0 else dq_lock))
+            mbarrier.arrive(counted.index(slot))
+        step += GROUP * n_tiles
+
+
+@gluon.jit
 def _bwd_sm90_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, bias_desc, dbias_desc, dk_desc,
     dv_desc, DK, DV, Rng, Alibi, CuSeqQ, CuSeqK, DqLocks, SumLocks, BiasRow, DBiasRow,
@@ -942,6 +972,12 @@ def _bwd_sm90_kernel(
                                               dbias_desc.layout)
     else:
         dsum_smem = dq_smem
+    if ORDERED and DBIAS_SUM:  # turns handed from both compute warpgroups to the
+        # counting warps: [kind * TURN_RING + step % TURN_RING]
+        landed, counted = hopper.ring(2 * TURN_RING, 1, 2)
+    else:  # stand-ins, never touched
+        landed = ds_bar
+        counted = ds_bar
 
     seed, rng_offset = philox_key(Rng, HAS_DROPOUT)
     heads = HKV * GROUP
@@ -953,12 +989,16 @@ def _bwd_sm90_kernel(
               kv_empty, q_ready, do_ready, q_empty, do_empty, ds_bar, blocks, n_items, GROUP,
               scale, window_left, window_right, seed, rng_offset, heads, dropout_p, Alibi,
               stride_ab, stride_ah, BiasRow, stride_rb, stride_rh, stride_rn, bias_batches,
-              bias_heads, DBiasRow, stride_pb, stride_ph, softcap, DqLocks, SumLocks)
+              bias_heads, DBiasRow, stride_pb, stride_ph, softcap, DqLocks, SumLocks, landed,
+              counted)
     loads = (q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem,
              v_smem, lse_smem, delta_smem, bias_smem, kv_bar, kv_empty, q_ready, do_ready,
              q_empty, do_empty, GROUP, bias_batches, bias_heads, blocks, n_items)
-    if DQ_BUFS > 0:  # a fourth partition, the dQ writer warp (ORDERED: dQ's counters in
-        # DqLocks)
+    # The partitions: both compute warpgroups and the load warp, then the dQ writer warp
+    # (DQ_BUFS; ORDERED: dQ's counters in DqLocks) or, for an "ordered" bias gradient,
+    # the two warps counting its turns. (Written out in each call: a constexpr held in a
+    # tuple variable turns into a tensor.)
+    if DQ_BUFS > 0:
         gl.warp_specialize(
             [(_bwd_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, DBIAS_TILES, DBIAS_SUM, BIAS_ROW,
@@ -984,6 +1024,37 @@ def _bwd_sm90_kernel(
                                          BOUNDED_RIGHT, BATCH_INNER, HEAD_INNER, ORDERED,
                                          ROTATE, PERSISTENT, FOLD, PDL))],
             worker_num_warps=[4, 1, 1], worker_num_regs=[240, 24, 24])  # fmt: skip
+    elif ORDERED and DBIAS_SUM:
+        gl.warp_specialize(
+            [(_bwd_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
+                                       STAGES, HAS_BIAS, DBIAS_TILES, DBIAS_SUM, BIAS_ROW,
+                                       DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
+                                       BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
+                                       BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD,
+                                       HAS_DQ, HAS_SOFTCAP, KV_VIEWS_PER_STEP,
+                                       IDLE_KEYS, TURN_LAG)),
+             (_bwd_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
+                                       STAGES, HAS_BIAS, DBIAS_TILES, DBIAS_SUM, BIAS_ROW,
+                                       DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
+                                       BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
+                                       BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD,
+                                       HAS_DQ, HAS_SOFTCAP, KV_VIEWS_PER_STEP,
+                                       IDLE_KEYS, TURN_LAG)),
+             (_bwd_blocks_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, IS_VARLEN,
+                                           BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
+                                           BATCH_INNER, HEAD_INNER, ORDERED, ROTATE,
+                                           PERSISTENT, FOLD, PDL)),
+             (_bwd_turn_counter_partition, (landed, counted, SumLocks, blocks, n_items, GROUP,
+                                            heads, bias_batches, bias_heads, 0, BLOCK_M,
+                                            BLOCK_N, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
+                                            BATCH_INNER, HEAD_INNER, ROTATE, PERSISTENT,
+                                            FOLD)),
+             (_bwd_turn_counter_partition, (landed, counted, DqLocks, blocks, n_items, GROUP,
+                                            heads, bias_batches, bias_heads, 1, BLOCK_M,
+                                            BLOCK_N, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
+                                            BATCH_INNER, HEAD_INNER, ROTATE, PERSISTENT,
+                                            FOLD))],
+            worker_num_warps=[4, 1, 1, 1], worker_num_regs=[240, 24, 24, 24])  # fmt: skip
     else:
         gl.warp_specialize(
             [(_bwd_compute_partition, (shared, 0, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
@@ -1056,13 +1127,18 @@ DQ_WRITER_PACKED_UNMASKED = True
 ORDERED_DQ = True
 # An "ordered" bias gradient (dbias_kind_of's: deterministic, summed over batch or
 # heads): each compute warpgroup adds its summed tiles and dQ's in turns
-# (_bias_sum_turn, dq_add_turn) and counts a step's two turns this many steps later,
-# once those adds have landed (hopper.end_turn_of_warpgroup's wait_group), while the
-# next step's S and dP run; the programs after it in a tile's turns wait as long.
-# H200, tools/ab.py --rounds 2, B4 S4096 H16 D128 1HQK, causal / not, TFLOP/s: 1 step
-# 212 / 244, 2 steps 205 / 224, 3 steps 176 / 191 (the default, not deterministic: 310 /
-# 340). Tools set it to A/B, then call hopper.forget_plans().
+# (_bias_sum_turn, dq_add_turn) and hands a step's two turns to the counting warps this
+# many steps later, once those adds have landed (hopper.hand_over_turn's wait_group),
+# while the next step's S and dP run; the programs after it in a tile's turns wait as
+# long. H200, tools/ab.py --rounds 2, B4 S4096 H16 D128 1HQK, causal / not, TFLOP/s,
+# counted by the warpgroups themselves then: 1 step 212 / 244, 2 steps 205 / 224, 3
+# steps 176 / 191 (the default, not deterministic: 310 / 340). Tools set it to A/B,
+# then call hopper.forget_plans().
 ORDERED_SUM_TURN_LAG = 1
+# The turns a kind handed to its counting warp and not yet counted, at most (the
+# compute warpgroups wait for a slot past that: the warp counts a turn in about a
+# step's time or less)
+TURN_RING = gl.constexpr(4)
 # Packed sequences in SUMMED_BIAS_INNER's orders (a program per key block of the
 # longest sequence): programs past their sequence's blocks return before loading K and
 # V (SKIP_PAST_END). H100, the bench's docs row on that grid (4480 of 6656 programs past
