@@ -1074,6 +1074,13 @@ ORDERED_BIAS_SUM_CASES = [
          bias="1HQK", options=dict(softcap=20.0)),
     Case("11QK D64 dropout causal", batch=2, heads=4, kv_heads=1, seqlen_q=600,
          seqlen_k=600, dqk=64, dv=64, bias="QK", options=dict(causal=True, dropout_p=0.15)),
+    # no bound, too many key blocks for dQ's turns to rotate (18 x 4 programs on 132
+    # SMs): over the batch the walks stay alike, over the heads they spread over the kv
+    # heads (narrow.walk_rotation), GQA heads summed within each program
+    Case("1HQK many blocks", batch=4, heads=4, kv_heads=2, seqlen_q=900, seqlen_k=2200,
+         dqk=128, dv=128, bias="1HQK"),
+    Case("B1QK spread GQA", batch=2, heads=8, kv_heads=4, seqlen_q=700, seqlen_k=2200,
+         dqk=128, dv=128, bias="B1QK"),
 ]  # fmt: skip
 
 
@@ -1092,6 +1099,11 @@ def test_deterministic_summed_bias_gradient_on_hopper_gpu(case, hopper_backward_
     x = make_inputs(case, torch.bfloat16, "cuda", seed=4)
     spec = memattn.spec.check_call(x.q, x.k, x.v, **x.kwargs)
     assert backward_sm90.dbias_kind_of(spec, x.kwargs["bias"]) == "ordered"
+    if "many blocks" in case.name or "spread" in case.name:
+        narrow = backward_sm90.narrow
+        inner = narrow.inner_dims(spec, x.kwargs["bias"], "ordered")
+        assert narrow.walk_rotation(spec, "ordered", inner) == (
+            narrow.SPREAD_OVER_KV_HEADS if "spread" in case.name else narrow.ROTATE_NONE)
     for run in runs[1:]:
         for a, b in zip(runs[0], run):
             assert torch.equal(a, b)

@@ -450,7 +450,7 @@ def test_backward_programs_persistent_where_the_blocks_order_is_free(
         blocks = 3 * 2 * (1024 // bsm.narrow.BLOCK_N + 1)
     assert plan.constexprs["PERSISTENT"] is persistent
     assert plan.constexprs["FOLD"] is fold
-    assert plan.counts == (1024 // bsm.narrow.BLOCK_N, blocks)
+    assert plan.counts == (1024 // bsm.narrow.BLOCK_N, blocks, bsm.narrow.SPREAD_STEPS)
     assert plan.programs == (5 if persistent else blocks)  # the strides: test_hopper
 
 
@@ -915,7 +915,8 @@ def test_ordered_dq_takes_deterministic_calls(options, varlen, bias_shape, order
         bsm.hopper.forget_plans()
     assert bsm.orders_dq(spec, kind) is ordered
     assert plan.constexprs["ORDERED"] is ordered
-    assert plan.constexprs["ROTATE"] is rotate
+    assert plan.constexprs["ROTATE"] == (bsm.narrow.ROTATE_BY_BLOCK if rotate
+                                         else bsm.narrow.ROTATE_NONE)
     assert (plan.constexprs["DQ_BUFS"] > 0) is (ordered and kind != "ordered")
     assert plan.constexprs["DBIAS_SUM"] is (kind == "ordered")
     plain = dataclasses.replace(spec, deterministic=False)
@@ -1013,6 +1014,68 @@ def test_ordered_bias_sum_turns_follow_the_programs(batch, heads, kv_heads, bias
         assert [turn for _, _, turn in sorted(adds)] == list(range(summed)), lock
     for tile, adds in dq_arrivals.items():
         assert [turn for _, turn in sorted(adds)] == list(range(len(adds))), tile
+
+
+@gluon
+@pytest.mark.parametrize("batch, heads, kv_heads, seqlen_q", [
+    (2, 6, 3, 520),  # GQA heads summed within a program too
+    (3, 8, 8, 700),
+    (1, 4, 4, 130)])  # more kv heads than query tiles: some start together
+@pytest.mark.parametrize("spread_steps", [0, 1, 2])
+def test_spread_bias_sum_turns_follow_the_visits(batch, heads, kv_heads, seqlen_q,
+                                                 spread_steps, monkeypatch):  # fmt: skip
+    """A bias gradient summed over heads, without bounds (narrow.walk_rotation's
+    SPREAD_OVER_KV_HEADS): the kv heads start their walks spread_steps apart, and each
+    summed tile's turns (_spread_sum_turn) go 0, 1, ... in the order they reach it (by
+    step, the later kv head first at the same step), so that every wait is on an add made
+    at an earlier step or by a program that gets there at once; a head's key blocks
+    still reach each of its dQ tiles at the same step (dQ adds first block first, behind
+    no later one). One shared over batches keeps its walks alike. Run in Python."""
+    bsm = dispatch.backward_sm90
+    narrow = bsm.narrow
+    monkeypatch.setattr(narrow.gl, "cdiv", lambda a, b: -(-a // b))  # run in Python
+    monkeypatch.setattr(narrow.gl, "minimum", min)
+    monkeypatch.setattr(narrow, "_spread_span", narrow._spread_span.fn)
+    monkeypatch.setattr(bsm.hopper, "sm_count", lambda device_index: 2 * max(batch, kv_heads))
+    block_m, block_n, seqlen_k = 64, narrow.BLOCK_N, 4 * narrow.BLOCK_N
+    q = torch.zeros(batch, seqlen_q, heads, 64)
+    k = torch.zeros(batch, seqlen_k, kv_heads, 64)
+
+    def rotation(planes):
+        bias = torch.zeros(*planes, seqlen_q, seqlen_k)
+        spec = check_call(q, k, k, bias=bias, deterministic=True)
+        kind = bsm.dbias_kind_of(spec, bias)
+        return spec, narrow.walk_rotation(spec, kind, narrow.inner_dims(spec, bias, kind))
+
+    if batch > 1:  # summed over the batch: the walks alike
+        assert rotation((1, heads))[1] == narrow.ROTATE_NONE
+    spec, rotate = rotation((batch, 1))
+    assert rotate == narrow.SPREAD_OVER_KV_HEADS
+    assert narrow.walk_rotation(spec, None, (False, True)) != rotate  # dQ's turns alone
+    num_n, group, tiles = -(-seqlen_k // block_n), heads // kv_heads, -(-seqlen_q // block_m)
+    blocks = (0, batch * kv_heads * num_n, kv_heads, None, None, seqlen_q, seqlen_k, num_n, -1,
+              -1, spread_steps)  # fmt: skip
+    arrivals, dq_steps = {}, {}
+    for b in range(batch):
+        for hk in range(kv_heads):
+            span = narrow._spread_span(tiles, kv_heads, spread_steps)
+            for n in range(num_n):
+                rot = narrow._walk_rotation.fn(hk, n * block_n, tiles, seqlen_k, blocks,
+                                               block_n, rotate)  # fmt: skip
+                for t in range(group * tiles):  # _query_tile's walk
+                    g, m = divmod(t, tiles)
+                    m = (m + rot) % tiles
+                    h = hk * group + g
+                    lock, _ = narrow._bias_sum_turn.fn(
+                        b, h, m * block_m, n * block_n, seqlen_q, seqlen_k, heads, batch, 1,
+                        block_m, block_n)  # fmt: skip
+                    turn = g * kv_heads + narrow._spread_sum_turn.fn(m, hk, kv_heads, span)
+                    arrivals.setdefault(lock, []).append(((t, -hk), turn))  # as _step_turns
+                    dq_steps.setdefault((b, h, m), set()).add(t)
+    for lock, adds in arrivals.items():
+        assert len({when for when, _ in adds}) == heads, lock  # no two at once, same rank
+        assert [turn for _, turn in sorted(adds)] == list(range(heads)), lock
+    assert all(len(steps) == 1 for steps in dq_steps.values())
 
 
 @gluon

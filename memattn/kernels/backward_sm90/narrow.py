@@ -97,15 +97,54 @@ BLOCK_N = 128  # keys a program: two warpgroups x 64
 BLOCK_M_D64 = 128
 
 
+# How a program's walk over its query tiles rotates (the ROTATE constexpr): not at all,
+# by key block (ORDERED_DQ's dQ turns, dq_add_turn), or by kv head among the kv heads
+# whose "ordered" bias gradient tiles add up (a bias shared over heads: walk_rotation).
+ROTATE_NONE = gl.constexpr(0)
+ROTATE_BY_BLOCK = gl.constexpr(1)
+SPREAD_OVER_KV_HEADS = gl.constexpr(2)
+
+
 @gluon.jit
-def _walk_rotation(start_n, n_tiles, seqlen_k, BLOCK_N: gl.constexpr, ROTATE: gl.constexpr):
-    """ROTATE: the query tile key block start_n's walk starts at, n * n_tiles // num_n
-    for block n of the num_n of its (sequence's) keys (ORDERED_DQ, dq_add_turn); 0
-    otherwise. The three partitions take it from here, so that they walk alike."""
+def _walk_rotation(hk, start_n, n_tiles, seqlen_k, blocks, BLOCK_N: gl.constexpr,
+                   ROTATE: gl.constexpr):  # fmt: skip
+    """The query tile a program's walk starts at: ROTATE_BY_BLOCK, n * n_tiles // num_n
+    for block n of the num_n of its (sequence's) keys (ORDERED_DQ, dq_add_turn);
+    SPREAD_OVER_KV_HEADS, hk * span // HKV (_spread_span), so that the kv heads reach
+    each summed tile steps apart (_spread_sum_turn); 0 otherwise. The partitions take
+    it from here, so that they walk alike."""
     rot = 0
-    if ROTATE:
+    if ROTATE == ROTATE_BY_BLOCK:
         rot = (start_n // BLOCK_N) * n_tiles // gl.cdiv(seqlen_k, BLOCK_N)
+    if ROTATE == SPREAD_OVER_KV_HEADS:
+        HKV = blocks[2]
+        rot = hk * _spread_span(n_tiles, HKV, blocks[10]) // HKV
     return rot
+
+
+@gluon.jit
+def _spread_span(n_tiles, kv_heads, spread_steps):
+    """SPREAD_OVER_KV_HEADS: the query tiles over which the kv heads start their walks,
+    spread_steps (SPREAD_STEPS) apart; all n_tiles where there are fewer or it is 0."""
+    span = n_tiles
+    if spread_steps > 0:
+        span = gl.minimum(n_tiles, kv_heads * spread_steps)
+    return span
+
+
+@gluon.jit
+def _spread_sum_turn(tile, hk, kv_heads, span):
+    """SPREAD_OVER_KV_HEADS: kv head hk's turn among the kv heads at its walk's tile
+    ``tile``, each kv head's walk starting at hk * span // kv_heads (_walk_rotation):
+    the order they reach it in, first the last kv head whose walk starts at that tile or
+    before it, then the ones before that, wrapping round (kv heads whose walks start at
+    the same tile reach it at once, the later one first). Each then waits on an add
+    made steps before its own instead of queueing behind the kv head before it. Plain
+    integer arithmetic, so that tests can run it in Python."""
+    starter = ((tile + 1) * kv_heads - 1) // span
+    if starter > kv_heads - 1:
+        starter = kv_heads - 1
+    return (starter - hk + kv_heads) % kv_heads
 
 
 @gluon.jit
@@ -128,7 +167,7 @@ def dq_add_turn(n, start_m, num_n, n_tiles, off, window_left, window_right,
         if last > num_n - 1:
             last = num_n - 1
         turn = last - n
-    elif not ROTATE:
+    elif ROTATE != ROTATE_BY_BLOCK:  # a spread rotates every block of a head alike
         first = 0
         if BOUNDED_LEFT:
             first = start_m + off - window_left
@@ -137,7 +176,7 @@ def dq_add_turn(n, start_m, num_n, n_tiles, off, window_left, window_right,
             first = first // BLOCK_N
         turn = n - first
     else:
-        # the last block whose walk starts at this tile or before it
+        # the last block whose walk starts at this tile or before it (as _spread_sum_turn)
         starter = ((start_m // BLOCK_M + 1) * num_n - 1) // n_tiles
         if starter > num_n - 1:
             starter = num_n - 1
@@ -186,10 +225,15 @@ def _step_turns(t, block, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     Worked out where needed, not carried across the step: registers are short.
     ``block``: the block's runtime values it takes."""
     (b, hk, GROUP, lo, n_tiles, rot, start_n, seqlen_q, seqlen_k, off, window_left,
-     window_right, heads, bias_batches, bias_heads) = block
+     window_right, heads, bias_batches, bias_heads, span) = block
     h, start_m = _query_tile(t, hk, GROUP, lo, n_tiles, BLOCK_M, rot, ROTATE)
     sum_lock, sum_turn = _bias_sum_turn(b, h, start_m, start_n, seqlen_q, seqlen_k, heads,
                                         bias_batches, bias_heads, BLOCK_M, BLOCK_N)
+    if ROTATE == SPREAD_OVER_KV_HEADS:  # the kv heads in the order they reach the tile,
+        # a program's GQA heads in its walk's order, each after all of the last one's
+        kv_heads = heads // GROUP
+        sum_turn = ((t // n_tiles) * kv_heads
+                    + _spread_sum_turn((start_m - lo) // BLOCK_M, hk, kv_heads, span))
     dq_turn = dq_add_turn(start_n // BLOCK_N, start_m, gl.cdiv(seqlen_k, BLOCK_N), n_tiles, off,
                           window_left, window_right, BLOCK_M, BLOCK_N, BOUNDED_LEFT,
                           BOUNDED_RIGHT, ROTATE)  # fmt: skip
@@ -254,7 +298,7 @@ def _bwd_blocks_load_partition(
         if IS_VARLEN:  # one batch of all tokens; row statistics from packed_stats_start
             b_tma = 0
             stats_start = packed_stats_start(q_start, b)
-        rot = _walk_rotation(start_n, n_tiles, seqlen_k, BLOCK_N, ROTATE)
+        rot = _walk_rotation(hk, start_n, n_tiles, seqlen_k, blocks, BLOCK_N, ROTATE)
         first = 0
         if overlaps_block_ends(FOLD, BLOCK_M):  # the block's first Q and dO tiles, whose
             # slots free before the last block's K and V do
@@ -289,7 +333,7 @@ def _program_block(
     seqlen_k, num_n_blocks, window_left, window_right). Every partition walks the same
     blocks."""
     (pid, programs, HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left,
-     window_right) = blocks
+     window_right, _) = blocks
     item = pid
     if PERSISTENT:
         head, rank = hopper.work_item(pid, j, programs, num_n_blocks, FOLD)
@@ -401,11 +445,12 @@ def _bwd_compute_partition(
         if DBIAS_ROW:  # this query head's dS summed over its query tiles so far
             db_row = gl.zeros([HALF_N], gl.float32, layout=gl.SliceLayout(1, s_layout))
         bias_b = (b % bias_batches).to(gl.int64)  # 0 where the bias broadcasts over batches
-        rot = _walk_rotation(start_n, n_tiles, seqlen_k, BLOCK_N, ROTATE)
+        rot = _walk_rotation(hk, start_n, n_tiles, seqlen_k, blocks, BLOCK_N, ROTATE)
         mbarrier.wait(kv_bar, blk & 1)
         if ORDERED_SUM:  # _step_turns' arguments beside the step
             turns_of = (b, hk, GROUP, lo, n_tiles, rot, start_n, seqlen_q, seqlen_k, off,
-                        window_left, window_right, heads, bias_batches, bias_heads)
+                        window_left, window_right, heads, bias_batches, bias_heads,
+                        _spread_span(n_tiles, blocks[2], blocks[10]))  # fmt: skip
 
         zero = _runtime_zero(seqlen_k)
         busy_steps = GROUP * n_tiles
@@ -827,7 +872,7 @@ def _bwd_dq_writer_partition(
             BOUNDED_RIGHT, BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD)  # fmt: skip
         b_tma = 0 if IS_VARLEN else b
         num_n = gl.cdiv(seqlen_k, BLOCK_N)  # the sequence's key blocks
-        rot = _walk_rotation(start_n, n_tiles, seqlen_k, BLOCK_N, ROTATE)
+        rot = _walk_rotation(hk, start_n, n_tiles, seqlen_k, blocks, BLOCK_N, ROTATE)
         for t in range(GROUP * n_tiles):
             i = step + t
             h, start_m = _query_tile(t, hk, GROUP, lo, n_tiles, BLOCK_M, rot, ROTATE)
@@ -873,9 +918,10 @@ def _bwd_turn_counter_partition(
         b, hk, start_n, _, _, seqlen_q, seqlen_k, off, lo, _, _, n_tiles = _program_block(
             blk, blocks, BLOCK_M, BLOCK_N, False, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
             BATCH_INNER, HEAD_INNER, True, PERSISTENT, FOLD)  # fmt: skip
-        rot = _walk_rotation(start_n, n_tiles, seqlen_k, BLOCK_N, ROTATE)
+        rot = _walk_rotation(hk, start_n, n_tiles, seqlen_k, blocks, BLOCK_N, ROTATE)
         turns_of = (b, hk, GROUP, lo, n_tiles, rot, start_n, seqlen_q, seqlen_k, off,
-                    window_left, window_right, heads, bias_batches, bias_heads)
+                    window_left, window_right, heads, bias_batches, bias_heads,
+                    _spread_span(n_tiles, blocks[2], blocks[10]))
         for t in range(GROUP * n_tiles):
             i = step + t
             slot = KIND * TURN_RING + i % TURN_RING
@@ -893,9 +939,9 @@ def _bwd_sm90_kernel(
     dv_desc, DK, DV, Rng, Alibi, CuSeqQ, CuSeqK, DqLocks, SumLocks, BiasRow, DBiasRow,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ab, stride_ah,
     stride_rb, stride_rh, stride_rn, stride_pb, stride_ph, HKV, GROUP, bias_batches,
-    bias_heads, seqlen_q, seqlen_k, num_seqs, num_n_blocks, num_items, scale, window_left,
-    window_right, dropout_p, softcap, HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    bias_heads, seqlen_q, seqlen_k, num_seqs, num_n_blocks, num_items, spread_steps, scale,
+    window_left, window_right, dropout_p, softcap, HEAD_DIM_QK: gl.constexpr,
+    HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, DBIAS_TILES: gl.constexpr,
     DBIAS_SUM: gl.constexpr, BIAS_ROW: gl.constexpr, DBIAS_ROW: gl.constexpr,
     HAS_ALIBI: gl.constexpr, HAS_DROPOUT: gl.constexpr, IS_VARLEN: gl.constexpr,
@@ -929,7 +975,7 @@ def _bwd_sm90_kernel(
     if PERSISTENT:
         n_items = hopper.work_items(pid, programs, num_items, FOLD)
     blocks = (pid, programs, HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left,
-              window_right)
+              window_right, spread_steps)
     if SKIP_PAST_END:  # a key block past its packed sequence's end: nothing to do
         _, _, start_n, _, _, _, seqlen_k_b, _, _, _, _, _ = _program_block(
             0, blocks, BLOCK_M, BLOCK_N, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
@@ -1135,6 +1181,11 @@ ORDERED_DQ = True
 # steps 176 / 191 (the default, not deterministic: 310 / 340). Tools set it to A/B,
 # then call hopper.forget_plans().
 ORDERED_SUM_TURN_LAG = 1
+# An "ordered" bias gradient's walks spread over its siblings where it has no bounds
+# (walk_rotation). Tools set it to A/B, then call hopper.forget_plans().
+SPREAD_SUMS = True
+# ... their siblings' walks this many steps apart (0: the block's tiles over all of them)
+SPREAD_STEPS = 2
 # The turns a kind handed to its counting warp and not yet counted, at most (the
 # compute warpgroups wait for a slot past that: the warp counts a turn in about a
 # step's time or less)
@@ -1252,6 +1303,21 @@ def rotates_dq(spec: AttentionSpec, inner: tuple[bool, bool] = (False, False)) -
     window = (cdiv(spec.seqlen_k, BLOCK_N) * (spec.batch if inner[0] else 1)
               * (spec.kv_heads if inner[1] else 1))
     return unbounded and window <= hopper.sm_count(spec.device.index) // 2
+
+
+def walk_rotation(spec: AttentionSpec, dbias_kind: str | None, inner: tuple[bool, bool]) -> int:
+    """An ORDERED_DQ call's ROTATE (_walk_rotation): ROTATE_BY_BLOCK where rotates_dq;
+    SPREAD_OVER_KV_HEADS for an "ordered" bias gradient shared over heads (kv heads
+    inner) without bounds (SPREAD_SUMS), where all of a key block's kv heads fit on half
+    the SMs (one may wait on a later one); ROTATE_NONE otherwise. Spread over the batch
+    (a bias shared over batches) did not pay (PERFORMANCE.md)."""
+    if rotates_dq(spec, inner):
+        return int(ROTATE_BY_BLOCK)
+    unbounded = spec.window_left < 0 and spec.window_right < 0
+    if (SPREAD_SUMS and dbias_kind == "ordered" and unbounded and inner[1]
+            and spec.kv_heads <= hopper.sm_count(spec.device.index) // 2):
+        return int(SPREAD_OVER_KV_HEADS)
+    return int(ROTATE_NONE)
 
 
 def dq_from_full_bias(spec: AttentionSpec, dbias_kind: str | None) -> bool:
@@ -1383,8 +1449,8 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
     program per block. bias_row: the bias is one row of keys (hopper.bias_row), read by
     pointer. dbias_kind: dbias_kind_of's, None without a bias gradient. inner: batch and
     kv head innermost in the programs' order (SUMMED_BIAS_INNER). tokens_k: packed
-    sequences' key tokens in all (0 for dense batches). Counts: key blocks per head, and
-    in all."""
+    sequences' key tokens in all (0 for dense batches). Counts: key blocks per head, in
+    all, and SPREAD_STEPS."""
     num_n = cdiv(spec.seqlen_k, BLOCK_N)
     bias_tiles = spec.has_bias and not bias_row
     ordered = orders_dq(spec, dbias_kind)
@@ -1412,12 +1478,13 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
         BOTTOM_RIGHT=spec.bottom_right, BOUNDED_LEFT=spec.window_left >= 0,
         BOUNDED_RIGHT=spec.window_right >= 0, BATCH_INNER=inner[0], HEAD_INNER=inner[1],
         SKIP_PAST_END=spec.varlen and SKIP_EMPTY_KEY_BLOCKS and not packed_grid,
-        DQ_BUFS=dq_bufs, ORDERED=ordered, ROTATE=ordered and rotates_dq(spec, inner),
+        DQ_BUFS=dq_bufs, ORDERED=ordered,
+        ROTATE=walk_rotation(spec, dbias_kind, inner) if ordered else 0,
         PERSISTENT=persistent, FOLD=fold, BY_RANK=by_rank,
         HAS_DQ=not dq_from_full_bias(spec, dbias_kind), HAS_SOFTCAP=spec.softcap > 0,
         KV_VIEWS_PER_STEP=kv_views_per_step(spec, bias_row),
         IDLE_KEYS=IDLE_HALVES and spec.varlen, PDL=shared.DEPENDENT_LAUNCHES,
         TURN_LAG=ORDERED_SUM_TURN_LAG, num_warps=4, launch_pdl=shared.DEPENDENT_LAUNCHES,
     )  # fmt: skip
-    return hopper.Plan(hopper.programs(items, fold, persistent, device_index), (num_n, items),
-                       constexprs)
+    return hopper.Plan(hopper.programs(items, fold, persistent, device_index),
+                       (num_n, items, SPREAD_STEPS), constexprs)
