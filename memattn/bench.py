@@ -16,9 +16,10 @@ feature names follow the peer measurements in ``shared/peers-*.json``:
   varlen_docs, varlen_causal_docs, with a (1, H, S, S) bias (both) or dropout),
   dqk192_dv128_causal, dqk128_dv64_causal, deterministic (the backward's deterministic
   mode; its ratio to D128_S4096 is what it costs), bias_grad_deterministic (against
-  bias_grad) and bias_1HQK_causal_deterministic (against bias_1HQK_causal: a broadcast
-  bias's gradient in a fixed order), varlen_causal_docs_deterministic (against
-  varlen_causal_docs);
+  bias_grad), bias_1HQK_causal_deterministic, bias_B1QK_deterministic and
+  bias_11QK_deterministic (against bias_1HQK_causal, bias_B1QK and bias_11QK: a
+  broadcast bias's gradient summed in a fixed order), varlen_causal_docs_deterministic
+  (against varlen_causal_docs);
 - decode rows (few queries against a long KV cache, H=32, Hkv=8, D=128): the forward
   only, without autograd (inference), rated in GB/s of K and V read once.
 
@@ -166,6 +167,8 @@ FEATURE_ROWS = [
     replace(_BASE, feature="bias_grad_deterministic", bias="BHQK", deterministic=True),
     replace(_BASE, feature="bias_1HQK_causal_deterministic", bias="1HQK", causal=True,
             deterministic=True),
+    *(replace(_BASE, feature=f"bias_{shape}_deterministic", bias=shape, deterministic=True)
+      for shape in ("B1QK", "11QK")),
     replace(_DOCS, feature="varlen_causal_docs_deterministic", causal=True,
             deterministic=True),
 ]

@@ -39,6 +39,7 @@ FEATURES = {"bias_grad", "bias_1HQK", "bias_1HQK_causal", "bias_B1QK", "bias_11Q
             "varlen_causal_docs_bias", "varlen_causal_docs_dropout0.1",
             "dqk192_dv128_causal", "dqk128_dv64_causal", "deterministic",
             "bias_grad_deterministic", "bias_1HQK_causal_deterministic",
+            "bias_B1QK_deterministic", "bias_11QK_deterministic",
             "varlen_causal_docs_deterministic"}  # fmt: skip
 QUICK = {"D128_S1024", "D128_S1024_causal", "D128_S4096", "D128_S4096_causal", "bias_grad",
          "gqa8", "decode_B8_Sq1_Sk32768"}  # fmt: skip
@@ -81,7 +82,7 @@ def test_feature_rows_match_the_peers_features():
     assert rows["bias_1HQK_causal"].causal and rows["bias_1HQK_causal"].bias == "1HQK"
     assert rows["softcap30"].softcap == 30.0 and rows["alibi"].alibi
     names = [r.name for r in bench.all_rows()]
-    assert len(names) == len(set(names)) == 36 + 23 + 4
+    assert len(names) == len(set(names)) == 36 + 25 + 4
     det = rows["deterministic"]
     assert det.deterministic and (det.batch, det.seqlen, det.dqk) == (4, 4096, 128)
     assert bench.memattn_kwargs(det, bench.make_inputs(det, "meta"))["deterministic"]
@@ -91,6 +92,9 @@ def test_feature_rows_match_the_peers_features():
     det_broadcast = rows["bias_1HQK_causal_deterministic"]
     assert det_broadcast == replace(rows["bias_1HQK_causal"], deterministic=True,
                                     feature="bias_1HQK_causal_deterministic")
+    for shape in ("B1QK", "11QK"):  # summed over the heads, over both
+        name = f"bias_{shape}_deterministic"
+        assert rows[name] == replace(rows[f"bias_{shape}"], deterministic=True, feature=name)
     det_docs = rows["varlen_causal_docs_deterministic"]
     assert det_docs == replace(rows["varlen_causal_docs"], deterministic=True,
                                feature="varlen_causal_docs_deterministic")
