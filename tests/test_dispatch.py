@@ -847,7 +847,7 @@ def _visits(n, seqlen_q, off, left, right, block_m, block_n):
 )  # fmt: skip
 @pytest.mark.parametrize("block_m", [64, 128])
 def test_ordered_dq_turns_follow_the_walks(seqlen_q, seqlen_k, align, window, block_m):
-    """ORDERED_DQ's turns (backward_sm90.narrow.dq_add_turn), run in Python against the walks
+    """ORDERED_DQ's turns (backward_sm90.turns.dq_add_turn), run in Python against the walks
     the programs make (_query_tile's, rotated without bounds where a head's blocks all
     fit on half of 132 SMs: rotates_dq): at every query tile the turns of the key blocks
     that add into it are 0, 1, ... in the order the blocks reach it, ties in the order
@@ -871,7 +871,7 @@ def test_ordered_dq_turns_follow_the_walks(seqlen_q, seqlen_k, align, window, bl
         rot = n * len(tiles) // num_n if rotate else 0
         for step in range(len(tiles)):
             start_m = tiles[(step + rot) % len(tiles)]
-            turn = bsm.narrow.dq_add_turn.fn(n, start_m, num_n, len(tiles), off, left, right,
+            turn = bsm.turns.dq_add_turn.fn(n, start_m, num_n, len(tiles), off, left, right,
                                       block_m, block_n, left >= 0, right >= 0, rotate)
             arrivals.setdefault(start_m, []).append((step, -n if later_first else n, turn))
     assert arrivals
@@ -952,7 +952,7 @@ def test_ordered_bias_sum_keeps_the_summed_order(bias_shape, inner, rotate, monk
 @pytest.mark.parametrize("causal", [False, True])
 def test_ordered_bias_sum_turns_follow_the_programs(batch, heads, kv_heads, bias_dims,
                                                     causal, monkeypatch):  # fmt: skip
-    """An "ordered" bias gradient's turns (backward_sm90.narrow._bias_sum_turn), run in
+    """An "ordered" bias gradient's turns (backward_sm90.turns.bias_sum_turn), run in
     Python over the programs in the order the grid starts them (_key_block's, with the
     summed order's inner dims and, under a right bound, key blocks last first): at each
     summed tile the (b, h)s that add into it take turns 0, 1, ... in the order their
@@ -998,13 +998,13 @@ def test_ordered_bias_sum_turns_follow_the_programs(batch, heads, kv_heads, bias
             for m in range(tiles_q):
                 if causal and n * block_n > m * block_m + block_m - 1:
                     continue  # no row of the tile sees the block
-                lock, turn = bsm.narrow._bias_sum_turn.fn(
+                lock, turn = bsm.turns.bias_sum_turn.fn(
                     b, h, m * block_m, n * block_n, seqlen_q, seqlen_k, heads, planes_b,
                     planes_h, block_m, block_n)  # fmt: skip
                 arrivals.setdefault(lock, []).append((start, g, turn))
                 locks.add(lock)
                 if causal:  # dQ's turns: the later block first, started first
-                    dq_turn = bsm.narrow.dq_add_turn.fn(
+                    dq_turn = bsm.turns.dq_add_turn.fn(
                         n, m * block_m, num_n, 0, 0, -1, 0, block_m, block_n, False, True,
                         False)  # fmt: skip
                     dq_arrivals.setdefault((b, h, m), []).append((start, dq_turn))
@@ -1026,16 +1026,16 @@ def test_spread_bias_sum_turns_follow_the_visits(batch, heads, kv_heads, seqlen_
                                                  spread_steps, monkeypatch):  # fmt: skip
     """A bias gradient summed over heads, without bounds (narrow.walk_rotation's
     SPREAD_OVER_KV_HEADS): the kv heads start their walks spread_steps apart, and each
-    summed tile's turns (_spread_sum_turn) go 0, 1, ... in the order they reach it (by
+    summed tile's turns (turns.spread_sum_turn) go 0, 1, ... in the order they reach it (by
     step, the later kv head first at the same step), so that every wait is on an add made
     at an earlier step or by a program that gets there at once; a head's key blocks
     still reach each of its dQ tiles at the same step (dQ adds first block first, behind
     no later one). One shared over batches keeps its walks alike. Run in Python."""
     bsm = dispatch.backward_sm90
-    narrow = bsm.narrow
-    monkeypatch.setattr(narrow.gl, "cdiv", lambda a, b: -(-a // b))  # run in Python
-    monkeypatch.setattr(narrow.gl, "minimum", min)
-    monkeypatch.setattr(narrow, "_spread_span", narrow._spread_span.fn)
+    narrow, turns = bsm.narrow, bsm.turns
+    monkeypatch.setattr(turns.gl, "cdiv", lambda a, b: -(-a // b))  # run in Python
+    monkeypatch.setattr(turns.gl, "minimum", min)
+    monkeypatch.setattr(turns, "spread_span", turns.spread_span.fn)
     monkeypatch.setattr(bsm.hopper, "sm_count", lambda device_index: 2 * max(batch, kv_heads))
     block_m, block_n, seqlen_k = 64, narrow.BLOCK_N, 4 * narrow.BLOCK_N
     q = torch.zeros(batch, seqlen_q, heads, 64)
@@ -1058,19 +1058,19 @@ def test_spread_bias_sum_turns_follow_the_visits(batch, heads, kv_heads, seqlen_
     arrivals, dq_steps = {}, {}
     for b in range(batch):
         for hk in range(kv_heads):
-            span = narrow._spread_span(tiles, kv_heads, spread_steps)
+            span = turns.spread_span(tiles, kv_heads, spread_steps)
             for n in range(num_n):
-                rot = narrow._walk_rotation.fn(hk, n * block_n, tiles, seqlen_k, blocks,
-                                               block_n, rotate)  # fmt: skip
+                rot = turns.walk_start.fn(hk, n * block_n, tiles, seqlen_k, blocks, block_n,
+                                          rotate)  # fmt: skip
                 for t in range(group * tiles):  # _query_tile's walk
                     g, m = divmod(t, tiles)
                     m = (m + rot) % tiles
                     h = hk * group + g
-                    lock, _ = narrow._bias_sum_turn.fn(
+                    lock, _ = turns.bias_sum_turn.fn(
                         b, h, m * block_m, n * block_n, seqlen_q, seqlen_k, heads, batch, 1,
                         block_m, block_n)  # fmt: skip
-                    turn = g * kv_heads + narrow._spread_sum_turn.fn(m, hk, kv_heads, span)
-                    arrivals.setdefault(lock, []).append(((t, -hk), turn))  # as _step_turns
+                    turn = g * kv_heads + turns.spread_sum_turn.fn(m, hk, kv_heads, span)
+                    arrivals.setdefault(lock, []).append(((t, -hk), turn))  # as step_turns
                     dq_steps.setdefault((b, h, m), set()).add(t)
     for lock, adds in arrivals.items():
         assert len({when for when, _ in adds}) == heads, lock  # no two at once, same rank

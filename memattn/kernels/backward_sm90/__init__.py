@@ -13,7 +13,9 @@ bias gradient. The kernels, a module each:
   head dims, and dQ by another in the forward's shape, written in the output dtype.
 shared.py holds what they share: the load warp's tiles, the grid of key blocks and
 packed sequences' items, dQ's fp32 tiles, and which kernel takes a call (is_wide,
-fuses_split_dq) and how it makes a bias's gradient (dbias_kind_of).
+fuses_split_dq) and how it makes a bias's gradient (dbias_kind_of). turns.py holds
+the deterministic calls' order of adds in narrow.py's kernel: each tile's counter,
+each program's turn at it, and where its walk starts.
 
 Covers what forward_sm90 covers (bf16/fp16, head dims 64, 128 and 256, GQA, causal
 masks either way, sliding windows, a bias, ALiBi, softcap, dropout, dense and packed
@@ -50,7 +52,7 @@ from ..common import (
 )
 from ..forward import dense_strides
 from ..hopper import accumulator_tile
-from . import narrow, shared, split, wide
+from . import narrow, shared, split, turns, wide  # noqa: F401 (turns: for tools, tests)
 from .narrow import block_m, dq_from_full_bias, orders_dq
 from .shared import (
     HEAD_DIMS,

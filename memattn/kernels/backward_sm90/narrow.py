@@ -58,7 +58,6 @@ from ..common import (
     add_bias_alibi_log2,
     alibi_strides,
     cdiv,
-    dq_tile,
     packed_stats_start,
     philox_key,
     tanh,
@@ -90,167 +89,22 @@ from .shared import (
     dq_split,
     keeps_bits_in_shared,
 )
+from .turns import (
+    ROTATE_BY_BLOCK,
+    ROTATE_NONE,
+    SPREAD_OVER_KV_HEADS,
+    dq_add_turn,
+    dq_tile_lock,
+    spread_span,
+    step_turns,
+    wait_bias_sum_turn,
+    walk_start,
+)
 
 BLOCK_N = 128  # keys a program: two warpgroups x 64
 # Query rows a step at D=64 (a knob tools/ab.py sets): dK and dV take 64 registers a
 # thread there, S and dP 64 each at 128 rows (FA4's D=64 step).
 BLOCK_M_D64 = 128
-
-
-# How a program's walk over its query tiles rotates (the ROTATE constexpr): not at all,
-# by key block (ORDERED_DQ's dQ turns, dq_add_turn), or by kv head among the kv heads
-# whose "ordered" bias gradient tiles add up (a bias shared over heads: walk_rotation).
-ROTATE_NONE = gl.constexpr(0)
-ROTATE_BY_BLOCK = gl.constexpr(1)
-SPREAD_OVER_KV_HEADS = gl.constexpr(2)
-
-
-@gluon.jit
-def _walk_rotation(hk, start_n, n_tiles, seqlen_k, blocks, BLOCK_N: gl.constexpr,
-                   ROTATE: gl.constexpr):  # fmt: skip
-    """The query tile a program's walk starts at: ROTATE_BY_BLOCK, n * n_tiles // num_n
-    for block n of the num_n of its (sequence's) keys (ORDERED_DQ, dq_add_turn);
-    SPREAD_OVER_KV_HEADS, hk * span // HKV (_spread_span), so that the kv heads reach
-    each summed tile steps apart (_spread_sum_turn); 0 otherwise. The partitions take
-    it from here, so that they walk alike."""
-    rot = 0
-    if ROTATE == ROTATE_BY_BLOCK:
-        rot = (start_n // BLOCK_N) * n_tiles // gl.cdiv(seqlen_k, BLOCK_N)
-    if ROTATE == SPREAD_OVER_KV_HEADS:
-        HKV = blocks[2]
-        rot = hk * _spread_span(n_tiles, HKV, blocks[10]) // HKV
-    return rot
-
-
-@gluon.jit
-def _spread_span(n_tiles, kv_heads, spread_steps):
-    """SPREAD_OVER_KV_HEADS: the query tiles over which the kv heads start their walks,
-    spread_steps (SPREAD_STEPS) apart; all n_tiles where there are fewer or it is 0."""
-    span = n_tiles
-    if spread_steps > 0:
-        span = gl.minimum(n_tiles, kv_heads * spread_steps)
-    return span
-
-
-@gluon.jit
-def _spread_sum_turn(tile, hk, kv_heads, span):
-    """SPREAD_OVER_KV_HEADS: kv head hk's turn among the kv heads at its walk's tile
-    ``tile``, each kv head's walk starting at hk * span // kv_heads (_walk_rotation):
-    the order they reach it in, first the last kv head whose walk starts at that tile or
-    before it, then the ones before that, wrapping round (kv heads whose walks start at
-    the same tile reach it at once, the later one first). Each then waits on an add
-    made steps before its own instead of queueing behind the kv head before it. Plain
-    integer arithmetic, so that tests can run it in Python."""
-    starter = ((tile + 1) * kv_heads - 1) // span
-    if starter > kv_heads - 1:
-        starter = kv_heads - 1
-    return (starter - hk + kv_heads) % kv_heads
-
-
-@gluon.jit
-def dq_add_turn(n, start_m, num_n, n_tiles, off, window_left, window_right,
-                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
-                BOUNDED_RIGHT: gl.constexpr, ROTATE: gl.constexpr):  # fmt: skip
-    """ORDERED_DQ: key block n's place among the key blocks that add into the dQ tile of
-    rows [start_m, + BLOCK_M) of one head, the order in which they reach it. With a
-    right bound (causal, windows) each program starts at its first query tile, later
-    the further right its keys, so the blocks add last first: the tile's last block
-    (the last whose keys a row of the tile sees) first. Without one, ROTATE: every
-    block sees every tile, and each program starts its walk at tile n * n_tiles //
-    num_n (_query_tile's rot): tile m's adds come from the block that started there, or
-    last before it, then the ones before that, wrapping round. Otherwise every block
-    walks from the first tile, and they add first first (the tile's first block: the
-    first whose keys a row of it sees under a left bound), in the order the programs
-    start. Plain integer arithmetic, so that tests can run it in Python."""
-    if BOUNDED_RIGHT:
-        last = (start_m + BLOCK_M + off + window_right - 1) // BLOCK_N
-        if last > num_n - 1:
-            last = num_n - 1
-        turn = last - n
-    elif ROTATE != ROTATE_BY_BLOCK:  # a spread rotates every block of a head alike
-        first = 0
-        if BOUNDED_LEFT:
-            first = start_m + off - window_left
-            if first < 0:
-                first = 0
-            first = first // BLOCK_N
-        turn = n - first
-    else:
-        # the last block whose walk starts at this tile or before it (as _spread_sum_turn)
-        starter = ((start_m // BLOCK_M + 1) * num_n - 1) // n_tiles
-        if starter > num_n - 1:
-            starter = num_n - 1
-        turn = (starter - n + num_n) % num_n
-    return turn
-
-
-@gluon.jit
-def _dq_lock(b, h, start_m, q_start, seqlen_q, heads, BLOCK_M: gl.constexpr,
-             IS_VARLEN: gl.constexpr):  # fmt: skip
-    """ORDERED_DQ: the index of the dQ tile of rows [start_m, + BLOCK_M) of (b, h)'s
-    counter."""
-    tile = dq_tile(start_m, q_start, b, BLOCK_M, IS_VARLEN)
-    if IS_VARLEN:  # packed sequences' tiles (common.dq_tile), heads inner
-        return tile * heads + h
-    return (b * heads + h) * gl.cdiv(seqlen_q, BLOCK_M) + tile
-
-
-@gluon.jit
-def _bias_sum_turn(b, h, start_m, start_n, seqlen_q, seqlen_k, heads, bias_batches,
-                   bias_heads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
-    """A deterministic summed bias gradient (dbias_kind_of's "ordered"): the index of
-    the counter of its tile of rows [start_m, + BLOCK_M) and keys [start_n, + BLOCK_N)
-    in its plane, and (b, h)'s turn there: its place among the (batch, head)s the plane
-    sums, batch-major, the order in which their programs start (inner_dims). Each of
-    them sees the tile (one mask for all), so the turns have no gaps."""
-    plane = (b % bias_batches) * bias_heads + h % bias_heads
-    tile = (plane * gl.cdiv(seqlen_q, BLOCK_M) + start_m // BLOCK_M) * gl.cdiv(seqlen_k, BLOCK_N)
-    turn = h * 0
-    per_batch = h * 0 + 1
-    if bias_heads == 1:
-        turn = h
-        per_batch = h * 0 + heads
-    if bias_batches == 1:
-        turn += b * per_batch
-    return tile + start_n // BLOCK_N, turn
-
-
-@gluon.jit
-def _step_turns(t, block, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
-                ROTATE: gl.constexpr):  # fmt: skip
-    """An "ordered" bias gradient's block step t (a dense batch): its summed gradient
-    tile's counter (_bias_sum_turn) and the count it must read for (b, h)'s turn, then
-    its dQ tile's (_dq_lock, dq_add_turn): one a turn (_bwd_turn_counter_partition).
-    Worked out where needed, not carried across the step: registers are short.
-    ``block``: the block's runtime values it takes."""
-    (b, hk, GROUP, lo, n_tiles, rot, start_n, seqlen_q, seqlen_k, off, window_left,
-     window_right, heads, bias_batches, bias_heads, span) = block
-    h, start_m = _query_tile(t, hk, GROUP, lo, n_tiles, BLOCK_M, rot, ROTATE)
-    sum_lock, sum_turn = _bias_sum_turn(b, h, start_m, start_n, seqlen_q, seqlen_k, heads,
-                                        bias_batches, bias_heads, BLOCK_M, BLOCK_N)
-    if ROTATE == SPREAD_OVER_KV_HEADS:  # the kv heads in the order they reach the tile,
-        # a program's GQA heads in its walk's order, each after all of the last one's
-        kv_heads = heads // GROUP
-        sum_turn = ((t // n_tiles) * kv_heads
-                    + _spread_sum_turn((start_m - lo) // BLOCK_M, hk, kv_heads, span))
-    dq_turn = dq_add_turn(start_n // BLOCK_N, start_m, gl.cdiv(seqlen_k, BLOCK_N), n_tiles, off,
-                          window_left, window_right, BLOCK_M, BLOCK_N, BOUNDED_LEFT,
-                          BOUNDED_RIGHT, ROTATE)  # fmt: skip
-    dq_lock = _dq_lock(b, h, start_m, 0, seqlen_q, heads, BLOCK_M, False)
-    return sum_lock, sum_turn, dq_lock, dq_turn
-
-
-@gluon.jit
-def _wait_bias_sum_turn(ready, SumLocks, t, block, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
-                        ROTATE: gl.constexpr):  # fmt: skip
-    """Before step t's summed tile is added: spins for its turn unless its counter, read
-    ahead, already said so (``ready``)."""
-    if not ready:
-        lock, count, _, _ = _step_turns(t, block, BLOCK_M, BLOCK_N, BOUNDED_LEFT,
-                                        BOUNDED_RIGHT, ROTATE)  # fmt: skip
-        hopper.wait_turn(SumLocks + lock, count)
 
 
 @gluon.constexpr_function
@@ -298,7 +152,7 @@ def _bwd_blocks_load_partition(
         if IS_VARLEN:  # one batch of all tokens; row statistics from packed_stats_start
             b_tma = 0
             stats_start = packed_stats_start(q_start, b)
-        rot = _walk_rotation(hk, start_n, n_tiles, seqlen_k, blocks, BLOCK_N, ROTATE)
+        rot = walk_start(hk, start_n, n_tiles, seqlen_k, blocks, BLOCK_N, ROTATE)
         first = 0
         if overlaps_block_ends(FOLD, BLOCK_M):  # the block's first Q and dO tiles, whose
             # slots free before the last block's K and V do
@@ -445,12 +299,12 @@ def _bwd_compute_partition(
         if DBIAS_ROW:  # this query head's dS summed over its query tiles so far
             db_row = gl.zeros([HALF_N], gl.float32, layout=gl.SliceLayout(1, s_layout))
         bias_b = (b % bias_batches).to(gl.int64)  # 0 where the bias broadcasts over batches
-        rot = _walk_rotation(hk, start_n, n_tiles, seqlen_k, blocks, BLOCK_N, ROTATE)
+        rot = walk_start(hk, start_n, n_tiles, seqlen_k, blocks, BLOCK_N, ROTATE)
         mbarrier.wait(kv_bar, blk & 1)
-        if ORDERED_SUM:  # _step_turns' arguments beside the step
+        if ORDERED_SUM:  # step_turns' arguments beside the step
             turns_of = (b, hk, GROUP, lo, n_tiles, rot, start_n, seqlen_q, seqlen_k, off,
                         window_left, window_right, heads, bias_batches, bias_heads,
-                        _spread_span(n_tiles, blocks[2], blocks[10]))  # fmt: skip
+                        spread_span(n_tiles, blocks[2], blocks[10]))  # fmt: skip
 
         zero = _runtime_zero(seqlen_k)
         busy_steps = GROUP * n_tiles
@@ -479,7 +333,7 @@ def _bwd_compute_partition(
                 if t >= TURN_LAG:
                     hopper.hand_over_turn(landed, counted, i - TURN_LAG, 0, TURN_RING,
                                           2 * TURN_LAG - 1)  # fmt: skip
-                sum_lock, sum_count, dq_lock, dq_count = _step_turns(
+                sum_lock, sum_count, dq_lock, dq_count = step_turns(
                     t, turns_of, BLOCK_M, BLOCK_N, BOUNDED_LEFT, BOUNDED_RIGHT, ROTATE)
                 sum_ready = hopper.load_acquire(SumLocks + sum_lock) == sum_count
                 dq_ready = hopper.load_acquire(DqLocks + dq_lock) == dq_count
@@ -549,8 +403,8 @@ def _bwd_compute_partition(
                 # and dQ's dS carry: d(softcap * tanh(x / softcap)) / dx
                 if DBIAS_SUM:
                     if ORDERED_SUM:
-                        _wait_bias_sum_turn(sum_ready, SumLocks, t, turns_of, BLOCK_M, BLOCK_N,
-                                            BOUNDED_LEFT, BOUNDED_RIGHT, ROTATE)  # fmt: skip
+                        wait_bias_sum_turn(sum_ready, SumLocks, t, turns_of, BLOCK_M, BLOCK_N,
+                                           BOUNDED_LEFT, BOUNDED_RIGHT, ROTATE)  # fmt: skip
                     _store_transposed(ds, dsum_smem.index(HALF), dbias_desc,
                                       [b % bias_batches, h % bias_heads, start_m, row0], True)
                 if RAW_DS_IN_DQ:  # its tile through this warpgroup's dQ buffer (free once
@@ -575,8 +429,8 @@ def _bwd_compute_partition(
                 # added into its fp32 gradient by TMA reduce-add, as dQ is (several (b, h)
                 # add to each tile)
                 if ORDERED_SUM:
-                    _wait_bias_sum_turn(sum_ready, SumLocks, t, turns_of, BLOCK_M, BLOCK_N,
-                                        BOUNDED_LEFT, BOUNDED_RIGHT, ROTATE)  # fmt: skip
+                    wait_bias_sum_turn(sum_ready, SumLocks, t, turns_of, BLOCK_M, BLOCK_N,
+                                       BOUNDED_LEFT, BOUNDED_RIGHT, ROTATE)  # fmt: skip
                 _store_transposed(ds, dsum_smem.index(HALF), dbias_desc,
                                   [b % bias_batches, h % bias_heads, start_m, row0], True)
             ds_op = gl.convert_layout(ds_lo, ds_op_layout)
@@ -621,7 +475,7 @@ def _bwd_compute_partition(
                     hopper.hand_over_turn(landed, counted, i - TURN_LAG, 1, TURN_RING,
                                           2 * TURN_LAG - 1)  # fmt: skip
                 if not dq_ready:
-                    _, _, dq_lock, dq_count = _step_turns(
+                    _, _, dq_lock, dq_count = step_turns(
                         t, turns_of, BLOCK_M, BLOCK_N, BOUNDED_LEFT, BOUNDED_RIGHT, ROTATE)
                     hopper.wait_turn(DqLocks + dq_lock, dq_count)
             if HAS_DQ:
@@ -872,13 +726,13 @@ def _bwd_dq_writer_partition(
             BOUNDED_RIGHT, BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD)  # fmt: skip
         b_tma = 0 if IS_VARLEN else b
         num_n = gl.cdiv(seqlen_k, BLOCK_N)  # the sequence's key blocks
-        rot = _walk_rotation(hk, start_n, n_tiles, seqlen_k, blocks, BLOCK_N, ROTATE)
+        rot = walk_start(hk, start_n, n_tiles, seqlen_k, blocks, BLOCK_N, ROTATE)
         for t in range(GROUP * n_tiles):
             i = step + t
             h, start_m = _query_tile(t, hk, GROUP, lo, n_tiles, BLOCK_M, rot, ROTATE)
             if ORDERED:
-                lock = DqLocks + _dq_lock(b, h, start_m, q_start, seqlen_q, heads, BLOCK_M,
-                                          IS_VARLEN)
+                lock = DqLocks + dq_tile_lock(b, h, start_m, q_start, seqlen_q, heads, BLOCK_M,
+                                              IS_VARLEN)
                 turn = dq_add_turn(start_n // BLOCK_N, start_m, num_n, n_tiles, off,
                                    window_left, window_right, BLOCK_M, BLOCK_N,
                                    BOUNDED_LEFT, BOUNDED_RIGHT, ROTATE)  # fmt: skip
@@ -918,16 +772,16 @@ def _bwd_turn_counter_partition(
         b, hk, start_n, _, _, seqlen_q, seqlen_k, off, lo, _, _, n_tiles = _program_block(
             blk, blocks, BLOCK_M, BLOCK_N, False, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
             BATCH_INNER, HEAD_INNER, True, PERSISTENT, FOLD)  # fmt: skip
-        rot = _walk_rotation(hk, start_n, n_tiles, seqlen_k, blocks, BLOCK_N, ROTATE)
+        rot = walk_start(hk, start_n, n_tiles, seqlen_k, blocks, BLOCK_N, ROTATE)
         turns_of = (b, hk, GROUP, lo, n_tiles, rot, start_n, seqlen_q, seqlen_k, off,
                     window_left, window_right, heads, bias_batches, bias_heads,
-                    _spread_span(n_tiles, blocks[2], blocks[10]))
+                    spread_span(n_tiles, blocks[2], blocks[10]))
         for t in range(GROUP * n_tiles):
             i = step + t
             slot = KIND * TURN_RING + i % TURN_RING
             mbarrier.wait(landed.index(slot), (i // TURN_RING) & 1)
-            sum_lock, _, dq_lock, _ = _step_turns(t, turns_of, BLOCK_M, BLOCK_N, BOUNDED_LEFT,
-                                                  BOUNDED_RIGHT, ROTATE)  # fmt: skip
+            sum_lock, _, dq_lock, _ = step_turns(t, turns_of, BLOCK_M, BLOCK_N, BOUNDED_LEFT,
+                                                 BOUNDED_RIGHT, ROTATE)  # fmt: skip
             hopper.end_turn(Locks + (sum_lock if KIND == 0 else dq_lock))
             mbarrier.arrive(counted.index(slot))
         step += GROUP * n_tiles
@@ -1173,7 +1027,7 @@ DQ_WRITER_PACKED_UNMASKED = True
 ORDERED_DQ = True
 # An "ordered" bias gradient (dbias_kind_of's: deterministic, summed over batch or
 # heads): each compute warpgroup adds its summed tiles and dQ's in turns
-# (_bias_sum_turn, dq_add_turn) and hands a step's two turns to the counting warps this
+# (bias_sum_turn, dq_add_turn) and hands a step's two turns to the counting warps this
 # many steps later, once those adds have landed (hopper.hand_over_turn's wait_group),
 # while the next step's S and dP run; the programs after it in a tile's turns wait as
 # long. H200, tools/ab.py --rounds 2, B4 S4096 H16 D128 1HQK, causal / not, TFLOP/s,
@@ -1292,7 +1146,7 @@ def orders_dq(spec: AttentionSpec, dbias_kind: str | None) -> bool:
 
 
 def rotates_dq(spec: AttentionSpec, inner: tuple[bool, bool] = (False, False)) -> bool:
-    """Whether ORDERED_DQ's walks rotate (_walk_rotation): without bounds, where every
+    """Whether ORDERED_DQ's walks rotate (walk_start): without bounds, where every
     key block of a head (packed sequences: of the longest) runs at once, at most half
     the SMs, to leave room for other streams' work; then no add waits in the steady
     state. With inner dims (inner_dims: an "ordered" bias gradient's) a head's blocks
@@ -1306,7 +1160,7 @@ def rotates_dq(spec: AttentionSpec, inner: tuple[bool, bool] = (False, False)) -
 
 
 def walk_rotation(spec: AttentionSpec, dbias_kind: str | None, inner: tuple[bool, bool]) -> int:
-    """An ORDERED_DQ call's ROTATE (_walk_rotation): ROTATE_BY_BLOCK where rotates_dq;
+    """An ORDERED_DQ call's ROTATE (walk_start): ROTATE_BY_BLOCK where rotates_dq;
     SPREAD_OVER_KV_HEADS for an "ordered" bias gradient shared over heads (kv heads
     inner) without bounds (SPREAD_SUMS), where all of a key block's kv heads fit on half
     the SMs (one may wait on a later one); ROTATE_NONE otherwise. Spread over the batch
@@ -1359,7 +1213,7 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
                 k.shape[0] if spec.varlen else 0, q.device.index)
     dq_locks = sum_locks = dk  # stand-ins, never read
     if how.constexprs["ORDERED"]:  # a counter per dQ tile (packed: common.dq_tile's), and
-        # an "ordered" bias gradient's per tile (_bias_sum_turn), 16-byte aligned
+        # an "ordered" bias gradient's per tile (bias_sum_turn), 16-byte aligned
         rows = how.constexprs["BLOCK_M"]
         tiles = (q.shape[0] // rows + spec.batch if spec.varlen
                  else spec.batch * cdiv(spec.seqlen_q, rows))

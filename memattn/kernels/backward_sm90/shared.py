@@ -428,7 +428,7 @@ def dbias_kind_of(spec: AttentionSpec, bias: torch.Tensor) -> str:
     for any other broadcast over batch or heads (dS added into an fp32 buffer by TMA
     reduce-adds, as dQ is; past 128 columns by atomics: _bwd_wide_kernel), but for
     deterministic dense calls "ordered": the same buffer, each tile's adds (and dQ's)
-    in turns (narrow._bias_sum_turn), with no expanded (B, H, Sq, Sk) buffer."""
+    in turns (turns.bias_sum_turn), with no expanded (B, H, Sq, Sk) buffer."""
     if hopper.bias_row(spec, bias):
         return "row"
     if hopper.bias_full(spec, bias):
