@@ -36,6 +36,12 @@ their lse and delta from common.packed_stats_start on, a multiple of 4 tokens (a
 box along the tokens must start 16-byte aligned, and a sequence may start anywhere),
 with +inf lse past its end, so that a tile whose rows run past the end (the next
 sequence's) needs no mask for them.
+Deterministic calls add into each fp32 tile in a fixed order, in turns (turns.py):
+dQ's tiles through the dQ writer warp (ORDERED_DQ); with a bias gradient summed over
+batch or heads (dbias_kind_of's "ordered") the compute warpgroups add both kinds of
+tile themselves and hand each turn to one of two counting warps
+(_bwd_turn_counter_partition), whose release makes the adds visible to the programs
+waiting for them.
 """
 
 from __future__ import annotations
