@@ -558,7 +558,9 @@ def take_ticket(counter):
 
 @gluon.jit
 def ring(STAGES: gl.constexpr, CONSUMERS: gl.constexpr, PRODUCERS: gl.constexpr = 1):
-    """Allocates and initialises a ring's (ready, empty) barriers, [STAGES, 1] each."""
+    """Allocates and initialises a ring's (ready, empty) barriers, [STAGES, 1] each: a
+    slot is ready once PRODUCERS have arrived (one for TMA loads, which arm it with
+    their bytes), empty once CONSUMERS have."""
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
