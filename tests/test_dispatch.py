@@ -1058,7 +1058,7 @@ def test_spread_bias_sum_turns_follow_the_visits(batch, heads, kv_heads, seqlen_
     arrivals, dq_steps = {}, {}
     for b in range(batch):
         for hk in range(kv_heads):
-            span = turns.spread_span(tiles, kv_heads, spread_steps)
+            span = turns.spread_span(tiles, blocks)
             for n in range(num_n):
                 rot = turns.walk_start.fn(hk, n * block_n, tiles, seqlen_k, blocks, block_n,
                                           rotate)  # fmt: skip

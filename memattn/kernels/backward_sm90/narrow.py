@@ -310,7 +310,7 @@ def _bwd_compute_partition(
         if ORDERED_SUM:  # step_turns' arguments beside the step
             turns_of = (b, hk, GROUP, lo, n_tiles, rot, start_n, seqlen_q, seqlen_k, off,
                         window_left, window_right, heads, bias_batches, bias_heads,
-                        spread_span(n_tiles, blocks[2], blocks[10]))  # fmt: skip
+                        spread_span(n_tiles, blocks))  # fmt: skip
 
         zero = _runtime_zero(seqlen_k)
         busy_steps = GROUP * n_tiles
@@ -781,7 +781,7 @@ def _bwd_turn_counter_partition(
         rot = walk_start(hk, start_n, n_tiles, seqlen_k, blocks, BLOCK_N, ROTATE)
         turns_of = (b, hk, GROUP, lo, n_tiles, rot, start_n, seqlen_q, seqlen_k, off,
                     window_left, window_right, heads, bias_batches, bias_heads,
-                    spread_span(n_tiles, blocks[2], blocks[10]))
+                    spread_span(n_tiles, blocks))
         for t in range(GROUP * n_tiles):
             i = step + t
             slot = KIND * TURN_RING + i % TURN_RING
@@ -1041,10 +1041,10 @@ ORDERED_DQ = True
 # steps 176 / 191 (the default, not deterministic: 310 / 340). Tools set it to A/B,
 # then call hopper.forget_plans().
 ORDERED_SUM_TURN_LAG = 1
-# An "ordered" bias gradient's walks spread over its siblings where it has no bounds
-# (walk_rotation). Tools set it to A/B, then call hopper.forget_plans().
+# An "ordered" bias gradient shared over heads: the kv heads' walks spread where it has
+# no bounds (walk_rotation). Tools set it to A/B, then call hopper.forget_plans().
 SPREAD_SUMS = True
-# ... their siblings' walks this many steps apart (0: the block's tiles over all of them)
+# ... the kv heads' walks this many steps apart (0: over all the block's tiles)
 SPREAD_STEPS = 2
 # The turns a kind handed to its counting warp and not yet counted, at most (the
 # compute warpgroups wait for a slot past that: the warp counts a turn in about a
@@ -1339,7 +1339,7 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
         BOUNDED_RIGHT=spec.window_right >= 0, BATCH_INNER=inner[0], HEAD_INNER=inner[1],
         SKIP_PAST_END=spec.varlen and SKIP_EMPTY_KEY_BLOCKS and not packed_grid,
         DQ_BUFS=dq_bufs, ORDERED=ordered,
-        ROTATE=walk_rotation(spec, dbias_kind, inner) if ordered else 0,
+        ROTATE=walk_rotation(spec, dbias_kind, inner) if ordered else int(ROTATE_NONE),
         PERSISTENT=persistent, FOLD=fold, BY_RANK=by_rank,
         HAS_DQ=not dq_from_full_bias(spec, dbias_kind), HAS_SOFTCAP=spec.softcap > 0,
         KV_VIEWS_PER_STEP=kv_views_per_step(spec, bias_row),

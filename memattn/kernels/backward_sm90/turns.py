@@ -34,25 +34,25 @@ def walk_start(hk, start_n, n_tiles, seqlen_k, blocks, BLOCK_N: gl.constexpr,
                ROTATE: gl.constexpr):  # fmt: skip
     """The query tile a program's walk starts at: ROTATE_BY_BLOCK, n * n_tiles // num_n
     for block n of the num_n of its (sequence's) keys (ORDERED_DQ, dq_add_turn);
-    SPREAD_OVER_KV_HEADS, hk * span // HKV (spread_span), so that the kv heads reach
+    SPREAD_OVER_KV_HEADS, hk * span // kv heads (spread_span), so that the kv heads reach
     each summed tile steps apart (spread_sum_turn); 0 otherwise. The partitions take
     it from here, so that they walk alike. ``blocks``: narrow._program_block's."""
     rot = 0
     if ROTATE == ROTATE_BY_BLOCK:
         rot = (start_n // BLOCK_N) * n_tiles // gl.cdiv(seqlen_k, BLOCK_N)
     if ROTATE == SPREAD_OVER_KV_HEADS:
-        HKV = blocks[2]
-        rot = hk * spread_span(n_tiles, HKV, blocks[10]) // HKV
+        rot = hk * spread_span(n_tiles, blocks) // blocks[2]
     return rot
 
 
 @gluon.jit
-def spread_span(n_tiles, kv_heads, spread_steps):
-    """SPREAD_OVER_KV_HEADS: the query tiles over which the kv heads start their walks,
-    spread_steps (SPREAD_STEPS) apart; all n_tiles where there are fewer or it is 0."""
+def spread_span(n_tiles, blocks):
+    """SPREAD_OVER_KV_HEADS: the query tiles over which the kv heads (``blocks[2]``,
+    narrow._program_block's) start their walks, SPREAD_STEPS (``blocks[10]``) apart;
+    all n_tiles where there are fewer or that is 0."""
     span = n_tiles
-    if spread_steps > 0:
-        span = gl.minimum(n_tiles, kv_heads * spread_steps)
+    if blocks[10] > 0:
+        span = gl.minimum(n_tiles, blocks[2] * blocks[10])
     return span
 
 
