@@ -1090,7 +1090,8 @@ def test_deterministic_summed_bias_gradient_on_hopper_gpu(case, hopper_backward_
     """Deterministic calls with the gradient of a bias broadcast over batch or heads
     (dbias_kind_of's "ordered"): the D 64/128 kernel adds each (b, h)'s dS tile into the
     fp32 gradient, and dQ's tiles into theirs, in turns. Three runs agree bit for bit,
-    and the gradients (the bias's too) match the reference."""
+    and the gradients (the bias's too) match the reference. Over the batch under a right
+    bound each batch's blocks start after the batch before's (ORDERED_BATCH_STAGGER)."""
     from memattn.kernels import backward_sm90
 
     case = dataclasses.replace(case, options=dict(case.options, deterministic=True))
@@ -1099,9 +1100,11 @@ def test_deterministic_summed_bias_gradient_on_hopper_gpu(case, hopper_backward_
     x = make_inputs(case, torch.bfloat16, "cuda", seed=4)
     spec = memattn.spec.check_call(x.q, x.k, x.v, **x.kwargs)
     assert backward_sm90.dbias_kind_of(spec, x.kwargs["bias"]) == "ordered"
+    narrow = backward_sm90.narrow
+    inner = narrow.inner_dims(spec, x.kwargs["bias"], "ordered")
+    if case.name.startswith("1HQK causal"):
+        assert narrow.batch_stagger(spec, True, inner) == narrow.ORDERED_BATCH_STAGGER > 0
     if "many blocks" in case.name or "spread" in case.name:
-        narrow = backward_sm90.narrow
-        inner = narrow.inner_dims(spec, x.kwargs["bias"], "ordered")
         assert narrow.walk_rotation(spec, "ordered", inner) == (
             narrow.SPREAD_OVER_KV_HEADS if "spread" in case.name else narrow.ROTATE_NONE)
     for run in runs[1:]:

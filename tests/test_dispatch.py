@@ -950,18 +950,22 @@ def test_ordered_bias_sum_keeps_the_summed_order(bias_shape, inner, rotate, monk
 @pytest.mark.parametrize("batch, heads, kv_heads", [(3, 4, 2), (2, 6, 6), (1, 4, 1)])
 @pytest.mark.parametrize("bias_dims", [(1, "H"), ("B", 1), (1, 1)], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("stagger", [0, 1, 2])
 def test_ordered_bias_sum_turns_follow_the_programs(batch, heads, kv_heads, bias_dims,
-                                                    causal, monkeypatch):  # fmt: skip
+                                                    causal, stagger, monkeypatch):  # fmt: skip
     """An "ordered" bias gradient's turns (backward_sm90.turns.bias_sum_turn), run in
     Python over the programs in the order the grid starts them (_key_block's, with the
-    summed order's inner dims and, under a right bound, key blocks last first): at each
-    summed tile the (b, h)s that add into it take turns 0, 1, ... in the order their
-    programs start (a program's GQA heads in its walk's order), so that a program waits
-    only on programs started before it or on its own earlier steps (dQ's turns too,
-    under the causal mask); and the tiles' counters are within the count backward()
-    allocates."""
+    summed order's inner dims and, under a right bound, key blocks last first, each
+    batch's `stagger` ranks after the one before where the batch alone is inner:
+    narrow._staggered_item): at each summed tile the (b, h)s that add into it take turns
+    0, 1, ... in the order their programs start (a program's GQA heads in its walk's
+    order), so that a program waits only on programs started before it or on its own
+    earlier steps (dQ's turns too, under the causal mask); and the tiles' counters are
+    within the count backward() allocates."""
     bsm = dispatch.backward_sm90
     monkeypatch.setattr(bsm.narrow.gl, "cdiv", lambda a, b: -(-a // b))  # run in Python
+    monkeypatch.setattr(bsm.narrow.gl, "minimum", min)
+    monkeypatch.setattr(bsm.narrow.gl, "maximum", max)
     block_m, block_n, seqlen_q, seqlen_k = 64, bsm.narrow.BLOCK_N, 300, 520
     planes_b = batch if bias_dims[0] == "B" else 1
     planes_h = heads if bias_dims[1] == "H" else 1
@@ -976,8 +980,10 @@ def test_ordered_bias_sum_turns_follow_the_programs(batch, heads, kv_heads, bias
     assert kind == "ordered"
     batch_inner, head_inner = bsm.narrow.inner_dims(spec, bias, kind)
     num_n, group, tiles_q = -(-seqlen_k // block_n), heads // kv_heads, -(-seqlen_q // block_m)
+    staggered = causal and (batch_inner, head_inner) == (True, False) and stagger > 0
     order = []  # (b, kv head, key block) in the order the grid starts them
-    for item in range(batch * kv_heads * num_n):
+    for pid in range(batch * kv_heads * num_n):
+        item = bsm.narrow._staggered_item.fn(pid, num_n, batch, stagger) if staggered else pid
         rest = item
         if batch_inner or head_inner:
             b = rest % batch if batch_inner else None
@@ -991,6 +997,10 @@ def test_ordered_bias_sum_turns_follow_the_programs(batch, heads, kv_heads, bias
         else:
             (b, hk), n = divmod(rest // num_n, kv_heads), rest % num_n
         order.append((b, hk, num_n - 1 - n if causal else n))
+    if staggered:  # each kv head's blocks by rank + stagger * batch, then batch
+        for head in range(kv_heads):
+            keys = [(num_n - 1 - n + stagger * b, b) for b, hk, n in order if hk == head]
+            assert keys == sorted(keys) and len(set(keys)) == batch * num_n
     arrivals, dq_arrivals, locks = {}, {}, set()
     for start, (b, hk, n) in enumerate(order):
         for g in range(group):

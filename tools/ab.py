@@ -87,6 +87,8 @@ VARIANTS = {
     **{f"sum_lag{n}": {"bwd.ORDERED_SUM_TURN_LAG": n} for n in (2, 3)},
     "sums_unspread": {"bwd.SPREAD_SUMS": False},  # B1QK ordered: the kv heads walk alike
     **{f"spread{n}": {"bwd.SPREAD_STEPS": n} for n in (0, 1, 3, 4)},  # 0: all the tiles
+    # ... shared over the batch, masked: each batch's blocks N ranks after the one before's
+    **{f"stagger{n}": {"bwd.ORDERED_BATCH_STAGGER": n} for n in (0, 2, 3)},
     "bwd_grid": {"bwd.PERSISTENT_BLOCKS": False},  # a backward program per key block
     # ... with dQ's writer warp (a program then ends without waiting for its last adds)
     "grid_writer": {"bwd.PERSISTENT_BLOCKS": False, "bwd.DQ_WRITER": {64: True, 128: True}},
@@ -141,7 +143,8 @@ BACKWARD_KNOBS = {name: module for module, names in (
                             "DQ_WRITER", "DQ_WRITER_PACKED_UNMASKED", "ORDERED_DQ",
                             "PERSISTENT_BLOCKS", "MASKED_BY_RANK_BLOCKS", "BIAS_TILES_BATCH_INNER",
                             "MASKED_PERSISTENT_MAX_BLOCKS", "KV_VIEWS_PER_STEP", "IDLE_HALVES",
-                            "ORDERED_SUM_TURN_LAG", "SPREAD_SUMS", "SPREAD_STEPS")),
+                            "ORDERED_SUM_TURN_LAG", "SPREAD_SUMS", "SPREAD_STEPS",
+                            "ORDERED_BATCH_STAGGER")),
     (backward_sm90.shared, ("PACKED_BIAS_ADDS", "SPLIT_HEAD_DIM_PAIRS", "FUSED_SPLIT",
                             "DEPENDENT_LAUNCHES")),
     (backward_sm90.wide, ("DQ_BLOCK_N", "DQ_MASKED_BY_RANK_BLOCKS", "DQ_AS_DEPENDENT",

@@ -180,6 +180,28 @@ def _bwd_blocks_load_partition(
 
 
 @gluon.jit
+def _staggered_item(pid, ranks, batches, stagger):
+    """A batch-inner grid's item (_key_block's: batch inner, then rank, then kv head)
+    for program pid, each kv head's ranks x batches blocks in the order of rank +
+    stagger * batch, then the batch (ORDERED_BATCH_STAGGER): each batch's blocks in rank
+    order, and a batch's block of a rank stagger ranks' programs after the batch
+    before's."""
+    group = ranks * batches
+    p = pid % group
+    key = p * 0
+    seen = p * 0
+    lo = p * 0
+    count = gl.minimum(batches - 1, key // stagger) - lo + 1
+    while seen + count <= p:
+        seen += count
+        key += 1
+        lo = (gl.maximum(key - ranks + 1, 0) + stagger - 1) // stagger
+        count = gl.minimum(batches - 1, key // stagger) - lo + 1
+    b = lo + p - seen
+    return (pid // group * ranks + key - stagger * b) * batches + b
+
+
+@gluon.jit
 def _program_block(
     j, blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
@@ -811,7 +833,7 @@ def _bwd_sm90_kernel(
     ROTATE: gl.constexpr, PERSISTENT: gl.constexpr, FOLD: gl.constexpr,
     BY_RANK: gl.constexpr, HAS_DQ: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     KV_VIEWS_PER_STEP: gl.constexpr, IDLE_KEYS: gl.constexpr, PDL: gl.constexpr,
-    TURN_LAG: gl.constexpr,
+    TURN_LAG: gl.constexpr, BATCH_STAGGER: gl.constexpr,
 ):  # fmt: skip
     if PDL:  # dQ's conversion may launch (shared.DEPENDENT_LAUNCHES); it waits for our end
         hopper.launch_dependents()
@@ -830,6 +852,9 @@ def _bwd_sm90_kernel(
     elif BY_RANK > 0:
         pid = hopper.rank_major_item(pid, gl.num_programs(0), num_n_blocks,
                                      gl.cdiv(BY_RANK, num_n_blocks))
+    elif BATCH_STAGGER > 0:
+        pid = _staggered_item(pid, num_n_blocks, gl.num_programs(0) // (num_n_blocks * HKV),
+                              BATCH_STAGGER)
     programs = gl.num_programs(0)
     n_items = gl.to_tensor(1)
     if PERSISTENT:
@@ -1046,6 +1071,14 @@ ORDERED_SUM_TURN_LAG = 1
 SPREAD_SUMS = True
 # ... the kv heads' walks this many steps apart (0: over all the block's tiles)
 SPREAD_STEPS = 2
+# An "ordered" bias gradient shared over the batch (batch inner), under a right bound:
+# each batch's blocks of a rank start this many ranks' programs after the batch
+# before's (_staggered_item), so that they reach each summed tile a step or so after
+# it instead of at once, and seldom wait for its turn. H200, tools/ab.py --rounds 2, B4
+# S4096 H16 D128 1HQK causal, side by side -> 1, 2, 3 ranks: 243 -> 252, 249, 240
+# TFLOP/s (the default, not deterministic: 309). 0: side by side. Tools set it to A/B,
+# then call hopper.forget_plans().
+ORDERED_BATCH_STAGGER = 1
 # The turns a kind handed to its counting warp and not yet counted, at most (the
 # compute warpgroups wait for a slot past that: the warp counts a turn in about a
 # step's time or less)
@@ -1178,6 +1211,15 @@ def walk_rotation(spec: AttentionSpec, dbias_kind: str | None, inner: tuple[bool
             and spec.kv_heads <= hopper.sm_count(spec.device.index) // 2):
         return int(SPREAD_OVER_KV_HEADS)
     return int(ROTATE_NONE)
+
+
+def batch_stagger(spec: AttentionSpec, ordered: bool, inner: tuple[bool, bool]) -> int:
+    """The kernel's BATCH_STAGGER (ORDERED_BATCH_STAGGER): ORDERED_DQ's calls of a dense
+    batch under a right bound whose "ordered" bias gradient has the batch alone inner
+    (inner_dims); 0 otherwise."""
+    if ordered and inner == (True, False) and spec.window_right >= 0 and not spec.varlen:
+        return ORDERED_BATCH_STAGGER
+    return 0
 
 
 def dq_from_full_bias(spec: AttentionSpec, dbias_kind: str | None) -> bool:
@@ -1344,7 +1386,8 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
         HAS_DQ=not dq_from_full_bias(spec, dbias_kind), HAS_SOFTCAP=spec.softcap > 0,
         KV_VIEWS_PER_STEP=kv_views_per_step(spec, bias_row),
         IDLE_KEYS=IDLE_HALVES and spec.varlen, PDL=shared.DEPENDENT_LAUNCHES,
-        TURN_LAG=ORDERED_SUM_TURN_LAG, num_warps=4, launch_pdl=shared.DEPENDENT_LAUNCHES,
+        TURN_LAG=ORDERED_SUM_TURN_LAG, BATCH_STAGGER=batch_stagger(spec, ordered, inner),
+        num_warps=4, launch_pdl=shared.DEPENDENT_LAUNCHES,
     )  # fmt: skip
     return hopper.Plan(hopper.programs(items, fold, persistent, device_index),
                        (num_n, items, SPREAD_STEPS), constexprs)
