@@ -41,7 +41,10 @@ dQ's tiles through the dQ writer warp (ORDERED_DQ); with a bias gradient summed 
 batch or heads (dbias_kind_of's "ordered") the compute warpgroups add both kinds of
 tile themselves and hand each turn to one of two counting warps
 (_bwd_turn_counter_partition), whose release makes the adds visible to the programs
-waiting for them.
+waiting for them. The turns follow the order in which the programs reach a tile: where
+they would reach it together, their walks are spread (the kv heads') or their starts
+staggered (the batches' under a causal mask: _staggered_item), a step or two apart, no
+more: a tile's adds must meet in L2.
 """
 
 from __future__ import annotations
@@ -1074,10 +1077,10 @@ SPREAD_STEPS = 2
 # An "ordered" bias gradient shared over the batch (batch inner), under a right bound:
 # each batch's blocks of a rank start this many ranks' programs after the batch
 # before's (_staggered_item), so that they reach each summed tile a step or so after
-# it instead of at once, and seldom wait for its turn. H200, tools/ab.py --rounds 2, B4
-# S4096 H16 D128 1HQK causal, side by side -> 1, 2, 3 ranks: 243 -> 252, 249, 240
-# TFLOP/s (the default, not deterministic: 309). 0: side by side. Tools set it to A/B,
-# then call hopper.forget_plans().
+# it instead of at once, and seldom wait for its turn. H200, tools/ab.py --rounds 3, B4
+# S4096 H16 1HQK causal, side by side -> 1, 2 ranks: D128 242 -> 259, 255 TFLOP/s (3
+# ranks 240 at --rounds 2; the default, not deterministic: 309), D64 158 -> 163, 164
+# (197). 0: side by side. Tools set it to A/B, then call hopper.forget_plans().
 ORDERED_BATCH_STAGGER = 1
 # The turns a kind handed to its counting warp and not yet counted, at most (the
 # compute warpgroups wait for a slot past that: the warp counts a turn in about a
