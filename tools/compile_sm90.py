@@ -295,10 +295,10 @@ def _compile_hopper(name, launch, masks) -> int:
     """Calls launch(spec, q, k, v, bias, alibi_slopes, cu_seqlens, dbias) for D 64, 128
     and 256 (and Dqk/Dv pairs: MEMATTN_HOPPER_DIMS=192/128,128/64), every mask of
     ``masks`` (HOPPER_MASKS' options), no bias, a full one, one broadcast over the batch
-    (sumbias: its gradient summed), one plane for all (planebias, its gradient summed:
-    deterministic, narrow's SPREAD_OVER_ROUND), a key-padding row (B, 1, 1, Sk), the full one and
-    the row without their gradients (bias_read, rowbias_read: dbias False), dropout,
-    ALiBi, softcap,
+    (sumbias: its gradient summed), one plane for every batch and head (planebias: its
+    gradient summed over both), a key-padding row (B, 1, 1, Sk), the full one and the
+    row without their gradients (bias_read, rowbias_read: dbias False), dropout, ALiBi,
+    softcap,
     packed sequences (varlen: 2100 and 704 tokens, cu_seqlens given; varlen_bias with a
     full bias, varlen_addbias with a plane per head the sequences share (its gradient
     added in bf16), varlen_sumbias with one plane for all, varlen_all with a key row,
@@ -313,9 +313,8 @@ def _compile_hopper(name, launch, masks) -> int:
     hopper.sm_count = lambda device_index: 132  # an H100's; no GPU here to ask
     features = os.environ.get("MEMATTN_HOPPER_FEATURES",
                               "none,bias,sumbias,planebias,rowbias,bias_read,rowbias_read,"
-                              "dropout,"
-                              "alibi,softcap,varlen,varlen_bias,varlen_addbias,varlen_sumbias,"
-                              "varlen_all,full_tiles").split(",")
+                              "dropout,alibi,softcap,varlen,varlen_bias,varlen_addbias,"
+                              "varlen_sumbias,varlen_all,full_tiles").split(",")
     dims = [(int(d.split("/")[0]), int(d.split("/")[-1]))
             for d in os.environ.get("MEMATTN_HOPPER_DIMS", "64,128,256").split(",")]
     failures = 0
