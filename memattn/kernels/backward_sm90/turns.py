@@ -4,7 +4,7 @@ block) or of a bias gradient summed over batch or heads (one a (b, h)), by TMA
 reduce-add, whose order would otherwise change the rounding from run to run. Each tile
 has an int32 counter; a program waits until it reads its turn (hopper.wait_turn), adds,
 and counts the turn on once its add has landed (hopper.end_turn). What is here says,
-for a program's step, which counter and which turn (dq_lock, dq_add_turn,
+for a program's step, which counter and which turn (dq_tile_lock, dq_add_turn,
 bias_sum_turn, step_turns), and where each program's walk over its query tiles starts
 (walk_start), chosen so that the turns come in the order the programs reach a tile:
 a program then waits only on adds made before its own, never on one that waits for
