@@ -248,26 +248,32 @@ def right_bound_tiles(spec, blocks: int, block_m: int, block_n: int) -> list[int
             for end in ends]  # fmt: skip
 
 
+def list_schedule(items, costs, programs: int) -> list[int]:
+    """Persistent programs' blocks dealt by the host: ``items`` in their order, each to
+    the program whose items so far end first by ``costs`` (one per item), ties to the
+    lower program, as if each took the next item as it freed, without tickets or a
+    hand-off between partitions. Each program's items keep the list's order. Flat, for
+    one int32 tensor: programs + 1 offsets into it, then each program's items in its
+    order (the forward's TABLE, the D 64/128 backward's DEALT programs)."""
+    ends = [(0, p) for p in range(programs)]  # a heap of (cost so far, program)
+    dealt = [[] for _ in range(programs)]
+    for item, cost in zip(items, costs, strict=True):
+        end, p = heapq.heappop(ends)
+        dealt[p].append(item)
+        heapq.heappush(ends, (end + cost, p))
+    offsets = itertools.accumulate(map(len, dealt), initial=programs + 1)
+    return [*offsets, *itertools.chain.from_iterable(dealt)]
+
+
 def rank_table(tiles: list[int], heads: int, group_blocks: int, programs: int) -> list[int]:
     """The blocks persistent programs walk (the forward's TABLE): rank_major_item's order
     (heads in groups of at least ``group_blocks`` blocks, each group's rank by rank)
-    dealt as a list schedule, each next block to the program whose blocks so far end
-    first by key tiles (``tiles[rank]``), ties to the lower program: as if each program
-    took the next block as it freed, without tickets or a hand-off between partitions.
-    Flat, for one int32 tensor: programs + 1 offsets into it, then each program's items
-    (head * blocks + rank) in its order."""
+    dealt as a list schedule by key tiles (``tiles[rank]``)."""
     blocks = len(tiles)
     total = heads * blocks
     together = cdiv(group_blocks, blocks)
-    ends = [(0, p) for p in range(programs)]  # a heap of (key tiles so far, program)
-    dealt = [[] for _ in range(programs)]
-    for pid in range(total):
-        item = rank_major_item.fn(pid, total, blocks, together)
-        end, p = heapq.heappop(ends)
-        dealt[p].append(item)
-        heapq.heappush(ends, (end + tiles[item % blocks], p))
-    offsets = itertools.accumulate((len(items) for items in dealt), initial=programs + 1)
-    return [*offsets, *itertools.chain.from_iterable(dealt)]
+    items = [rank_major_item.fn(pid, total, blocks, together) for pid in range(total)]
+    return list_schedule(items, [tiles[item % blocks] for item in items], programs)
 
 
 def programs(items: int, fold: bool, persistent: bool, device_index: int) -> int:
