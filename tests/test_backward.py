@@ -724,7 +724,8 @@ def test_hopper_backward_persistent_gpu(name, dtype, writer, hopper_backward_lau
     with_writer = writer and (case.bias is None or bias_row(case))
     grids = [(grid, constexprs["PERSISTENT"], constexprs["DQ_BUFS"] > 0)
              for grid, constexprs in launches]  # fmt: skip
-    assert grids and all(g == ((5,), True, with_writer) for g in grids), grids
+    assert grids and all(g == ((5,), backward_sm90.narrow.STRIDES, with_writer)
+                         for g in grids), grids
 
 
 # Masked D=128 backwards with a program per key block, heads in groups taking their
@@ -760,7 +761,8 @@ def test_hopper_backward_by_rank_gpu(case, dtype, blocks_together, hopper_backwa
     programs = case.batch * case.kv_heads * -(-case.seqlen_k // backward_sm90.narrow.BLOCK_N)
     grids = [(grid, constexprs["PERSISTENT"], constexprs["BY_RANK"])
              for grid, constexprs in launches]  # fmt: skip
-    assert grids and all(g == ((programs,), False, blocks_together) for g in grids), grids
+    assert grids and all(g == ((programs,), backward_sm90.narrow.PER_BLOCK, blocks_together)
+                         for g in grids), grids
 
 
 # The wide dQ kernel (D=256) under a right bound alone: a program per query block,
@@ -921,7 +923,9 @@ def test_backward_dq_writer_at_every_dqk_gpu(name, hopper_backward_launches, mon
 # first; none: round from the block whose walk starts at the tile; a left bound alone,
 # or a head's blocks more than half the SMs: first block first), D 64 (128 rows a step)
 # and 128, GQA, Sq far from Sk, one key block, dropout (one dQ buffer), a key row's
-# gradient, ALiBi, Dqk != Dv, and 32 key blocks a head contending for turns.
+# gradient, ALiBi, Dqk != Dv, 32 key blocks a head contending for turns, and persistent
+# programs walking the blocks the host dealt them (ORDERED_DEALT), beside a summed bias
+# gradient's turns too.
 ORDERED_CASES = ["D64 Sq=777 Sk=1030", "D64 Sq=2048 Sk=333", "D128 causal",
                  "causal bottom-right Sq>Sk", "window (200, 0)", "GQA 8:2 transposed causal",
                  "one tile", "dropout causal GQA", "bias K Sq=2100 Sk=333",
@@ -929,7 +933,9 @@ ORDERED_CASES = ["D64 Sq=777 Sk=1030", "D64 Sq=2048 Sk=333", "D128 causal",
                  "ordered D128 S4096", "ordered D128 S4096 causal", "varlen D128 causal",
                  "varlen D128 GQA", "varlen D64 GQA bottom-right",
                  "ordered left window bottom-right GQA", "ordered D64 first first Sk=1500",
-                 "ordered varlen D128 first first", "softcap causal bottom-right GQA"]  # fmt: skip
+                 "ordered varlen D128 first first", "softcap causal bottom-right GQA",
+                 "dealt D64 causal GQA", "dealt D128 first first", "folded 11QK D64 causal GQA",
+                 "dealt 11QK D128 window bottom-right"]  # fmt: skip
 _ORDERED_EXTRA = [
     Case("ordered D128 S4096", batch=1, heads=4, kv_heads=2, seqlen_q=4096, seqlen_k=4096,
          dqk=128, dv=128),
@@ -941,17 +947,31 @@ _ORDERED_EXTRA = [
          dqk=64, dv=64),
     Case("ordered varlen D128 first first", heads=4, kv_heads=2, lengths_q=(700, 0, 1300, 64),
          lengths_k=(500, 5, 1304, 64), dqk=128, dv=128),
+    # ORDERED_DEALT on 5 SMs: each program walks blocks of several heads, last first
+    # under a right bound, first first without one; with a bias summed over batch and
+    # heads, in turns too, folded under a causal mask (ORDERED_SUM_FOLD)
+    Case("dealt D64 causal GQA", batch=2, heads=4, kv_heads=2, seqlen_q=1000, seqlen_k=1000,
+         dqk=64, dv=64, options=dict(causal=True)),
+    Case("dealt D128 first first", batch=2, heads=2, seqlen_q=600, seqlen_k=1030, dqk=128,
+         dv=128),
+    Case("folded 11QK D64 causal GQA", batch=2, heads=4, kv_heads=2, seqlen_q=904,
+         seqlen_k=904, dqk=64, dv=64, bias="QK", options=dict(causal=True)),
+    Case("dealt 11QK D128 window bottom-right", batch=2, heads=4, kv_heads=2, seqlen_q=700,
+         seqlen_k=904, dqk=128, dv=128, bias="QK",
+         options=dict(window=(200, 0), align="bottom_right")),
 ]  # fmt: skip
 # The SMs the child pretends the GPU has: a head's 12 key blocks (11 of the longest
 # sequence) more than half of 8, so that the unbounded turns go first block first
 # (rotates_dq) at a size the suite can run.
-_ORDERED_SMS = {"ordered D64 first first Sk=1500": 8, "ordered varlen D128 first first": 8}
+_ORDERED_SMS = {"ordered D64 first first Sk=1500": 8, "ordered varlen D128 first first": 8,
+                **{c.name: 5 for c in _ORDERED_EXTRA if c.name.startswith(("dealt", "folded"))}}
 
 
 def ordered_dq_child(name: str) -> None:
     """test_ordered_dq_backward_gpu's work, in a process of its own: the case's
     deterministic gradients against the reference on the Gluon backward, then three runs
-    bit for bit."""
+    bit for bit; the "dealt" cases on the blocks the host dealt each program, the
+    "folded" one on persistent folded strides."""
     from memattn.kernels import backward_sm90
 
     backward_sm90.MIN_KEYS_PER_QUERY = dict.fromkeys(backward_sm90.HEAD_DIMS, 0)
@@ -962,8 +982,15 @@ def ordered_dq_child(name: str) -> None:
     backward_sm90.backward = lambda *a: launched.append(1) or run(*a)
     case = next(c for c in HOPPER_CASES + _ORDERED_EXTRA if c.name == name)
     det = dataclasses.replace(case, options=dict(case.options, deterministic=True))
-    assert_results(check_backward(det, torch.bfloat16, "cuda", seed=17))
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        launches = record_launches(monkeypatch, backward_sm90.narrow, "_launch_backward")
+        assert_results(check_backward(det, torch.bfloat16, "cuda", seed=17))
     assert launched, "the deterministic call fell back to backward.py"
+    if name.startswith(("dealt", "folded")):
+        narrow = backward_sm90.narrow
+        mode = (narrow.DEALT, False) if name.startswith("dealt") else (narrow.STRIDES, True)
+        grids = [(grid, (c["PERSISTENT"], c["FOLD"])) for grid, c in launches]
+        assert grids and all(g == ((5,), mode) for g in grids), grids
     runs = [_gradients(det, torch.bfloat16, "cuda") for _ in range(3)]
     for grads in runs[1:]:
         for a, b in zip(runs[0], grads):
@@ -1111,6 +1138,50 @@ def test_deterministic_summed_bias_gradient_on_hopper_gpu(case, hopper_backward_
         for a, b in zip(runs[0], run):
             assert torch.equal(a, b)
     assert_results(check_backward(case, torch.bfloat16, "cuda", seed=9))
+
+
+@pytest.mark.gpu
+def test_persistent_ordered_backward_adds_as_a_program_per_block_gpu(hopper_backward_launches,
+                                                                     monkeypatch):  # fmt: skip
+    """Persistent ORDERED_DQ programs change which program makes each add, never the
+    order of a tile's adds (the turns fix it): a deterministic causal call with a bias
+    summed over batch and heads gives the same bits from five persistent programs on
+    folded strides (ORDERED_SUM_FOLD), on the blocks the host dealt them
+    (ORDERED_DEALT), from a program per block (both off), and from the plan a call
+    takes where the table cannot reach the device (a CUDA graph capturing first:
+    tabled=False, a program per block); and the gradients match the reference."""
+    from memattn.kernels import backward_sm90
+
+    narrow = backward_sm90.narrow
+    case = Case("dealt 11QK D64 causal", batch=2, heads=4, kv_heads=2, seqlen_q=1000,
+                seqlen_k=1000, dqk=64, dv=64, bias="QK",
+                options=dict(causal=True, deterministic=True))  # fmt: skip
+    monkeypatch.setattr(backward_sm90.hopper, "sm_count", lambda device_index: 5)
+    launches = record_launches(monkeypatch, narrow, "_launch_backward")
+    runs = []
+    try:
+        for fold, dealt, on_device in [(True, True, True), (False, True, True),
+                                       (False, False, True), (False, True, False)]:
+            backward_sm90.hopper.forget_plans()
+            with monkeypatch.context() as m:
+                m.setattr(narrow, "ORDERED_SUM_FOLD", fold)
+                m.setattr(narrow, "ORDERED_DEALT", dealt)
+                if not on_device:
+                    m.setattr(backward_sm90.hopper, "schedule_on_device",
+                              lambda plan, device_index: None)
+                runs.append(_gradients(case, torch.bfloat16, "cuda"))
+        backward_sm90.hopper.forget_plans()
+        assert_results(check_backward(case, torch.bfloat16, "cuda", seed=9))
+    finally:
+        backward_sm90.hopper.forget_plans()
+    blocks = 2 * 2 * 8
+    modes = [(grid, c["PERSISTENT"], c["FOLD"]) for grid, c in launches]
+    assert modes[:4] == [((5,), narrow.STRIDES, True), ((5,), narrow.DEALT, False),
+                         ((blocks,), narrow.PER_BLOCK, False),
+                         ((blocks,), narrow.PER_BLOCK, False)], modes
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            assert torch.equal(a, b), "persistent and per-block gradients differ"
 
 
 @pytest.mark.gpu

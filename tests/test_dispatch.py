@@ -423,20 +423,25 @@ def test_idle_warpgroups_for_packed_sequences(d, varlen, knob, monkeypatch):
 @gluon
 @pytest.mark.parametrize(
     "options, varlen, inner, persistent, fold",
-    [({}, False, (False, False), True, False),
-     (dict(causal=True), False, (False, False), True, True),  # blocks paired by work
-     (dict(window=(100, 0)), False, (False, False), True, True),
-     (dict(window=(100, -1)), False, (False, False), True, False),
-     ({}, True, (False, False), False, False),  # blocks past a sequence's end
-     ({}, False, (True, False), False, False),  # a summed bias gradient's order
-     (dict(causal=True, deterministic=True), False, (False, False), False, False)],
+    [({}, False, (False, False), "strides", False),
+     (dict(causal=True), False, (False, False), "strides", True),  # blocks paired by work
+     (dict(window=(100, 0)), False, (False, False), "strides", True),
+     (dict(window=(100, -1)), False, (False, False), "strides", False),
+     ({}, True, (False, False), "per block", False),  # blocks past a sequence's end
+     ({}, False, (True, False), "per block", False),  # a summed bias gradient's order
+     (dict(causal=True, deterministic=True), False, (False, False), "dealt", False),
+     (dict(window=(100, -1), deterministic=True), False, (False, False), "dealt", False),
+     (dict(causal=True, deterministic=True), True, (False, False), "per block", False),
+     (dict(deterministic=True), False, (True, False), "per block", False)],
 )  # fmt: skip
 def test_backward_programs_persistent_where_the_blocks_order_is_free(
         options, varlen, inner, persistent, fold, monkeypatch):  # fmt: skip
     """The D 64/128 backward runs a program per SM at most, each walking key blocks in
     hopper.work_item's strides (paired by work under a right bound), except where the
     blocks' order is not free: packed sequences, a summed bias gradient's programs side
-    by side, ORDERED_DQ's turns."""
+    by side, ORDERED_DQ's turns. Those turns of a dense batch without inner dims, which
+    wait only on blocks earlier in the grid's order, walk the blocks the host dealt each
+    program in that order (ORDERED_DEALT: the schedule's own test is test_hopper's)."""
     bsm = dispatch.backward_sm90
     monkeypatch.setattr(bsm.hopper, "sm_count", lambda device_index: 5)
     spec = spec_and_inputs(b=3, sq=1024, sk=1024, h=2, d=64, varlen=varlen, **options)[0]
@@ -448,10 +453,13 @@ def test_backward_programs_persistent_where_the_blocks_order_is_free(
     blocks = 3 * 2 * (1024 // bsm.narrow.BLOCK_N)
     if varlen:  # common.packed_items over the keys: one item more a (sequence, kv head)
         blocks = 3 * 2 * (1024 // bsm.narrow.BLOCK_N + 1)
-    assert plan.constexprs["PERSISTENT"] is persistent
+    mode = {"per block": bsm.narrow.PER_BLOCK, "strides": bsm.narrow.STRIDES,
+            "dealt": bsm.narrow.DEALT}[persistent]
+    assert plan.constexprs["PERSISTENT"] == mode
     assert plan.constexprs["FOLD"] is fold
     assert plan.counts == (1024 // bsm.narrow.BLOCK_N, blocks, bsm.narrow.SPREAD_STEPS)
-    assert plan.programs == (5 if persistent else blocks)  # the strides: test_hopper
+    assert plan.programs == (blocks if persistent == "per block" else 5)  # test_hopper's
+    assert (plan.schedule is not None) is (persistent == "dealt")
 
 
 @gluon
@@ -471,7 +479,9 @@ def test_backward_masked_long_heads_run_a_program_per_block(options, persistent,
         plan = bsm.narrow._plan(spec, False, None, (False, False), 0, 0)
     finally:
         bsm.hopper.forget_plans()
-    assert plan.constexprs["PERSISTENT"] is persistent and not plan.constexprs["FOLD"]
+    assert plan.constexprs["PERSISTENT"] == (bsm.narrow.STRIDES if persistent
+                                             else bsm.narrow.PER_BLOCK)
+    assert not plan.constexprs["FOLD"]
     assert plan.programs == (5 if persistent else 2 * 8)
 
 
@@ -493,9 +503,9 @@ def test_masked_d128_backward_takes_its_blocks_rank_by_rank(options, by_rank,
         plan = bsm.narrow._plan(spec, False, None, (False, False), 0, 0)
     finally:
         bsm.hopper.forget_plans()
-    persistent = by_rank == 0 and "deterministic" not in options  # ORDERED_DQ's
+    persistent = by_rank == 0  # ORDERED_DQ's dealt (test_backward_programs_persistent...)
     assert plan.constexprs["BY_RANK"] == by_rank
-    assert plan.constexprs["PERSISTENT"] is persistent
+    assert bool(plan.constexprs["PERSISTENT"]) is persistent
     assert plan.programs == (5 if persistent else 3 * 2 * 8)  # one per SM, or per block
 
 
@@ -1086,6 +1096,105 @@ def test_spread_bias_sum_turns_follow_the_visits(batch, heads, kv_heads, seqlen_
         assert len({when for when, _ in adds}) == heads, lock  # no two at once, same rank
         assert [turn for _, turn in sorted(adds)] == list(range(heads)), lock
     assert all(len(steps) == 1 for steps in dq_steps.values())
+
+
+@gluon
+@pytest.mark.parametrize("options, seqlen_q, seqlen_k", [
+    (dict(causal=True), 700, 1030),
+    (dict(causal=True), 1000, 1024),  # 8 blocks a head: folded on 5 SMs, not on 3
+    (dict(causal=True, align="bottom_right"), 1030, 700),
+    (dict(window=(200, 30)), 900, 900),
+    (dict(window=(300, -1)), 600, 1030),  # a left bound alone: first block first
+    ({}, 500, 1030)])  # no bound, more blocks than half the SMs: first block first
+@pytest.mark.parametrize("summed", [False, True], ids=["dq", "dq and 11QK's sum"])
+@pytest.mark.parametrize("sms", [3, 5])
+def test_dealt_ordered_programs_take_every_turn(options, seqlen_q, seqlen_k, summed, sms,
+                                                monkeypatch):  # fmt: skip
+    """ORDERED_DEALT: the persistent programs walk the blocks the host dealt them
+    (plan.schedule) or, a summed bias gradient's under a causal mask with an even count
+    of blocks a head, hopper.work_item's folded strides (ORDERED_SUM_FOLD), each block's
+    steps in order, a step done once its turns come (dQ's tile and, with a bias summed
+    over batch and heads, the summed tile's), counting them on. Run in Python over
+    those walks, every program finishes: no program waits on a block that a program
+    waiting on it holds, and every counter ends at the count of the adds into its
+    tile."""
+    bsm = dispatch.backward_sm90
+    narrow, turns = bsm.narrow, bsm.turns
+    monkeypatch.setattr(bsm.hopper, "sm_count", lambda device_index: sms)
+    monkeypatch.setattr(turns.gl, "cdiv", lambda a, b: -(-a // b))  # run in Python
+    batch, heads, kv_heads = 2, 4, 2
+    q = torch.zeros(batch, seqlen_q, heads, 64)
+    k = torch.zeros(batch, seqlen_k, kv_heads, 64)
+    bias = torch.zeros(seqlen_q, seqlen_k) if summed else None
+    spec = check_call(q, k, k, bias=bias, deterministic=True, **options)
+    kind = bsm.dbias_kind_of(spec, bias) if summed else None
+    assert kind == ("ordered" if summed else None)
+    inner = narrow.inner_dims(spec, bias, kind)
+    bsm.hopper.forget_plans()
+    try:
+        plan = narrow._plan(spec, False, kind, inner, 0, 0)
+    finally:
+        bsm.hopper.forget_plans()
+    assert plan.constexprs["ROTATE"] == narrow.ROTATE_NONE
+    block_m, block_n = plan.constexprs["BLOCK_M"], narrow.BLOCK_N
+    num_n, items = plan.counts[:2]
+    folds = (summed and spec.window_left < 0 and spec.window_right >= 0 and num_n % 2 == 0
+             and num_n // 2 <= sms)
+    assert plan.constexprs["FOLD"] is folds
+    if folds:  # hopper.work_item's folded strides, light block first
+        assert plan.constexprs["PERSISTENT"] == narrow.STRIDES
+        work_item, fold = bsm.hopper.work_item.fn, True
+        dealt = [[head * num_n + rank for j in range(bsm.hopper.work_items.fn(
+                      p, plan.programs, items, fold))
+                  for head, rank in [work_item(p, j, plan.programs, num_n, fold)]]
+                 for p in range(plan.programs)]  # fmt: skip
+    else:
+        assert plan.constexprs["PERSISTENT"] == narrow.DEALT
+        table = plan.schedule
+        dealt = [table[table[p]:table[p + 1]] for p in range(plan.programs)]
+    assert plan.programs <= sms and sorted(sum(map(list, dealt), [])) == list(range(items))
+    left, right = spec.window_left, spec.window_right
+    off = seqlen_k - seqlen_q if spec.bottom_right else 0
+
+    def steps(item):  # _key_block's item: (b, kv head), then its block (last first, bounded)
+        (b, hk), rank = divmod(item // num_n, kv_heads), item % num_n
+        n = num_n - 1 - rank if right >= 0 else rank
+        tiles = _visits(n, seqlen_q, off, None if left < 0 else left,
+                        None if right < 0 else right, block_m, block_n)  # fmt: skip
+        for g in range(spec.group):
+            for start_m in tiles:
+                h = hk * spec.group + g
+                waits = [(("dq", b, h, start_m), turns.dq_add_turn.fn(
+                    n, start_m, num_n, len(tiles), off, left, right, block_m, block_n,
+                    left >= 0, right >= 0, narrow.ROTATE_NONE))]  # fmt: skip
+                if summed:
+                    lock, turn = turns.bias_sum_turn.fn(b, h, start_m, n * block_n, seqlen_q,
+                                                        seqlen_k, heads, 1, 1, block_m, block_n)
+                    waits.append((("sum", lock), turn))
+                yield waits
+
+    walks = [[waits for item in items_p for waits in steps(item)] for items_p in dealt]
+    counters, at = {}, [0] * len(walks)
+    while True:
+        moved = False
+        for p, walk in enumerate(walks):
+            while at[p] < len(walk) and all(counters.get(lock, 0) == turn
+                                            for lock, turn in walk[at[p]]):
+                for lock, _ in walk[at[p]]:
+                    counters[lock] = counters.get(lock, 0) + 1
+                at[p] += 1
+                moved = True
+        if not moved:
+            break
+    assert at == [len(walk) for walk in walks], "a program waits for a turn that never comes"
+    adds = {}
+    for walk in walks:
+        for waits in walk:
+            for lock, _ in waits:
+                adds[lock] = adds.get(lock, 0) + 1
+    assert counters == adds
+    if summed:  # every (b, h) adds into each tile it sees
+        assert {n for lock, n in adds.items() if lock[0] == "sum"} <= {batch * heads}
 
 
 @gluon

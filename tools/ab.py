@@ -90,6 +90,8 @@ VARIANTS = {
     # ... shared over the batch, masked: each batch's blocks N ranks after the one before's
     **{f"stagger{n}": {"bwd.ORDERED_BATCH_STAGGER": n} for n in (0, 2, 3)},
     "bwd_grid": {"bwd.PERSISTENT_BLOCKS": False},  # a backward program per key block
+    "ordered_grid": {"bwd.ORDERED_DEALT": False},  # ... for ORDERED_DQ's calls, not dealt
+    "ordered_unfolded": {"bwd.ORDERED_SUM_FOLD": False},  # ... an ordered bias sum's too
     # ... with dQ's writer warp (a program then ends without waiting for its last adds)
     "grid_writer": {"bwd.PERSISTENT_BLOCKS": False, "bwd.DQ_WRITER": {64: True, 128: True}},
     # masked backwards folded at every length (shipped: a program per block past 64)
@@ -144,7 +146,8 @@ BACKWARD_KNOBS = {name: module for module, names in (
                             "PERSISTENT_BLOCKS", "MASKED_BY_RANK_BLOCKS", "BIAS_TILES_BATCH_INNER",
                             "MASKED_PERSISTENT_MAX_BLOCKS", "KV_VIEWS_PER_STEP", "IDLE_HALVES",
                             "ORDERED_SUM_TURN_LAG", "SPREAD_SUMS", "SPREAD_STEPS",
-                            "ORDERED_BATCH_STAGGER")),
+                            "ORDERED_BATCH_STAGGER", "ORDERED_DEALT",
+                            "ORDERED_SUM_FOLD")),
     (backward_sm90.shared, ("PACKED_BIAS_ADDS", "SPLIT_HEAD_DIM_PAIRS", "FUSED_SPLIT",
                             "DEPENDENT_LAUNCHES")),
     (backward_sm90.wide, ("DQ_BLOCK_N", "DQ_MASKED_BY_RANK_BLOCKS", "DQ_AS_DEPENDENT",

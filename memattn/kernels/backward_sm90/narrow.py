@@ -44,7 +44,10 @@ tile themselves and hand each turn to one of two counting warps
 waiting for them. The turns follow the order in which the programs reach a tile: where
 they would reach it together, their walks are spread (the kv heads') or their starts
 staggered (the batches' under a causal mask: _staggered_item), a step or two apart, no
-more: a tile's adds must meet in L2.
+more: a tile's adds must meet in L2. Where every wait is on a block that a program
+reaches earlier in the grid's order, the programs are persistent: on the blocks the
+host dealt them in that order (ORDERED_DEALT) or, for a summed bias gradient under a
+causal mask, on folded strides (ORDERED_SUM_FOLD).
 """
 
 from __future__ import annotations
@@ -114,19 +117,25 @@ BLOCK_N = 128  # keys a program: two warpgroups x 64
 # Query rows a step at D=64 (a knob tools/ab.py sets): dK and dV take 64 registers a
 # thread there, S and dP 64 each at 128 rows (FA4's D=64 step).
 BLOCK_M_D64 = 128
+# How the programs take their key blocks (the PERSISTENT constexpr): a program per
+# block, or one per SM at most walking hopper.work_item's strides (PERSISTENT_BLOCKS)
+# or the blocks the host dealt it (ORDERED_DEALT).
+PER_BLOCK = gl.constexpr(0)
+STRIDES = gl.constexpr(1)
+DEALT = gl.constexpr(2)
 
 
 @gluon.constexpr_function
-def overlaps_block_ends(fold, block_m):
+def overlaps_block_ends(persistent, fold, block_m):
     """Whether a program's key blocks overlap one's end with the next one's start: folded
-    D=64 blocks (128-row steps under a mask: few steps a block). The load warp sends the
-    next block's first Q and dO tiles before it waits for K and V to free; the compute
-    warpgroups free K and V once the last step's dQ wgmma is done, and let dK and dV
-    leave through the writer warp's buffer that the next block's first dQ tile takes
-    (its last reduce-add read a step earlier than the last tile's), which that tile's
-    write then waits for. Elsewhere the checks in the step loop cost more than they save
-    (PERFORMANCE.md, "Levers that did not pay")."""
-    return fold and block_m == 128
+    or dealt (ORDERED_DEALT) D=64 blocks (128-row steps under a mask: few steps a
+    block). The load warp sends the next block's first Q and dO tiles before it waits
+    for K and V to free; the compute warpgroups free K and V once the last step's dQ
+    wgmma is done, and let dK and dV leave through the writer warp's buffer that the
+    next block's first dQ tile takes (its last reduce-add read a step earlier than the
+    last tile's), which that tile's write then waits for. Elsewhere the checks in the
+    step loop cost more than they save (PERFORMANCE.md, "Levers that did not pay")."""
+    return (fold or persistent == DEALT.value) and block_m == 128
 
 
 @gluon.jit
@@ -145,7 +154,7 @@ def _bwd_blocks_load_partition(
     reads of the preprocess's writes wait for its end; the other warps' first reads and
     writes of them (dQ's buffer, its counters) follow from those."""
     # The overlapped ends send a block's first query tile before its K and V.
-    WAIT_AFTER_KV: gl.constexpr = PDL and not overlaps_block_ends(FOLD, BLOCK_M)
+    WAIT_AFTER_KV: gl.constexpr = PDL and not overlaps_block_ends(PERSISTENT, FOLD, BLOCK_M)
     if PDL and not WAIT_AFTER_KV:
         hopper.wait_for_primary()
     (q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem, v_smem,
@@ -163,8 +172,8 @@ def _bwd_blocks_load_partition(
             stats_start = packed_stats_start(q_start, b)
         rot = walk_start(hk, start_n, n_tiles, seqlen_k, blocks, BLOCK_N, ROTATE)
         first = 0
-        if overlaps_block_ends(FOLD, BLOCK_M):  # the block's first Q and dO tiles, whose
-            # slots free before the last block's K and V do
+        if overlaps_block_ends(PERSISTENT, FOLD, BLOCK_M):  # the block's first Q and dO
+            # tiles, whose slots free before the last block's K and V do
             first = gl.minimum(GROUP * n_tiles, 1)
             _query_tile_loads(
                 q_desc, do_desc, stats_desc, bias_desc, q_smem, do_smem, lse_smem, delta_smem,
@@ -211,16 +220,19 @@ def _program_block(
     BATCH_INNER: gl.constexpr, HEAD_INNER: gl.constexpr, DESCENDING: gl.constexpr,
     PERSISTENT: gl.constexpr, FOLD: gl.constexpr,
 ):  # fmt: skip
-    """_key_block's tuple for this program's j-th key block: the grid item of its own,
-    or PERSISTENT, the j-th of hopper.work_item's strides over (batch, kv head) x key
-    blocks (rank 0 a head's first block, the most work under a causal mask; FOLD: in
-    pairs of equal work). ``blocks``: (pid, programs, HKV, CuSeqQ, CuSeqK, seqlen_q,
-    seqlen_k, num_n_blocks, window_left, window_right). Every partition walks the same
-    blocks."""
+    """_key_block's tuple for this program's j-th key block: the grid item of its own;
+    PERSISTENT == STRIDES, the j-th of hopper.work_item's strides over (batch, kv head) x
+    key blocks (rank 0 a head's first block, the most work under a causal mask; FOLD: in
+    pairs of equal work); DEALT, the j-th the host dealt it (the grid's items, pid its
+    first entry in Schedule). ``blocks``: (pid, programs, HKV, CuSeqQ, CuSeqK, seqlen_q,
+    seqlen_k, num_n_blocks, window_left, window_right, spread steps, Schedule). Every
+    partition walks the same blocks."""
     (pid, programs, HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left,
-     window_right, _) = blocks
+     window_right, _, Schedule) = blocks
     item = pid
-    if PERSISTENT:
+    if PERSISTENT == DEALT:
+        item = gl.load(Schedule + pid + j)
+    elif PERSISTENT == STRIDES:
         head, rank = hopper.work_item(pid, j, programs, num_n_blocks, FOLD)
         item = head * num_n_blocks + rank
     return _key_block(item, HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left,
@@ -294,7 +306,7 @@ def _bwd_compute_partition(
                               <= dq_desc.block_type.nbytes)  # fmt: skip
     # dV's tile where it fits the buffer, else (V wider than q·k: 64/128) by plain stores
     DV_STAGED: gl.constexpr = dv_desc.block_type.nbytes <= DQ_ROWS * DQ_COLS * 4
-    OVERLAP_ENDS: gl.constexpr = overlaps_block_ends(FOLD, BLOCK_M)
+    OVERLAP_ENDS: gl.constexpr = overlaps_block_ends(PERSISTENT, FOLD, BLOCK_M)
     KEEP_IN_DS: gl.constexpr = keeps_bits_in_shared(HAS_DROPOUT, HAS_BIAS, HEAD_DIM_QK,
                                                     HEAD_DIM_V)
     # A dense gradient stored whole under a mask: the tiles no query of a block sees get
@@ -821,9 +833,9 @@ def _bwd_turn_counter_partition(
 @gluon.jit
 def _bwd_sm90_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, bias_desc, dbias_desc, dk_desc,
-    dv_desc, DK, DV, Rng, Alibi, CuSeqQ, CuSeqK, DqLocks, SumLocks, BiasRow, DBiasRow,
-    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ab, stride_ah,
-    stride_rb, stride_rh, stride_rn, stride_pb, stride_ph, HKV, GROUP, bias_batches,
+    dv_desc, DK, DV, Rng, Alibi, CuSeqQ, CuSeqK, DqLocks, SumLocks, Schedule, BiasRow,
+    DBiasRow, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ab,
+    stride_ah, stride_rb, stride_rh, stride_rn, stride_pb, stride_ph, HKV, GROUP, bias_batches,
     bias_heads, seqlen_q, seqlen_k, num_seqs, num_n_blocks, num_items, spread_steps, scale,
     window_left, window_right, dropout_p, softcap, HEAD_DIM_QK: gl.constexpr,
     HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -840,8 +852,9 @@ def _bwd_sm90_kernel(
 ):  # fmt: skip
     if PDL:  # dQ's conversion may launch (shared.DEPENDENT_LAUNCHES); it waits for our end
         hopper.launch_dependents()
-    # A program per key block, or PERSISTENT (PERSISTENT_BLOCKS) one per SM at most,
-    # walking num_items blocks in hopper.work_item's strides (_program_block). Packed
+    # A program per key block, or PERSISTENT one per SM at most, walking num_items
+    # blocks in hopper.work_item's strides (PERSISTENT_BLOCKS) or those the host dealt
+    # it (ORDERED_DEALT), pid its first entry in Schedule (_program_block). Packed
     # sequences in the default order: a program per item of the packed grid, which
     # stands for an item of _key_block's (_packed_key_item). BY_RANK
     # (MASKED_BY_RANK_BLOCKS): a program per block, heads in groups of at least this
@@ -860,10 +873,14 @@ def _bwd_sm90_kernel(
                               BATCH_STAGGER)
     programs = gl.num_programs(0)
     n_items = gl.to_tensor(1)
-    if PERSISTENT:
+    if PERSISTENT == DEALT:
+        first = gl.load(Schedule + pid)
+        n_items = gl.load(Schedule + pid + 1) - first
+        pid = first
+    elif PERSISTENT == STRIDES:
         n_items = hopper.work_items(pid, programs, num_items, FOLD)
     blocks = (pid, programs, HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left,
-              window_right, spread_steps)
+              window_right, spread_steps, Schedule)
     if SKIP_PAST_END:  # a key block past its packed sequence's end: nothing to do
         _, _, start_n, _, _, _, seqlen_k_b, _, _, _, _, _ = _program_block(
             0, blocks, BLOCK_M, BLOCK_N, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
@@ -1151,6 +1168,38 @@ MASKED_BY_RANK_BLOCKS = {64: 0, 128: 256}
 # S8192 (64 blocks) 476 -> 468, S4096 419 -> 426. Tools set it to A/B, then call
 # hopper.forget_plans().
 MASKED_PERSISTENT_MAX_BLOCKS = 64
+# ORDERED_DQ's calls of a dense batch whose turns wait only on blocks earlier in the
+# grid's order (no rotated walks, no inner dims) in persistent programs, each dealt
+# the grid's blocks in that order by the host (hopper.list_schedule, a block's cost its
+# steps and one for its start and end): a program's adds then wait only on blocks
+# dealt before, to programs running beside it (all are: one per SM at most), and at
+# D=64 the blocks' ends overlap the next ones' starts as the default's folded ones do
+# (overlaps_block_ends). Up to DEALT_ITEMS blocks (the host deals them once a plan);
+# where a CUDA graph captures a call before its table is on the device
+# (hopper.schedule_on_device), a program per block. H200, tools/ab.py --rounds 2,
+# deterministic causal, 16k tokens, a program per block -> dealt: D64 S1024 268 -> 293
+# TFLOP/s (274 -> 307 on another machine), S4096 419 -> 417 (424 -> 427), S16384 483
+# -> 480 (491 -> 492), D128 S4096 457 -> 463 (its 64-row steps keep their ends apart),
+# D64 with a (1, 1, S, S) bias's gradient 155 -> 154. Tools set it to A/B, then call
+# hopper.forget_plans().
+ORDERED_DEALT = True
+DEALT_ITEMS = 1 << 16
+# ... but an "ordered" bias gradient's under a causal mask (an even count of blocks a
+# head, a head's pairs no more than the SMs) in the folded
+# strides (hopper.work_item), each program a head's lighter block of a pair first
+# (_key_block's DESCENDING lists the last block first), so that twice as many heads run
+# at once (a head's blocks over half as many programs). A light block's adds wait on
+# lighter ones and on the heads before; a heavy one's on the light ones and on heavier
+# ones, whose programs are past their light ones: with every pair of a head on a
+# program of its own, each wait is on a program that gets there (test_dispatch
+# simulates the turns over the strides). H200, tools/ab.py --rounds 2, B4 S4096
+# causal, a (1, 1, S, S) bias with its gradient, a program per block -> dealt ->
+# folded: D64 (H32) 156 -> 157 -> 169 TFLOP/s (dealt -> folded 155 -> 167 on another
+# machine; the default's, not deterministic, 240: folded too), D128 (H16) dealt ->
+# folded 241 -> 277. Without a summed bias folding lost (D64): S4096 417 -> 387,
+# S16384 480 -> 429, S1024 293 -> 287. Tools set it to A/B, then call
+# hopper.forget_plans().
+ORDERED_SUM_FOLD = True
 
 
 def kv_views_per_step(spec: AttentionSpec, bias_row: bool) -> bool:
@@ -1260,8 +1309,14 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
     into dq (dq_tiles' fp32 buffer) but for dq_from_full_bias's calls."""
     bias_row = hopper.bias_row(spec, bias)
     dbias_kind = None if dbias is None else dbias_kind_of(spec, bias)
-    how = _plan(spec, bias_row, dbias_kind, inner_dims(spec, bias, dbias_kind),
-                k.shape[0] if spec.varlen else 0, q.device.index)
+    plan_of = (spec, bias_row, dbias_kind, inner_dims(spec, bias, dbias_kind),
+               k.shape[0] if spec.varlen else 0, q.device.index)
+    how = _plan(*plan_of)
+    schedule = dk  # a stand-in, never read without a table
+    if how.schedule:
+        schedule = hopper.schedule_on_device(how, q.device.index)
+        if schedule is None:  # a CUDA graph captures, the table not yet on the device
+            how, schedule = _plan(*plan_of, tabled=False), dk
     dq_locks = sum_locks = dk  # stand-ins, never read
     if how.constexprs["ORDERED"]:  # a counter per dQ tile (packed: common.dq_tile's), and
         # an "ordered" bias gradient's per tile (bias_sum_turn), 16-byte aligned
@@ -1280,7 +1335,8 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
     # fix packed sequences' token counts): hopper.Launcher.launch_prepared.
     call = (how, *map(hopper.tensor_key, (q, k, v, grad_out, stats, dq, dk, dv, bias, dbias,
                                            alibi_slopes, rng_state, cu_seqlens_q,
-                                           cu_seqlens_k, dq_locks, sum_locks)))  # fmt: skip
+                                           cu_seqlens_k, dq_locks, sum_locks,
+                                           schedule)))  # fmt: skip
     if _launch_backward.launch_prepared(how.programs, call):
         return
     half_d = spec.head_dim_qk // 2
@@ -1323,7 +1379,7 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
         bias_desc, dbias_desc, hopper.descriptor(dk_tma, BLOCK_N // 2, spec.head_dim_qk),
         hopper.descriptor(dv_tma, BLOCK_N // 2, spec.head_dim_v), dk, dv, rng_state,
         alibi_slopes,
-        cu_seqlens_q, cu_seqlens_k, dq_locks, sum_locks,
+        cu_seqlens_q, cu_seqlens_k, dq_locks, sum_locks, schedule,
         bias if bias_row else dk, dbias if dbias_kind == "row" else dk,
         *k_strides, *v_strides,
         alibi_batch_stride, alibi_head_stride, *row_strides, *partial_strides,
@@ -1347,15 +1403,16 @@ def block_m(spec: AttentionSpec, bias_row: bool) -> int:
 
 @hopper.plan_cache
 def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
-          inner: tuple[bool, bool], tokens_k: int, device_index: int) -> hopper.Plan:  # fmt: skip
+          inner: tuple[bool, bool], tokens_k: int, device_index: int,
+          tabled: bool = True) -> hopper.Plan:  # fmt: skip
     """The D 64/128 kernel's launch (hopper.Plan): key blocks of each (batch, kv head)
     (packed sequences: common.packed_items over the keys, blocks of the longest with
     inner dims), persistent programs walking them where PERSISTENT_BLOCKS allows, else a
     program per block. bias_row: the bias is one row of keys (hopper.bias_row), read by
     pointer. dbias_kind: dbias_kind_of's, None without a bias gradient. inner: batch and
     kv head innermost in the programs' order (SUMMED_BIAS_INNER). tokens_k: packed
-    sequences' key tokens in all (0 for dense batches). Counts: key blocks per head, in
-    all, and SPREAD_STEPS."""
+    sequences' key tokens in all (0 for dense batches). tabled: a host-dealt schedule
+    may be used (ORDERED_DEALT). Counts: key blocks per head, in all, and SPREAD_STEPS."""
     num_n = cdiv(spec.seqlen_k, BLOCK_N)
     bias_tiles = spec.has_bias and not bias_row
     ordered = orders_dq(spec, dbias_kind)
@@ -1372,9 +1429,30 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
     persistent = (PERSISTENT_BLOCKS and free_order and not by_rank
                   and not (masked and num_n > MASKED_PERSISTENT_MAX_BLOCKS))
     fold = persistent and spec.window_right >= 0
+    rows = block_m(spec, bias_row)
+    rotate = walk_rotation(spec, dbias_kind, inner) if ordered else int(ROTATE_NONE)
+    # ORDERED_DQ's calls whose turns wait only on blocks a program reaches earlier (no
+    # rotated walks, no inner dims): persistent too, dealt (ORDERED_DEALT) or, an
+    # "ordered" bias gradient's under a causal mask, folded (ORDERED_SUM_FOLD).
+    in_order = (PERSISTENT_BLOCKS and ordered and not spec.varlen and not any(inner)
+                and rotate == ROTATE_NONE)
+    sum_fold = (in_order and ORDERED_SUM_FOLD and dbias_kind == "ordered"
+                and spec.window_right >= 0 and spec.window_left < 0 and num_n % 2 == 0
+                and num_n // 2 <= hopper.sm_count(device_index))
+    dealt = in_order and not sum_fold and ORDERED_DEALT and tabled and items <= DEALT_ITEMS
+    persistent, fold = persistent or sum_fold, fold or sum_fold
+    programs = hopper.programs(items, fold, persistent or dealt, device_index)
+    schedule = None
+    if dealt:  # the grid's blocks in its order, each costing its steps and one more
+        steps = _block_steps(spec, num_n, rows)
+        if spec.window_right >= 0:  # _key_block's DESCENDING: each head's last block first
+            steps.reverse()
+        schedule = tuple(hopper.list_schedule(range(items), [steps[item % num_n] + 1
+                                                             for item in range(items)],
+                                              programs))  # fmt: skip
     constexprs = dict(
         HEAD_DIM_QK=spec.head_dim_qk, HEAD_DIM_V=spec.head_dim_v,
-        BLOCK_M=block_m(spec, bias_row), BLOCK_N=BLOCK_N, STAGES=STAGES,
+        BLOCK_M=rows, BLOCK_N=BLOCK_N, STAGES=STAGES,
         HAS_BIAS=bias_tiles,
         DBIAS_TILES={"full": 1, "added": 2}.get(dbias_kind, 0),
         DBIAS_SUM=dbias_kind in SUMMED_GRADIENTS,
@@ -1384,13 +1462,27 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
         BOUNDED_RIGHT=spec.window_right >= 0, BATCH_INNER=inner[0], HEAD_INNER=inner[1],
         SKIP_PAST_END=spec.varlen and SKIP_EMPTY_KEY_BLOCKS and not packed_grid,
         DQ_BUFS=dq_bufs, ORDERED=ordered,
-        ROTATE=walk_rotation(spec, dbias_kind, inner) if ordered else int(ROTATE_NONE),
-        PERSISTENT=persistent, FOLD=fold, BY_RANK=by_rank,
+        ROTATE=rotate, PERSISTENT=int(DEALT if dealt else STRIDES if persistent else PER_BLOCK),
+        FOLD=fold, BY_RANK=by_rank,
         HAS_DQ=not dq_from_full_bias(spec, dbias_kind), HAS_SOFTCAP=spec.softcap > 0,
         KV_VIEWS_PER_STEP=kv_views_per_step(spec, bias_row),
         IDLE_KEYS=IDLE_HALVES and spec.varlen, PDL=shared.DEPENDENT_LAUNCHES,
         TURN_LAG=ORDERED_SUM_TURN_LAG, BATCH_STAGGER=batch_stagger(spec, ordered, inner),
         num_warps=4, launch_pdl=shared.DEPENDENT_LAUNCHES,
     )  # fmt: skip
-    return hopper.Plan(hopper.programs(items, fold, persistent, device_index),
-                       (num_n, items, SPREAD_STEPS), constexprs)
+    return hopper.Plan(programs, (num_n, items, SPREAD_STEPS), constexprs, schedule)
+
+
+def _block_steps(spec: AttentionSpec, num_n: int, rows: int) -> list[int]:
+    """The steps of a dense batch's key blocks (n = 0, 1, ...): GROUP x their query
+    tiles of ``rows`` (common.query_range's lo and hi)."""
+    off = spec.seqlen_k - spec.seqlen_q if spec.bottom_right else 0
+    steps = []
+    for n in range(num_n):
+        lo, hi = 0, spec.seqlen_q
+        if spec.window_right >= 0:
+            lo = max(n * BLOCK_N - off - spec.window_right, 0) // rows * rows
+        if spec.window_left >= 0:
+            hi = min(hi, (n + 1) * BLOCK_N - 1 - off + spec.window_left + 1)
+        steps.append(spec.group * cdiv(max(hi, lo) - lo, rows))
+    return steps
