@@ -924,8 +924,8 @@ def test_backward_dq_writer_at_every_dqk_gpu(name, hopper_backward_launches, mon
 # or a head's blocks more than half the SMs: first block first), D 64 (128 rows a step)
 # and 128, GQA, Sq far from Sk, one key block, dropout (one dQ buffer), a key row's
 # gradient, ALiBi, Dqk != Dv, 32 key blocks a head contending for turns, and persistent
-# programs walking the blocks the host dealt them (ORDERED_DEALT), beside a summed bias
-# gradient's turns too.
+# programs walking the blocks the host dealt them (ORDERED_DEALT) or folded strides
+# (ORDERED_SUM_FOLD), beside a summed bias gradient's turns too.
 ORDERED_CASES = ["D64 Sq=777 Sk=1030", "D64 Sq=2048 Sk=333", "D128 causal",
                  "causal bottom-right Sq>Sk", "window (200, 0)", "GQA 8:2 transposed causal",
                  "one tile", "dropout causal GQA", "bias K Sq=2100 Sk=333",
@@ -1153,7 +1153,7 @@ def test_persistent_ordered_backward_adds_as_a_program_per_block_gpu(hopper_back
     from memattn.kernels import backward_sm90
 
     narrow = backward_sm90.narrow
-    case = Case("dealt 11QK D64 causal", batch=2, heads=4, kv_heads=2, seqlen_q=1000,
+    case = Case("persistent 11QK D64 causal", batch=2, heads=4, kv_heads=2, seqlen_q=1000,
                 seqlen_k=1000, dqk=64, dv=64, bias="QK",
                 options=dict(causal=True, deterministic=True))  # fmt: skip
     monkeypatch.setattr(backward_sm90.hopper, "sm_count", lambda device_index: 5)
