@@ -1196,7 +1196,8 @@ def test_dealt_ordered_programs_take_every_turn(options, seqlen_q, seqlen_k, sum
 def test_ordered_dq_rotates_only_where_a_whole_head_runs(monkeypatch):
     """Without bounds the rotated turns go round a head's key blocks, so they must all
     run at once: at most half the SMs' worth; longer calls, and windows bounded on the
-    left alone, add first block first instead (no such limit), as do masks last first."""
+    left alone, add first block first instead (no such limit), as do masks last first;
+    and so does every call with ORDERED_ROTATE off."""
     bsm = dispatch.backward_sm90
     monkeypatch.setattr(bsm.narrow, "ORDERED_DQ", True)
     monkeypatch.setattr(bsm.hopper, "sm_count", lambda device_index: 8)
@@ -1207,6 +1208,8 @@ def test_ordered_dq_rotates_only_where_a_whole_head_runs(monkeypatch):
     assert all(bsm.orders_dq(spec, None) for spec in (fits, long, causal, left))
     assert [bsm.narrow.rotates_dq(spec) for spec in (fits, long, causal, left)] == [
         True, False, False, False]
+    monkeypatch.setattr(bsm.narrow, "ORDERED_ROTATE", False)  # tools' A/B: first first
+    assert not bsm.narrow.rotates_dq(fits)
 
 
 @gluon

@@ -1076,6 +1076,11 @@ DQ_WRITER_PACKED_UNMASKED = True
 # backward: 385 -> 504 TFLOP/s (default 546: 1.08x its time), causal 309 -> 427 (458:
 # 1.07x), D64 456 (default 443).
 ORDERED_DQ = True
+# ... their walks rotated where rotates_dq allows. H200, tools/ab.py --rounds 2, B4
+# S4096 without a mask, rotated (a program per block) -> first block first (dealt:
+# ORDERED_DEALT): D128 507 -> 482 TFLOP/s, with a (1, 1, S, S) bias's gradient 310 ->
+# 253, D64 with it 198 -> 138. Tools set it to A/B, then call hopper.forget_plans().
+ORDERED_ROTATE = True
 # An "ordered" bias gradient (dbias_kind_of's: deterministic, summed over batch or
 # heads): each compute warpgroup adds its summed tiles and dQ's in turns
 # (bias_sum_turn, dq_add_turn) and hands a step's two turns to the counting warps this
@@ -1247,7 +1252,7 @@ def rotates_dq(spec: AttentionSpec, inner: tuple[bool, bool] = (False, False)) -
     unbounded = spec.window_left < 0 and spec.window_right < 0
     window = (cdiv(spec.seqlen_k, BLOCK_N) * (spec.batch if inner[0] else 1)
               * (spec.kv_heads if inner[1] else 1))
-    return unbounded and window <= hopper.sm_count(spec.device.index) // 2
+    return ORDERED_ROTATE and unbounded and window <= hopper.sm_count(spec.device.index) // 2
 
 
 def walk_rotation(spec: AttentionSpec, dbias_kind: str | None, inner: tuple[bool, bool]) -> int:
@@ -1435,7 +1440,7 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
     # rotated walks, no inner dims): persistent too, dealt (ORDERED_DEALT) or, an
     # "ordered" bias gradient's under a causal mask, folded (ORDERED_SUM_FOLD).
     in_order = (PERSISTENT_BLOCKS and ordered and not spec.varlen and not any(inner)
-                and rotate == ROTATE_NONE)
+                and rotate == int(ROTATE_NONE))
     sum_fold = (in_order and ORDERED_SUM_FOLD and dbias_kind == "ordered"
                 and spec.window_right >= 0 and spec.window_left < 0 and num_n % 2 == 0
                 and num_n // 2 <= hopper.sm_count(device_index))
