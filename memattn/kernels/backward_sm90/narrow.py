@@ -1190,20 +1190,19 @@ MASKED_PERSISTENT_MAX_BLOCKS = 64
 ORDERED_DEALT = True
 DEALT_ITEMS = 1 << 16
 # ... but an "ordered" bias gradient's under a causal mask (an even count of blocks a
-# head, a head's pairs no more than the SMs) in the folded
-# strides (hopper.work_item), each program a head's lighter block of a pair first
-# (_key_block's DESCENDING lists the last block first), so that twice as many heads run
-# at once (a head's blocks over half as many programs). A light block's adds wait on
-# lighter ones and on the heads before; a heavy one's on the light ones and on heavier
-# ones, whose programs are past their light ones: with every pair of a head on a
-# program of its own, each wait is on a program that gets there (test_dispatch
-# simulates the turns over the strides). H200, tools/ab.py --rounds 2, B4 S4096
-# causal, a (1, 1, S, S) bias with its gradient, a program per block -> dealt ->
-# folded: D64 (H32) 156 -> 157 -> 169 TFLOP/s (dealt -> folded 155 -> 167 on another
-# machine; the default's, not deterministic, 240: folded too), D128 (H16) dealt ->
-# folded 241 -> 277. Without a summed bias folding lost (D64): S4096 417 -> 387,
-# S16384 480 -> 429, S1024 293 -> 287. Tools set it to A/B, then call
-# hopper.forget_plans().
+# head, a head's pairs no more than the SMs) in the folded strides (hopper.work_item),
+# each program a head's lighter block of a pair first (_key_block's DESCENDING lists
+# the last block first), so that twice as many heads run at once (a head's blocks over
+# half as many programs). A light block's adds wait on lighter ones and on the heads
+# before; a heavy one's on the light ones and on heavier ones, whose programs are past
+# their light ones: with every pair of a head on a program of its own, each wait is on
+# a program that gets there (test_dispatch simulates the turns over the strides).
+# H200, tools/ab.py --rounds 2, B4 S4096 causal, a (1, 1, S, S) bias with its
+# gradient, a program per block -> dealt -> folded: D64 (H32) 156 -> 157 -> 169
+# TFLOP/s (dealt -> folded 155 -> 167 on another machine; the default's, not
+# deterministic, 240: folded too), D128 (H16) dealt -> folded 241 -> 277. Without a
+# summed bias folding lost (D64): S4096 417 -> 387, S16384 480 -> 429, S1024 293 ->
+# 287. Tools set it to A/B, then call hopper.forget_plans().
 ORDERED_SUM_FOLD = True
 
 
@@ -1488,6 +1487,6 @@ def _block_steps(spec: AttentionSpec, num_n: int, rows: int) -> list[int]:
         if spec.window_right >= 0:
             lo = max(n * BLOCK_N - off - spec.window_right, 0) // rows * rows
         if spec.window_left >= 0:
-            hi = min(hi, (n + 1) * BLOCK_N - 1 - off + spec.window_left + 1)
+            hi = min(hi, (n + 1) * BLOCK_N - off + spec.window_left)  # last key + left + 1
         steps.append(spec.group * cdiv(max(hi, lo) - lo, rows))
     return steps
