@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import zlib
+from unittest import mock
 
 import pytest
 import torch
@@ -202,16 +203,20 @@ def _tiles_of(spec, cu, seqs, rows):
 
 @cpu_only
 @settings(max_examples=8, deadline=None)
-@given(**_TILE_CASES)
-@example(head_dim=64, rows=128, lengths=[130, 3], batch=1, seqlen=1)  # halves of the rows
-@example(head_dim=128, rows=64, lengths=[], batch=2, seqlen=77)  # halves of the columns
-@example(head_dim=192, rows=64, lengths=[], batch=2, seqlen=77)  # thirds of the columns
-def test_dq_tiles_read_back_cpu(head_dim, rows, lengths, batch, seqlen):
+@given(**_TILE_CASES, by_head=st.booleans())
+@example(head_dim=64, rows=128, lengths=[130, 3], batch=1, seqlen=1, by_head=False)  # halves
+# of the rows; of the columns; thirds of the columns; from the queue (DQ_CONVERTED_BY_HEAD)
+@example(head_dim=128, rows=64, lengths=[], batch=2, seqlen=77, by_head=False)
+@example(head_dim=192, rows=64, lengths=[], batch=2, seqlen=77, by_head=False)
+@example(head_dim=64, rows=128, lengths=[130, 0, 300], batch=1, seqlen=1, by_head=True)
+def test_dq_tiles_read_back_cpu(head_dim, rows, lengths, batch, seqlen, by_head):
     """_dq_from_tiles_kernel reads each dQ tile of dq_tiles' buffer, its warpgroups'
     parts (dq_split) each laid out in its registers' order as hopper.accumulator_order's
     bases say, back into dQ's rows: every row of every sequence exactly, times the
     softmax scale (the main kernels leave it out), and nothing from a tile's rows past
-    its sequence."""
+    its sequence. by_head: persistent programs (here 3) take the tiles from the queue
+    once every head's blocks are counted, each tile once (the queue ends one past the
+    tiles a program)."""
     from memattn.kernels import backward_sm90, hopper
 
     if head_dim > 64 and rows == 128:
@@ -237,9 +242,19 @@ def test_dq_tiles_read_back_cpu(head_dim, rows, lengths, batch, seqlen):
             start = (parts * tile + part) * size
             plane[b, h, start : start + size] = values[first_row + at_row, first_col + at_col]
     dq = torch.full_like(q, float("nan"))
-    grid, args, constexprs = backward_sm90.dq_from_tiles_launch(spec, buffer, rows, dq, cu)
+    heads_done = None
+    if by_head:  # every head's blocks counted (more than any target), the queue at 0
+        heads_done = torch.full((spec.batch * spec.kv_heads + 1,), 1 << 20, dtype=torch.int32)
+        heads_done[-1] = 0
+    with mock.patch.object(hopper, "sm_count", lambda device_index: 1), \
+            mock.patch.object(backward_sm90.shared, "DQ_CONVERSION_PROGRAMS_PER_SM", 3):
+        grid, args, constexprs = backward_sm90.dq_from_tiles_launch(
+            spec, buffer, rows, dq, cu, cu_seqlens_k=cu, heads_done=heads_done, block_counts=1)
     backward_sm90._dq_from_tiles_kernel[grid](*args, **constexprs)
     assert torch.equal(dq, want * torch.tensor(spec.scale, dtype=torch.float32))
+    if by_head:
+        tiles = args[-2]
+        assert grid == (min(tiles, 3),) and heads_done[-1] == tiles + grid[0]
 
 
 @cpu_only

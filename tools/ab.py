@@ -121,6 +121,7 @@ VARIANTS = {
     "no_idle": {"fwd.IDLE_WARPGROUPS": False, "bwd.IDLE_HALVES": False},
     "no_pdl": {"decode.PDL": False},  # decode's kernels launched after the last one ends
     "bwd_serial": {"bwd.DEPENDENT_LAUNCHES": False},  # the backward's three launches so too
+    "dq_convert_after": {"bwd.DQ_CONVERTED_BY_HEAD": False},  # dQ converted after the grid
     # decode's tile at 64 rows (block_m, block_n, warps, stages; shipped 64, 64, 4, 3):
     # the programs an SM holds and the splits follow from its shared memory
     "dec64x64w8s4": {"decode.WIDE_ROWS_TILE": tuning.Config(64, 64, 8, 4)},  # one an SM
@@ -150,7 +151,7 @@ BACKWARD_KNOBS = {name: module for module, names in (
                             "ORDERED_BATCH_STAGGER", "ORDERED_DEALT",
                             "ORDERED_SUM_FOLD", "ORDERED_ROTATE")),
     (backward_sm90.shared, ("PACKED_BIAS_ADDS", "SPLIT_HEAD_DIM_PAIRS", "FUSED_SPLIT",
-                            "DEPENDENT_LAUNCHES")),
+                            "DEPENDENT_LAUNCHES", "DQ_CONVERTED_BY_HEAD")),
     (backward_sm90.wide, ("DQ_BLOCK_N", "DQ_MASKED_BY_RANK_BLOCKS", "DQ_AS_DEPENDENT",
                           "BY_ROLE")),
     (backward_sm90.split, ("SPLIT_HEADS_TOGETHER", "SPLIT_VIEWS_PER_STEP")),

@@ -63,11 +63,12 @@ def sequence_bounds(CuSeqQ, CuSeqK, b, seqlen_q, seqlen_k, IS_VARLEN: tl.constex
 
 
 @triton.jit
-def row_block(num_m_blocks, H, DESCENDING: tl.constexpr):
-    """(b, h, b * H + h, query block) of this program on a 1-D grid of (batch * head) x
-    num_m_blocks (no 65,535 limit on batch * heads): a head's blocks back to back,
-    DESCENDING last first."""
-    pid = tl.program_id(0)
+def row_block(num_m_blocks, H, DESCENDING: tl.constexpr, pid=None):
+    """(b, h, b * H + h, query block) of this program (or item pid) on a 1-D grid of
+    (batch * head) x num_m_blocks (no 65,535 limit on batch * heads): a head's blocks
+    back to back, DESCENDING last first."""
+    if pid is None:
+        pid = tl.program_id(0)
     bh = pid // num_m_blocks
     m_block = pid % num_m_blocks
     if DESCENDING:
@@ -84,14 +85,16 @@ def packed_items(seqs: int, tokens: int, heads: int, block: int) -> int:
 
 
 @triton.jit
-def packed_row_block(H, CuSeq, num_seqs, BLOCK: tl.constexpr, DESCENDING: tl.constexpr = False):
-    """(b, h, block) of this program on packed_items' grid over num_seqs packed
-    sequences of BLOCK-row blocks: each sequence's blocks first first (DESCENDING: last
-    first), each across the H heads; a program past its sequence's blocks gets a block
-    past its end (the caller's bounds skip it). b by binary search of cu_seqlens (the
-    last sequence whose items start at or before the program's): no host sync,
-    log2(num_seqs) loads."""
-    g = tl.program_id(0)
+def packed_row_block(H, CuSeq, num_seqs, BLOCK: tl.constexpr, DESCENDING: tl.constexpr = False,
+                     g=None):  # fmt: skip
+    """(b, h, block) of this program (or item g) on packed_items' grid over num_seqs
+    packed sequences of BLOCK-row blocks: each sequence's blocks first first
+    (DESCENDING: last first), each across the H heads; a program past its sequence's
+    blocks gets a block past its end (the caller's bounds skip it). b by binary search
+    of cu_seqlens (the last sequence whose items start at or before the program's): no
+    host sync, log2(num_seqs) loads."""
+    if g is None:
+        g = tl.program_id(0)
     lo = 0
     hi = num_seqs
     while hi - lo > 1:

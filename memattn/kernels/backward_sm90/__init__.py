@@ -57,6 +57,7 @@ from .narrow import block_m, dq_from_full_bias, orders_dq
 from .shared import (
     HEAD_DIMS,
     SUMMED_GRADIENTS,
+    converts_dq_by_head,
     dbias_kind_of,
     dq_in_fp32,
     dq_split,
@@ -82,7 +83,8 @@ MIN_KEYS_PER_QUERY = {64: 256, 128: 0, 192: 0, 256: 0}
 
 
 def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_state,
-             cu_seqlens_q, cu_seqlens_k, stats, dq, dk, dv, dbias) -> None:
+             cu_seqlens_q, cu_seqlens_k, stats, dq, dk, dv, dbias,
+             heads_done=None) -> int:  # fmt: skip
     """Fills dq, dk, dv and dbias (None: not needed; every tile a query sees is written,
     the rest left as it was) for a call dispatch.gluon_backward took; dq is an fp32 buffer,
     zeroed, that dQ is added into where `dq_in_fp32` says so, the output otherwise;
@@ -91,38 +93,43 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
     a zeroed (B, H, Sk) fp32 buffer that takes dS summed over each head's queries; for
     one broadcast over batch or heads, a zeroed fp32 buffer of the bias's shape that
     takes every (b, h)'s dS added in, or for dbias_kind_of's "added" the zeroed gradient
-    itself."""
+    itself. heads_done (converts_dq_by_head): zeroed counters, one a (sequence, kv head),
+    that the D 64/128 kernel counts its key blocks in; returns its counts a block."""
     if fuses_split_dq(spec):
-        return split.backward(spec, q, k, v, grad_out, cu_seqlens_q, cu_seqlens_k, stats, dq, dk,
-                              dv)
-    kernels = wide if is_wide(spec) else narrow
-    return kernels.backward(spec, q, k, v, grad_out, bias, alibi_slopes, rng_state,
-                            cu_seqlens_q, cu_seqlens_k, stats, dq, dk, dv, dbias)
+        split.backward(spec, q, k, v, grad_out, cu_seqlens_q, cu_seqlens_k, stats, dq, dk, dv)
+        return 0
+    if is_wide(spec):
+        wide.backward(spec, q, k, v, grad_out, bias, alibi_slopes, rng_state, cu_seqlens_q,
+                      cu_seqlens_k, stats, dq, dk, dv, dbias)
+        return 0
+    return narrow.backward(spec, q, k, v, grad_out, bias, alibi_slopes, rng_state,
+                           cu_seqlens_q, cu_seqlens_k, stats, dq, dk, dv, dbias, heads_done)
 
 
 @triton.jit
-def _dq_from_tiles_kernel(
-    Tiles, DQ, CuSeqQ, stride_tb, stride_th, stride_qb, stride_qm, stride_qh, H, seqlen_q,
-    num_m, num_seqs, scale, dq_cols, BLOCK_M: tl.constexpr, PART_ROWS: tl.constexpr,
-    PART_COLS: tl.constexpr, PARTS: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PDL: tl.constexpr,
+def _dq_tile_out(
+    Tiles, DQ, CuSeqQ, CuSeqK, HeadsDone, stride_tb, stride_th, stride_qb, stride_qm,
+    stride_qh, H, seqlen_q, seqlen_k, num_m, num_seqs, scale, dq_cols, group, block_counts,
+    g, BLOCK_M: tl.constexpr, PART_ROWS: tl.constexpr, PART_COLS: tl.constexpr,
+    PARTS: tl.constexpr, IS_VARLEN: tl.constexpr, BY_HEAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """dQ in its dtype from dq_tiles' fp32 tiles, one tile (BLOCK_M rows) a program; its
-    PARTS parts (dq_split) hold PART_COLS columns each, or (PART_ROWS < BLOCK_M) half the
-    rows. The tiles hold dS K without the softmax scale: it goes in here, once a value,
-    where the main kernels would pay a multiply per value and step (FA4's postprocess
-    does the same). Columns from dq_cols on (past dQ's own, where DQK spans more:
-    dispatch.kernel_spec) are not written. PDL: launched while the main kernel runs
-    (shared.DEPENDENT_LAUNCHES), it waits for its end."""
-    if PDL:
-        gdc_wait()
+    """_dq_from_tiles_kernel's tile g. BY_HEAD: once its (sequence, kv head)'s key blocks
+    are all counted in HeadsDone (block_counts each)."""
     if IS_VARLEN:  # packed_items' grid over the tokens (the delta kernel's)
-        b, h, m_block = packed_row_block(H, CuSeqQ, num_seqs, BLOCK_M)
+        b, h, m_block = packed_row_block(H, CuSeqQ, num_seqs, BLOCK_M, False, g)
     else:
-        b, h, _, m_block = row_block(num_m, H, False)
+        b, h, _, m_block = row_block(num_m, H, False, g)
     start_m = m_block * BLOCK_M
-    q_start, _, seqlen_q, _ = sequence_bounds(CuSeqQ, CuSeqQ, b, seqlen_q, seqlen_q, IS_VARLEN)
+    q_start, _, seqlen_q, seqlen_k = sequence_bounds(CuSeqQ, CuSeqK, b, seqlen_q, seqlen_k,
+                                                     IS_VARLEN)  # fmt: skip
     if start_m < seqlen_q:
+        if BY_HEAD:  # spin on plain loads, then one acquire: the tile's loads come after
+            counter = HeadsDone + b * (H // group) + h // group
+            target = block_counts * tl.cdiv(seqlen_k, BLOCK_N)
+            while tl.load(counter, volatile=True) < target:
+                pass
+            tl.atomic_add(counter, 0, sem="acquire")
         tile = dq_tile(start_m, q_start, b, BLOCK_M, IS_VARLEN)
         b64 = b.to(tl.int64)
         h64 = h.to(tl.int64)
@@ -139,25 +146,72 @@ def _dq_from_tiles_kernel(
                      mask=(rows < seqlen_q - start_m) & (cols < dq_cols))
 
 
+@triton.jit
+def _dq_from_tiles_kernel(
+    Tiles, DQ, CuSeqQ, CuSeqK, HeadsDone, stride_tb, stride_th, stride_qb, stride_qm,
+    stride_qh, H, seqlen_q, seqlen_k, num_m, num_seqs, scale, dq_cols, group, block_counts,
+    tiles, queue, BLOCK_M: tl.constexpr, PART_ROWS: tl.constexpr, PART_COLS: tl.constexpr,
+    PARTS: tl.constexpr, IS_VARLEN: tl.constexpr, PDL: tl.constexpr, BY_HEAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """dQ in its dtype from dq_tiles' fp32 tiles, one tile (BLOCK_M rows) a program; its
+    PARTS parts (dq_split) hold PART_COLS columns each, or (PART_ROWS < BLOCK_M) half the
+    rows. The tiles hold dS K without the softmax scale: it goes in here, once a value,
+    where the main kernels would pay a multiply per value and step (FA4's postprocess
+    does the same). Columns from dq_cols on (past dQ's own, where DQK spans more:
+    dispatch.kernel_spec) are not written. PDL: launched while the main kernel runs
+    (shared.DEPENDENT_LAUNCHES), it waits for its end; BY_HEAD (DQ_CONVERTED_BY_HEAD)
+    its programs take the ``tiles`` tiles in the main kernel's order from a queue (the
+    counter HeadsDone[queue]), each once its head's blocks are done, and wait for the
+    end only at theirs (so that the stream's next kernel follows the main one too)."""
+    if BY_HEAD:
+        g = tl.atomic_add(HeadsDone + queue, 1)
+        while g < tiles:
+            _dq_tile_out(Tiles, DQ, CuSeqQ, CuSeqK, HeadsDone, stride_tb, stride_th, stride_qb,
+                         stride_qm, stride_qh, H, seqlen_q, seqlen_k, num_m, num_seqs, scale,
+                         dq_cols, group, block_counts, g, BLOCK_M, PART_ROWS, PART_COLS, PARTS,
+                         IS_VARLEN, True, BLOCK_N)  # fmt: skip
+            g = tl.atomic_add(HeadsDone + queue, 1)
+        if PDL:
+            gdc_wait()
+    else:
+        if PDL:
+            gdc_wait()
+        _dq_tile_out(Tiles, DQ, CuSeqQ, CuSeqK, HeadsDone, stride_tb, stride_th, stride_qb,
+                     stride_qm, stride_qh, H, seqlen_q, seqlen_k, num_m, num_seqs, scale,
+                     dq_cols, group, block_counts, tl.program_id(0), BLOCK_M, PART_ROWS,
+                     PART_COLS, PARTS, IS_VARLEN, False, BLOCK_N)  # fmt: skip
+
+
 _launch_dq_from_tiles = hopper.Launcher(_dq_from_tiles_kernel)
 
 
-def dq_from_tiles_launch(spec: AttentionSpec, buffer: torch.Tensor, rows: int,
-                         dq: torch.Tensor, cu_seqlens_q,
-                         pdl: bool = False) -> tuple[tuple, tuple, dict]:  # fmt: skip
+def dq_from_tiles_launch(
+    spec: AttentionSpec, buffer: torch.Tensor, rows: int, dq: torch.Tensor, cu_seqlens_q,
+    pdl: bool = False, cu_seqlens_k=None, heads_done=None, block_counts: int = 0,
+) -> tuple[tuple, tuple, dict]:  # fmt: skip
     """_dq_from_tiles_kernel's (grid, arguments, constexprs): dq (the output) from
     dq_tiles' ``buffer`` of ``rows``-row tiles. pdl: the kernel waits for the one before
-    it (launched with launch_pdl then)."""
+    it (launched with launch_pdl then). heads_done (DQ_CONVERTED_BY_HEAD, with pdl): the
+    main kernel's counts, block_counts a key block, and the queue's counter after them;
+    the tiles then go to persistent programs."""
     num_m = cdiv(spec.seqlen_q, rows)
     split = dq_split(spec.head_dim_qk, rows)
-    args = (buffer, dq, cu_seqlens_q, 0 if spec.varlen else buffer.stride(0), buffer.stride(1),
-            *dense_strides(dq, spec.varlen)[:3], spec.heads, spec.seqlen_q, num_m, spec.batch,
-            spec.scale, dq.shape[-1])
+    tiles = (packed_items(spec.batch, dq.shape[0], spec.heads, rows) if spec.varlen
+             else spec.batch * spec.heads * num_m)
+    by_head = heads_done is not None
+    args = (buffer, dq, cu_seqlens_q, cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k,
+            heads_done if by_head else buffer, 0 if spec.varlen else buffer.stride(0),
+            buffer.stride(1), *dense_strides(dq, spec.varlen)[:3], spec.heads, spec.seqlen_q,
+            spec.seqlen_k, num_m, spec.batch, spec.scale, dq.shape[-1], spec.group, block_counts,
+            tiles, spec.batch * spec.kv_heads)
     constexprs = dict(BLOCK_M=rows, PART_ROWS=split[0], PART_COLS=split[1],
                       PARTS=rows * spec.head_dim_qk // (split[0] * split[1]),
-                      IS_VARLEN=spec.varlen, PDL=pdl)
-    programs = (packed_items(spec.batch, dq.shape[0], spec.heads, rows) if spec.varlen
-                else spec.batch * spec.heads * num_m)
+                      IS_VARLEN=spec.varlen, PDL=pdl, BY_HEAD=by_head, BLOCK_N=narrow.BLOCK_N)
+    programs = tiles
+    if by_head:
+        per_sm = shared.DQ_CONVERSION_PROGRAMS_PER_SM
+        programs = min(tiles, per_sm * hopper.sm_count(dq.device.index))
     return (programs,), args, constexprs
 
 
@@ -284,6 +338,10 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
         dq_acc = dq_tiles(spec, q.shape[0], rows, q.device)
     zeroed, zeroed_rows = (None, 0) if dq_by_matmul else (dq_acc, rows)
     pdl = shared.DEPENDENT_LAUNCHES
+    heads_done = None  # the main kernel's counts and the conversion's queue, zeroed first
+    if dq_acc is not None and not dq_by_matmul and converts_dq_by_head(spec):
+        heads_done = torch.zeros(spec.batch * spec.kv_heads + 1, dtype=torch.int32,
+                                 device=q.device)
     grid, args, constexprs = tiles.delta_launch(
         spec, out, grad_out, lse, grad_lse, cu_seqlens_q, delta, lse2, zeroed, zeroed_rows, pdl)
     # the stats and dq_acc fresh: what the spec does not fix is here
@@ -311,14 +369,17 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
         masked = spec.window_left >= 0 or spec.window_right >= 0
         if spec.varlen or (masked and is_wide(spec)):
             bias_grad_tiles(ZERO_UNSEEN, spec, None, dbias, cu_seqlens_q, cu_seqlens_k)
-    backward(spec, q, k, v, grad_out, bias, alibi_slopes, rng_state, cu_seqlens_q,
-             cu_seqlens_k, stats, dq if dq_acc is None else dq_acc, dk, dv, dbias)
+    counts = backward(spec, q, k, v, grad_out, bias, alibi_slopes, rng_state, cu_seqlens_q,
+                      cu_seqlens_k, stats, dq if dq_acc is None else dq_acc, dk, dv, dbias,
+                      heads_done)  # fmt: skip
     if dq_by_matmul:  # deterministic: dQ from the stored dS
         tiles.dq_from_ds(dq, dbias, k, spec)
     elif dq_acc is not None:
-        grid, args, constexprs = dq_from_tiles_launch(spec, dq_acc, rows, dq, cu_seqlens_q, pdl)
-        _launch_dq_from_tiles(grid, *args, variant=(spec, rows, pdl, dq.shape[-1], *dq.stride(),
-                                                    hopper.aligned(cu_seqlens_q)),
+        grid, args, constexprs = dq_from_tiles_launch(spec, dq_acc, rows, dq, cu_seqlens_q, pdl,
+                                                      cu_seqlens_k, heads_done, counts)
+        _launch_dq_from_tiles(grid, *args, variant=(spec, rows, pdl, counts, dq.shape[-1],
+                                                    *dq.stride(), hopper.aligned(cu_seqlens_q),
+                                                    hopper.aligned(cu_seqlens_k)),
                               num_warps=4, **constexprs, launch_pdl=pdl)  # fmt: skip
     if dbias_kind == "row":
         dbias = hopper.sum_to_bias(dbias, bias)

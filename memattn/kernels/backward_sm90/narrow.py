@@ -272,7 +272,7 @@ def _bwd_compute_partition(
      q_empty, do_empty, ds_bar, blocks, n_items, GROUP, scale, window_left, window_right,
      seed, rng_offset, heads, dropout_p, Alibi, stride_ab, stride_ah, BiasRow, stride_rb,
      stride_rh, stride_rn, bias_batches, bias_heads, DBiasRow, stride_pb, stride_ph,
-     softcap, DqLocks, SumLocks, landed, counted) = shared
+     softcap, DqLocks, SumLocks, landed, counted, HeadsDone, count_heads) = shared
     dtype: gl.constexpr = k_smem.dtype
     HALF_N: gl.constexpr = BLOCK_N // 2
     DQ_ROWS: gl.constexpr = dq_split(HEAD_DIM_QK, BLOCK_M)[0]  # dQ's part made here
@@ -547,6 +547,8 @@ def _bwd_compute_partition(
         step += GROUP * n_tiles
         if not OVERLAP_ENDS or n_tiles == 0:  # done with K and V: the next block's
             mbarrier.arrive(kv_empty)  # may load
+        if DQ_BUFS == 0 and count_heads:  # its dQ adds landed: a warp's count of the
+            hopper.end_turn(HeadsDone + b * blocks[2] + hk)  # block's (count_heads)
         tma.store_wait(0)  # the last dQ (and bias gradient) copies have read their buffers
 
         _store_block_grads(
@@ -743,7 +745,8 @@ def _store_block_grads(
 
 @gluon.jit
 def _bwd_dq_writer_partition(
-    dq_desc, dq_smem, dq_full, dq_empty, blocks, n_items, GROUP, DqLocks, heads,
+    dq_desc, dq_smem, dq_full, dq_empty, blocks, n_items, GROUP, DqLocks, heads, HeadsDone,
+    count_heads,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DQ_BUFS: gl.constexpr,
     IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
     BOUNDED_RIGHT: gl.constexpr, BATCH_INNER: gl.constexpr, HEAD_INNER: gl.constexpr,
@@ -791,6 +794,8 @@ def _bwd_dq_writer_partition(
                 hopper.end_turn(lock)
             for half in gl.static_range(2):
                 mbarrier.arrive(dq_empty.index(half * DQ_BUFS + i % DQ_BUFS))
+        if count_heads:  # the block's dQ adds landed: its count (count_heads)
+            hopper.end_turn(HeadsDone + b * blocks[2] + hk)
         step += GROUP * n_tiles
 
 
@@ -833,11 +838,12 @@ def _bwd_turn_counter_partition(
 @gluon.jit
 def _bwd_sm90_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, bias_desc, dbias_desc, dk_desc,
-    dv_desc, DK, DV, Rng, Alibi, CuSeqQ, CuSeqK, DqLocks, SumLocks, Schedule, BiasRow,
+    dv_desc, DK, DV, Rng, Alibi, CuSeqQ, CuSeqK, DqLocks, SumLocks, Schedule, HeadsDone,
+    BiasRow,
     DBiasRow, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ab,
     stride_ah, stride_rb, stride_rh, stride_rn, stride_pb, stride_ph, HKV, GROUP, bias_batches,
     bias_heads, seqlen_q, seqlen_k, num_seqs, num_n_blocks, num_items, spread_steps, scale,
-    window_left, window_right, dropout_p, softcap, HEAD_DIM_QK: gl.constexpr,
+    window_left, window_right, dropout_p, softcap, count_heads, HEAD_DIM_QK: gl.constexpr,
     HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, DBIAS_TILES: gl.constexpr,
     DBIAS_SUM: gl.constexpr, BIAS_ROW: gl.constexpr, DBIAS_ROW: gl.constexpr,
@@ -941,7 +947,7 @@ def _bwd_sm90_kernel(
               scale, window_left, window_right, seed, rng_offset, heads, dropout_p, Alibi,
               stride_ab, stride_ah, BiasRow, stride_rb, stride_rh, stride_rn, bias_batches,
               bias_heads, DBiasRow, stride_pb, stride_ph, softcap, DqLocks, SumLocks, landed,
-              counted)
+              counted, HeadsDone, count_heads)
     loads = (q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem,
              v_smem, lse_smem, delta_smem, bias_smem, kv_bar, kv_empty, q_ready, do_ready,
              q_empty, do_empty, GROUP, bias_batches, bias_heads, blocks, n_items)
@@ -970,7 +976,8 @@ def _bwd_sm90_kernel(
                                            BATCH_INNER, HEAD_INNER, ORDERED, ROTATE,
                                            PERSISTENT, FOLD, PDL)),
              (_bwd_dq_writer_partition, (dq_desc, dq_smem, dq_full, dq_empty, blocks,
-                                         n_items, GROUP, DqLocks, heads, BLOCK_M, BLOCK_N,
+                                         n_items, GROUP, DqLocks, heads, HeadsDone,
+                                         count_heads, BLOCK_M, BLOCK_N,
                                          DQ_BUFS, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
                                          BOUNDED_RIGHT, BATCH_INNER, HEAD_INNER, ORDERED,
                                          ROTATE, PERSISTENT, FOLD, PDL))],
@@ -1308,9 +1315,11 @@ _launch_backward = hopper.Launcher(_bwd_sm90_kernel)
 
 
 def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_state,
-             cu_seqlens_q, cu_seqlens_k, stats, dq, dk, dv, dbias) -> None:
+             cu_seqlens_q, cu_seqlens_k, stats, dq, dk, dv, dbias, heads_done=None) -> int:
     """The package's `backward` at Dqk and Dv up to 128: _bwd_sm90_kernel, dQ added
-    into dq (dq_tiles' fp32 buffer) but for dq_from_full_bias's calls."""
+    into dq (dq_tiles' fp32 buffer) but for dq_from_full_bias's calls. heads_done: the
+    counters each key block is counted in once its dQ adds landed, for dQ's conversion
+    (shared.converts_dq_by_head); returns the counts a block (0 without them)."""
     bias_row = hopper.bias_row(spec, bias)
     dbias_kind = None if dbias is None else dbias_kind_of(spec, bias)
     plan_of = (spec, bias_row, dbias_kind, inner_dims(spec, bias, dbias_kind),
@@ -1337,12 +1346,13 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
         sum_locks = dq_locks[dq_count:]
     # What the arguments are made of beside the plan, shapes included (the spec does not
     # fix packed sequences' token counts): hopper.Launcher.launch_prepared.
-    call = (how, *map(hopper.tensor_key, (q, k, v, grad_out, stats, dq, dk, dv, bias, dbias,
-                                           alibi_slopes, rng_state, cu_seqlens_q,
-                                           cu_seqlens_k, dq_locks, sum_locks,
-                                           schedule)))  # fmt: skip
+    # counts a block: the dQ writer warp's one, or each compute warp's (eight)
+    count_heads = 0 if heads_done is None else 1 if how.constexprs["DQ_BUFS"] else 8
+    call = (how, count_heads, *map(hopper.tensor_key, (
+        q, k, v, grad_out, stats, dq, dk, dv, bias, dbias, alibi_slopes, rng_state,
+        cu_seqlens_q, cu_seqlens_k, dq_locks, sum_locks, schedule, heads_done)))
     if _launch_backward.launch_prepared(how.programs, call):
-        return
+        return count_heads
     half_d = spec.head_dim_qk // 2
     # K's tile is sliced by columns for dQ: its swizzle may not span more than a half.
     k_swizzle = min(128, half_d * k.element_size())
@@ -1368,7 +1378,7 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
     # What fixes the arguments' specialisation and the constexprs (hopper.Launcher): the
     # plan, the ints it does not fix, the pointers' alignment (dk, dv and a row bias's
     # gradient buffer are fresh, so aligned).
-    variant = (how, bias_batches, bias_heads, alibi_batch_stride, alibi_head_stride,
+    variant = (how, count_heads, bias_batches, bias_heads, alibi_batch_stride, alibi_head_stride,
                *row_strides, *partial_strides, hopper.aligned(rng_state),
                hopper.aligned(alibi_slopes), (bias.dtype, hopper.aligned(bias)) if bias_row
                else None, hopper.aligned(cu_seqlens_q), hopper.aligned(cu_seqlens_k))  # fmt: skip
@@ -1384,13 +1394,15 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
         hopper.descriptor(dv_tma, BLOCK_N // 2, spec.head_dim_v), dk, dv, rng_state,
         alibi_slopes,
         cu_seqlens_q, cu_seqlens_k, dq_locks, sum_locks, schedule,
-        bias if bias_row else dk, dbias if dbias_kind == "row" else dk,
+        dk if heads_done is None else heads_done, bias if bias_row else dk,
+        dbias if dbias_kind == "row" else dk,
         *k_strides, *v_strides,
         alibi_batch_stride, alibi_head_stride, *row_strides, *partial_strides,
         spec.kv_heads, spec.group, bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k,
         spec.batch, *how.counts, spec.scale, spec.window_left, spec.window_right, spec.dropout_p,
-        spec.softcap, variant=variant, prepare=call, **how.constexprs,
+        spec.softcap, count_heads, variant=variant, prepare=call, **how.constexprs,
     )  # fmt: skip
+    return count_heads
 
 
 def block_m(spec: AttentionSpec, bias_row: bool) -> int:

@@ -448,6 +448,24 @@ TILE_GRADIENTS = ("full", "added", "summed", "ordered")
 SUMMED_GRADIENTS = ("summed", "ordered")
 
 
+# dQ's conversion (the D 64/128 kernel's fp32 tiles to dQ) by (sequence, kv head): the
+# main kernel counts each key block once its dQ adds have landed (hopper.end_turn), and
+# the conversion's programs, persistent and launched as its dependents, take its tiles
+# in the main grid's order from a queue, each once its head's blocks are counted, in the
+# SMs the main grid's last wave frees, instead of all after the main kernel's end. Where
+# that grid has a tail: masked or packed calls.
+DQ_CONVERTED_BY_HEAD = True
+DQ_CONVERSION_PROGRAMS_PER_SM = 8
+
+
+def converts_dq_by_head(spec: AttentionSpec) -> bool:
+    """Whether dQ's conversion goes by (sequence, kv head) (DQ_CONVERTED_BY_HEAD) for a
+    call whose dQ the D 64/128 kernel adds in fp32."""
+    masked = spec.window_left >= 0 or spec.window_right >= 0
+    return (DQ_CONVERTED_BY_HEAD and DEPENDENT_LAUNCHES and dq_in_fp32(spec)
+            and not fuses_split_dq(spec) and (masked or spec.varlen))
+
+
 def row_stats_buffer(spec: AttentionSpec, lse: torch.Tensor) -> torch.Tensor:
     """One (2, B, H, Sq') float32 tensor for the row statistics the preprocess fills,
     [0] lse * log2(e) and [1] delta, rows padded to 16 bytes as TMA needs (the padding
