@@ -122,6 +122,8 @@ VARIANTS = {
     "no_pdl": {"decode.PDL": False},  # decode's kernels launched after the last one ends
     "bwd_serial": {"bwd.DEPENDENT_LAUNCHES": False},  # the backward's three launches so too
     "dq_convert_after": {"bwd.DQ_CONVERTED_BY_HEAD": False},  # dQ converted after the grid
+    # ... by head (shipped), N persistent conversion programs an SM
+    **{f"convert{n}": {"bwd.DQ_CONVERSION_PROGRAMS_PER_SM": n} for n in (4, 16)},
     # decode's tile at 64 rows (block_m, block_n, warps, stages; shipped 64, 64, 4, 3):
     # the programs an SM holds and the splits follow from its shared memory
     "dec64x64w8s4": {"decode.WIDE_ROWS_TILE": tuning.Config(64, 64, 8, 4)},  # one an SM
@@ -151,7 +153,8 @@ BACKWARD_KNOBS = {name: module for module, names in (
                             "ORDERED_BATCH_STAGGER", "ORDERED_DEALT",
                             "ORDERED_SUM_FOLD", "ORDERED_ROTATE")),
     (backward_sm90.shared, ("PACKED_BIAS_ADDS", "SPLIT_HEAD_DIM_PAIRS", "FUSED_SPLIT",
-                            "DEPENDENT_LAUNCHES", "DQ_CONVERTED_BY_HEAD")),
+                            "DEPENDENT_LAUNCHES", "DQ_CONVERTED_BY_HEAD",
+                            "DQ_CONVERSION_PROGRAMS_PER_SM")),
     (backward_sm90.wide, ("DQ_BLOCK_N", "DQ_MASKED_BY_RANK_BLOCKS", "DQ_AS_DEPENDENT",
                           "BY_ROLE")),
     (backward_sm90.split, ("SPLIT_HEADS_TOGETHER", "SPLIT_VIEWS_PER_STEP")),
