@@ -216,7 +216,7 @@ def test_dq_tiles_read_back_cpu(head_dim, rows, lengths, batch, seqlen, by_head)
     softmax scale (the main kernels leave it out), and nothing from a tile's rows past
     its sequence. by_head: persistent programs (here 3) take the tiles from the queue
     once every head's blocks are counted, each tile once (the queue ends one past the
-    tiles a program)."""
+    tiles a program), and a sequence without keys gets zeros."""
     from memattn.kernels import backward_sm90, hopper
 
     if head_dim > 64 and rows == 128:
@@ -242,14 +242,19 @@ def test_dq_tiles_read_back_cpu(head_dim, rows, lengths, batch, seqlen, by_head)
             start = (parts * tile + part) * size
             plane[b, h, start : start + size] = values[first_row + at_row, first_col + at_col]
     dq = torch.full_like(q, float("nan"))
-    heads_done = None
+    heads_done, cu_k = None, cu
     if by_head:  # every head's blocks counted (more than any target), the queue at 0
         heads_done = torch.full((spec.batch * spec.kv_heads + 1,), 1 << 20, dtype=torch.int32)
         heads_done[-1] = 0
+        if cu is not None:  # the first sequence without keys: its dQ is 0, whatever its
+            cu_k = cu.clone()  # tiles hold (the preprocess may not have zeroed them yet)
+            cu_k[1] = 0
+            want[: cu[1]] = 0
     with mock.patch.object(hopper, "sm_count", lambda device_index: 1), \
             mock.patch.object(backward_sm90.shared, "DQ_CONVERSION_PROGRAMS_PER_SM", 3):
         grid, args, constexprs = backward_sm90.dq_from_tiles_launch(
-            spec, buffer, rows, dq, cu, cu_seqlens_k=cu, heads_done=heads_done, block_counts=1)
+            spec, buffer, rows, dq, cu, cu_seqlens_k=cu_k, heads_done=heads_done,
+            block_counts=1)  # fmt: skip
     backward_sm90._dq_from_tiles_kernel[grid](*args, **constexprs)
     assert torch.equal(dq, want * torch.tensor(spec.scale, dtype=torch.float32))
     if by_head:

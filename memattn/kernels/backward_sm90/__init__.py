@@ -138,6 +138,8 @@ def _dq_tile_out(
         by_rows: tl.constexpr = PART_ROWS < BLOCK_M
         for part in tl.static_range(PARTS):
             x = accumulator_tile(first + part * PART_ROWS * PART_COLS, PART_ROWS, PART_COLS)
+            if BY_HEAD:  # a sequence without keys: no count to wait for, and its tile may
+                x = tl.where(seqlen_k > 0, x, 0.0)  # not be zeroed yet (the preprocess runs)
             rows = (part * PART_ROWS if by_rows else 0) + tl.arange(0, PART_ROWS)[:, None]
             cols = (0 if by_rows else part * PART_COLS) + tl.arange(0, PART_COLS)[None, :]
             row64 = (q_start + start_m + rows).to(tl.int64)
