@@ -1,8 +1,10 @@
 """The Hopper backward, in Gluon: `run` is the pass. backward.py's preprocess (its delta
 kernel) fills the row statistics (lse * log2(e) and delta: row_stats_buffer) and zeroes
 dQ's fp32 buffer where the kernel adds into one (dq_tiles); one kernel, by the head
-dims (`backward`); then _dq_from_tiles_kernel converts dQ, and bias_grad_tiles a summed
-bias gradient. The kernels, a module each:
+dims (`backward`); then _dq_from_tiles_kernel converts dQ (for masked and packed calls
+head by head, as narrow.py's kernel counts each head's key blocks done:
+shared.converts_dq_by_head), and bias_grad_tiles a summed bias gradient. The kernels,
+a module each:
 - narrow.py, Dqk and Dv up to 128: FlashAttention-3's kernel. A program owns 128 keys,
   keeps dK and dV in registers and walks every query tile of its GQA group once, adding
   each tile's dQ into the fp32 buffer by TMA reduce-add.
