@@ -252,6 +252,7 @@ def _bwd_compute_partition(
     PERSISTENT: gl.constexpr, FOLD: gl.constexpr, HAS_DQ: gl.constexpr,
     HAS_SOFTCAP: gl.constexpr,
     KV_VIEWS_PER_STEP: gl.constexpr, IDLE_KEYS: gl.constexpr, TURN_LAG: gl.constexpr,
+    COUNT_HEADS: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup, for each of its program's key blocks (_program_block): keys
     [start_n + HALF * 64, + 64) against every query tile. ``shared``: the runtime
@@ -272,7 +273,7 @@ def _bwd_compute_partition(
      q_empty, do_empty, ds_bar, blocks, n_items, GROUP, scale, window_left, window_right,
      seed, rng_offset, heads, dropout_p, Alibi, stride_ab, stride_ah, BiasRow, stride_rb,
      stride_rh, stride_rn, bias_batches, bias_heads, DBiasRow, stride_pb, stride_ph,
-     softcap, DqLocks, SumLocks, landed, counted, HeadsDone, count_heads) = shared
+     softcap, DqLocks, SumLocks, landed, counted, HeadsDone) = shared
     dtype: gl.constexpr = k_smem.dtype
     HALF_N: gl.constexpr = BLOCK_N // 2
     DQ_ROWS: gl.constexpr = dq_split(HEAD_DIM_QK, BLOCK_M)[0]  # dQ's part made here
@@ -547,8 +548,8 @@ def _bwd_compute_partition(
         step += GROUP * n_tiles
         if not OVERLAP_ENDS or n_tiles == 0:  # done with K and V: the next block's
             mbarrier.arrive(kv_empty)  # may load
-        if DQ_BUFS == 0 and count_heads:  # its dQ adds landed: a warp's count of the
-            hopper.end_turn(HeadsDone + b * blocks[2] + hk)  # block's (count_heads)
+        if DQ_BUFS == 0 and COUNT_HEADS:  # its dQ adds landed: a warp's count of the
+            hopper.end_turn(HeadsDone + b * blocks[2] + hk)  # block's
         tma.store_wait(0)  # the last dQ (and bias gradient) copies have read their buffers
 
         _store_block_grads(
@@ -746,12 +747,11 @@ def _store_block_grads(
 @gluon.jit
 def _bwd_dq_writer_partition(
     dq_desc, dq_smem, dq_full, dq_empty, blocks, n_items, GROUP, DqLocks, heads, HeadsDone,
-    count_heads,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DQ_BUFS: gl.constexpr,
     IS_VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr,
     BOUNDED_RIGHT: gl.constexpr, BATCH_INNER: gl.constexpr, HEAD_INNER: gl.constexpr,
     ORDERED: gl.constexpr, ROTATE: gl.constexpr, PERSISTENT: gl.constexpr,
-    FOLD: gl.constexpr, PDL: gl.constexpr,
+    FOLD: gl.constexpr, PDL: gl.constexpr, COUNT_HEADS: gl.constexpr,
 ):  # fmt: skip
     """One warp (DQ_WRITER, ORDERED_DQ): for each of its program's key blocks
     (_program_block), each step's two dQ halves, left in dq_smem by the compute
@@ -794,7 +794,7 @@ def _bwd_dq_writer_partition(
                 hopper.end_turn(lock)
             for half in gl.static_range(2):
                 mbarrier.arrive(dq_empty.index(half * DQ_BUFS + i % DQ_BUFS))
-        if count_heads:  # the block's dQ adds landed: its count (count_heads)
+        if COUNT_HEADS:  # the block's dQ adds landed: its count
             hopper.end_turn(HeadsDone + b * blocks[2] + hk)
         step += GROUP * n_tiles
 
@@ -843,7 +843,7 @@ def _bwd_sm90_kernel(
     DBiasRow, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ab,
     stride_ah, stride_rb, stride_rh, stride_rn, stride_pb, stride_ph, HKV, GROUP, bias_batches,
     bias_heads, seqlen_q, seqlen_k, num_seqs, num_n_blocks, num_items, spread_steps, scale,
-    window_left, window_right, dropout_p, softcap, count_heads, HEAD_DIM_QK: gl.constexpr,
+    window_left, window_right, dropout_p, softcap, HEAD_DIM_QK: gl.constexpr,
     HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, DBIAS_TILES: gl.constexpr,
     DBIAS_SUM: gl.constexpr, BIAS_ROW: gl.constexpr, DBIAS_ROW: gl.constexpr,
@@ -854,7 +854,7 @@ def _bwd_sm90_kernel(
     ROTATE: gl.constexpr, PERSISTENT: gl.constexpr, FOLD: gl.constexpr,
     BY_RANK: gl.constexpr, HAS_DQ: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     KV_VIEWS_PER_STEP: gl.constexpr, IDLE_KEYS: gl.constexpr, PDL: gl.constexpr,
-    TURN_LAG: gl.constexpr, BATCH_STAGGER: gl.constexpr,
+    TURN_LAG: gl.constexpr, BATCH_STAGGER: gl.constexpr, COUNT_HEADS: gl.constexpr,
 ):  # fmt: skip
     if PDL:  # dQ's conversion may launch (shared.DEPENDENT_LAUNCHES); it waits for our end
         hopper.launch_dependents()
@@ -947,7 +947,7 @@ def _bwd_sm90_kernel(
               scale, window_left, window_right, seed, rng_offset, heads, dropout_p, Alibi,
               stride_ab, stride_ah, BiasRow, stride_rb, stride_rh, stride_rn, bias_batches,
               bias_heads, DBiasRow, stride_pb, stride_ph, softcap, DqLocks, SumLocks, landed,
-              counted, HeadsDone, count_heads)
+              counted, HeadsDone)
     loads = (q_desc, do_desc, k_desc, v_desc, stats_desc, bias_desc, q_smem, do_smem, k_smem,
              v_smem, lse_smem, delta_smem, bias_smem, kv_bar, kv_empty, q_ready, do_ready,
              q_empty, do_empty, GROUP, bias_batches, bias_heads, blocks, n_items)
@@ -963,24 +963,24 @@ def _bwd_sm90_kernel(
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
                                        BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD,
                                        HAS_DQ, HAS_SOFTCAP, KV_VIEWS_PER_STEP,
-                                       IDLE_KEYS, TURN_LAG)),
+                                       IDLE_KEYS, TURN_LAG, COUNT_HEADS)),
              (_bwd_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, DBIAS_TILES, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
                                        BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD,
                                        HAS_DQ, HAS_SOFTCAP, KV_VIEWS_PER_STEP,
-                                       IDLE_KEYS, TURN_LAG)),
+                                       IDLE_KEYS, TURN_LAG, COUNT_HEADS)),
              (_bwd_blocks_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, IS_VARLEN,
                                            BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
                                            BATCH_INNER, HEAD_INNER, ORDERED, ROTATE,
                                            PERSISTENT, FOLD, PDL)),
              (_bwd_dq_writer_partition, (dq_desc, dq_smem, dq_full, dq_empty, blocks,
                                          n_items, GROUP, DqLocks, heads, HeadsDone,
-                                         count_heads, BLOCK_M, BLOCK_N,
+                                         BLOCK_M, BLOCK_N,
                                          DQ_BUFS, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
                                          BOUNDED_RIGHT, BATCH_INNER, HEAD_INNER, ORDERED,
-                                         ROTATE, PERSISTENT, FOLD, PDL))],
+                                         ROTATE, PERSISTENT, FOLD, PDL, COUNT_HEADS))],
             worker_num_warps=[4, 1, 1], worker_num_regs=[240, 24, 24])  # fmt: skip
     elif ORDERED and DBIAS_SUM:
         gl.warp_specialize(
@@ -990,14 +990,14 @@ def _bwd_sm90_kernel(
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
                                        BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD,
                                        HAS_DQ, HAS_SOFTCAP, KV_VIEWS_PER_STEP,
-                                       IDLE_KEYS, TURN_LAG)),
+                                       IDLE_KEYS, TURN_LAG, COUNT_HEADS)),
              (_bwd_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, DBIAS_TILES, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
                                        BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD,
                                        HAS_DQ, HAS_SOFTCAP, KV_VIEWS_PER_STEP,
-                                       IDLE_KEYS, TURN_LAG)),
+                                       IDLE_KEYS, TURN_LAG, COUNT_HEADS)),
              (_bwd_blocks_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, IS_VARLEN,
                                            BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
                                            BATCH_INNER, HEAD_INNER, ORDERED, ROTATE,
@@ -1021,14 +1021,14 @@ def _bwd_sm90_kernel(
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
                                        BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD,
                                        HAS_DQ, HAS_SOFTCAP, KV_VIEWS_PER_STEP,
-                                       IDLE_KEYS, TURN_LAG)),
+                                       IDLE_KEYS, TURN_LAG, COUNT_HEADS)),
              (_bwd_compute_partition, (shared, 1, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, BLOCK_N,
                                        STAGES, HAS_BIAS, DBIAS_TILES, DBIAS_SUM, BIAS_ROW,
                                        DBIAS_ROW, HAS_ALIBI, HAS_DROPOUT, BOUNDED_LEFT,
                                        BOUNDED_RIGHT, DQ_BUFS, ROTATE, IS_VARLEN, BOTTOM_RIGHT,
                                        BATCH_INNER, HEAD_INNER, ORDERED, PERSISTENT, FOLD,
                                        HAS_DQ, HAS_SOFTCAP, KV_VIEWS_PER_STEP,
-                                       IDLE_KEYS, TURN_LAG)),
+                                       IDLE_KEYS, TURN_LAG, COUNT_HEADS)),
              (_bwd_blocks_load_partition, (loads, BLOCK_M, BLOCK_N, STAGES, HAS_BIAS, IS_VARLEN,
                                            BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
                                            BATCH_INNER, HEAD_INNER, ORDERED, ROTATE,
@@ -1400,7 +1400,10 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
         alibi_batch_stride, alibi_head_stride, *row_strides, *partial_strides,
         spec.kv_heads, spec.group, bias_batches, bias_heads, spec.seqlen_q, spec.seqlen_k,
         spec.batch, *how.counts, spec.scale, spec.window_left, spec.window_right, spec.dropout_p,
-        spec.softcap, count_heads, variant=variant, prepare=call, **how.constexprs,
+        spec.softcap, variant=variant, prepare=call,
+        # A constexpr: as a runtime flag, never set where nothing counts, it still cost
+        # the unmasked D 64/128 backward 3-5 % (H200; ptxas scheduled the kernel otherwise)
+        COUNT_HEADS=count_heads > 0, **how.constexprs,
     )  # fmt: skip
     return count_heads
 
