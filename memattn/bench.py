@@ -1151,12 +1151,20 @@ def _results_of(entries: list[dict], rows: list[Row], impls: list[str]) -> list[
             for e in entries if e["row"] in by_name and e["impl"] in impls]  # fmt: skip
 
 
-def entries_not_asked(path: Path, names: set[str]) -> dict[str, list[dict]]:
+def entries_not_asked(path: Path, names: set[str], impls: list[str]) -> dict[str, list[dict]]:
     """For ``--resume`` with ``--rows``: the JSON's row and ratio entries of the rows
-    this run was not asked for, which stay in the file as they were."""
+    this run was not asked for, which stay in the file as they were; and of the rows it
+    was asked for, the entries of other implementations that hold no time (one that
+    cannot run the row), which stay beside this run's. Times of other implementations
+    in asked rows go: a row's figures come from one process."""
     doc = json.loads(path.read_text()) if path.exists() else {}
-    return {key: [e for e in doc.get(key, []) if e["row"] not in names]
-            for key in ("rows", "ratios")}
+
+    def kept(e):
+        return e["row"] not in names or (
+            e["impl"] not in impls and e["fwd_ms"] is None and e["bwd_ms"] is None)
+
+    return {"rows": [e for e in doc.get("rows", []) if kept(e)],
+            "ratios": [e for e in doc.get("ratios", []) if e["row"] not in names]}
 
 
 def run(args, rows: list[Row], impls: list[str], device="cuda", console=None) -> list[Result]:
@@ -1183,10 +1191,10 @@ def run(args, rows: list[Row], impls: list[str], device="cuda", console=None) ->
 
     rounds = getattr(args, "rounds", 1)
     done, started = [], None
-    others = {"rows": [], "ratios": []}  # the file's rows outside --rows, kept as they are
+    others = {"rows": [], "ratios": []}  # the file's entries kept as they are
     if args.resume:
         done, started = resumed(json_path, rows, impls, env, args.quick, rounds)
-        others = entries_not_asked(json_path, {r.name for r in rows})
+        others = entries_not_asked(json_path, {r.name for r in rows}, impls)
     kept = {r.row.name for r in done}
     order = {name: i for i, name in enumerate(dict.fromkeys(
         [row.name for row in all_rows()] + [row.name for row in rows]))}  # fmt: skip

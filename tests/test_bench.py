@@ -563,6 +563,41 @@ def test_resume_with_rows_keeps_the_other_rows_in_the_file(tmp_path):
     assert [e for e in resumed["ratios"] if e["row"] != "D128_S4096"] == doc["ratios"]
 
 
+def test_resume_with_fewer_impls_keeps_their_untimed_entries_only(tmp_path):
+    """Rows run again with fewer implementations (--resume, the memattn entries taken
+    out of the file as one re-measures rows): another implementation's entry that holds
+    no time (SDPA's flash cannot take a bias) stays beside the new figures; one that
+    holds times from the earlier process goes, and the ratios come from this run."""
+    rows = [r for r in bench.select_rows(True) if r.name in ("D128_S4096", "bias_grad")]
+    _fake_bench(tmp_path, rows, ["memattn", "sdpa_flash", "flex"], False, [])
+    path = tmp_path / "r.json"
+    doc = json.loads(path.read_text())
+    before = {(e["row"], e["impl"]): e for e in doc["rows"]}
+    assert before["bias_grad", "sdpa_flash"]["fwd_ms"] is None
+    assert before["D128_S4096", "sdpa_flash"]["fwd_ms"] is not None
+    doc["rows"] = [e for e in doc["rows"] if e["impl"] != "memattn"]
+    path.write_text(json.dumps(doc))
+    measured = []
+    slow = {**FAKE_MS, "memattn": tuple(2 * t for t in FAKE_MS["memattn"])}
+
+    def timings(run, leaves, backward=True):
+        impl, _ = run()
+        return bench.Timing(fwd_ms=slow[impl][0], bwd_ms=slow[impl][1])
+
+    _fake_bench(tmp_path, rows, ["memattn", "sdpa_cudnn"], True, measured, timings=timings)
+    assert sorted(measured) == sorted((r.name, i) for r in rows for i in ("memattn",
+                                                                          "sdpa_cudnn"))
+    resumed = json.loads(path.read_text())
+    pairs = [(e["row"], e["impl"]) for e in resumed["rows"]]
+    assert pairs == [("D128_S4096", "memattn"), ("D128_S4096", "sdpa_cudnn"),
+                     ("bias_grad", "memattn"), ("bias_grad", "sdpa_cudnn"),
+                     ("bias_grad", "sdpa_flash")]  # fmt: skip
+    assert resumed["rows"][-1] == before["bias_grad", "sdpa_flash"]
+    for ratio in resumed["ratios"]:  # memattn against this run's cuDNN only
+        assert ratio["fwd_best_peer"] == "sdpa_cudnn"
+        assert ratio["fwd_ratio"] == pytest.approx(FAKE_MS["sdpa_cudnn"][0] / slow["memattn"][0])
+
+
 def test_rounds_balance_the_order_and_keep_each_ones_median(tmp_path, monkeypatch):
     """--rounds 3: each row's implementations timed three times in turn (round_order:
     reversed every second round, turned every two), after every implementation's first
