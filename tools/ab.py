@@ -30,6 +30,12 @@ at a dense shape's end (before a bias) adds ALiBi ("128x4096a": the bench's alib
 
     python tools/ab.py [--pass fwd|bwd] [--shapes 128x4096c,192/128x4096c,128x4096+1H1K,docs]
                        [--variants tile,default] [--rounds 5]
+
+Revisions against each other (a regression's bisect): extract each one's tree beside
+the working tree (git archive REV memattn tools | tar -x -C DIR, under an ignored
+folder the device call carries), then in one device call run this script from each
+tree in turn (cd DIR && PYTHONPATH=$PWD python tools/ab.py ...), the first tree again
+at the end to show the machine did not drift.
 """
 
 import argparse
