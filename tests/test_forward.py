@@ -264,6 +264,16 @@ HOPPER_CASES = [
     Case("D128 last key tile part-filled", seqlen_q=300, seqlen_k=1000, dqk=128, dv=128),
     Case("window (-1, 37) bottom-right GQA", heads=4, kv_heads=2, seqlen_q=600, seqlen_k=1100,
          dqk=128, dv=128, options=dict(window=(-1, 37), align="bottom_right")),
+    # a right bound's band at a key tile's start or end (one masked tile a block), the
+    # diagonal a multiple of 128 off the top-left one, queries past the keys top-left
+    Case("D128 causal bottom-right Sk-Sq=256", seqlen_q=700, seqlen_k=956, dqk=128, dv=128,
+         options=dict(causal=True, align="bottom_right")),
+    Case("D128 causal top-left Sq>Sk", seqlen_q=1000, seqlen_k=300, dqk=128, dv=128,
+         options=dict(causal=True)),
+    Case("window (-1, 127) GQA", heads=4, kv_heads=2, seqlen_q=900, seqlen_k=900, dqk=128,
+         dv=128, options=dict(window=(-1, 127))),
+    Case("window (-1, 128)", seqlen_q=520, seqlen_k=777, dqk=128, dv=128,
+         options=dict(window=(-1, 128))),
     # a bias by TMA: a full one (its gradient is dS, stored by the backward), one
     # broadcast over heads or the batch (dS added up by TMA reduce-adds), 192-row blocks
     Case("bias BHQK window GQA", heads=4, kv_heads=2, seqlen_q=777, seqlen_k=1032, dqk=128,
@@ -440,6 +450,11 @@ HOPPER_CASES = [
     # stored from the sequence's first key; a bias, ALiBi and dropout by positions
     # inside each sequence
     Case("varlen D128 causal", lengths_q=(700, 0, 1300, 64), lengths_k=(700, 5, 1300, 64),
+         dqk=128, dv=128, options=dict(causal=True)),
+    # packed sequences without a mask, and top-left with more keys or queries than the other
+    Case("varlen D128 GQA", heads=4, kv_heads=2, lengths_q=(300, 1000, 17, 0),
+         lengths_k=(500, 900, 40, 3), dqk=128, dv=128),
+    Case("varlen D128 causal Sq!=Sk", lengths_q=(300, 1000, 17), lengths_k=(500, 900, 40),
          dqk=128, dv=128, options=dict(causal=True)),
     Case("varlen D64 GQA bottom-right", heads=4, kv_heads=2, lengths_q=(300, 1000, 17),
          lengths_k=(500, 900, 40), dqk=64, dv=64,
