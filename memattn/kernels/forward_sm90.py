@@ -1120,13 +1120,8 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
     bias_row = hopper.bias_row(spec, bias)
     bias_dims = (0, 0) if bias is None else hopper.bias_dims(bias)
     tokens_q = q.shape[0] if spec.varlen else 0
-    how = plan(spec, bias_row, bias_dims, tokens_q, q.device.index)
-    schedule = lse  # a stand-in, never read without a table
-    if how.schedule:
-        schedule = hopper.schedule_on_device(how, q.device.index)
-        if schedule is None:  # a CUDA graph captures, the table not yet on the device
-            how = plan(spec, bias_row, bias_dims, tokens_q, q.device.index, tabled=False)
-            schedule = lse
+    how, schedule = hopper.plan_with_schedule(
+        plan, (spec, bias_row, bias_dims, tokens_q, q.device.index), q.device.index, lse)
     if bias_row:  # (B', H', Sk) fp32 in Q K^T's units: S starts from it, by TMA
         bias = hopper.bias_row_scores(bias, spec.scale)
     # What the launch's arguments are made of beside the plan, shapes included (the

@@ -210,6 +210,19 @@ def schedule_on_device(plan: Plan, device_index: int) -> torch.Tensor | None:
     return table
 
 
+def plan_with_schedule(make_plan, args: tuple, device_index: int, stand_in: torch.Tensor):
+    """(plan, schedule): make_plan(*args) and its schedule on the device, or stand_in
+    (never read) for a plan without one; while a CUDA graph captures before the table
+    is on the device, the plan made without a table (make_plan(*args, tabled=False))."""
+    how = make_plan(*args)
+    if how.schedule:
+        schedule = schedule_on_device(how, device_index)
+        if schedule is not None:
+            return how, schedule
+        how = make_plan(*args, tabled=False)  # a copy from the host cannot be captured
+    return how, stand_in
+
+
 _PLAN_CACHES = []
 
 

@@ -839,11 +839,11 @@ def _bwd_turn_counter_partition(
 def _bwd_sm90_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, stats_desc, bias_desc, dbias_desc, dk_desc,
     dv_desc, DK, DV, Rng, Alibi, CuSeqQ, CuSeqK, DqLocks, SumLocks, Schedule, HeadsDone,
-    BiasRow,
-    DBiasRow, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ab,
-    stride_ah, stride_rb, stride_rh, stride_rn, stride_pb, stride_ph, HKV, GROUP, bias_batches,
-    bias_heads, seqlen_q, seqlen_k, num_seqs, num_n_blocks, num_items, spread_steps, scale,
-    window_left, window_right, dropout_p, softcap, HEAD_DIM_QK: gl.constexpr,
+    BiasRow, DBiasRow, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    stride_ab, stride_ah, stride_rb, stride_rh, stride_rn, stride_pb, stride_ph, HKV, GROUP,
+    bias_batches, bias_heads, seqlen_q, seqlen_k, num_seqs, num_n_blocks, num_items,
+    spread_steps, scale, window_left, window_right, dropout_p, softcap,
+    HEAD_DIM_QK: gl.constexpr,
     HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, DBIAS_TILES: gl.constexpr,
     DBIAS_SUM: gl.constexpr, BIAS_ROW: gl.constexpr, DBIAS_ROW: gl.constexpr,
@@ -1322,14 +1322,9 @@ def backward(spec: AttentionSpec, q, k, v, grad_out, bias, alibi_slopes, rng_sta
     (shared.converts_dq_by_head); returns the counts a block (0 without them)."""
     bias_row = hopper.bias_row(spec, bias)
     dbias_kind = None if dbias is None else dbias_kind_of(spec, bias)
-    plan_of = (spec, bias_row, dbias_kind, inner_dims(spec, bias, dbias_kind),
-               k.shape[0] if spec.varlen else 0, q.device.index)
-    how = _plan(*plan_of)
-    schedule = dk  # a stand-in, never read without a table
-    if how.schedule:
-        schedule = hopper.schedule_on_device(how, q.device.index)
-        if schedule is None:  # a CUDA graph captures, the table not yet on the device
-            how, schedule = _plan(*plan_of, tabled=False), dk
+    how, schedule = hopper.plan_with_schedule(
+        _plan, (spec, bias_row, dbias_kind, inner_dims(spec, bias, dbias_kind),
+                k.shape[0] if spec.varlen else 0, q.device.index), q.device.index, dk)
     dq_locks = sum_locks = dk  # stand-ins, never read
     if how.constexprs["ORDERED"]:  # a counter per dQ tile (packed: common.dq_tile's), and
         # an "ordered" bias gradient's per tile (bias_sum_turn), 16-byte aligned
