@@ -1098,6 +1098,25 @@ def test_spread_bias_sum_turns_follow_the_visits(batch, heads, kv_heads, seqlen_
     assert all(len(steps) == 1 for steps in dq_steps.values())
 
 
+def _take_turns(walks: list[list]) -> dict:
+    """Runs the programs' walks (each a list of steps, a step its (lock, turn) waits) in
+    Python, each program as far as its turns let it, over and over; asserts that every
+    program finishes (none waits on a turn that never comes) and returns the counters."""
+    counters, at = {}, [0] * len(walks)
+    moved = True
+    while moved:
+        moved = False
+        for p, walk in enumerate(walks):
+            while at[p] < len(walk) and all(counters.get(lock, 0) == turn
+                                            for lock, turn in walk[at[p]]):
+                for lock, _ in walk[at[p]]:
+                    counters[lock] = counters.get(lock, 0) + 1
+                at[p] += 1
+                moved = True
+    assert at == [len(walk) for walk in walks], "a program waits for a turn that never comes"
+    return counters
+
+
 @gluon
 @pytest.mark.parametrize("options, seqlen_q, seqlen_k", [
     (dict(causal=True), 700, 1030),
@@ -1173,23 +1192,105 @@ def test_dealt_ordered_programs_take_every_turn(options, seqlen_q, seqlen_k, sum
                     waits.append((("sum", lock), turn))
                 yield waits
 
-    walks = [[waits for item in items_p for waits in steps(item)] for items_p in dealt]
-    counters, at = {}, [0] * len(walks)
-    while True:
-        moved = False
-        for p, walk in enumerate(walks):
-            while at[p] < len(walk) and all(counters.get(lock, 0) == turn
-                                            for lock, turn in walk[at[p]]):
-                for lock, _ in walk[at[p]]:
-                    counters[lock] = counters.get(lock, 0) + 1
-                at[p] += 1
-                moved = True
-        if not moved:
-            break
-    assert at == [len(walk) for walk in walks], "a program waits for a turn that never comes"
+    counters = _take_turns([[waits for item in items_p for waits in steps(item)]
+                            for items_p in dealt])
     if summed:  # every (b, h) added into each summed tile (one mask for all)
         sums = [count for lock, count in counters.items() if lock[0] == "sum"]
         assert sums and set(sums) == {batch * heads}
+
+
+@gluon
+@pytest.mark.parametrize("seqlen_q, seqlen_k, kv_heads", [(500, 520, 2), (130, 300, 4),
+                                                         (700, 640, 2)])
+@pytest.mark.parametrize("sms", [10, 13, 23])
+def test_rotated_ordered_sums_take_every_turn(seqlen_q, seqlen_k, kv_heads, sms, monkeypatch):
+    """ORDERED_SUM_PERSISTENT: a rotated ORDERED_DQ call (no bounds, a head's blocks on
+    half the SMs at most) with a bias gradient summed over batch and heads runs
+    persistent programs in hopper.work_item's strides, as many as the SMs hold whole
+    heads' blocks, so that each program keeps one rank and each round of strides is
+    whole heads. Run in Python over those walks (each block's rotated walk, its GQA heads
+    in turn), a step done once its turns come (dQ's tile and the summed tile's): every
+    program finishes, every block is walked once and every tile takes every add."""
+    bsm = dispatch.backward_sm90
+    narrow, turns = bsm.narrow, bsm.turns
+    monkeypatch.setattr(bsm.hopper, "sm_count", lambda device_index: sms)
+    monkeypatch.setattr(turns.gl, "cdiv", lambda a, b: -(-a // b))  # run in Python
+    monkeypatch.setattr(narrow, "ORDERED_SUM_PERSISTENT", {64: True, 128: True})
+    batch, heads = 3, 4
+    q = torch.zeros(batch, seqlen_q, heads, 64)
+    k = torch.zeros(batch, seqlen_k, kv_heads, 64)
+    bias = torch.zeros(seqlen_q, seqlen_k)
+    spec = check_call(q, k, k, bias=bias, deterministic=True)
+    kind = bsm.dbias_kind_of(spec, bias)
+    inner = narrow.inner_dims(spec, bias, kind)
+    assert kind == "ordered" and inner == (False, False)
+    bsm.hopper.forget_plans()
+    try:
+        plan = narrow._plan(spec, False, kind, inner, 0, 0)
+    finally:
+        bsm.hopper.forget_plans()
+    num_n, items = plan.counts[:2]
+    assert plan.constexprs["ROTATE"] == narrow.ROTATE_BY_BLOCK
+    assert plan.constexprs["PERSISTENT"] == narrow.STRIDES and not plan.constexprs["FOLD"]
+    assert plan.programs == sms // num_n * num_n
+    block_m, block_n = plan.constexprs["BLOCK_M"], narrow.BLOCK_N
+    dealt = []
+    for p in range(plan.programs):
+        count = bsm.hopper.work_items.fn(p, plan.programs, items, False)
+        pairs = [bsm.hopper.work_item.fn(p, j, plan.programs, num_n, False) for j in range(count)]
+        assert {rank for _, rank in pairs} == {p % num_n}  # one rank a program
+        dealt.append([head * num_n + rank for head, rank in pairs])
+    assert sorted(sum(dealt, [])) == list(range(items))
+    n_tiles = -(-seqlen_q // block_m)
+
+    def steps(item):  # _key_block's item: (b, kv head), then its block; _query_tile's walk
+        (b, hk), n = divmod(item // num_n, kv_heads), item % num_n
+        rot = n * n_tiles // num_n  # turns.walk_start's ROTATE_BY_BLOCK
+        for t in range(spec.group * n_tiles):
+            g, m = divmod(t, n_tiles)
+            start_m = (m + rot) % n_tiles * block_m
+            h = hk * spec.group + g
+            lock, turn = turns.bias_sum_turn.fn(b, h, start_m, n * block_n, seqlen_q, seqlen_k,
+                                                heads, 1, 1, block_m, block_n)  # fmt: skip
+            yield [(("dq", b, h, start_m), turns.dq_add_turn.fn(
+                n, start_m, num_n, n_tiles, 0, -1, -1, block_m, block_n, False, False,
+                narrow.ROTATE_BY_BLOCK)), (("sum", lock), turn)]  # fmt: skip
+
+    counters = _take_turns([[waits for item in items_p for waits in steps(item)]
+                            for items_p in dealt])
+    dq_counts = [count for lock, count in counters.items() if lock[0] == "dq"]
+    assert len(dq_counts) == batch * heads * n_tiles and set(dq_counts) == {num_n}
+    sums = [count for lock, count in counters.items() if lock[0] == "sum"]
+    assert len(sums) == n_tiles * num_n and set(sums) == {batch * heads}
+
+
+@gluon
+@pytest.mark.parametrize("d, summed, persistent", [(128, True, True), (64, True, False),
+                                                   (128, False, False), (64, False, False)])
+def test_rotated_ordered_calls_persistent_by_head_dim(d, summed, persistent, monkeypatch):
+    """ORDERED_SUM_PERSISTENT as shipped: rotated deterministic calls run a program per
+    block, but for a gradient summed over batch and heads at D=128 (strides of whole
+    heads: 128 programs on 132 SMs); off, that one too."""
+    bsm = dispatch.backward_sm90
+    narrow = bsm.narrow
+    monkeypatch.setattr(bsm.hopper, "sm_count", lambda device_index: 132)
+    spec, *_, bias = spec_and_inputs(b=4, sq=4096, sk=4096, h=4, d=d, deterministic=True,
+                                     bias_shape=(4096, 4096) if summed else None)  # fmt: skip
+    kind = bsm.dbias_kind_of(spec, bias) if summed else None
+    inner = narrow.inner_dims(spec, bias, kind)
+    plans, shipped = [], narrow.ORDERED_SUM_PERSISTENT
+    for knob in (shipped, dict.fromkeys(shipped, False)):
+        monkeypatch.setattr(narrow, "ORDERED_SUM_PERSISTENT", knob)
+        bsm.hopper.forget_plans()
+        try:
+            plans.append(narrow._plan(spec, False, kind, inner, 0, 0))
+        finally:
+            bsm.hopper.forget_plans()
+    items = 4 * 4 * 4096 // narrow.BLOCK_N
+    assert all(plan.constexprs["ROTATE"] == narrow.ROTATE_BY_BLOCK for plan in plans)
+    modes = [(plan.constexprs["PERSISTENT"], plan.programs) for plan in plans]
+    assert modes == [(narrow.STRIDES, 128) if persistent else (narrow.PER_BLOCK, items),
+                     (narrow.PER_BLOCK, items)]
 
 
 @gluon

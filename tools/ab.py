@@ -98,6 +98,9 @@ VARIANTS = {
     "bwd_grid": {"bwd.PERSISTENT_BLOCKS": False},  # a backward program per key block
     "ordered_grid": {"bwd.ORDERED_DEALT": False},  # ... for ORDERED_DQ's calls, not dealt
     "ordered_unfolded": {"bwd.ORDERED_SUM_FOLD": False},  # ... an ordered bias sum's too
+    # ... a rotated one's: a program per block, or persistent at every Dqk
+    "sum_grid": {"bwd.ORDERED_SUM_PERSISTENT": {64: False, 128: False}},
+    "sum_persistent": {"bwd.ORDERED_SUM_PERSISTENT": {64: True, 128: True}},
     "ordered_unrotated": {"bwd.ORDERED_ROTATE": False},  # unbounded: first first, dealt
     # ... with dQ's writer warp (a program then ends without waiting for its last adds)
     "grid_writer": {"bwd.PERSISTENT_BLOCKS": False, "bwd.DQ_WRITER": {64: True, 128: True}},
@@ -157,7 +160,8 @@ BACKWARD_KNOBS = {name: module for module, names in (
                             "MASKED_PERSISTENT_MAX_BLOCKS", "KV_VIEWS_PER_STEP", "IDLE_HALVES",
                             "ORDERED_SUM_TURN_LAG", "SPREAD_SUMS", "SPREAD_STEPS",
                             "ORDERED_BATCH_STAGGER", "ORDERED_DEALT",
-                            "ORDERED_SUM_FOLD", "ORDERED_ROTATE")),
+                            "ORDERED_SUM_FOLD", "ORDERED_ROTATE",
+                            "ORDERED_SUM_PERSISTENT")),
     (backward_sm90.shared, ("PACKED_BIAS_ADDS", "SPLIT_HEAD_DIM_PAIRS", "FUSED_SPLIT",
                             "DEPENDENT_LAUNCHES", "DQ_CONVERTED_BY_HEAD",
                             "DQ_CONVERSION_PROGRAMS_PER_SM")),

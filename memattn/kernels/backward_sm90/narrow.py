@@ -47,7 +47,9 @@ staggered (the batches' under a causal mask: _staggered_item), a step or two apa
 more: a tile's adds must meet in L2. Where every wait is on a block that a program
 reaches earlier in the grid's order, the programs are persistent: on the blocks the
 host dealt them in that order (ORDERED_DEALT) or, for a summed bias gradient under a
-causal mask, on folded strides (ORDERED_SUM_FOLD).
+causal mask, on folded strides (ORDERED_SUM_FOLD); a summed bias gradient's rotated
+walks, whose turns go round a head's blocks, on strides of whole heads
+(ORDERED_SUM_PERSISTENT).
 """
 
 from __future__ import annotations
@@ -1211,6 +1213,19 @@ DEALT_ITEMS = 1 << 16
 # summed bias folding lost (D64): S4096 417 -> 387, S16384 480 -> 429, S1024 293 ->
 # 287. Tools set it to A/B, then call hopper.forget_plans().
 ORDERED_SUM_FOLD = True
+# ... and an "ordered" bias gradient's rotated calls (rotates_dq: every key block of a
+# head at once; a bias summed over batch and heads) in persistent programs too, walking
+# the grid's blocks in strides of whole heads (as many programs as the SMs hold whole
+# heads' blocks: each program keeps its rank, each round of strides is whole heads, so
+# that a head's blocks still run together and no turn waits on a later round); a
+# block's K and V load under the last one's dK and dV stores, as in the default's
+# strides. By Dqk. H200, tools/ab.py, 16k tokens, a program per block -> these strides:
+# 11QK's gradient, --rounds 3 then 4 on another H200: D=128 S4096 305 -> 317 and 301 ->
+# 315 TFLOP/s, S8192 279 -> 298, S2048 309 -> 317; D=64 S4096 198 -> 191 and 200 -> 195.
+# Without a bias (not taken: 128 programs of 132 SMs; --rounds 3) D=128 S4096 517 ->
+# 504, S8192 542 -> 524, S1024 402 -> 412. Tools set it to A/B, then call
+# hopper.forget_plans().
+ORDERED_SUM_PERSISTENT = {64: False, 128: True}
 
 
 def kv_views_per_step(spec: AttentionSpec, bias_row: bool) -> bool:
@@ -1447,15 +1462,21 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
     rotate = walk_rotation(spec, dbias_kind, inner) if ordered else int(ROTATE_NONE)
     # ORDERED_DQ's calls whose turns wait only on blocks a program reaches earlier (no
     # rotated walks, no inner dims): persistent too, dealt (ORDERED_DEALT) or, an
-    # "ordered" bias gradient's under a causal mask, folded (ORDERED_SUM_FOLD).
+    # "ordered" bias gradient's under a causal mask, folded (ORDERED_SUM_FOLD), or
+    # rotated, in strides of whole heads (ORDERED_SUM_PERSISTENT).
     in_order = (PERSISTENT_BLOCKS and ordered and not spec.varlen and not any(inner)
                 and rotate == int(ROTATE_NONE))
     sum_fold = (in_order and ORDERED_SUM_FOLD and dbias_kind == "ordered"
                 and spec.window_right >= 0 and spec.window_left < 0 and num_n % 2 == 0
                 and num_n // 2 <= hopper.sm_count(device_index))
     dealt = in_order and not sum_fold and ORDERED_DEALT and tabled and items <= DEALT_ITEMS
-    persistent, fold = persistent or sum_fold, fold or sum_fold
+    rotated = (PERSISTENT_BLOCKS and ORDERED_SUM_PERSISTENT[spec.head_dim_qk]
+               and dbias_kind == "ordered" and not spec.varlen and not any(inner)
+               and rotate == int(ROTATE_BY_BLOCK))
+    persistent, fold = persistent or sum_fold or rotated, fold or sum_fold
     programs = hopper.programs(items, fold, persistent or dealt, device_index)
+    if rotated:  # whole heads a round of strides (items: whole heads' blocks)
+        programs = min(items, hopper.sm_count(device_index) // num_n * num_n)
     schedule = None
     if dealt:  # the grid's blocks in its order, each costing its steps and one more
         steps = _block_steps(spec, num_n, rows)
