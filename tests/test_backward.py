@@ -955,8 +955,9 @@ ORDERED_CASES = ["D64 Sq=777 Sk=1030", "D64 Sq=2048 Sk=333", "D128 causal",
                  "ordered left window bottom-right GQA", "ordered D64 first first Sk=1500",
                  "ordered varlen D128 first first", "softcap causal bottom-right GQA",
                  "dealt D64 causal GQA", "dealt D128 first first", "folded 11QK D64 causal GQA",
-                 "dealt 11QK D128 window bottom-right", "rotated 11QK D128 GQA",
-                 "rotated 11QK D64"]  # fmt: skip
+                 "dealt 11QK D128 window bottom-right", "strided 11QK D128 GQA",
+                 "strided 11QK D64", "strided 1HQK D128 GQA", "strided B1QK D64 spread",
+                 "strided B1QK D128 causal"]  # fmt: skip
 _ORDERED_EXTRA = [
     Case("ordered D128 S4096", batch=1, heads=4, kv_heads=2, seqlen_q=4096, seqlen_k=4096,
          dqk=128, dv=128),
@@ -980,33 +981,47 @@ _ORDERED_EXTRA = [
     Case("dealt 11QK D128 window bottom-right", batch=2, heads=4, kv_heads=2, seqlen_q=700,
          seqlen_k=904, dqk=128, dv=128, bias="QK",
          options=dict(window=(200, 0), align="bottom_right")),
-    # ORDERED_SUM_PERSISTENT (at both head dims) on 17 SMs: 8 key blocks a head rotate,
-    # two heads a round of 16 programs' strides, a bias summed over batch and heads
-    Case("rotated 11QK D128 GQA", batch=2, heads=4, kv_heads=2, seqlen_q=1000,
+    # ORDERED_SUM_PERSISTENT (at both head dims): strides of whole groups of the blocks
+    # that run together. Over batch and heads on 17 SMs, 8 key blocks a head rotate: two
+    # heads a round of 16 programs; over the batch (batch inner) on 5 SMs, each block
+    # alone; over the heads on 9 SMs, 4 kv heads spread: two blocks' a round of 8; and
+    # under a causal mask, each block alone on 5
+    Case("strided 11QK D128 GQA", batch=2, heads=4, kv_heads=2, seqlen_q=1000,
          seqlen_k=1000, dqk=128, dv=128, bias="QK"),
-    Case("rotated 11QK D64", batch=3, heads=2, seqlen_q=904, seqlen_k=904, dqk=64, dv=64,
+    Case("strided 11QK D64", batch=3, heads=2, seqlen_q=904, seqlen_k=904, dqk=64, dv=64,
          bias="QK"),
+    Case("strided 1HQK D128 GQA", batch=3, heads=4, kv_heads=2, seqlen_q=700, seqlen_k=904,
+         dqk=128, dv=128, bias="1HQK"),
+    Case("strided B1QK D64 spread", batch=2, heads=8, kv_heads=4, seqlen_q=500,
+         seqlen_k=1032, dqk=64, dv=64, bias="B1QK"),
+    Case("strided B1QK D128 causal", batch=2, heads=4, kv_heads=2, seqlen_q=704,
+         seqlen_k=704, dqk=128, dv=128, bias="B1QK", options=dict(causal=True)),
 ]  # fmt: skip
 # The SMs the child pretends the GPU has: a head's 12 key blocks (11 of the longest
 # sequence) more than half of 8, so that the unbounded turns go first block first
 # (rotates_dq) at a size the suite can run.
 _ORDERED_SMS = {"ordered D64 first first Sk=1500": 8, "ordered varlen D128 first first": 8,
                 **{c.name: 5 for c in _ORDERED_EXTRA if c.name.startswith(("dealt", "folded"))},
-                **{c.name: 17 for c in _ORDERED_EXTRA if c.name.startswith("rotated")}}
+                "strided 11QK D128 GQA": 17, "strided 11QK D64": 17, "strided 1HQK D128 GQA": 5,
+                "strided B1QK D64 spread": 9, "strided B1QK D128 causal": 5}
+# ... and the programs the "strided" cases run: whole groups of the blocks that run together
+_ORDERED_STRIDES = {"strided 11QK D128 GQA": 16, "strided 11QK D64": 16,
+                    "strided 1HQK D128 GQA": 5, "strided B1QK D64 spread": 8,
+                    "strided B1QK D128 causal": 5}
 
 
 def ordered_dq_child(name: str) -> None:
     """test_ordered_dq_backward_gpu's work, in a process of its own: the case's
     deterministic gradients against the reference on the Gluon backward, then three runs
     bit for bit; the "dealt" cases on the blocks the host dealt each program, the
-    "folded" one on persistent folded strides, the "rotated" ones on strides of whole
-    heads, their bits then the same from a program per block."""
+    "folded" one on persistent folded strides, the "strided" ones on strides of whole
+    groups (ORDERED_SUM_PERSISTENT), their bits then the same from a program per block."""
     from memattn.kernels import backward_sm90
 
     backward_sm90.MIN_KEYS_PER_QUERY = dict.fromkeys(backward_sm90.HEAD_DIMS, 0)
     if name in _ORDERED_SMS:
         backward_sm90.hopper.sm_count = lambda device_index: _ORDERED_SMS[name]
-    if name.startswith("rotated"):
+    if name.startswith("strided"):
         backward_sm90.narrow.ORDERED_SUM_PERSISTENT = {64: True, 128: True}
     launched = []
     run = backward_sm90.backward
@@ -1018,14 +1033,15 @@ def ordered_dq_child(name: str) -> None:
         assert_results(check_backward(det, torch.bfloat16, "cuda", seed=17))
     assert launched, "the deterministic call fell back to backward.py"
     narrow = backward_sm90.narrow
-    if name.startswith(("dealt", "folded", "rotated")):
+    if name.startswith(("dealt", "folded", "strided")):
         mode, programs = {"dealt": ((narrow.DEALT, False), 5),
                           "folded": ((narrow.STRIDES, True), 5),
-                          "rotated": ((narrow.STRIDES, False), 16)}[name.split()[0]]
+                          "strided": ((narrow.STRIDES, False), _ORDERED_STRIDES.get(name))
+                          }[name.split()[0]]  # fmt: skip
         grids = [(grid, (c["PERSISTENT"], c["FOLD"])) for grid, c in launches]
         assert grids and all(g == ((programs,), mode) for g in grids), grids
     runs = [_gradients(det, torch.bfloat16, "cuda") for _ in range(3)]
-    if name.startswith("rotated"):  # the same adds, in the same order, a program per block
+    if name.startswith("strided"):  # the same adds, in the same order, a program per block
         narrow.ORDERED_SUM_PERSISTENT = {64: False, 128: False}
         backward_sm90.hopper.forget_plans()
         runs.append(_gradients(det, torch.bfloat16, "cuda"))

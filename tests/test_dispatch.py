@@ -1200,83 +1200,126 @@ def test_dealt_ordered_programs_take_every_turn(options, seqlen_q, seqlen_k, sum
 
 
 @gluon
+@pytest.mark.parametrize("planes, causal, together", [
+    ((1, 1), False, "a head's blocks"),  # rotated walks: turns round a head's blocks
+    ((1, "H"), False, None),  # the batch inner, every wait on a block before
+    (("B", 1), False, "a block's kv heads"),  # the kv heads inner, walks spread over them
+    (("B", 1), True, None),  # ... under a causal mask: last block first, walks alike
+])  # fmt: skip
 @pytest.mark.parametrize("seqlen_q, seqlen_k, kv_heads", [(500, 520, 2), (130, 300, 4),
                                                          (700, 640, 2)])
 @pytest.mark.parametrize("sms", [10, 13, 23])
-def test_rotated_ordered_sums_take_every_turn(seqlen_q, seqlen_k, kv_heads, sms, monkeypatch):
-    """ORDERED_SUM_PERSISTENT: a rotated ORDERED_DQ call (no bounds, a head's blocks on
-    half the SMs at most) with a bias gradient summed over batch and heads runs
-    persistent programs in hopper.work_item's strides, as many as the SMs hold whole
-    heads' blocks, so that each program keeps one rank and each round of strides is
-    whole heads. Run in Python over those walks (each block's rotated walk, its GQA heads
-    in turn), a step done once its turns come (dQ's tile and the summed tile's): every
-    program finishes, every block is walked once and every tile takes every add."""
+def test_persistent_ordered_sums_take_every_turn(planes, causal, together, seqlen_q, seqlen_k,
+                                                 kv_heads, sms, monkeypatch):  # fmt: skip
+    """ORDERED_SUM_PERSISTENT: a deterministic call with a bias gradient summed over
+    batch or heads ("ordered") runs persistent programs in hopper.work_item's strides
+    over its grid (shared._key_block's order, the summed dims inner), as many as the SMs
+    hold whole groups of the blocks that must run together, so that each round of
+    strides is whole groups. Run in Python over those walks (each block's query tiles as
+    the kernel walks them, its GQA heads in turn), a step done once its turns come
+    (turns.step_turns': the summed tile's and dQ's): every program finishes, every block
+    is walked once, and every tile takes every add. A call whose batches start
+    staggered (ORDERED_BATCH_STAGGER) keeps a program per block."""
     bsm = dispatch.backward_sm90
     narrow, turns = bsm.narrow, bsm.turns
     monkeypatch.setattr(bsm.hopper, "sm_count", lambda device_index: sms)
     monkeypatch.setattr(turns.gl, "cdiv", lambda a, b: -(-a // b))  # run in Python
+    monkeypatch.setattr(turns.gl, "minimum", min)
+    for name in ("_query_tile", "bias_sum_turn", "spread_sum_turn", "dq_add_turn",
+                 "dq_tile_lock", "dq_tile", "spread_span"):
+        monkeypatch.setattr(turns, name, getattr(turns, name).fn)
     monkeypatch.setattr(narrow, "ORDERED_SUM_PERSISTENT", {64: True, 128: True})
     batch, heads = 3, 4
     q = torch.zeros(batch, seqlen_q, heads, 64)
     k = torch.zeros(batch, seqlen_k, kv_heads, 64)
-    bias = torch.zeros(seqlen_q, seqlen_k)
-    spec = check_call(q, k, k, bias=bias, deterministic=True)
+    planes = (batch if planes[0] == "B" else 1, heads if planes[1] == "H" else 1)
+    bias = torch.zeros(*planes, seqlen_q, seqlen_k)
+    spec = check_call(q, k, k, bias=bias, deterministic=True, causal=causal)
     kind = bsm.dbias_kind_of(spec, bias)
     inner = narrow.inner_dims(spec, bias, kind)
-    assert kind == "ordered" and inner == (False, False)
+    assert kind == "ordered"
     bsm.hopper.forget_plans()
     try:
         plan = narrow._plan(spec, False, kind, inner, 0, 0)
+        staggered = dataclasses.replace(spec, batch=batch, window_right=0)
+        staggered_plan = narrow._plan(staggered, False, kind, (True, False), 0, 0)
     finally:
         bsm.hopper.forget_plans()
+    assert staggered_plan.constexprs["BATCH_STAGGER"] > 0
+    assert staggered_plan.constexprs["PERSISTENT"] == narrow.PER_BLOCK
     num_n, items = plan.counts[:2]
-    assert plan.constexprs["ROTATE"] == narrow.ROTATE_BY_BLOCK
+    rotate = plan.constexprs["ROTATE"]
+    batch_inner, head_inner = inner
+    if rotate == narrow.ROTATE_BY_BLOCK:  # every block among which a head's lie
+        together = "a head's blocks"
+    group = {"a head's blocks": num_n * (batch if batch_inner else 1)
+             * (kv_heads if head_inner else 1), "a block's kv heads": kv_heads,
+             None: 1}[together]  # fmt: skip
+    assert rotate == {"a head's blocks": narrow.ROTATE_BY_BLOCK, None: narrow.ROTATE_NONE,
+                      "a block's kv heads": narrow.SPREAD_OVER_KV_HEADS}[together]
     assert plan.constexprs["PERSISTENT"] == narrow.STRIDES and not plan.constexprs["FOLD"]
-    assert plan.programs == sms // num_n * num_n
+    assert plan.programs == sms // group * group
     block_m, block_n = plan.constexprs["BLOCK_M"], narrow.BLOCK_N
+    right = 0 if causal else -1
+    blocks = (0, plan.programs, kv_heads, None, None, seqlen_q, seqlen_k, num_n, -1, right,
+              narrow.SPREAD_STEPS)  # fmt: skip
+
+    def steps(item):  # shared._key_block's item, then the block's walk (step_turns')
+        rest = item
+        if batch_inner:
+            b, rest = rest % batch, rest // batch
+        if head_inner:
+            hk, rest = rest % kv_heads, rest // kv_heads
+        n, rest = rest % num_n, rest // num_n
+        n = num_n - 1 - n if causal else n  # DESCENDING under a right bound
+        if not head_inner:
+            hk, rest = rest % kv_heads, rest // kv_heads
+        b = b if batch_inner else rest
+        tiles = _visits(n, seqlen_q, 0, None, 0 if causal else None, block_m, block_n)
+        n_tiles, lo = len(tiles), tiles[0] if tiles else 0
+        rot = turns.walk_start.fn(hk, n * block_n, n_tiles, seqlen_k, blocks, block_n, rotate)
+        block = (b, hk, spec.group, lo, n_tiles, rot, n * block_n, seqlen_q, seqlen_k, 0, -1,
+                 right, heads, *planes, turns.spread_span(n_tiles, blocks))  # fmt: skip
+        for t in range(spec.group * n_tiles):
+            sum_lock, sum_turn, dq_lock, dq_turn = turns.step_turns.fn(
+                t, block, block_m, block_n, False, causal, rotate)
+            yield [(("sum", sum_lock), sum_turn), (("dq", dq_lock), dq_turn)]
+
     dealt = []
     for p in range(plan.programs):
         count = bsm.hopper.work_items.fn(p, plan.programs, items, False)
-        pairs = [bsm.hopper.work_item.fn(p, j, plan.programs, num_n, False) for j in range(count)]
-        assert {rank for _, rank in pairs} == {p % num_n}  # one rank a program
-        dealt.append([head * num_n + rank for head, rank in pairs])
+        dealt.append([p + j * plan.programs for j in range(count)])
     assert sorted(sum(dealt, [])) == list(range(items))
-    n_tiles = -(-seqlen_q // block_m)
-
-    def steps(item):  # _key_block's item: (b, kv head), then its block; _query_tile's walk
-        (b, hk), n = divmod(item // num_n, kv_heads), item % num_n
-        rot = n * n_tiles // num_n  # turns.walk_start's ROTATE_BY_BLOCK
-        for t in range(spec.group * n_tiles):
-            g, m = divmod(t, n_tiles)
-            start_m = (m + rot) % n_tiles * block_m
-            h = hk * spec.group + g
-            lock, turn = turns.bias_sum_turn.fn(b, h, start_m, n * block_n, seqlen_q, seqlen_k,
-                                                heads, 1, 1, block_m, block_n)  # fmt: skip
-            yield [(("dq", b, h, start_m), turns.dq_add_turn.fn(
-                n, start_m, num_n, n_tiles, 0, -1, -1, block_m, block_n, False, False,
-                narrow.ROTATE_BY_BLOCK)), (("sum", lock), turn)]  # fmt: skip
-
     counters = _take_turns([[waits for item in items_p for waits in steps(item)]
                             for items_p in dealt])
-    dq_counts = [count for lock, count in counters.items() if lock[0] == "dq"]
-    assert len(dq_counts) == batch * heads * n_tiles and set(dq_counts) == {num_n}
     sums = [count for lock, count in counters.items() if lock[0] == "sum"]
-    assert len(sums) == n_tiles * num_n and set(sums) == {batch * heads}
+    assert sums and set(sums) == {batch * heads // (planes[0] * planes[1])}
+    n_tiles = -(-seqlen_q // block_m)
+    dq_counts = [count for lock, count in counters.items() if lock[0] == "dq"]
+    assert len(dq_counts) == batch * heads * n_tiles
+    if not causal:
+        assert set(dq_counts) == {num_n}
 
 
 @gluon
-@pytest.mark.parametrize("d, summed, persistent", [(128, True, True), (64, True, False),
-                                                   (128, False, False), (64, False, False)])
-def test_rotated_ordered_calls_persistent_by_head_dim(d, summed, persistent, monkeypatch):
-    """ORDERED_SUM_PERSISTENT as shipped: rotated deterministic calls run a program per
-    block, but for a gradient summed over batch and heads at D=128 (strides of whole
-    heads: 128 programs on 132 SMs); off, that one too."""
+@pytest.mark.parametrize("d, planes, rotate, programs", [
+    (128, None, "by block", None), (64, None, "by block", None),  # no bias: a program a block
+    (128, (1, 1), "by block", 128), (64, (1, 1), "by block", None),  # 32 blocks a head
+    (128, (4, 1), "spread", 132), (64, (4, 1), "spread", None),  # 4 kv heads a group
+    (128, (1, 4), "none", 132)])  # fmt: skip
+def test_ordered_sums_persistent_by_head_dim(d, planes, rotate, programs, monkeypatch):
+    """ORDERED_SUM_PERSISTENT as shipped (B4 Sq64 Sk4096 H4, 132 SMs): deterministic
+    calls of a bias gradient summed over batch or heads run persistent strides of whole
+    groups at D=128 (a head's 32 rotated blocks, a block's 4 kv heads, or one block), a
+    program per block at D=64; calls without a bias gradient a program per block; with
+    the knob off, every one a program per block."""
     bsm = dispatch.backward_sm90
     narrow = bsm.narrow
     monkeypatch.setattr(bsm.hopper, "sm_count", lambda device_index: 132)
-    spec, *_, bias = spec_and_inputs(b=4, sq=4096, sk=4096, h=4, d=d, deterministic=True,
-                                     bias_shape=(4096, 4096) if summed else None)  # fmt: skip
-    kind = bsm.dbias_kind_of(spec, bias) if summed else None
+    spec, *_, bias = spec_and_inputs(b=4, sq=64, sk=4096, h=4, d=d, deterministic=True,
+                                     bias_shape=planes and (*planes, 64, 4096))  # fmt: skip
+    kind = None if bias is None else bsm.dbias_kind_of(spec, bias)
+    assert kind == (None if bias is None else "ordered")
     inner = narrow.inner_dims(spec, bias, kind)
     plans, shipped = [], narrow.ORDERED_SUM_PERSISTENT
     for knob in (shipped, dict.fromkeys(shipped, False)):
@@ -1287,9 +1330,11 @@ def test_rotated_ordered_calls_persistent_by_head_dim(d, summed, persistent, mon
         finally:
             bsm.hopper.forget_plans()
     items = 4 * 4 * 4096 // narrow.BLOCK_N
-    assert all(plan.constexprs["ROTATE"] == narrow.ROTATE_BY_BLOCK for plan in plans)
+    rotation = {"by block": narrow.ROTATE_BY_BLOCK, "spread": narrow.SPREAD_OVER_KV_HEADS,
+                "none": narrow.ROTATE_NONE}[rotate]
+    assert all(plan.constexprs["ROTATE"] == rotation for plan in plans)
     modes = [(plan.constexprs["PERSISTENT"], plan.programs) for plan in plans]
-    assert modes == [(narrow.STRIDES, 128) if persistent else (narrow.PER_BLOCK, items),
+    assert modes == [(narrow.STRIDES, programs) if programs else (narrow.PER_BLOCK, items),
                      (narrow.PER_BLOCK, items)]
 
 

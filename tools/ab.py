@@ -98,7 +98,7 @@ VARIANTS = {
     "bwd_grid": {"bwd.PERSISTENT_BLOCKS": False},  # a backward program per key block
     "ordered_grid": {"bwd.ORDERED_DEALT": False},  # ... for ORDERED_DQ's calls, not dealt
     "ordered_unfolded": {"bwd.ORDERED_SUM_FOLD": False},  # ... an ordered bias sum's too
-    # ... a rotated one's: a program per block, or persistent at every Dqk
+    # ... its other calls: a program per block, or persistent strides at every Dqk
     "sum_grid": {"bwd.ORDERED_SUM_PERSISTENT": {64: False, 128: False}},
     "sum_persistent": {"bwd.ORDERED_SUM_PERSISTENT": {64: True, 128: True}},
     "ordered_unrotated": {"bwd.ORDERED_ROTATE": False},  # unbounded: first first, dealt

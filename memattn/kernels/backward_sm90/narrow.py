@@ -47,8 +47,8 @@ staggered (the batches' under a causal mask: _staggered_item), a step or two apa
 more: a tile's adds must meet in L2. Where every wait is on a block that a program
 reaches earlier in the grid's order, the programs are persistent: on the blocks the
 host dealt them in that order (ORDERED_DEALT) or, for a summed bias gradient under a
-causal mask, on folded strides (ORDERED_SUM_FOLD); a summed bias gradient's rotated
-walks, whose turns go round a head's blocks, on strides of whole heads
+causal mask, on folded strides (ORDERED_SUM_FOLD); a summed bias gradient's other
+calls on strides of whole groups of the blocks that must run at once
 (ORDERED_SUM_PERSISTENT).
 """
 
@@ -227,10 +227,10 @@ def _program_block(
     key blocks (rank 0 a head's first block, the most work under a causal mask; FOLD: in
     pairs of equal work); DEALT, the j-th the host dealt it (the grid's items, pid its
     first entry in Schedule). ``blocks``: (pid, programs, HKV, CuSeqQ, CuSeqK, seqlen_q,
-    seqlen_k, num_n_blocks, window_left, window_right, spread steps, Schedule). Every
-    partition walks the same blocks."""
+    seqlen_k, num_n_blocks, window_left, window_right, spread steps, Schedule, batches).
+    Every partition walks the same blocks."""
     (pid, programs, HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left,
-     window_right, _, Schedule) = blocks
+     window_right, _, Schedule, batches) = blocks
     item = pid
     if PERSISTENT == DEALT:
         item = gl.load(Schedule + pid + j)
@@ -239,7 +239,8 @@ def _program_block(
         item = head * num_n_blocks + rank
     return _key_block(item, HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left,
                       window_right, BLOCK_M, BLOCK_N, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT,
-                      BOUNDED_RIGHT, BATCH_INNER, HEAD_INNER, DESCENDING and BOUNDED_RIGHT)
+                      BOUNDED_RIGHT, BATCH_INNER, HEAD_INNER, DESCENDING and BOUNDED_RIGHT,
+                      batches)
 
 
 @gluon.jit
@@ -888,7 +889,7 @@ def _bwd_sm90_kernel(
     elif PERSISTENT == STRIDES:
         n_items = hopper.work_items(pid, programs, num_items, FOLD)
     blocks = (pid, programs, HKV, CuSeqQ, CuSeqK, seqlen_q, seqlen_k, num_n_blocks, window_left,
-              window_right, spread_steps, Schedule)
+              window_right, spread_steps, Schedule, num_seqs)
     if SKIP_PAST_END:  # a key block past its packed sequence's end: nothing to do
         _, _, start_n, _, _, _, seqlen_k_b, _, _, _, _, _ = _program_block(
             0, blocks, BLOCK_M, BLOCK_N, IS_VARLEN, BOTTOM_RIGHT, BOUNDED_LEFT, BOUNDED_RIGHT,
@@ -1213,16 +1214,19 @@ DEALT_ITEMS = 1 << 16
 # summed bias folding lost (D64): S4096 417 -> 387, S16384 480 -> 429, S1024 293 ->
 # 287. Tools set it to A/B, then call hopper.forget_plans().
 ORDERED_SUM_FOLD = True
-# ... and an "ordered" bias gradient's rotated calls (rotates_dq: every key block of a
-# head at once; a bias summed over batch and heads) in persistent programs too, walking
-# the grid's blocks in strides of whole heads (as many programs as the SMs hold whole
-# heads' blocks: each program keeps its rank, each round of strides is whole heads, so
-# that a head's blocks still run together and no turn waits on a later round); a
-# block's K and V load under the last one's dK and dV stores, as in the default's
-# strides. By Dqk. H200, tools/ab.py, 16k tokens, a program per block -> these strides:
-# 11QK's gradient, --rounds 3 then 4 on another H200: D=128 S4096 305 -> 317 and 301 ->
-# 315 TFLOP/s, S8192 279 -> 298, S2048 309 -> 317; D=64 S4096 198 -> 191 and 200 -> 195.
-# Without a bias (not taken: 128 programs of 132 SMs; --rounds 3) D=128 S4096 517 ->
+# ... and an "ordered" bias gradient's other calls (not dealt, not folded, no staggered
+# batches) in persistent programs too, walking the grid's blocks in strides of whole
+# groups of the blocks that must run at once: a head's rotated blocks (rotates_dq, among
+# the inner dims' ones: rotated_together), a block's kv heads whose walks spread
+# (SPREAD_OVER_KV_HEADS), else one (every wait on a block earlier in the grid). As many
+# programs as the SMs hold whole groups, so that each round of strides is whole groups
+# and no turn waits on a later round; a block's K and V load under the last one's dK
+# and dV stores, as in the default's strides. By Dqk. H200, tools/ab.py, B4 S4096
+# deterministic, a program per block -> these strides: 11QK's gradient (--rounds 3,
+# then 4 on another H200) D=128 305 -> 317 and 301 -> 315 TFLOP/s, S8192 279 -> 298,
+# S2048 309 -> 317, D=64 198 -> 191 and 200 -> 195; B1QK's D=128 300 -> 326, causal 226
+# -> 226, D=64 217 -> 218; 1HQK's D=128 286 -> 287, D=64 177 -> 178 (--rounds 3).
+# Without a bias gradient (not taken: rotated, 128 programs of 132 SMs) D=128 517 ->
 # 504, S8192 542 -> 524, S1024 402 -> 412. Tools set it to A/B, then call
 # hopper.forget_plans().
 ORDERED_SUM_PERSISTENT = {64: False, 128: True}
@@ -1271,9 +1275,15 @@ def rotates_dq(spec: AttentionSpec, inner: tuple[bool, bool] = (False, False)) -
     without a right bound the blocks add first first, each one step behind the block
     before it (dq_add_turn)."""
     unbounded = spec.window_left < 0 and spec.window_right < 0
-    window = (cdiv(spec.seqlen_k, BLOCK_N) * (spec.batch if inner[0] else 1)
-              * (spec.kv_heads if inner[1] else 1))
-    return ORDERED_ROTATE and unbounded and window <= hopper.sm_count(spec.device.index) // 2
+    return (ORDERED_ROTATE and unbounded
+            and rotated_together(spec, inner) <= hopper.sm_count(spec.device.index) // 2)
+
+
+def rotated_together(spec: AttentionSpec, inner: tuple[bool, bool]) -> int:
+    """The key blocks that must run at once where ORDERED_DQ's walks rotate: a head's,
+    and where they lie among other batches' or kv heads' (inner dims), those too."""
+    return (cdiv(spec.seqlen_k, BLOCK_N) * (spec.batch if inner[0] else 1)
+            * (spec.kv_heads if inner[1] else 1))
 
 
 def walk_rotation(spec: AttentionSpec, dbias_kind: str | None, inner: tuple[bool, bool]) -> int:
@@ -1462,21 +1472,24 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
     rotate = walk_rotation(spec, dbias_kind, inner) if ordered else int(ROTATE_NONE)
     # ORDERED_DQ's calls whose turns wait only on blocks a program reaches earlier (no
     # rotated walks, no inner dims): persistent too, dealt (ORDERED_DEALT) or, an
-    # "ordered" bias gradient's under a causal mask, folded (ORDERED_SUM_FOLD), or
-    # rotated, in strides of whole heads (ORDERED_SUM_PERSISTENT).
+    # "ordered" bias gradient's under a causal mask, folded (ORDERED_SUM_FOLD); its other
+    # calls in strides of whole groups (ORDERED_SUM_PERSISTENT).
     in_order = (PERSISTENT_BLOCKS and ordered and not spec.varlen and not any(inner)
                 and rotate == int(ROTATE_NONE))
     sum_fold = (in_order and ORDERED_SUM_FOLD and dbias_kind == "ordered"
                 and spec.window_right >= 0 and spec.window_left < 0 and num_n % 2 == 0
                 and num_n // 2 <= hopper.sm_count(device_index))
     dealt = in_order and not sum_fold and ORDERED_DEALT and tabled and items <= DEALT_ITEMS
-    rotated = (PERSISTENT_BLOCKS and ORDERED_SUM_PERSISTENT[spec.head_dim_qk]
-               and dbias_kind == "ordered" and not spec.varlen and not any(inner)
-               and rotate == int(ROTATE_BY_BLOCK))
-    persistent, fold = persistent or sum_fold or rotated, fold or sum_fold
+    stagger = batch_stagger(spec, ordered, inner)
+    summed = (PERSISTENT_BLOCKS and ORDERED_SUM_PERSISTENT[spec.head_dim_qk]
+              and dbias_kind == "ordered" and not spec.varlen and not in_order and not stagger)
+    persistent, fold = persistent or sum_fold or summed, fold or sum_fold
     programs = hopper.programs(items, fold, persistent or dealt, device_index)
-    if rotated:  # whole heads a round of strides (items: whole heads' blocks)
-        programs = min(items, hopper.sm_count(device_index) // num_n * num_n)
+    if summed:  # rounds of strides of whole groups of blocks that run together
+        together = {int(ROTATE_BY_BLOCK): rotated_together(spec, inner),
+                    int(SPREAD_OVER_KV_HEADS): spec.kv_heads}
+        group = together.get(rotate, 1)
+        programs = min(items, hopper.sm_count(device_index) // group * group)
     schedule = None
     if dealt:  # the grid's blocks in its order, each costing its steps and one more
         steps = _block_steps(spec, num_n, rows)
@@ -1502,7 +1515,7 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
         HAS_DQ=not dq_from_full_bias(spec, dbias_kind), HAS_SOFTCAP=spec.softcap > 0,
         KV_VIEWS_PER_STEP=kv_views_per_step(spec, bias_row),
         IDLE_KEYS=IDLE_HALVES and spec.varlen, PDL=shared.DEPENDENT_LAUNCHES,
-        TURN_LAG=ORDERED_SUM_TURN_LAG, BATCH_STAGGER=batch_stagger(spec, ordered, inner),
+        TURN_LAG=ORDERED_SUM_TURN_LAG, BATCH_STAGGER=stagger,
         num_warps=4, launch_pdl=shared.DEPENDENT_LAUNCHES,
     )  # fmt: skip
     return hopper.Plan(programs, (num_n, items, SPREAD_STEPS), constexprs, schedule)

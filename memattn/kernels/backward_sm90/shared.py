@@ -290,7 +290,7 @@ def _key_block(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr,
     BOTTOM_RIGHT: gl.constexpr, BOUNDED_LEFT: gl.constexpr, BOUNDED_RIGHT: gl.constexpr,
     BATCH_INNER: gl.constexpr = False, HEAD_INNER: gl.constexpr = False,
-    DESCENDING: gl.constexpr = False,
+    DESCENDING: gl.constexpr = False, batches=1,
 ):  # fmt: skip
     """Grid item ``item``'s keys: (b, kv head, first key, the sequence's first query and
     key token and lengths, the diagonal's offset, the query range common.query_range
@@ -302,14 +302,13 @@ def _key_block(
     sequences, cu_seqlens): blocks count to the longest sequence, and a block past its
     own sequence's end has no query tile (the programs' grid holds few of them:
     _packed_key_item). BATCH_INNER, HEAD_INNER: the batch (sequence), then the kv head,
-    vary fastest instead (SUMMED_BIAS_INNER; a program per item, so the grid's size
-    counts the batches). DESCENDING (ORDERED_DQ under a right bound): each head's key
-    blocks last first, so that a program's dQ adds wait only on programs started before
-    it (dq_add_turn), the inner dims' too."""
+    vary fastest instead (SUMMED_BIAS_INNER), of ``batches`` (sequences). DESCENDING
+    (ORDERED_DQ under a right bound): each head's key blocks last first, so that a
+    program's dQ adds wait only on programs started before it (dq_add_turn), the inner
+    dims' too."""
     if BATCH_INNER or HEAD_INNER:
         rest = item
         if BATCH_INNER:
-            batches = gl.num_programs(0) // (num_n_blocks * HKV)
             b = rest % batches
             rest = rest // batches
         if HEAD_INNER:
