@@ -1000,14 +1000,14 @@ _ORDERED_EXTRA = [
 # The SMs the child pretends the GPU has: a head's 12 key blocks (11 of the longest
 # sequence) more than half of 8, so that the unbounded turns go first block first
 # (rotates_dq) at a size the suite can run.
+# The "strided" cases' SMs and the programs they run: whole groups of the blocks that
+# run together.
+_ORDERED_STRIDES = {"strided 11QK D128 GQA": (17, 16), "strided 11QK D64": (17, 16),
+                    "strided 1HQK D128 GQA": (5, 5), "strided B1QK D64 spread": (9, 8),
+                    "strided B1QK D128 causal": (5, 5)}
 _ORDERED_SMS = {"ordered D64 first first Sk=1500": 8, "ordered varlen D128 first first": 8,
                 **{c.name: 5 for c in _ORDERED_EXTRA if c.name.startswith(("dealt", "folded"))},
-                "strided 11QK D128 GQA": 17, "strided 11QK D64": 17, "strided 1HQK D128 GQA": 5,
-                "strided B1QK D64 spread": 9, "strided B1QK D128 causal": 5}
-# ... and the programs the "strided" cases run: whole groups of the blocks that run together
-_ORDERED_STRIDES = {"strided 11QK D128 GQA": 16, "strided 11QK D64": 16,
-                    "strided 1HQK D128 GQA": 5, "strided B1QK D64 spread": 8,
-                    "strided B1QK D128 causal": 5}
+                **{name: sms for name, (sms, _) in _ORDERED_STRIDES.items()}}
 
 
 def ordered_dq_child(name: str) -> None:
@@ -1034,10 +1034,9 @@ def ordered_dq_child(name: str) -> None:
     assert launched, "the deterministic call fell back to backward.py"
     narrow = backward_sm90.narrow
     if name.startswith(("dealt", "folded", "strided")):
-        mode, programs = {"dealt": ((narrow.DEALT, False), 5),
-                          "folded": ((narrow.STRIDES, True), 5),
-                          "strided": ((narrow.STRIDES, False), _ORDERED_STRIDES.get(name))
-                          }[name.split()[0]]  # fmt: skip
+        mode = {"dealt": (narrow.DEALT, False), "folded": (narrow.STRIDES, True),
+                "strided": (narrow.STRIDES, False)}[name.split()[0]]
+        programs = _ORDERED_STRIDES[name][1] if name in _ORDERED_STRIDES else 5
         grids = [(grid, (c["PERSISTENT"], c["FOLD"])) for grid, c in launches]
         assert grids and all(g == ((programs,), mode) for g in grids), grids
     runs = [_gradients(det, torch.bfloat16, "cuda") for _ in range(3)]

@@ -1218,8 +1218,7 @@ def test_persistent_ordered_sums_take_every_turn(planes, causal, together, seqle
     strides is whole groups. Run in Python over those walks (each block's query tiles as
     the kernel walks them, its GQA heads in turn), a step done once its turns come
     (turns.step_turns': the summed tile's and dQ's): every program finishes, every block
-    is walked once, and every tile takes every add. A call whose batches start
-    staggered (ORDERED_BATCH_STAGGER) keeps a program per block."""
+    is walked once, and every tile takes every add."""
     bsm = dispatch.backward_sm90
     narrow, turns = bsm.narrow, bsm.turns
     monkeypatch.setattr(bsm.hopper, "sm_count", lambda device_index: sms)
@@ -1241,12 +1240,8 @@ def test_persistent_ordered_sums_take_every_turn(planes, causal, together, seqle
     bsm.hopper.forget_plans()
     try:
         plan = narrow._plan(spec, False, kind, inner, 0, 0)
-        staggered = dataclasses.replace(spec, batch=batch, window_right=0)
-        staggered_plan = narrow._plan(staggered, False, kind, (True, False), 0, 0)
     finally:
         bsm.hopper.forget_plans()
-    assert staggered_plan.constexprs["BATCH_STAGGER"] > 0
-    assert staggered_plan.constexprs["PERSISTENT"] == narrow.PER_BLOCK
     num_n, items = plan.counts[:2]
     rotate = plan.constexprs["ROTATE"]
     batch_inner, head_inner = inner
@@ -1302,22 +1297,25 @@ def test_persistent_ordered_sums_take_every_turn(planes, causal, together, seqle
 
 
 @gluon
-@pytest.mark.parametrize("d, planes, rotate, programs", [
-    (128, None, "by block", None), (64, None, "by block", None),  # no bias: a program a block
-    (128, (1, 1), "by block", 128), (64, (1, 1), "by block", None),  # 32 blocks a head
-    (128, (4, 1), "spread", 132), (64, (4, 1), "spread", None),  # 4 kv heads a group
-    (128, (1, 4), "none", 132)])  # fmt: skip
-def test_ordered_sums_persistent_by_head_dim(d, planes, rotate, programs, monkeypatch):
+@pytest.mark.parametrize("d, planes, causal, rotate, programs", [
+    (128, None, False, "by block", None),  # no bias: a program a block
+    (64, None, False, "by block", None),
+    (128, (1, 1), False, "by block", 128), (64, (1, 1), False, "by block", None),  # 32 a head
+    (128, (4, 1), False, "spread", 132), (64, (4, 1), False, "spread", None),  # 4 kv heads
+    (128, (1, 4), False, "none", 132),
+    (128, (1, 4), True, "none", None)])  # batches started staggered: a program a block
+def test_ordered_sums_persistent_by_head_dim(d, planes, causal, rotate, programs, monkeypatch):
     """ORDERED_SUM_PERSISTENT as shipped (B4 Sq64 Sk4096 H4, 132 SMs): deterministic
     calls of a bias gradient summed over batch or heads run persistent strides of whole
     groups at D=128 (a head's 32 rotated blocks, a block's 4 kv heads, or one block), a
-    program per block at D=64; calls without a bias gradient a program per block; with
-    the knob off, every one a program per block."""
+    program per block at D=64 or where the batches start staggered
+    (ORDERED_BATCH_STAGGER); calls without a bias gradient a program per block; with the
+    knob off, every one a program per block."""
     bsm = dispatch.backward_sm90
     narrow = bsm.narrow
     monkeypatch.setattr(bsm.hopper, "sm_count", lambda device_index: 132)
     spec, *_, bias = spec_and_inputs(b=4, sq=64, sk=4096, h=4, d=d, deterministic=True,
-                                     bias_shape=planes and (*planes, 64, 4096))  # fmt: skip
+                                     causal=causal, bias_shape=planes and (*planes, 64, 4096))
     kind = None if bias is None else bsm.dbias_kind_of(spec, bias)
     assert kind == (None if bias is None else "ordered")
     inner = narrow.inner_dims(spec, bias, kind)
@@ -1329,6 +1327,7 @@ def test_ordered_sums_persistent_by_head_dim(d, planes, rotate, programs, monkey
             plans.append(narrow._plan(spec, False, kind, inner, 0, 0))
         finally:
             bsm.hopper.forget_plans()
+    assert (plans[0].constexprs["BATCH_STAGGER"] > 0) is causal
     items = 4 * 4 * 4096 // narrow.BLOCK_N
     rotation = {"by block": narrow.ROTATE_BY_BLOCK, "spread": narrow.SPREAD_OVER_KV_HEADS,
                 "none": narrow.ROTATE_NONE}[rotate]
