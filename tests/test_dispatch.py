@@ -1411,9 +1411,12 @@ def test_empty_calls_need_no_kernel(which, monkeypatch):
 @gluon
 @pytest.mark.parametrize(
     "d, dv, options, varlen, by_head",
-    [(128, 128, dict(causal=True), False, True),
+    [(64, 64, dict(causal=True), False, True),
      (64, 64, dict(window=(100, 20)), False, True),
      (128, 128, {}, True, True),  # packed sequences: a grid with a tail
+     (128, 128, dict(causal=True), True, True),
+     (128, 128, dict(causal=True), False, False),  # MASKED_BY_HEAD: a program a block
+     (128, 64, dict(window=(100, 20)), False, False),
      (128, 128, {}, False, False),  # dense without a mask: programs that end together
      (192, 128, dict(causal=True), False, False),  # _bwd_split_kernel's conversion
      (256, 256, dict(causal=True), False, False)],  # the wide kernels: no fp32 dQ
@@ -1421,8 +1424,9 @@ def test_empty_calls_need_no_kernel(which, monkeypatch):
 def test_dq_conversion_by_head_takes_grids_with_tails(d, dv, options, varlen, by_head,
                                                       monkeypatch):  # fmt: skip
     """DQ_CONVERTED_BY_HEAD converts dQ by (sequence, kv head) where the D 64/128 kernel
-    adds it in fp32 and its grid has a tail: masked or packed calls, launched as
-    dependents (DEPENDENT_LAUNCHES). Either knob off, no call does."""
+    adds it in fp32 and its grid has a tail: packed calls, and masked dense ones at
+    Dqk=64 (MASKED_BY_HEAD), launched as dependents (DEPENDENT_LAUNCHES). Either knob
+    off, no call does."""
     bsm = dispatch.backward_sm90
     spec, *_ = spec_and_inputs(d=d, dv=dv, varlen=varlen, **options)
     assert bsm.shared.converts_dq_by_head(spec) is by_head

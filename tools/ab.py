@@ -109,7 +109,8 @@ VARIANTS = {
     # masked backwards: persistent programs, folded, or a program per block, the heads'
     # blocks rank by rank in groups of at least N blocks
     "masked_folded": {"bwd.MASKED_BY_RANK_BLOCKS": {64: 0, 128: 0}},
-    "by_rank128": {"bwd.MASKED_BY_RANK_BLOCKS": {64: 0, 128: 128}},
+    **{f"by_rank{n}": {"bwd.MASKED_BY_RANK_BLOCKS": {64: 0, 128: n}}
+       for n in (1, 16, 64, 128, 1024, 1 << 30)},
     "no_split": {"bwd.SPLIT_HEAD_DIM_PAIRS": ()},  # 192/128 on the tile kernels
     "rescale_always": {"fwd.RESCALE_THRESHOLD": 0.0},  # O rescaled at every tile
     "no_turns": {"fwd.TURNS_MAX_HEAD_DIM": 0},  # softmax warpgroups issue freely
@@ -131,6 +132,7 @@ VARIANTS = {
     "no_pdl": {"decode.PDL": False},  # decode's kernels launched after the last one ends
     "bwd_serial": {"bwd.DEPENDENT_LAUNCHES": False},  # the backward's three launches so too
     "dq_convert_after": {"bwd.DQ_CONVERTED_BY_HEAD": False},  # dQ converted after the grid
+    "dq_by_head_masked": {"bwd.MASKED_BY_HEAD": {64: True, 128: True}},  # ... by head, masked
     # ... by head (shipped), N persistent conversion programs an SM
     **{f"convert{n}": {"bwd.DQ_CONVERSION_PROGRAMS_PER_SM": n} for n in (4, 16)},
     # decode's tile at 64 rows (block_m, block_n, warps, stages; shipped 64, 64, 4, 3):
@@ -163,7 +165,7 @@ BACKWARD_KNOBS = {name: module for module, names in (
                             "ORDERED_SUM_FOLD", "ORDERED_ROTATE",
                             "ORDERED_SUM_PERSISTENT")),
     (backward_sm90.shared, ("PACKED_BIAS_ADDS", "SPLIT_HEAD_DIM_PAIRS", "FUSED_SPLIT",
-                            "DEPENDENT_LAUNCHES", "DQ_CONVERTED_BY_HEAD",
+                            "DEPENDENT_LAUNCHES", "DQ_CONVERTED_BY_HEAD", "MASKED_BY_HEAD",
                             "DQ_CONVERSION_PROGRAMS_PER_SM")),
     (backward_sm90.wide, ("DQ_BLOCK_N", "DQ_MASKED_BY_RANK_BLOCKS", "DQ_AS_DEPENDENT",
                           "BY_ROLE")),

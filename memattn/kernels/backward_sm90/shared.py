@@ -452,9 +452,17 @@ SUMMED_GRADIENTS = ("summed", "ordered")
 # the conversion's programs, persistent and launched as its dependents, take its tiles
 # in the main grid's order from a queue, each once its head's blocks are counted, in the
 # SMs the main grid's last wave frees, instead of all after the main kernel's end. Where
-# that grid has a tail: masked or packed calls.
+# that grid has a tail: packed calls, and masked dense ones by Dqk (MASKED_BY_HEAD).
 DQ_CONVERTED_BY_HEAD = True
 DQ_CONVERSION_PROGRAMS_PER_SM = 8
+# Not for masked dense calls at Dqk=128: a program there takes one key block (the narrow
+# kernel's MASKED_BY_RANK_BLOCKS), and its wait for the block's adds to land before it
+# counts the block holds back the next program on its SM more than the early conversion
+# saves. H200, tools/ab.py --pass bwd --rounds 5, by head -> after the grid: D128 causal
+# S4096 494 -> 505 TFLOP/s, S16384 564 -> 572, S2048 428 -> 424, window 1024 399 -> 393
+# (their rounds overlapping); the main kernel at S512 causal 279 -> 266 us, S4096 causal
+# 1251 -> 1196. D=64 (folded strides) keeps it: S4096 causal 441 against 438.
+MASKED_BY_HEAD = {64: True, 128: False}
 
 
 def converts_dq_by_head(spec: AttentionSpec) -> bool:
@@ -462,7 +470,8 @@ def converts_dq_by_head(spec: AttentionSpec) -> bool:
     call whose dQ the D 64/128 kernel adds in fp32."""
     masked = spec.window_left >= 0 or spec.window_right >= 0
     return (DQ_CONVERTED_BY_HEAD and DEPENDENT_LAUNCHES and dq_in_fp32(spec)
-            and not fuses_split_dq(spec) and (masked or spec.varlen))
+            and not fuses_split_dq(spec)
+            and (spec.varlen or (masked and MASKED_BY_HEAD[spec.head_dim_qk])))
 
 
 def row_stats_buffer(spec: AttentionSpec, lse: torch.Tensor) -> torch.Tensor:
