@@ -4,15 +4,20 @@ the Gluon forward, hopper.Launcher, the launch, prepared or not; backward: the
 Function, the dispatch, the Gluon path, its first Launcher and launch (the preprocess),
 the Gluon kernel's wrapper), medians over calls with the GPU synced before each (or,
 --warm, a loop of small calls); forwards with autograd recording and without. bf16,
-16k tokens. --profile adds cProfile's table of the same calls (by own time).
+16k tokens. --profile adds cProfile's table of the same calls (by own time);
+--functions, instead of the stamps, each function's time in a call, its callees included
+(FUNCTIONS: the layers, allocations, checks and each kernel's launch), without
+cProfile's overhead.
 
     python tools/host_layers.py [--shapes 256x512,128x1024c] [--backward] [--warm] [--profile]
+                                [--functions]
 
 do_bench counts the host's time before a launch beyond its ~90 µs L2 flush: this says
 which layer to trim.
 """
 
 import argparse
+import collections
 import cProfile
 import pstats
 import statistics
@@ -23,9 +28,21 @@ import torch
 
 import memattn
 from memattn import ops
+from memattn.kernels import backward as tiles_backward
 from memattn.kernels import backward_sm90, dispatch, forward_sm90, hopper
 
 STAMPS = {}
+TOTALS = collections.Counter()  # --functions: seconds in each, over the timed calls
+# --functions' functions (module, names), called through their modules' attributes
+FUNCTIONS = (
+    (ops, ("_check_user_call", "_skips_dispatcher", "_run_backward")),
+    (dispatch, ("forward", "backward", "gluon_forward", "gluon_backward", "kernel_spec")),
+    (forward_sm90, ("forward",)),
+    (backward_sm90, ("run", "row_stats_buffer", "dq_tiles", "new_output", "backward",
+                     "dq_from_tiles_launch")),
+    (tiles_backward, ("delta_launch",)),
+    (hopper, ("plan_with_schedule", "tensor_key", "aligned")),
+)
 
 
 def stamped(name, fn):
@@ -68,6 +85,34 @@ def instrument():
     backward_sm90.backward = stamped("backward_sm90", backward_sm90.backward)
 
 
+def timed(name, fn):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TOTALS[name] += time.perf_counter() - start
+
+    return wrapper
+
+
+def instrument_functions():
+    """--functions: FUNCTIONS, the autograd Function's passes and each kernel's launches
+    (hopper.Launcher's, by kernel; "prepared": the lookup of a prepared launch) timed."""
+    for module, names in FUNCTIONS:
+        for name in names:
+            label = f"{module.__name__.rsplit('.', 1)[-1]}.{name}"
+            setattr(module, name, timed(label, getattr(module, name)))
+    for name in ("forward", "backward"):
+        method = getattr(ops._Attention, name)
+        setattr(ops._Attention, name, staticmethod(timed(f"Function.{name}", method)))
+    launch, prepared = hopper.Launcher.__call__, hopper.Launcher.launch_prepared
+    hopper.Launcher.__call__ = lambda self, *args, **kwargs: timed(
+        f"launch {self.fn.__name__}", launch)(self, *args, **kwargs)
+    hopper.Launcher.launch_prepared = lambda self, *args: timed(
+        f"prepared {self.fn.__name__}", prepared)(self, *args)
+
+
 def medians(call, n=60, warm=False) -> dict:
     rows = []
     for _ in range(n):
@@ -92,8 +137,11 @@ def main():
                          "calls meets it, warm, with the GPU never the bound")  # fmt: skip
     ap.add_argument("--profile", action="store_true",
                     help="also cProfile 200 calls of each shape, by own time")  # fmt: skip
+    ap.add_argument("--functions", action="store_true",
+                    help="instead of the stamps, each function's µs a call, callees "
+                         "included (FUNCTIONS)")  # fmt: skip
     args = ap.parse_args()
-    instrument()
+    instrument_functions() if args.functions else instrument()
     for shape in args.shapes.split(","):
         causal = shape.endswith("c")
         d, s = map(int, shape.rstrip("c").split("x"))
@@ -114,6 +162,19 @@ def main():
         for _ in range(5):
             call()
         for label, grad in modes:
+            if args.functions:
+                with torch.set_grad_enabled(grad):
+                    calls, start = 300, time.perf_counter()
+                    TOTALS.clear()
+                    for _ in range(calls):
+                        call()
+                    whole = (time.perf_counter() - start) / calls * 1e6
+                    torch.cuda.synchronize()
+                cells = ", ".join(f"{name} {seconds / calls * 1e6:.1f}"
+                                  for name, seconds in TOTALS.most_common())  # fmt: skip
+                print(f"D{d} S{s}{' causal' if causal else ''} {label}: {whole:.0f} µs a "
+                      f"call; in each function: {cells}", flush=True)  # fmt: skip
+                continue
             with torch.set_grad_enabled(grad):
                 stamps = medians(call, n=300 if args.warm else 60, warm=args.warm)
             cells = ", ".join(f"{name} {us:.0f}" for name, us in stamps.items())
