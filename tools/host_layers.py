@@ -113,6 +113,18 @@ def instrument_functions():
         f"prepared {self.fn.__name__}", prepared)(self, *args)
 
 
+def function_times(call, n=300) -> tuple[float, list[tuple[str, float]]]:
+    """--functions: µs a call in a loop of ``n`` (the GPU synced after), and in each
+    instrumented function, most first."""
+    TOTALS.clear()
+    start = time.perf_counter()
+    for _ in range(n):
+        call()
+    whole = (time.perf_counter() - start) / n * 1e6
+    torch.cuda.synchronize()
+    return whole, [(name, seconds / n * 1e6) for name, seconds in TOTALS.most_common()]
+
+
 def medians(call, n=60, warm=False) -> dict:
     rows = []
     for _ in range(n):
@@ -141,7 +153,10 @@ def main():
                     help="instead of the stamps, each function's µs a call, callees "
                          "included (FUNCTIONS)")  # fmt: skip
     args = ap.parse_args()
-    instrument_functions() if args.functions else instrument()
+    if args.functions:
+        instrument_functions()
+    else:
+        instrument()
     for shape in args.shapes.split(","):
         causal = shape.endswith("c")
         d, s = map(int, shape.rstrip("c").split("x"))
@@ -164,14 +179,8 @@ def main():
         for label, grad in modes:
             if args.functions:
                 with torch.set_grad_enabled(grad):
-                    calls, start = 300, time.perf_counter()
-                    TOTALS.clear()
-                    for _ in range(calls):
-                        call()
-                    whole = (time.perf_counter() - start) / calls * 1e6
-                    torch.cuda.synchronize()
-                cells = ", ".join(f"{name} {seconds / calls * 1e6:.1f}"
-                                  for name, seconds in TOTALS.most_common())  # fmt: skip
+                    whole, times = function_times(call)
+                cells = ", ".join(f"{name} {us:.1f}" for name, us in times)
                 print(f"D{d} S{s}{' causal' if causal else ''} {label}: {whole:.0f} µs a "
                       f"call; in each function: {cells}", flush=True)  # fmt: skip
                 continue
