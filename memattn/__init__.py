@@ -4,6 +4,7 @@ from . import compat, ops, reference
 from .api import attention
 from .compat import scaled_dot_product_attention
 from .dropout import dropout_mask
+from .kernels import sharing_sms
 
 __version__ = "0.1.0"
 __all__ = [
@@ -13,5 +14,6 @@ __all__ = [
     "ops",
     "reference",
     "scaled_dot_product_attention",
+    "sharing_sms",
     "__version__",
 ]

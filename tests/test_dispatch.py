@@ -1434,3 +1434,44 @@ def test_dq_conversion_by_head_takes_grids_with_tails(d, dv, options, varlen, by
         with monkeypatch.context() as m:
             m.setattr(bsm.shared, knob, False)
             assert not bsm.shared.converts_dq_by_head(spec)
+
+
+@gluon
+@pytest.mark.parametrize("options", [{}, dict(causal=True)], ids=["full", "causal"])
+def test_plans_inside_sharing_sms_take_a_program_per_block(options, monkeypatch):
+    """Inside memattn.sharing_sms the Gluon forward and the D 64/128 backward launch a
+    program per block where they run persistent programs outside it (one per SM at
+    most), and each side's plan is cached for that side alone. The context resets on
+    leaving, an exception too."""
+    import memattn
+    from memattn.kernels import backward_sm90, forward_sm90, shares_sms
+
+    spec = spec_and_inputs(b=1, sq=4096, sk=4096, h=16, d=128, **options)[0]
+    monkeypatch.setattr(forward_sm90.hopper, "sm_count", lambda device_index: 132)
+    forward_sm90.hopper.forget_plans()
+
+    def plans():  # the forward's programs, the backward's PERSISTENT constexpr
+        forward = forward_sm90.plan(spec, False, (0, 0), 0, 0)
+        backward = backward_sm90.narrow._plan(spec, False, None, (False, False), 0, 0)
+        return forward, backward
+
+    try:
+        forward, backward = plans()
+        with memattn.sharing_sms():
+            assert shares_sms()
+            shared_forward, shared_backward = plans()
+        assert plans() == (forward, backward)  # the same objects: cached per side
+        with pytest.raises(RuntimeError), memattn.sharing_sms():
+            raise RuntimeError
+        assert not shares_sms()
+    finally:
+        forward_sm90.hopper.forget_plans()
+    blocks = 16 * 4096 // 128  # query blocks (forward), key blocks (backward)
+    assert forward.programs <= 132 and shared_forward.programs == (
+        blocks // 2 if shared_forward.constexprs["FOLD"] else blocks)
+    persistent = backward.constexprs["PERSISTENT"]
+    assert shared_backward.constexprs["PERSISTENT"] == backward_sm90.narrow.PER_BLOCK.value
+    # unmasked, both persistent outside; under the causal mask D=128's backward takes a
+    # program per block rank by rank anyway (MASKED_BY_RANK_BLOCKS)
+    assert persistent == (backward_sm90.narrow.STRIDES.value if not options
+                          else backward_sm90.narrow.PER_BLOCK.value)  # fmt: skip

@@ -4,9 +4,33 @@ package's own module imports none of them. dispatch.py says which kernel runs a 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 
 from .tuning import interpreting
+
+_SHARING_SMS = contextvars.ContextVar("memattn_sharing_sms", default=False)
+
+
+@contextlib.contextmanager
+def sharing_sms():
+    """Kernels launched inside run beside other kernels, such as the NCCL transfers of
+    overlapped communication: where a Hopper kernel would run one persistent program
+    per SM, each taking a fixed share of the blocks, it launches a program per block
+    instead, so that the SMs another kernel holds delay only the blocks that wait for
+    them, not a fixed share of the call (PERFORMANCE.md, "Context parallel")."""
+    token = _SHARING_SMS.set(True)
+    try:
+        yield
+    finally:
+        _SHARING_SMS.reset(token)
+
+
+def shares_sms() -> bool:
+    """Whether this call runs inside :func:`sharing_sms`."""
+    return _SHARING_SMS.get()
 
 
 def require_runnable(device: torch.device) -> None:

@@ -57,7 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..spec import AttentionSpec
-from . import hopper
+from . import hopper, shares_sms
 from .common import (
     LN2,
     LOG2E,
@@ -1061,12 +1061,15 @@ def plan(spec: AttentionSpec, bias_row: bool, bias_dims: tuple[int, int], tokens
     by_rank = hopper.rank_order(spec, num_m_blocks, MASKED_BY_RANK_BLOCKS[tile],
                                 MIN_BLOCKS_BY_RANK[tile])
     num_items = num_m_blocks * spec.batch * spec.heads
-    table = bool(by_rank) and RANK_TABLE and PERSISTENT and MASKED_PERSISTENT[tile]
+    # Inside sharing_sms a program per block (persistent ones with fixed shares would
+    # wait, whole, for SMs another kernel holds).
+    persistent_ok = PERSISTENT and not shares_sms()
+    table = bool(by_rank) and RANK_TABLE and persistent_ok and MASKED_PERSISTENT[tile]
     if table and not (tabled and num_items <= RANK_TABLE_ITEMS):
         table, by_rank = False, 0
     fold = not spec.varlen and not by_rank and (FOLD is True or (
         FOLD == "masked" and masked and num_m_blocks >= MIN_BLOCKS_TO_FOLD[tile]))
-    persistent = PERSISTENT and (table or not by_rank) and (
+    persistent = persistent_ok and (table or not by_rank) and (
         not masked or MASKED_PERSISTENT[tile])
     counts = (num_m_blocks, num_items)
     q_slots, bias_slots, with_o = buffers(spec.head_dim_qk, spec.head_dim_v,

@@ -26,6 +26,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime import driver
 
 from ..spec import AttentionSpec
+from . import shares_sms
 from .common import cdiv, diagonal_offset, key_range, sequence_bounds
 
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
@@ -227,11 +228,18 @@ _PLAN_CACHES = []
 
 
 def plan_cache(make_plan):
-    """Caches a module's plan maker (by its arguments: spec, device, flags); every cache
-    is emptied by `forget_plans`."""
-    cached = functools.lru_cache(maxsize=256)(make_plan)
+    """Caches a module's plan maker (by its arguments: spec, device, flags, and whether
+    the call runs inside `sharing_sms`, which plans read); every cache is emptied by
+    `forget_plans`."""
+    cached = functools.lru_cache(maxsize=256)(
+        lambda sharing, *args, **kwargs: make_plan(*args, **kwargs))
     _PLAN_CACHES.append(cached)
-    return cached
+
+    @functools.wraps(make_plan)
+    def plan(*args, **kwargs):
+        return cached(shares_sms(), *args, **kwargs)
+
+    return plan
 
 
 def forget_plans() -> None:

@@ -66,7 +66,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ...spec import AttentionSpec
-from .. import hopper
+from .. import hopper, shares_sms
 from ..common import (
     LOG2E,
     add_bias_alibi_log2,
@@ -1465,7 +1465,8 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
     free_order = not spec.varlen and not ordered and not any(inner)
     masked = free_order and spec.window_right >= 0
     by_rank = MASKED_BY_RANK_BLOCKS[spec.head_dim_qk] if masked else 0
-    persistent = (PERSISTENT_BLOCKS and free_order and not by_rank
+    # Inside sharing_sms a program per block (as the forward's plan).
+    persistent = (PERSISTENT_BLOCKS and not shares_sms() and free_order and not by_rank
                   and not (masked and num_n > MASKED_PERSISTENT_MAX_BLOCKS))
     fold = persistent and spec.window_right >= 0
     rows = block_m(spec, bias_row)
