@@ -9,6 +9,7 @@ real sizes against the float64 reference on the whole sequence, within twice the
 of the reference computed in bf16 by plain PyTorch.
 """
 
+import contextlib
 import os
 import socket
 
@@ -135,9 +136,13 @@ def _check_rank(world: int, case: dict):
     shards = [cut(t).requires_grad_() for t in (q, k, v)]
     if "rng_state" in options and "rng_state" not in ring_options:
         torch.manual_seed(1000 + dist.get_rank())  # apart on each rank: rank 0's counts
-    out_s, lse_s = cp.context_parallel_attention(*shards, layout=layout, return_lse=True,
-                                                 **ring_options)  # fmt: skip
-    grads_s = torch.autograd.grad((out_s, lse_s), shards, (cut(grad_out), cut(grad_lse, 2)))
+    with _kernel_calls_sharing_sms() as sharing:
+        out_s, lse_s = cp.context_parallel_attention(*shards, layout=layout, return_lse=True,
+                                                     **ring_options)  # fmt: skip
+        grads_s = torch.autograd.grad((out_s, lse_s), shards,
+                                      (cut(grad_out), cut(grad_lse, 2)))  # fmt: skip
+    # every block's kernels beside the transfers (memattn.sharing_sms), and only those
+    assert sharing and all(sharing) and not memattn.kernels.shares_sms(), sharing
 
     expected = [cut(out), cut(lse, 2), *(cut(g) for g in grads)]
     for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), [out_s, lse_s, *grads_s],
@@ -145,6 +150,25 @@ def _check_rank(world: int, case: dict):
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5, msg=lambda m, n=name: n + m)
     whole = out.detach()  # unshard is shard's inverse, bit for bit
     assert torch.equal(cp.unshard(cut(whole), layout=layout), whole)
+
+
+@contextlib.contextmanager
+def _kernel_calls_sharing_sms():
+    """Records, for each memattn.ops.forward/backward call made inside, whether it ran
+    inside memattn.sharing_sms."""
+    seen, real = [], (memattn.ops.forward, memattn.ops.backward)
+
+    def spy(fn):
+        def call(*args, **kwargs):
+            seen.append(memattn.kernels.shares_sms())
+            return fn(*args, **kwargs)
+        return call
+
+    memattn.ops.forward, memattn.ops.backward = map(spy, real)
+    try:
+        yield seen
+    finally:
+        memattn.ops.forward, memattn.ops.backward = real
 
 
 def _drawn_with_seed(seed: int) -> torch.Tensor:

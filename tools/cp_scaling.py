@@ -68,8 +68,10 @@ def _measure(seqlen: int, args, device, dtype, world: int, rank: int) -> dict:
         for _ in range(world - 1):
             ring_module._RingStep([k, v], None, world, rank).wait()
         accumulators = [torch.zeros(k.shape, dtype=torch.float32, device=device)] * 2
-        for step in range(world):  # both in flight together, as in the backward
-            hops = [ring_module._RingStep(accumulators, None, world, rank)]
+        for step in range(world):  # both in flight together, as in the backward, the
+            # last hop in the shards' dtype
+            sent = accumulators if step + 1 < world else [k, v]
+            hops = [ring_module._RingStep(sent, None, world, rank)]
             if step + 1 < world:
                 hops.append(ring_module._RingStep([k, v], None, world, rank))
             for hop in hops:

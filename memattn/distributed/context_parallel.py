@@ -8,9 +8,11 @@ before the local attention on the current shard, so that compute hides it. Each 
 partial result (``memattn.ops.forward``: out and lse) is merged exactly through the lse.
 The backward sends the K/V shards around again, now with their dK/dV accumulators (fp32),
 and calls ``memattn.ops.backward`` with the merged (global) out and lse; after a full
-turn each accumulator is back on the rank that owns its shard. There too the K/V shard
-goes on before the step's compute, and the accumulators, added to after it, arrive
-during it.
+turn each accumulator is back on the rank that owns its shard (the last hop in the
+shards' dtype: the sums are complete by then). There too the K/V shard goes on before
+the step's compute, and the accumulators, added to after it, arrive during it. The
+kernels run inside ``memattn.sharing_sms`` on two ranks or more: NCCL's transfers hold
+SMs while they run.
 
 Layouts: "contiguous" (rank r holds tokens [r·S/W, (r+1)·S/W)) and "zigzag" (the
 sequence in 2W chunks, rank r holding chunks r and 2W-1-r, so that under a causal mask
@@ -22,12 +24,15 @@ dropout's mask are the whole sequence's.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from .. import dropout as _dropout
 from .. import ops
+from ..kernels import sharing_sms
 from ..spec import check_call
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -216,6 +221,12 @@ def _merge_into(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor) ->
     lse.copy_(new)
 
 
+def _beside_transfers(world: int):
+    """memattn.sharing_sms where the ring has transfers (NCCL's kernels hold SMs while
+    they run); a one-rank ring has none, and its kernels keep their persistent programs."""
+    return sharing_sms() if world > 1 else contextlib.nullcontext()
+
+
 class _RingStep:
     """Sends this rank's current blocks to rank + 1 and receives rank - 1's, started
     at once and waited for when the next step needs them."""
@@ -253,10 +264,11 @@ class _Ring(torch.autograd.Function):
             for qs, ks, positions, (q_lo, q_hi, k_lo, k_hi, window) in _blocks(
                 rank, source, world, layout, c, band
             ):
-                part_out, part_lse, _ = ops.forward(
-                    q_chunks[qs][:, q_lo:q_hi], k_chunks[ks][:, k_lo:k_hi],
-                    v_chunks[ks][:, k_lo:k_hi], window=window, positions=positions,
-                    **options)  # fmt: skip
+                with _beside_transfers(world):
+                    part_out, part_lse, _ = ops.forward(
+                        q_chunks[qs][:, q_lo:q_hi], k_chunks[ks][:, k_lo:k_hi],
+                        v_chunks[ks][:, k_lo:k_hi], window=window, positions=positions,
+                        **options)  # fmt: skip
                 _merge_into(out_c[qs][:, q_lo:q_hi], lse_c[qs][:, :, q_lo:q_hi], part_out,
                             part_lse)  # fmt: skip
             if ring is not None:
@@ -296,11 +308,13 @@ class _Ring(torch.autograd.Function):
             ):
                 rows, keys = slice(q_lo, q_hi), slice(k_lo, k_hi)
                 g_lse = glse_c[qs]
-                dq_p, dk_p, dv_p, _ = ops.backward(
-                    go_c[qs][:, rows], q_c[qs][:, rows], k_c[ks][:, keys], v_c[ks][:, keys],
-                    o_c[qs][:, rows], lse_c[qs][:, :, rows].contiguous(), window=window,
-                    grad_lse=None if g_lse is None else g_lse[:, :, rows].contiguous(),
-                    positions=positions, **options)  # fmt: skip
+                with _beside_transfers(world):
+                    dq_p, dk_p, dv_p, _ = ops.backward(
+                        go_c[qs][:, rows], q_c[qs][:, rows], k_c[ks][:, keys],
+                        v_c[ks][:, keys], o_c[qs][:, rows], lse_c[qs][:, :, rows].contiguous(),
+                        window=window,
+                        grad_lse=None if g_lse is None else g_lse[:, :, rows].contiguous(),
+                        positions=positions, **options)  # fmt: skip
                 dq_c[qs][:, rows].add_(dq_p)
                 dk_c[ks][:, keys].add_(dk_p)
                 dv_c[ks][:, keys].add_(dv_p)
@@ -309,11 +323,14 @@ class _Ring(torch.autograd.Function):
                 dk.add_(dk_in)
                 dv.add_(dv_in)
             accumulators = [dk, dv]
-            if world > 1:  # after the last step, a final hop takes them home
+            if step + 1 == world:  # complete: the final hop home carries them in their
+                # dtype, half the bytes of fp32 and the same values
+                accumulators = [dk.to(k.dtype), dv.to(v.dtype)]
+            if world > 1:
                 arriving = _RingStep(accumulators, group, world, rank)
             if ring is not None:
                 kv = ring.wait()
         if arriving is not None:
             accumulators = arriving.wait()
         dk, dv = accumulators
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        return dq.to(q.dtype), dk, dv, None
