@@ -4,6 +4,7 @@ ring's communication its compute hides. Run once per world size, then plot them 
 
     torchrun --nproc-per-node 4 tools/cp_scaling.py --json bench-out/cp_4.json
     python tools/cp_scaling.py --plot bench-out/cp_scaling.png bench-out/cp_*.json
+    python tools/cp_scaling.py --beside 16 --seqlens 16384   # one GPU: beside()
     TRITON_INTERPRET=1 torchrun --nproc-per-node 2 tools/cp_scaling.py --device cpu \
         --seqlens 64,128 --heads 2 --head-dim 16 --repeats 1 --json bench-out/cp_cpu.json
 
@@ -15,6 +16,7 @@ hides hidden = 1 - (ring - compute) / comm of the communication (1 on one rank).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -22,7 +24,10 @@ import time
 
 import torch
 import torch.distributed as dist
+import triton
+import triton.language as tl
 
+import memattn
 from memattn import distributed as cp
 from memattn.distributed import context_parallel as ring_module
 
@@ -120,6 +125,65 @@ def run(args) -> None:
     dist.destroy_process_group()
 
 
+@triton.jit
+def busy_kernel(X, steps):
+    """beside()'s stand-in for a transfer: each program holds its SM for ``steps``
+    dependent FMAs."""
+    acc = tl.load(X + tl.program_id(0))
+    for _ in range(steps):
+        acc = acc * 1.0000001 + 1e-7
+    tl.store(X + tl.program_id(0), acc)
+
+
+def beside(args) -> None:
+    """One GPU, no ring: why the ring's kernels run inside memattn.sharing_sms. One layer
+    on a whole sequence of each --seqlens (B1, forward + backward, causal and not),
+    alone and with a kernel of ``--beside`` programs launched on a side stream just
+    before it that holds their SMs for --busy-ms (a stand-in for NCCL's send/recv: 8-16
+    programs of 640 threads for 2-5 ms a hop), its kernels persistent or inside
+    sharing_sms. Medians of 15 layers, ms."""
+    side, x = torch.cuda.Stream(), torch.ones(args.beside, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def timed(fn, repeats=15) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    steps = 1 << 20
+    steps = int(steps * args.busy_ms
+                / timed(lambda: busy_kernel[(args.beside,)](x, steps, num_warps=16), 3))
+    for seqlen in (int(s) for s in args.seqlens.split(",")):
+        for causal in (False, True):
+            shape = (1, seqlen, args.heads, args.head_dim)
+            q, k, v, grad = (torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+                             for _ in range(4))  # fmt: skip
+            leaves = [t.requires_grad_() for t in (q, k, v)]
+            cells = []
+            for sharing in (False, True):
+                for busy in (False, True):
+                    def layer(sharing=sharing, busy=busy):
+                        if busy:
+                            side.wait_stream(torch.cuda.current_stream())
+                            with torch.cuda.stream(side):
+                                busy_kernel[(args.beside,)](x, steps, num_warps=16)
+                        with memattn.sharing_sms() if sharing else contextlib.nullcontext():
+                            out = memattn.attention(*leaves, causal=causal)
+                            torch.autograd.grad(out, leaves, grad)
+                        torch.cuda.current_stream().wait_stream(side)
+
+                    cells.append(timed(layer))
+            print(f"S={seqlen}{' causal' if causal else ''}, {args.beside} programs busy "
+                  f"{args.busy_ms} ms beside: persistent {cells[0]:.2f} -> {cells[1]:.2f} ms, "
+                  f"sharing_sms {cells[2]:.2f} -> {cells[3]:.2f} ms", flush=True)
+
+
 def plot(path: str, inputs: list[str]) -> None:
     """Tokens per second against sequence length, a line per world size, each point
     labelled with the share of communication hidden."""
@@ -160,9 +224,15 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", help="where rank 0 writes the rows")
     ap.add_argument("--plot", metavar="PNG", help="plot the JSON files given after it")
+    ap.add_argument("--beside", type=int, metavar="PROGRAMS",
+                    help="one GPU, no ring: layers beside a kernel of this many programs "
+                         "(beside())")  # fmt: skip
+    ap.add_argument("--busy-ms", type=float, default=3.0, help="how long --beside's kernel runs")
     args, rest = ap.parse_known_args()
     if args.plot:
         plot(args.plot, rest)
+    elif args.beside:
+        beside(args)
     else:
         run(args)
 
