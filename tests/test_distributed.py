@@ -4,7 +4,7 @@ the whole sequence, forward and every gradient.
 CPU (CI): 2 and 4 processes on gloo, kernels through Triton's interpreter, float32 at
 small sizes. Every rank builds the same whole-sequence inputs, runs both, and compares
 its shard of the single-process results with what the ring gave it.
-GPU (marked gpu, one process per GPU, NCCL, 2 or 4 GPUs as the machine has): bf16 at
+GPU (marked gpu, one process per GPU, NCCL, 1, 2 or 4 GPUs as the machine has): bf16 at
 real sizes against the float64 reference on the whole sequence, within twice the error
 of the reference computed in bf16 by plain PyTorch.
 """
@@ -98,13 +98,12 @@ NCCL_CASES = [
                          ids=["-".join(c["options"]) + ("-alibi" if c.get("alibi") else "")
                               for c in NCCL_CASES])  # fmt: skip
 def test_ring_on_gpus_with_nccl_gpu(case):
-    """The ring on every GPU of the machine (2 or 4; skipped below 2), bf16, 16k tokens
-    on four GPUs: the error from the float64 whole-sequence reference within twice the
-    plain bf16 reference's."""
+    """The ring on every GPU of the machine (1, 2 or 4; one GPU runs the one-rank ring:
+    its kernels, merges and accumulators without a transfer), bf16, 16k tokens on four
+    GPUs: the error from the float64 whole-sequence reference within twice the plain
+    bf16 reference's."""
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count < 2:
-        pytest.skip("needs 2 or more GPUs (NCCL)")
-    world = 4 if count >= 4 else 2
+    world = 4 if count >= 4 else min(count, 2)
     mp.spawn(_nccl_worker, args=(world, _free_port(), case), nprocs=world, join=True)
 
 
@@ -250,3 +249,47 @@ def test_refuses_what_it_cannot_split():
         cp.context_parallel_attention(q16, q16, q16, dropout_p=0.1, window=(4, 0))
     with pytest.raises(ValueError, match="^layout must be one of"):
         cp.context_parallel_attention(q, q, q, layout="striped")
+
+
+def _check_merge_into(device: str, rows: int, heads: int, dv: int, part_dtype):
+    """memattn.kernels.merge.merge_into on views of larger tensors (the ring's out and
+    lse chunks) against the merge in float64: rows where either side or both saw no
+    key (lse = -inf) included; the larger tensors untouched outside the views."""
+    from memattn.kernels.merge import merge_into
+
+    gen = torch.Generator().manual_seed(rows)
+    big_out = torch.randn(2, rows + 9, heads, dv, generator=gen)
+    big_lse = torch.randn(2, heads, rows + 9, generator=gen) * 4
+    part = torch.randn(2, rows, heads, dv, generator=gen).to(part_dtype)
+    part_lse = torch.randn(2, heads, rows, generator=gen) * 4
+    big_lse[:, :, 5:8] = float("-inf")  # rows 0-2 of the view: nothing merged yet
+    part_lse[:, :, 1:4] = float("-inf")  # rows 1-3: the part saw no key (row 1, 2: both)
+    out, lse = big_out[:, 5:5 + rows], big_lse[:, :, 5:5 + rows]
+    want_lse = torch.logaddexp(lse.double(), part_lse.double())
+    safe = torch.where(torch.isneginf(want_lse), 0.0, want_lse)
+    w_old = torch.exp(lse.double() - safe).transpose(1, 2)[..., None]
+    w_new = torch.exp(part_lse.double() - safe).transpose(1, 2)[..., None]
+    want_out = out.double() * w_old + part.double() * w_new
+    both_empty = torch.isneginf(want_lse).transpose(1, 2)[..., None]
+    want_out = torch.where(both_empty, out.double(), want_out)
+    outside = (big_out.clone(), big_lse.clone())
+    big_out, big_lse = big_out.to(device), big_lse.to(device)
+    out, lse = big_out[:, 5:5 + rows], big_lse[:, :, 5:5 + rows]
+    merge_into(out, lse, part.to(device), part_lse.to(device))
+    torch.testing.assert_close(out.cpu().double(), want_out, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(lse.cpu().double(), want_lse, rtol=2e-6, atol=2e-6)
+    assert torch.isneginf(lse[:, :, 1:3]).all()
+    for got, before in zip((big_out, big_lse), outside, strict=True):
+        cut = (slice(None), slice(None, 5)) if got.dim() == 4 else (slice(None),) * 2 + (
+            slice(None, 5),)  # fmt: skip
+        assert torch.equal(got[cut].cpu(), before[cut])
+
+
+@cpu_only
+def test_merge_into_is_the_merge_through_the_lse():
+    _check_merge_into("cpu", 37, 3, 40, torch.float32)
+
+
+@pytest.mark.gpu
+def test_merge_into_is_the_merge_through_the_lse_gpu():
+    _check_merge_into("cuda", 1000, 4, 128, torch.bfloat16)

@@ -209,18 +209,6 @@ def _blocks(rank: int, source: int, world: int, layout: str, c: int, band):
     return blocks
 
 
-def _merge_into(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor) -> None:
-    """Merges a partial (out_p, lse_p) over other keys into (out, lse), in place and
-    exactly: lse' = log(e^lse + e^lse_p), out' = e^(lse - lse') out + e^(lse_p - lse') out_p.
-    out fp32 (B, S, H, Dv), lse (B, H, S)."""
-    new = torch.logaddexp(lse, part_lse)
-    safe = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
-    w_old = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)  # (B, S, H, 1)
-    w_new = torch.exp(part_lse - safe).transpose(1, 2).unsqueeze(-1)
-    out.copy_(out * w_old + part_out.float() * w_new)
-    lse.copy_(new)
-
-
 def _beside_transfers(world: int):
     """memattn.sharing_sms where the ring has transfers (NCCL's kernels hold SMs while
     they run); a one-rank ring has none, and its kernels keep their persistent programs."""
@@ -248,6 +236,9 @@ class _RingStep:
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, call):
+        # lazily, as ops imports the kernels: Triton picks its interpreter at decoration
+        from ..kernels.merge import merge_into
+
         group, world, rank, layout, band, options = call
         per_rank = 2 if layout == "zigzag" else 1
         c = q.shape[1] // per_rank
@@ -269,8 +260,8 @@ class _Ring(torch.autograd.Function):
                         q_chunks[qs][:, q_lo:q_hi], k_chunks[ks][:, k_lo:k_hi],
                         v_chunks[ks][:, k_lo:k_hi], window=window, positions=positions,
                         **options)  # fmt: skip
-                _merge_into(out_c[qs][:, q_lo:q_hi], lse_c[qs][:, :, q_lo:q_hi], part_out,
-                            part_lse)  # fmt: skip
+                merge_into(out_c[qs][:, q_lo:q_hi], lse_c[qs][:, :, q_lo:q_hi], part_out,
+                           part_lse)  # fmt: skip
             if ring is not None:
                 kv = ring.wait()
         out = out.to(q.dtype)
@@ -293,16 +284,15 @@ class _Ring(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dq_c = split(dq)
         # Each step: the K/V shard in hand goes on to rank + 1 at once (the next step's),
-        # its dK/dV part is computed, then added to the shard's accumulators (fp32), which
-        # arrive from rank - 1 meanwhile and go on after the add.
-        kv, accumulators, arriving = [k, v], None, None
+        # its dK/dV parts are computed, then added to the shard's accumulators (fp32),
+        # which arrive from rank - 1 meanwhile (this rank starts them at the first step),
+        # and go on after the adds.
+        kv, arriving = [k, v], None
         for step in range(world):
             source = (rank - step) % world
             ring = _RingStep(kv, group, world, rank) if step + 1 < world else None
             k_c, v_c = split(kv[0]), split(kv[1])
-            dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-            dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-            dk_c, dv_c = split(dk), split(dv)
+            parts = []  # (key slot, keys, dK part, dV part)
             for qs, ks, positions, (q_lo, q_hi, k_lo, k_hi, window) in _blocks(
                 rank, source, world, layout, c, band
             ):
@@ -316,12 +306,16 @@ class _Ring(torch.autograd.Function):
                         grad_lse=None if g_lse is None else g_lse[:, :, rows].contiguous(),
                         positions=positions, **options)  # fmt: skip
                 dq_c[qs][:, rows].add_(dq_p)
+                parts.append((ks, keys, dk_p, dv_p))
+            if arriving is None:
+                dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+                dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+            else:  # what earlier ranks added for this shard
+                dk, dv = arriving.wait()
+            dk_c, dv_c = split(dk), split(dv)
+            for ks, keys, dk_p, dv_p in parts:
                 dk_c[ks][:, keys].add_(dk_p)
                 dv_c[ks][:, keys].add_(dv_p)
-            if arriving is not None:  # what earlier ranks added for this shard
-                dk_in, dv_in = arriving.wait()
-                dk.add_(dk_in)
-                dv.add_(dv_in)
             accumulators = [dk, dv]
             if step + 1 == world:  # complete: the final hop home carries them in their
                 # dtype, half the bytes of fp32 and the same values
