@@ -71,6 +71,11 @@ VARIANTS = {
                          "fwd.MIN_BLOCKS_BY_RANK": {64: n, 128: n, 192: 0, 256: 96}}
        for n in (0, 8, 40)},
     "fwd_no_table": {"fwd.RANK_TABLE": False},
+    # a program per block (memattn.sharing_sms' grids): under a mask rank by rank in
+    # groups of N blocks (0: folded pairs, as sharing_sms has them at D=128)
+    **{f"grid_by_rank{n}": {"fwd.PERSISTENT": False,
+                            "fwd.MASKED_BY_RANK_BLOCKS": dict.fromkeys((64, 128, 192, 256), n)}
+       for n in (0, 128, 1024)},
     # the mask's code in every step loop, or out of it wherever the keys fill the tiles
     "fwd_masked_code": {"fwd.FULL_TILES": dict.fromkeys((64, 128, 192, 256), False)},
     "fwd_full_tiles": {"fwd.FULL_TILES": dict.fromkeys((64, 128, 192, 256), True)},

@@ -141,12 +141,12 @@ def beside(args) -> None:
     alone and with a kernel of ``--beside`` programs launched on a side stream just
     before it that holds their SMs for --busy-ms (a stand-in for NCCL's send/recv: 8-16
     programs of 640 threads for 2-5 ms a hop), its kernels persistent or inside
-    sharing_sms. Medians of 15 layers, ms."""
+    sharing_sms. Each of the four cells timed in rounds of 5 layers, the cells' order
+    rotated each round (the clock drifts as the board warms): medians of 25 layers, ms."""
     side, x = torch.cuda.Stream(), torch.ones(args.beside, device="cuda")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
-    def timed(fn, repeats=15) -> float:
-        fn()
+    def timed(fn, repeats=5) -> list[float]:
         times = []
         for _ in range(repeats):
             start.record()
@@ -154,34 +154,40 @@ def beside(args) -> None:
             end.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end))
-        return statistics.median(times)
+        return times
 
     steps = 1 << 20
-    steps = int(steps * args.busy_ms
-                / timed(lambda: busy_kernel[(args.beside,)](x, steps, num_warps=16), 3))
+    busy_kernel[(args.beside,)](x, steps, num_warps=16)  # compiled
+    steps = int(steps * args.busy_ms / statistics.median(
+        timed(lambda: busy_kernel[(args.beside,)](x, steps, num_warps=16), 3)))
     for seqlen in (int(s) for s in args.seqlens.split(",")):
         for causal in (False, True):
             shape = (1, seqlen, args.heads, args.head_dim)
             q, k, v, grad = (torch.randn(shape, device="cuda", dtype=torch.bfloat16)
                              for _ in range(4))  # fmt: skip
             leaves = [t.requires_grad_() for t in (q, k, v)]
-            cells = []
-            for sharing in (False, True):
-                for busy in (False, True):
-                    def layer(sharing=sharing, busy=busy):
-                        if busy:
-                            side.wait_stream(torch.cuda.current_stream())
-                            with torch.cuda.stream(side):
-                                busy_kernel[(args.beside,)](x, steps, num_warps=16)
-                        with memattn.sharing_sms() if sharing else contextlib.nullcontext():
-                            out = memattn.attention(*leaves, causal=causal)
-                            torch.autograd.grad(out, leaves, grad)
-                        torch.cuda.current_stream().wait_stream(side)
 
-                    cells.append(timed(layer))
+            def layer(sharing: bool, busy: bool):
+                if busy:
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        busy_kernel[(args.beside,)](x, steps, num_warps=16)
+                with memattn.sharing_sms() if sharing else contextlib.nullcontext():
+                    out = memattn.attention(*leaves, causal=causal)
+                    torch.autograd.grad(out, leaves, grad)
+                torch.cuda.current_stream().wait_stream(side)
+
+            cells = [(sharing, busy) for sharing in (False, True) for busy in (False, True)]
+            times = {cell: [] for cell in cells}
+            for cell in cells:
+                layer(*cell)  # compiles, plans
+            for r in range(5):
+                for cell in cells[r % 4:] + cells[:r % 4]:
+                    times[cell] += timed(lambda cell=cell: layer(*cell))
+            ms = [statistics.median(times[cell]) for cell in cells]
             print(f"S={seqlen}{' causal' if causal else ''}, {args.beside} programs busy "
-                  f"{args.busy_ms} ms beside: persistent {cells[0]:.2f} -> {cells[1]:.2f} ms, "
-                  f"sharing_sms {cells[2]:.2f} -> {cells[3]:.2f} ms", flush=True)
+                  f"{args.busy_ms} ms beside: persistent {ms[0]:.2f} -> {ms[1]:.2f} ms, "
+                  f"sharing_sms {ms[2]:.2f} -> {ms[3]:.2f} ms", flush=True)
 
 
 def plot(path: str, inputs: list[str]) -> None:
