@@ -864,3 +864,37 @@ def test_bias_grad_tiles_zero_convert_and_fill_what_no_query_sees(name, per_sequ
     # one rounding to bf16, one ulp at most (the interpreter truncates; the GPU rounds)
     torch.testing.assert_close(out.float(), torch.where(seen, adds, 0.0), rtol=2**-7, atol=0)
     assert (out[~seen] == 0).all()
+
+
+SHARING_CASES = [(128, {}), (64, {}), (128, dict(causal=True)), (64, dict(window=(300, 0))),
+                 (128, dict(causal=True, window=(700, 0)))]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, options", SHARING_CASES,
+                         ids=[f"D{d}-{'-'.join(o) or 'full'}" for d, o in SHARING_CASES])
+def test_sharing_sms_grids_give_the_persistent_programs_results_gpu(head_dim, options):
+    """Inside memattn.sharing_sms the Gluon kernels launch a program per block where they
+    run persistent programs outside it (here several blocks an SM): the forward's out and
+    lse and the backward's dK and dV bit for bit those of the persistent programs (each
+    block made by the same code in the same order), dQ (added up across programs in no
+    fixed order) within a bf16 rounding of them."""
+    if not hopper_kernel_runs_here():
+        pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
+    gen = torch.Generator(device="cuda").manual_seed(head_dim)
+    q, k, v = (torch.randn(4, 2048, 8, head_dim, device="cuda", dtype=torch.bfloat16,
+                           generator=gen).requires_grad_() for _ in range(3))  # fmt: skip
+    grad = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    def call():
+        out, lse = memattn.attention(q, k, v, return_lse=True, **options)
+        return (out, lse, *torch.autograd.grad(out, (q, k, v), grad))
+
+    outside = call()
+    with memattn.sharing_sms():
+        inside = call()
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), inside, outside, strict=True):
+        if name == "dq":
+            torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
+        else:
+            assert torch.equal(got, want), name
