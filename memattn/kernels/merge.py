@@ -12,7 +12,7 @@ import triton.language as tl
 
 from .common import cdiv
 
-BLOCK_ROWS = 16
+BLOCK_ROWS = 16  # rows of one (batch, head) a program: 8 KiB of out at Dv = 128
 
 
 @triton.jit
