@@ -1475,3 +1475,27 @@ def test_plans_inside_sharing_sms_take_a_program_per_block(options, monkeypatch)
     # program per block rank by rank anyway (MASKED_BY_RANK_BLOCKS)
     assert persistent == (backward_sm90.narrow.STRIDES.value if not options
                           else backward_sm90.narrow.PER_BLOCK.value)  # fmt: skip
+
+
+@gluon
+def test_sharing_sms_keeps_the_rank_order_without_the_hosts_table(monkeypatch):
+    """A causal D=64 forward of many blocks a head goes rank by rank: outside
+    memattn.sharing_sms through persistent programs walking the host's table
+    (RANK_TABLE), inside it a program per block in the same rank order, no table."""
+    import memattn
+    from memattn.kernels import forward_sm90
+
+    spec = spec_and_inputs(b=1, sq=16384, sk=16384, h=4, d=64, causal=True)[0]
+    monkeypatch.setattr(forward_sm90.hopper, "sm_count", lambda device_index: 132)
+    forward_sm90.hopper.forget_plans()
+    try:
+        outside = forward_sm90.plan(spec, False, (0, 0), 0, 0)
+        with memattn.sharing_sms():
+            inside = forward_sm90.plan(spec, False, (0, 0), 0, 0)
+    finally:
+        forward_sm90.hopper.forget_plans()
+    blocks = 4 * -(-16384 // outside.constexprs["BLOCK_M"])
+    assert (outside.constexprs["TABLE"], outside.programs <= 132) == (True, True)
+    assert (inside.constexprs["TABLE"], inside.programs) == (False, blocks)
+    assert inside.constexprs["BY_RANK"] == outside.constexprs["BY_RANK"] > 0
+    assert inside.schedule is None
