@@ -1499,3 +1499,26 @@ def test_sharing_sms_keeps_the_rank_order_without_the_hosts_table(monkeypatch):
     assert (inside.constexprs["TABLE"], inside.programs) == (False, blocks)
     assert inside.constexprs["BY_RANK"] == outside.constexprs["BY_RANK"] > 0
     assert inside.schedule is None
+
+
+@gluon
+def test_sharing_sms_leaves_the_deterministic_programs_their_order(monkeypatch):
+    """A deterministic causal D=128 backward runs the programs the host dealt in the
+    grid's order (ORDERED_DEALT) inside memattn.sharing_sms as outside it: their order of
+    adds is what makes the gradients the same bit for bit."""
+    import memattn
+    from memattn.kernels import backward_sm90
+
+    spec = spec_and_inputs(b=1, sq=4096, sk=4096, h=16, d=128, causal=True,
+                           deterministic=True)[0]  # fmt: skip
+    monkeypatch.setattr(backward_sm90.hopper, "sm_count", lambda device_index: 132)
+    backward_sm90.hopper.forget_plans()
+    try:
+        outside = backward_sm90.narrow._plan(spec, False, None, (False, False), 0, 0)
+        with memattn.sharing_sms():
+            inside = backward_sm90.narrow._plan(spec, False, None, (False, False), 0, 0)
+    finally:
+        backward_sm90.hopper.forget_plans()
+    dealt = backward_sm90.narrow.DEALT.value
+    assert outside.constexprs["PERSISTENT"] == inside.constexprs["PERSISTENT"] == dealt
+    assert inside.schedule == outside.schedule and inside.programs == outside.programs

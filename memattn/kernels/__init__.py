@@ -20,7 +20,9 @@ def sharing_sms():
     overlapped communication: where a Hopper kernel would run one persistent program
     per SM, each taking a fixed share of the blocks, it launches a program per block
     instead, so that the SMs another kernel holds delay only the blocks that wait for
-    them, not a fixed share of the call (PERFORMANCE.md, "Context parallel")."""
+    them, not a fixed share of the call (PERFORMANCE.md, "Context parallel"). The
+    deterministic backward's ordered programs keep theirs: their order of adds is what
+    makes the gradients bit for bit the same."""
     token = _SHARING_SMS.set(True)
     try:
         yield
