@@ -205,6 +205,87 @@ def test_launcher_goes_through_triton_with_a_launch_hook(launcher, monkeypatch):
     assert launch[9:] == (x, 32, 0.5, 16, True)
 
 
+def test_replays_launch_what_a_call_launched_when_recorded(launcher, monkeypatch):
+    """A recording keeps its launches (C launcher, programs, arguments with tensors as
+    addresses: nothing kept alive) for its key; Replays.launch launches them again as
+    they were, on the current stream, prepared or not when recorded, and is False for
+    another key, inside sharing_sms (plans differ there), under a launch hook and in
+    tests (CHECK_VARIANTS); forget_plans forgets them."""
+    monkeypatch.setattr(hopper, "CHECK_VARIANTS", False)
+    replays = hopper.Replays()
+    x, y = torch.zeros(64), torch.zeros(64)
+
+    def path():  # two launches, the second prepared after its first call
+        launcher((3,), x, 32, 0.5, BLOCK=16, FLAG=True, num_warps=4, variant="a")
+        if not launcher.launch_prepared(5, "k"):
+            launcher((5,), y, 48, 0.5, BLOCK=16, FLAG=True, num_warps=4, variant="a",
+                     prepare="k")
+
+    with replays.recording("call"):
+        path()  # the first launch compiles: nothing kept
+    assert not replays.launch("call") and replays.launches == {}
+    for _ in range(2):  # made, then with the second launch prepared
+        with replays.recording("call"):
+            path()
+    run = launcher.fn.compiles[0][3].run
+    made = list(run.c_launches)
+    assert [launch[:4] for launch in made[-2:]] == [(3, 1, 1, 1234), (5, 1, 1, 1234)]
+    assert replays.launch("call")
+    assert run.c_launches[-2:] == made[-2:]  # as recorded
+    assert made[-2][13:] == (x.data_ptr(), 32, 0.5, 16, True)
+    assert not replays.launch("other")
+    with memattn.sharing_sms():
+        assert not replays.launch("call")
+    hook = hopper.knobs.HookChain()
+    hook.add(lambda metadata: None)
+    monkeypatch.setattr(hopper.knobs.runtime, "launch_enter_hook", hook)
+    assert not replays.launch("call")
+    monkeypatch.setattr(hopper.knobs.runtime, "launch_enter_hook", hopper.knobs.HookChain())
+    monkeypatch.setattr(hopper, "CHECK_VARIANTS", True)
+    assert not replays.launch("call")
+    monkeypatch.setattr(hopper, "CHECK_VARIANTS", False)
+    assert len(run.c_launches) == len(made) + 2
+    hopper.forget_plans()
+    assert not replays.launch("call")
+
+
+def test_replays_keep_no_recording_that_failed_or_went_through_triton(launcher, monkeypatch):
+    """A recording ended by an exception, or with a launch through Triton's own path (a
+    launch hook here), is not kept; recording stops at the block's end either way."""
+    monkeypatch.setattr(hopper, "CHECK_VARIANTS", False)
+    replays = hopper.Replays()
+    x = torch.zeros(64)
+    launcher((3,), x, 32, 0.5, BLOCK=16, FLAG=True, num_warps=4)  # compiled
+    with pytest.raises(RuntimeError), replays.recording("call"):
+        launcher((3,), x, 32, 0.5, BLOCK=16, FLAG=True, num_warps=4)
+        raise RuntimeError
+    hook = hopper.knobs.HookChain()
+    hook.add(lambda metadata: None)
+    with monkeypatch.context() as hooked:
+        hooked.setattr(hopper.knobs.runtime, "launch_enter_hook", hook)
+        with replays.recording("call"):
+            launcher((3,), x, 32, 0.5, BLOCK=16, FLAG=True, num_warps=4)
+    assert replays.launches == {} and hopper._RECORDING.launches is None
+    with replays.recording(None):  # no key: nothing recorded
+        launcher((3,), x, 32, 0.5, BLOCK=16, FLAG=True, num_warps=4)
+    assert replays.launches == {}
+
+
+def test_replays_check_a_recording_against_the_one_kept(launcher, monkeypatch):
+    """With CHECK_VARIANTS each recording of a key compares its launches with those
+    first kept for it: a key that misses something the launches are made of (here a
+    tensor's address) is a caller's bug, and raises."""
+    monkeypatch.setattr(hopper, "CHECK_VARIANTS", True)
+    replays = hopper.Replays()
+    x, y = torch.zeros(64), torch.zeros(64)
+    launcher((3,), x, 32, 0.5, BLOCK=16, FLAG=True, num_warps=4, variant="v")
+    for _ in range(2):
+        with replays.recording("call"):
+            launcher((3,), x, 32, 0.5, BLOCK=16, FLAG=True, num_warps=4, variant="v")
+    with pytest.raises(AssertionError, match="recorded call"), replays.recording("call"):
+        launcher((3,), y, 32, 0.5, BLOCK=16, FLAG=True, num_warps=4, variant="v")
+
+
 def test_launch_splices_descriptor_maps_between_the_other_arguments(monkeypatch):
     """Each descriptor becomes its map's arguments in place; the rest pass as they are,
     in order, then the constexprs."""
@@ -274,8 +355,9 @@ class _CountingJit:
 def test_repeat_calls_launch_directly_and_match_gpu(monkeypatch, head_dim):
     """The first call of a variant goes through JITFunction.run, later ones straight to
     Triton's C launcher with cached tensor maps, then with the arguments it prepared
-    (Launcher.launch_prepared), and with a launch hook set through Triton's own
-    launcher, which calls the hook: the same results, forward and backward
+    (Launcher.launch_prepared; the backward: the launches it recorded,
+    backward_sm90._REPLAYS), and with a launch hook set through Triton's own launcher,
+    which calls the hook: the same results, forward and backward
     (`_assert_same_results`)."""
     if not hopper_kernel_runs_here():
         pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
@@ -304,25 +386,29 @@ def test_repeat_calls_launch_directly_and_match_gpu(monkeypatch, head_dim):
     assert all(c.raw is not None for launcher in used for c in launcher.kernels.values())
     assert len(hopper._TENSOR_MAPS) > 0
     _assert_same_results(first, second)
-    # The second call prepared each launch's arguments (checked against the ones it
-    # made); outside the suite's checks (CHECK_VARIANTS) a call of the same addresses
-    # launches them as kept. Which addresses a call's outputs get is the allocator's
-    # business: freed results let the next calls reuse theirs.
-    assert all(launcher.prepared for launcher in used)
+    # The second call prepared each launch's arguments and recorded the backward's
+    # launches (each checked against the ones it made); outside the suite's checks
+    # (CHECK_VARIANTS) a call of the same addresses launches them as kept: the forward's
+    # prepared arguments, the backward's recorded launches. Which addresses a call's
+    # outputs get is the allocator's business: freed results let the next calls reuse
+    # theirs.
+    assert all(launcher.prepared for launcher in used) and backward_sm90._REPLAYS.launches
     del second
     monkeypatch.setattr(hopper, "CHECK_VARIANTS", False)
     hits = []
     for launcher in used:
         monkeypatch.setattr(launcher, "launch_prepared",
                             lambda *a, f=launcher.launch_prepared: hits.append(f(*a)) or hits[-1])
+    replays = _counted_replays(monkeypatch)
     prepared = None
     for _ in range(3):
         hits.clear()
+        replays.clear()
         prepared = None  # frees the last try's results before the next call
         prepared = call()
-        if hits == [True] * kernels:
+        if hits == [True] and replays == [True]:  # the forward's, the backward's
             break
-    assert hits == [True] * kernels, hits
+    assert hits == [True] and replays == [True], (hits, replays)
     assert all(launcher.fn.runs == 1 for launcher in used)
     _assert_same_results(first, prepared)
 
@@ -336,12 +422,96 @@ def test_repeat_calls_launch_directly_and_match_gpu(monkeypatch, head_dim):
     _assert_same_results(first, third)
 
 
+# Backward calls whose launches backward_sm90 records and replays: each of its kernels
+# (D=64 masked with dQ converted by head, windowed D=128 with ALiBi and dropout, packed
+# sequences, the wide kernels, the split kernel) and a gradient into lse.
+REPLAYED = {
+    "D64 causal": dict(dim=(64, 64), kw=dict(causal=True), seqlen=1100),  # keys enough
+    "D128 window alibi dropout": dict(dim=(128, 128), kw=dict(window=(100, 0), dropout_p=0.2),
+                                      alibi=True),
+    "D128 packed causal": dict(dim=(128, 128), kw=dict(causal=True), packed=True),
+    "D256 causal": dict(dim=(256, 256), kw=dict(causal=True)),
+    "Dqk192 Dv128": dict(dim=(192, 128), kw={}),
+    "D128 grad_lse": dict(dim=(128, 128), kw={}, grad_lse=True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(REPLAYED), ids=list(REPLAYED))
+def test_replayed_backward_reads_its_inputs_as_recorded_gpu(monkeypatch, case):
+    """A backward call at the addresses of a recorded one launches its recording
+    (backward_sm90._REPLAYS) and gives what the full path gives for the values its
+    tensors hold then: new values in grad_out, read through the same addresses."""
+    if not hopper_kernel_runs_here():
+        pytest.skip("the Gluon kernels are built for Hopper (sm_90) and Triton 3.6")
+    monkeypatch.setattr(hopper, "CHECK_VARIANTS", False)
+    c = REPLAYED[case]
+    dqk, dv = c["dim"]
+    gen = torch.Generator(device="cuda").manual_seed(5)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    kw = dict(c["kw"])
+    if c.get("packed"):
+        lengths = [300, 1, 177, 0, 420]
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], device="cuda",
+                          dtype=torch.int32)  # fmt: skip
+        q, k, v = randn(cu[-1], 4, dqk), randn(cu[-1], 4, dqk), randn(cu[-1], 4, dv)
+        kw.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=420, max_seqlen_k=420)
+    else:
+        sq = c.get("seqlen", 300)
+        q, k, v = randn(2, sq, 4, dqk), randn(2, sq + 33, 4, dqk), randn(2, sq + 33, 4, dv)
+    if c.get("alibi"):
+        kw["alibi_slopes"] = torch.rand(4, device="cuda", generator=gen)
+    out, lse, rng = memattn.ops.forward(q, k, v, **kw)
+    grad_out = randn(*out.shape)
+    if c.get("grad_lse"):
+        kw["grad_lse"] = torch.randn(lse.shape, device="cuda", generator=gen)
+    replays = _counted_replays(monkeypatch)
+
+    def grads():
+        return memattn.ops.backward(grad_out, q, k, v, out, lse, rng_state=rng, **kw)[:3]
+
+    first = grads()  # compiled where no test has yet, then recorded
+    assert replays[:1] == [False], "the Gluon backward did not take the call"
+    replayed = None
+    for _ in range(4):  # until the allocator gives the buffers the recorded addresses
+        replayed = None  # frees the last try's
+        replayed = grads()
+        if replays[-1]:
+            break
+    assert replays[-1], replays
+    _assert_same_results((None, None, *first), (None, None, *replayed))
+    grad_out.copy_(randn(*out.shape))  # new values at the same address
+    del replayed
+    for _ in range(3):
+        replayed = None
+        replayed = grads()
+        if replays[-1]:
+            break
+    assert replays[-1], replays
+    backward_sm90._REPLAYS.launches.clear()  # the full path, for the same values
+    _assert_same_results((None, None, *grads()), (None, None, *replayed))
+    assert replays[-1] is False
+
+
+def _counted_replays(monkeypatch) -> list[bool]:
+    """What each backward_sm90._REPLAYS.launch returns from here on, in order."""
+    replays, launch = [], backward_sm90._REPLAYS.launch
+    monkeypatch.setattr(backward_sm90._REPLAYS, "launch",
+                        lambda key: replays.append(launch(key)) or replays[-1])
+    return replays
+
+
 def _assert_same_results(first, second):
     """out, lse, dk and dv bit for bit; dq to rounding, since at D 64 and 128 the Gluon
     backward adds its fp32 tiles in whatever order programs finish (why deterministic=True
     runs backward.py there): a different order may flip the last bit of a bf16 dq
     element."""
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), first, second):
+        if a is None and b is None:  # not compared
+            continue
         if name == "dq":
             torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-3 * a.abs().max().item())
         else:

@@ -5,10 +5,12 @@ layouts, the one Gluon builtin Triton 3.6 lacks (TMA reduce-add), and a launcher
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import heapq
 import itertools
 import math
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -244,10 +246,13 @@ def plan_cache(make_plan):
 
 def forget_plans() -> None:
     """Plans are made from the modules' knobs and `sm_count`: a tool or test that sets
-    those calls this before its calls (and after, to leave no plan of its own)."""
+    those calls this before its calls (and after, to leave no plan of its own). The
+    launches recorded from them (`Replays`) go too."""
     for cached in _PLAN_CACHES:
         cached.cache_clear()
     _SCHEDULES.clear()
+    for replays in _ALL_REPLAYS:
+        replays.launches.clear()
 
 
 def rank_order(spec, blocks: int, group_blocks: int, min_blocks: int) -> int:
@@ -922,6 +927,71 @@ def tensor_key(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride())
 
 
+class _Recording(threading.local):
+    """The launches a `Replays.recording` on this thread records (None: none records)."""
+
+    launches: list | None = None
+
+
+_RECORDING = _Recording()
+_ALL_REPLAYS: list[Replays] = []
+
+
+class Replays:
+    """A host path's launches, recorded per call and launched again as they were: a
+    later call of the same key skips all the path's work between and before its
+    launches (a small backward's checks, plans, keys and arguments: PERFORMANCE.md, "The
+    host path"). The key holds all the launches are made of but the device and
+    `sharing_sms`, which are added here: every tensor's address, dtype, shape and
+    strides (`tensor_key`), the fresh buffers' addresses, and the spec. Only Launcher
+    launches are recorded: a path recorded may do nothing else on the stream. A
+    recording where a launch went through Triton (a compile, a launch hook, scratch
+    memory) is not kept; with CHECK_VARIANTS (tests) nothing is launched from a
+    recording, and each one made again is compared with the one kept."""
+
+    def __init__(self):
+        self.launches = {}  # (device, sharing_sms, key) -> ((C launcher, programs, tail), ...)
+        _ALL_REPLAYS.append(self)
+
+    def launch(self, key) -> bool:
+        """Launches what the call of ``key`` launched when recorded, on the current
+        stream, and returns True; False where nothing is kept for it (the caller then
+        takes its path, recording it)."""
+        if CHECK_VARIANTS:
+            return False
+        device = driver.active.get_current_device()
+        found = self.launches.get((device, shares_sms(), key))
+        if found is None or _hooked(knobs.runtime.launch_enter_hook) \
+                or _hooked(knobs.runtime.launch_exit_hook):  # fmt: skip
+            return False
+        stream = driver.active.get_current_stream(device)
+        for raw, programs, tail in found:
+            raw(programs, 1, 1, stream, *tail)
+        return True
+
+    @contextlib.contextmanager
+    def recording(self, key):
+        """Records the Launcher launches made inside, kept for ``key`` (None: nothing is
+        recorded) once the block ends without an exception."""
+        if key is None:
+            yield
+            return
+        launches = _RECORDING.launches = []
+        try:
+            yield
+        finally:
+            _RECORDING.launches = None
+        if not launches or None in launches:  # none, or one through Triton
+            return
+        full_key = (driver.active.get_current_device(), shares_sms(), key)
+        if len(self.launches) >= 4096:  # many distinct calls: start over
+            self.launches.clear()
+        kept = self.launches.setdefault(full_key, tuple(launches))
+        if CHECK_VARIANTS and kept != tuple(launches):
+            raise AssertionError(f"a recorded call's launches differ from those its key "
+                                 f"was first recorded with: {key!r}")
+
+
 class Launcher:
     """Launches a kernel straight through its compiled launcher after the first call
     of each variant. JITFunction.run binds and specialises every argument in Python on
@@ -958,6 +1028,8 @@ class Launcher:
             return False
         raw, tail = found
         raw(programs, 1, 1, driver.active.get_current_stream(device), *tail)
+        if _RECORDING.launches is not None:
+            _RECORDING.launches.append((raw, programs, tail))
         return True
 
     def __call__(self, grid, *args, variant=None, prepare=None, **kwargs):
@@ -976,6 +1048,8 @@ class Launcher:
                 self.kernels.clear()
                 self.prepared.clear()  # their arguments name the dropped kernels
             self.kernels[key] = _Compiled(kernel, constexprs, args, full)
+            if _RECORDING.launches is not None:
+                _RECORDING.launches.append(None)  # through Triton: not replayed
             return
         if CHECK_VARIANTS and found.full_key != full:
             name = getattr(self.fn, "__name__", self.fn)
@@ -985,11 +1059,17 @@ class Launcher:
         tail = found.arguments(stream, args)
         if tail is None:  # a hook or scratch memory: Triton's own launch
             found.launch_by_triton(grid[0], stream, args)
+            if _RECORDING.launches is not None:
+                _RECORDING.launches.append(None)
             return
-        if prepare is not None:
-            # Addresses, not tensors: the C launcher takes either, and the cache must
+        recording = _RECORDING.launches
+        if prepare is not None or recording is not None:
+            # Addresses, not tensors: the C launcher takes either, and the caches must
             # not keep a call's outputs alive.
             tail = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in tail)
+        if recording is not None:
+            recording.append((found.raw, grid[0], tail))
+        if prepare is not None:
             prepared = self.prepared.setdefault((device, prepare), (found.raw, tail))
             if CHECK_VARIANTS and prepared != (found.raw, tail):
                 name = getattr(self.fn, "__name__", self.fn)

@@ -319,6 +319,12 @@ def bias_grad_tiles(mode: int, spec: AttentionSpec, buf, out, cu_seqlens_q,
         num_warps=4, **constexprs)  # fmt: skip
 
 
+# The calls whose launches are replayed (hopper.Replays): those without a bias gradient
+# or ORDERED_DQ's counters, whose path does nothing on the stream but the buffers and
+# the launches (the preprocess, the main kernel or kernels, dQ's conversion).
+_REPLAYS = hopper.Replays()
+
+
 def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes,
         cu_seqlens_q, cu_seqlens_k, rng_state, needs) -> tuple:  # fmt: skip
     """The backward through this module's kernels, for a call dispatch.gluon_backward
@@ -327,25 +333,51 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
     kernel adds dQ into an fp32 buffer, zeroes it; dQ is then converted at the end (or,
     for a deterministic call with a bias gradient by tiles, made from the stored dS:
     dq_from_full_bias). Returns (dq, dk, dv, dbias), None for what ``needs`` does not
-    ask. Only what this path reads is computed, and the preprocess launches first,
-    before the outputs are allocated: every line here is host time on each call, and
-    what comes before the first launch is what a call waits for."""
-    stats = row_stats_buffer(spec, lse)
-    # (B, H, Sq padded) planes, packed sequences' (H, padded): lse * log2(e), delta
-    lse2, delta = stats[:, 0] if spec.varlen else stats.unbind(0)
+    ask. Only what this path reads is computed: every line here is host time on each
+    call. A call like an earlier one, its tensors and fresh buffers at the same
+    addresses, launches what that one did (_REPLAYS), with none of the work between."""
     _, need_dk, need_dv, need_dbias = needs
     dbias_kind = dbias_kind_of(spec, bias) if need_dbias else None
     dq_by_matmul = dq_from_full_bias(spec, dbias_kind)  # the kernel adds no dQ
+    stats = row_stats_buffer(spec, lse)
     dq_acc, rows = None, 0
     if dq_in_fp32(spec):  # dQ tiles in their registers' order (dq_tiles)
         rows = block_m(spec, hopper.bias_row(spec, bias))
         dq_acc = dq_tiles(spec, q.shape[0], rows, q.device)
-    zeroed, zeroed_rows = (None, 0) if dq_by_matmul else (dq_acc, rows)
-    pdl = shared.DEPENDENT_LAUNCHES
     heads_done = None  # the main kernel's counts and the conversion's queue, zeroed first
     if dq_acc is not None and not dq_by_matmul and converts_dq_by_head(spec):
         heads_done = torch.zeros(spec.batch * spec.kv_heads + 1, dtype=torch.int32,
                                  device=q.device)
+    dq = new_output(q.shape, q.dtype, q.device)
+    dk = new_output(k.shape, k.dtype, k.device)
+    dv = new_output(v.shape, v.dtype, v.device)
+    grads = (dq, dk if need_dk else None, dv if need_dv else None)
+    replay = None
+    if dbias_kind is None and not orders_dq(spec, None):
+        replay = (spec, *map(hopper.tensor_key, (grad_out, grad_lse, q, k, v, out, lse, bias,
+                                                  alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                                                  rng_state)),
+                  *(t.data_ptr() for t in (stats, dq_acc, heads_done, dq, dk, dv)
+                    if t is not None))  # fmt: skip
+        if _REPLAYS.launch(replay):
+            return (*grads, None)
+    with _REPLAYS.recording(replay):
+        dbias = _launch_all(spec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes,
+                            cu_seqlens_q, cu_seqlens_k, rng_state, dbias_kind, stats,
+                            dq_acc, rows, heads_done, dq, dk, dv)  # fmt: skip
+    return (*grads, dbias)
+
+
+def _launch_all(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias,
+                alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state, dbias_kind, stats,
+                dq_acc, rows, heads_done, dq, dk, dv):  # fmt: skip
+    """run's launches into its buffers (dq_acc: dq_tiles' fp32 buffer, None where the
+    kernels write dq itself; rows its tiles'); returns the bias gradient (None without)."""
+    # (B, H, Sq padded) planes, packed sequences' (H, padded): lse * log2(e), delta
+    lse2, delta = stats[:, 0] if spec.varlen else stats.unbind(0)
+    dq_by_matmul = dq_from_full_bias(spec, dbias_kind)
+    zeroed, zeroed_rows = (None, 0) if dq_by_matmul else (dq_acc, rows)
+    pdl = shared.DEPENDENT_LAUNCHES
     grid, args, constexprs = tiles.delta_launch(
         spec, out, grad_out, lse, grad_lse, cu_seqlens_q, delta, lse2, zeroed, zeroed_rows, pdl)
     # the stats and dq_acc fresh: what the spec does not fix is here
@@ -353,9 +385,6 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
                *lse.stride(), *map(hopper.aligned, (out, grad_out, lse, cu_seqlens_q)),
                None if grad_lse is None else (*grad_lse.stride(), hopper.aligned(grad_lse)))
     _launch_delta(grid, *args, variant=variant, **constexprs, launch_pdl=pdl)
-    dq = new_output(q.shape, q.dtype, q.device)
-    dk = new_output(k.shape, k.dtype, k.device)
-    dv = new_output(v.shape, v.dtype, v.device)
     dbias = None
     if dbias_kind == "row":  # dS summed over queries per (b, h, key), then over broadcast dims
         dbias = torch.zeros(spec.batch, spec.heads, spec.seqlen_k, dtype=torch.float32,
@@ -390,4 +419,4 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
     elif dbias_kind in SUMMED_GRADIENTS:
         summed, dbias = dbias, new_output(bias.shape, bias.dtype, bias.device)
         bias_grad_tiles(CONVERT, spec, summed, dbias, cu_seqlens_q, cu_seqlens_k)
-    return dq, dk if need_dk else None, dv if need_dv else None, dbias
+    return dbias
