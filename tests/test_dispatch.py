@@ -494,9 +494,10 @@ def test_masked_d128_backward_takes_its_blocks_rank_by_rank(options, by_rank,
                                                            monkeypatch):  # fmt: skip
     """Under a right bound at D=128 the backward runs a program per key block, heads in
     groups of MASKED_BY_RANK_BLOCKS blocks at least taking their blocks rank by rank
-    (hopper.rank_major_item), not persistent programs."""
+    (hopper.rank_major_item), not persistent programs (past SHORT_CAUSAL_KEYS keys)."""
     bsm = dispatch.backward_sm90
     monkeypatch.setattr(bsm.hopper, "sm_count", lambda device_index: 5)
+    monkeypatch.setattr(bsm.shared, "SHORT_CAUSAL_KEYS", 512)
     spec = spec_and_inputs(b=3, sq=1024, sk=1024, h=2, d=128, **options)[0]
     bsm.hopper.forget_plans()
     try:
@@ -507,6 +508,33 @@ def test_masked_d128_backward_takes_its_blocks_rank_by_rank(options, by_rank,
     assert plan.constexprs["BY_RANK"] == by_rank
     assert bool(plan.constexprs["PERSISTENT"]) is persistent
     assert plan.programs == (5 if persistent else 3 * 2 * 8)  # one per SM, or per block
+
+
+@gluon
+@pytest.mark.parametrize("sk, options, folded", [
+    (1024, dict(causal=True), True), (1024, dict(causal=True, align="bottom_right"), True),
+    (1025, dict(causal=True), False),  # past SHORT_CAUSAL_KEYS
+    (1024, dict(window=(100, 0)), False), (1024, dict(causal=True, deterministic=True), False),
+    (1024, {}, False)])  # fmt: skip
+def test_short_causal_d128_backward_runs_folded_strides(sk, options, folded, monkeypatch):
+    """Causal D=128 calls of at most SHORT_CAUSAL_KEYS keys run as masked D=64 calls do:
+    folded persistent strides (not rank by rank), dQ converted by head; longer ones,
+    windows and deterministic calls keep their plans, unmasked ones their strides."""
+    bsm = dispatch.backward_sm90
+    monkeypatch.setattr(bsm.hopper, "sm_count", lambda device_index: 5)
+    spec = spec_and_inputs(b=3, sq=1000, sk=sk, h=2, d=128, **options)[0]
+    assert bsm.shared.folds_short_causal(spec) is folded
+    assert bsm.shared.converts_dq_by_head(spec) is folded
+    bsm.hopper.forget_plans()
+    try:
+        plan = bsm.narrow._plan(spec, False, None, (False, False), 0, 0)
+    finally:
+        bsm.hopper.forget_plans()
+    if folded:
+        assert plan.constexprs["BY_RANK"] == 0 and plan.constexprs["FOLD"]
+        assert plan.constexprs["PERSISTENT"] == bsm.narrow.STRIDES and plan.programs == 5
+    elif options.get("causal") and not options.get("deterministic"):
+        assert plan.constexprs["BY_RANK"] > 0 and not plan.constexprs["FOLD"]
 
 
 @gluon
@@ -1415,7 +1443,8 @@ def test_empty_calls_need_no_kernel(which, monkeypatch):
      (64, 64, dict(window=(100, 20)), False, True),
      (128, 128, {}, True, True),  # packed sequences: a grid with a tail
      (128, 128, dict(causal=True), True, True),
-     (128, 128, dict(causal=True), False, False),  # MASKED_BY_HEAD: a program a block
+     (128, 128, dict(causal=True, sq=2048, sk=2048), False, False),  # MASKED_BY_HEAD
+     (128, 128, dict(causal=True), False, True),  # ... but short heads (SHORT_CAUSAL_KEYS)
      (128, 64, dict(window=(100, 20)), False, False),
      (128, 128, {}, False, False),  # dense without a mask: programs that end together
      (192, 128, dict(causal=True), False, False),  # _bwd_split_kernel's conversion
@@ -1424,9 +1453,9 @@ def test_empty_calls_need_no_kernel(which, monkeypatch):
 def test_dq_conversion_by_head_takes_grids_with_tails(d, dv, options, varlen, by_head,
                                                       monkeypatch):  # fmt: skip
     """DQ_CONVERTED_BY_HEAD converts dQ by (sequence, kv head) where the D 64/128 kernel
-    adds it in fp32 and its grid has a tail: packed calls, and masked dense ones at
-    Dqk=64 (MASKED_BY_HEAD), launched as dependents (DEPENDENT_LAUNCHES). Either knob
-    off, no call does."""
+    adds it in fp32 and its grid has a tail: packed calls, masked dense ones at Dqk=64
+    (MASKED_BY_HEAD) and short causal ones at 128 (SHORT_CAUSAL_KEYS), launched as
+    dependents (DEPENDENT_LAUNCHES). Either knob off, no call does."""
     bsm = dispatch.backward_sm90
     spec, *_ = spec_and_inputs(d=d, dv=dv, varlen=varlen, **options)
     assert bsm.shared.converts_dq_by_head(spec) is by_head

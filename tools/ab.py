@@ -138,6 +138,7 @@ VARIANTS = {
     "bwd_serial": {"bwd.DEPENDENT_LAUNCHES": False},  # the backward's three launches so too
     "dq_convert_after": {"bwd.DQ_CONVERTED_BY_HEAD": False},  # dQ converted after the grid
     "dq_by_head_masked": {"bwd.MASKED_BY_HEAD": {64: True, 128: True}},  # ... by head, masked
+    "short_by_rank": {"bwd.SHORT_CAUSAL_KEYS": 0},  # short causal D=128: rank by rank too
     # ... by head (shipped), N persistent conversion programs an SM
     **{f"convert{n}": {"bwd.DQ_CONVERSION_PROGRAMS_PER_SM": n} for n in (4, 16)},
     # decode's tile at 64 rows (block_m, block_n, warps, stages; shipped 64, 64, 4, 3):
@@ -171,7 +172,7 @@ BACKWARD_KNOBS = {name: module for module, names in (
                             "ORDERED_SUM_PERSISTENT")),
     (backward_sm90.shared, ("PACKED_BIAS_ADDS", "SPLIT_HEAD_DIM_PAIRS", "FUSED_SPLIT",
                             "DEPENDENT_LAUNCHES", "DQ_CONVERTED_BY_HEAD", "MASKED_BY_HEAD",
-                            "DQ_CONVERSION_PROGRAMS_PER_SM")),
+                            "DQ_CONVERSION_PROGRAMS_PER_SM", "SHORT_CAUSAL_KEYS")),
     (backward_sm90.wide, ("DQ_BLOCK_N", "DQ_MASKED_BY_RANK_BLOCKS", "DQ_AS_DEPENDENT",
                           "BY_ROLE")),
     (backward_sm90.split, ("SPLIT_HEADS_TOGETHER", "SPLIT_VIEWS_PER_STEP")),

@@ -1174,7 +1174,8 @@ PERSISTENT_BLOCKS = True
 # / 301. D=64 lost (S1024 causal 275 -> 253, S4096 437 -> 417: its 128-row steps give
 # blocks half the tiles, whose own start and end the persistent programs hide). The
 # same order from a dynamic schedule in persistent programs lost at both (PERFORMANCE.md,
-# "Levers that did not pay"). 0: folded.
+# "Levers that did not pay"). 0: folded. Causal heads of few blocks fold at D=128 too
+# (shared.SHORT_CAUSAL_KEYS: with dQ converted by head, H200 S512 386 -> 374 us).
 MASKED_BY_RANK_BLOCKS = {64: 0, 128: 256}
 # Masked calls whose heads have more key blocks than this run a program per block
 # (heaviest first) where they would run folded strides (D=64). H100, tools/ab.py,
@@ -1460,11 +1461,13 @@ def _plan(spec: AttentionSpec, bias_row: bool, dbias_kind: str | None,
     items = _key_block_items(spec, num_n, BLOCK_N, tokens_k if packed_grid else None)
     # Persistent where the order of the blocks is free: not packed sequences (blocks
     # past a sequence's end), nor a summed bias gradient's or ORDERED_DQ's order, nor
-    # under a mask where MASKED_BY_RANK_BLOCKS takes a program per block rank by rank,
-    # or a head has more than MASKED_PERSISTENT_MAX_BLOCKS blocks.
+    # under a mask where MASKED_BY_RANK_BLOCKS takes a program per block rank by rank
+    # (not short causal heads: shared.SHORT_CAUSAL_KEYS), or a head has more than
+    # MASKED_PERSISTENT_MAX_BLOCKS blocks.
     free_order = not spec.varlen and not ordered and not any(inner)
     masked = free_order and spec.window_right >= 0
-    by_rank = MASKED_BY_RANK_BLOCKS[spec.head_dim_qk] if masked else 0
+    by_rank = 0 if shared.folds_short_causal(spec) else (
+        MASKED_BY_RANK_BLOCKS[spec.head_dim_qk] if masked else 0)
     # Inside sharing_sms a program per block (as the forward's plan).
     persistent = (PERSISTENT_BLOCKS and not shares_sms() and free_order and not by_rank
                   and not (masked and num_n > MASKED_PERSISTENT_MAX_BLOCKS))

@@ -463,6 +463,22 @@ DQ_CONVERSION_PROGRAMS_PER_SM = 8
 # (their rounds overlapping); the main kernel at S512 causal 279 -> 266 us, S4096 causal
 # 1251 -> 1196. D=64 (folded strides) keeps it: S4096 causal 441 against 438.
 MASKED_BY_HEAD = {64: True, 128: False}
+# ... but causal dense calls at Dqk=128 of at most this many keys (8 of the narrow
+# kernel's key blocks) run as D=64's masked calls do: folded persistent strides (each
+# block's start under the last one's end; the narrow kernel's _plan), their dQ converted
+# by head. Short heads' programs are short, and their starts and ends weigh most. H200,
+# B x S = 16384, H16, out.backward timed as the bench does (do_bench, 4 rounds each),
+# rank by rank -> folded -> folded and by head: S512 386.0 -> 374.3 -> 373.9 us, S1024
+# 505.8 -> 503.7 -> 499.3; S4096 1385 -> 1405 -> 1386, S2048 folded 804 -> 806.
+SHORT_CAUSAL_KEYS = 1024
+
+
+def folds_short_causal(spec: AttentionSpec) -> bool:
+    """Whether a call runs as SHORT_CAUSAL_KEYS says: causal, dense, not deterministic
+    (ORDERED_DQ's plans), at Dqk=128."""
+    return (spec.head_dim_qk == 128 and not spec.varlen and not spec.deterministic
+            and spec.window_left < 0 and spec.window_right >= 0
+            and spec.seqlen_k <= SHORT_CAUSAL_KEYS)
 
 
 def converts_dq_by_head(spec: AttentionSpec) -> bool:
@@ -471,7 +487,8 @@ def converts_dq_by_head(spec: AttentionSpec) -> bool:
     masked = spec.window_left >= 0 or spec.window_right >= 0
     return (DQ_CONVERTED_BY_HEAD and DEPENDENT_LAUNCHES and dq_in_fp32(spec)
             and not fuses_split_dq(spec)
-            and (spec.varlen or (masked and MASKED_BY_HEAD[spec.head_dim_qk])))
+            and (spec.varlen or (masked and (MASKED_BY_HEAD[spec.head_dim_qk]
+                                             or folds_short_causal(spec)))))
 
 
 def row_stats_buffer(spec: AttentionSpec, lse: torch.Tensor) -> torch.Tensor:
