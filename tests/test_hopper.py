@@ -274,7 +274,8 @@ def test_replays_keep_no_recording_that_failed_or_went_through_triton(launcher, 
 def test_replays_check_a_recording_against_the_one_kept(launcher, monkeypatch):
     """With CHECK_VARIANTS each recording of a key compares its launches with those
     first kept for it: a key that misses something the launches are made of (here a
-    tensor's address) is a caller's bug, and raises."""
+    tensor's address) is a caller's bug, and raises; so is a recorded path that
+    allocates (an address no key holds)."""
     monkeypatch.setattr(hopper, "CHECK_VARIANTS", True)
     replays = hopper.Replays()
     x, y = torch.zeros(64), torch.zeros(64)
@@ -282,8 +283,14 @@ def test_replays_check_a_recording_against_the_one_kept(launcher, monkeypatch):
     for _ in range(2):
         with replays.recording("call"):
             launcher((3,), x, 32, 0.5, BLOCK=16, FLAG=True, num_warps=4, variant="v")
-    with pytest.raises(AssertionError, match="recorded call"), replays.recording("call"):
+    with pytest.raises(AssertionError, match="recorded call's launches"), \
+            replays.recording("call"):  # fmt: skip
         launcher((3,), y, 32, 0.5, BLOCK=16, FLAG=True, num_warps=4, variant="v")
+    counts = iter(range(10))  # the allocator's count: one allocation inside the block
+    monkeypatch.setattr(hopper, "_allocations", lambda: next(counts))
+    with pytest.raises(AssertionError, match="allocated memory"), replays.recording("new"):
+        launcher((3,), x, 32, 0.5, BLOCK=16, FLAG=True, num_warps=4, variant="v")
+    assert "new" not in {key[-1] for key in replays.launches}
 
 
 def test_launch_splices_descriptor_maps_between_the_other_arguments(monkeypatch):

@@ -937,6 +937,14 @@ _RECORDING = _Recording()
 _ALL_REPLAYS: list[Replays] = []
 
 
+def _allocations() -> int | None:
+    """How many allocations PyTorch's CUDA allocator has made on the current device (None
+    without CUDA): a recorded path must make none (Replays, under CHECK_VARIANTS)."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.memory_stats().get("allocation.all.allocated", 0)
+
+
 class Replays:
     """A host path's launches, recorded per call and launched again as they were: a
     later call of the same key skips all the path's work between and before its
@@ -944,10 +952,11 @@ class Replays:
     host path"). The key holds all the launches are made of but the device and
     `sharing_sms`, which are added here: every tensor's address, dtype, shape and
     strides (`tensor_key`), the fresh buffers' addresses, and the spec. Only Launcher
-    launches are recorded: a path recorded may do nothing else on the stream. A
-    recording where a launch went through Triton (a compile, a launch hook, scratch
-    memory) is not kept; with CHECK_VARIANTS (tests) nothing is launched from a
-    recording, and each one made again is compared with the one kept."""
+    launches are recorded: a path recorded may do nothing else on the stream, nor
+    allocate (a buffer's address its key does not hold). A recording where a launch
+    went through Triton (a compile, a launch hook, scratch memory) is not kept; with
+    CHECK_VARIANTS (tests) nothing is launched from a recording, each one made again is
+    compared with the one kept, and one that allocated raises."""
 
     def __init__(self):
         self.launches = {}  # (device, sharing_sms, key) -> ((C launcher, programs, tail), ...)
@@ -976,6 +985,7 @@ class Replays:
         if key is None:
             yield
             return
+        allocations = _allocations() if CHECK_VARIANTS else None
         launches = _RECORDING.launches = []
         try:
             yield
@@ -983,6 +993,9 @@ class Replays:
             _RECORDING.launches = None
         if not launches or None in launches:  # none, or one through Triton
             return
+        if allocations != (_allocations() if CHECK_VARIANTS else None):
+            raise AssertionError(f"a recorded call allocated memory, whose address its key "
+                                 f"does not hold: {key!r}")
         full_key = (driver.active.get_current_device(), shares_sms(), key)
         if len(self.launches) >= 4096:  # many distinct calls: start over
             self.launches.clear()
