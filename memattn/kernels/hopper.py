@@ -993,7 +993,7 @@ class Replays:
             _RECORDING.launches = None
         if not launches or None in launches:  # none, or one through Triton
             return
-        if allocations != (_allocations() if CHECK_VARIANTS else None):
+        if allocations is not None and _allocations() != allocations:
             raise AssertionError(f"a recorded call allocated memory, whose address its key "
                                  f"does not hold: {key!r}")
         full_key = (driver.active.get_current_device(), shares_sms(), key)
