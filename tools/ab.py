@@ -91,7 +91,7 @@ VARIANTS = {
     "shipped_keys": {"bwd.MIN_KEYS_PER_QUERY": backward_sm90.MIN_KEYS_PER_QUERY},
     "no_skip_empty": {"bwd.SKIP_EMPTY_KEY_BLOCKS": False},  # packed: blocks past the end run
     "dq_writer": {"bwd.DQ_WRITER": {64: True, 128: True}},  # dQ's adds from a warp of their own
-    "no_packed_writer": {"bwd.DQ_WRITER_PACKED_UNMASKED": False},  # packed unmasked D=128 too
+    "no_packed_writer": {"bwd.DQ_WRITER_PACKED_UNMASKED": False},  # packed unmasked: no writer
     "no_dq_writer": {"bwd.DQ_WRITER": {64: False, 128: False},  # ... from the warpgroups
                      "bwd.DQ_WRITER_PACKED_UNMASKED": False},
     "no_ordered": {"bwd.ORDERED_DQ": False},  # deterministic calls on the tile kernels
