@@ -9,6 +9,9 @@ import dataclasses
 import pytest
 import torch
 
+import memattn
+from memattn import reference
+from memattn.check import FLOOR, relative_error
 from memattn.kernels import dispatch
 from memattn.spec import check_call
 
@@ -1434,6 +1437,50 @@ def test_empty_calls_need_no_kernel(which, monkeypatch):
     assert grads[1] is None
     for g, t in zip((grads[0], grads[2], grads[3]), (q, v, bias)):
         assert g.shape == t.shape and g.dtype == t.dtype and not g.any()
+
+
+@pytest.mark.parametrize("bias_shape", [(2, 1, 13, 1), (1, 1, 1, 1), (13, 1), ()])
+@pytest.mark.parametrize("through_lse", [False, True])
+def test_bias_constant_along_keys_has_zero_gradient(bias_shape, through_lse, monkeypatch):
+    """A bias constant along the keys shifts each row's scores alike, which softmax
+    ignores: its gradient is exactly 0, given without asking the kernels for it (their
+    dS row sums would leave rounding). Through lse the bias counts: the kernels compute
+    its gradient then. dq, dk, dv (and that dbias) as the reference's autograd gives
+    them, within twice the float32 reference's error."""
+    gen = torch.Generator().manual_seed(len(bias_shape))
+
+    def randn(*shape):
+        return torch.randn(shape, generator=gen, dtype=torch.float64).to(DEVICE)
+
+    inputs = (randn(2, 13, 2, 16), randn(2, 21, 2, 16), randn(2, 21, 2, 8), randn(*bias_shape))
+    g_out, g_lse = randn(2, 13, 2, 8), randn(2, 2, 13)
+    asked = []  # the gradients the kernels were asked for
+    tiles = dispatch.tiles_backward.backward
+    monkeypatch.setattr(dispatch.tiles_backward, "backward",
+                        lambda *a: asked.append(a[-1]) or tiles(*a))  # fmt: skip
+
+    def gradients(fn, dtype, expand_bias=False):
+        leaves = [t.to(dtype).requires_grad_(True) for t in inputs]
+        if expand_bias:  # its gradient is dS, what dbias sums
+            leaves[3] = leaves[3].detach().expand(2, 2, 13, 21).clone().requires_grad_(True)
+        out, lse = fn(*leaves[:3], bias=leaves[3], causal=True, return_lse=True)
+        loss = (out * g_out.to(dtype)).sum()
+        if through_lse:
+            loss = loss + (lse * g_lse.to(lse.dtype)).sum()
+        return torch.autograd.grad(loss, leaves)
+
+    got = gradients(memattn.attention, torch.float32)
+    assert asked == [(True, True, True, through_lse)]
+    exact = gradients(reference.attention, torch.float64)
+    plain = gradients(reference.attention, torch.float32)
+    if not through_lse:
+        assert got[3].shape == bias_shape and not got[3].any()
+        assert exact[3].abs().max() < 1e-12  # what the shortcut relies on
+    d_s = gradients(reference.attention, torch.float64, expand_bias=True)[3]
+    scales = [0.0, 0.0, 0.0, d_s.norm().item()]  # dbias's error against dS's size
+    for g, ref, low, scale in zip(got, exact, plain, scales):
+        allowed = 2 * relative_error(low, ref, scale) + FLOOR[torch.float32]
+        assert relative_error(g, ref, scale) <= allowed
 
 
 @gluon

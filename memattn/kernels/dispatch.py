@@ -191,6 +191,14 @@ def backward(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, a
     if q.shape[0] == 0 or spec.heads == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0:
         return tuple(torch.zeros(t.shape, dtype=t.dtype, device=t.device) if need else None
                      for t, need in zip((q, k, v, bias), needs))  # fmt: skip
+    if needs[3] and grad_lse is None and (bias.dim() == 0 or bias.shape[-1] == 1):
+        # A bias constant along the keys shifts a row's scores alike, which softmax
+        # ignores: its gradient is exactly 0 (the kernels' would be the rounding of dS's
+        # row sums, delta taken from the stored out). Through lse it is grad_lse.
+        dq, dk, dv, _ = backward(spec, grad_out, grad_lse, q, k, v, out, lse, bias,
+                                 alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state,
+                                 (*needs[:3], False))  # fmt: skip
+        return dq, dk, dv, torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device)
     rng_state = rng_state if spec.dropout_p > 0 else None
     if gluon_backward(spec, q, k, v, grad_out, bias, alibi_slopes, needs):
         run, spec = backward_sm90.run, kernel_spec(spec, "backward")
