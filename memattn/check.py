@@ -10,7 +10,9 @@ dtype, plus a small floor.
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 
@@ -60,7 +62,12 @@ class Case:
             shape = f"varlen q{list(self.lengths_q)} k{list(self.lengths_k)}"
         else:
             shape = f"B{self.batch} Sq{self.seqlen_q} Sk{self.seqlen_k}"
-        return f"{shape} H{self.heads}/{self.kv_heads} D{self.dqk}/{self.dv}"
+        extras = [f"bias {self.bias}"] * (self.bias is not None)
+        extras += [f"alibi {self.alibi}"] * (self.alibi is not None)
+        extras += [self.layout] * (self.layout != "contiguous")
+        extras += [f"{k}={v}" for k, v in self.options.items()]
+        return " ".join([f"{shape} H{self.heads}/{self.kv_heads} D{self.dqk}/{self.dv}",
+                         *extras])
 
 
 @dataclass
@@ -266,21 +273,69 @@ def check_backward(case: Case, dtype: torch.dtype, device, seed: int = 0,
 
     exact = reference_grads(torch.float64, expand_bias=True)
     low = reference_grads(dtype)
-    scales = [0.0] * len(exact)
+    # Where a gradient's terms cancel, only their rounding remains, so errors are
+    # measured against the size of what was summed (relative_error's scale): dS =
+    # P * (dP - delta) is 0 exactly along a row that sees one key, and dbias sums dS
+    # over the broadcast dimensions (a bias broadcast over keys shifts whole rows,
+    # which softmax ignores: its gradient is 0). And the kernels take delta from the
+    # out they stored, rounded to ``dtype``, as every memory-efficient backward does:
+    # the reference's autograd takes it from P, exactly where P is 1; what that rounding
+    # adds is allowed besides (twice, as the reference's error).
+    terms = _softmax_terms(x, grad.double(), keep, dtype)
+    names = ["dq", "dk", "dv"] + ["ds"] * ("dbias" in leaves)
     if "dbias" in leaves:
-        # dbias sums dS over the broadcast dimensions. Where that sum cancels (a bias
-        # broadcast over keys shifts whole rows, which softmax ignores: its gradient
-        # is exactly 0) only rounding of the summed terms remains, so errors are
-        # measured against max(|dbias|, |dS|): the size of what was summed.
         d_s = exact[-1]
         exact[-1] = _reduce_to(d_s, leaves["dbias"].shape)
-        scales[-1] = d_s.norm().item()
+        size, rounding = terms["ds"]
+        terms["ds"] = (max(size, d_s.norm().item()), rounding)
     floor = FLOOR[dtype]
-    return [
-        Result(case, dtype, name, relative_error(g, ref, scale),
-               2 * relative_error(g_low, ref, scale) + floor)
-        for name, g, ref, g_low, scale in zip(leaves, grads, exact, low, scales)
-    ]  # fmt: skip
+    results = []
+    for name, term, g, ref, g_low in zip(leaves, names, grads, exact, low):
+        scale, rounding = terms.get(term, (0.0, 0.0))
+        denom = max(ref.double().norm().item(), scale)
+        allowed = 2 * relative_error(g_low, ref, scale) + floor
+        if denom > 0:
+            allowed += 2 * rounding / denom
+        results.append(Result(case, dtype, name, relative_error(g, ref, scale), allowed))
+    return results
+
+
+def _softmax_terms(x: Inputs, grad: torch.Tensor, keep,
+                   dtype: torch.dtype) -> dict[str, tuple[float, float]]:  # fmt: skip
+    """For dS = P * dP - P * delta and the dq and dk made of it (dk per query head), in
+    float64: (the norm of the larger of what the two terms make alone, before they
+    cancel; the norm of what delta taken from out rounded to ``dtype`` changes)."""
+    spec = reference_spec(x)
+    q, k, v = (t.detach().double() for t in (x.q, x.k, x.v))
+    bias = x.kwargs.get("bias")
+    bias = None if bias is None else bias.detach().double()
+    cu = x.kwargs.get("cu_seqlens_q"), x.kwargs.get("cu_seqlens_k")
+    pieces = zip(
+        reference._sequences(spec, q, k, v, bias, x.kwargs.get("alibi_slopes"), keep, *cu),
+        reference._sequences(spec, grad, k, v, None, None, None, *cu),
+    )  # fmt: skip
+    sums = {name: [0.0, 0.0, 0.0] for name in ("dq", "dk", "ds")}
+    for (_, q_b, k_b, v_b, bias_b, slopes_b, keep_b), (_, g_b, *_) in pieces:
+        p, _ = reference._softmax(reference._scores(spec, q_b, k_b, bias_b, slopes_b))
+        kept = 1.0 if keep_b is None else keep_b / (1.0 - spec.dropout_p)
+        g_t = g_b.transpose(1, 2)  # (B, H, Sq, Dv)
+        v_t = v_b.permute(0, 2, 3, 1)  # (B, Hkv, Dv, Sk)
+        d_p = reference._grouped(g_t, v_t) * kept
+        out = reference._grouped(p * kept, v_t.transpose(-1, -2))
+        delta_shift = (g_t * (out - out.to(dtype).double())).sum(-1, keepdim=True)
+        a = p * d_p
+        factor = 1.0
+        if spec.softcap > 0:  # dS is times tanh's derivative
+            raw = reference._grouped(q_b.transpose(1, 2), k_b.permute(0, 2, 3, 1)) * spec.scale
+            factor = 1.0 - torch.tanh(raw / spec.softcap).square()
+        for i, term in enumerate((a, p * a.sum(-1, keepdim=True), p * delta_shift)):
+            term = term * factor
+            sums["ds"][i] += term.square().sum().item()
+            dq = reference._grouped(term, k_b.transpose(1, 2)) * spec.scale
+            dk = term.transpose(-1, -2) @ q_b.transpose(1, 2) * spec.scale
+            sums["dq"][i] += dq.square().sum().item()
+            sums["dk"][i] += dk.square().sum().item()
+    return {name: (math.sqrt(max(a, b)), math.sqrt(c)) for name, (a, b, c) in sums.items()}
 
 
 def _reduce_to(full: torch.Tensor, shape) -> torch.Tensor:
@@ -344,3 +399,84 @@ def gpu_sized(case: Case, tokens: int = 1024, head_dim: int = 128) -> Case:
 
 # What `memattn check` runs for each case and dtype.
 RUNS = [check_forward, check_backward]
+
+
+class RandomCall(NamedTuple):
+    case: Case
+    dtype: torch.dtype
+    bias_grad: bool  # whether the bias asks for its gradient (check_backward's)
+
+
+# Head dims (Dqk, Dv) random calls draw: on the GPU those the Hopper kernels take, the
+# pairs they pad and the tile kernels' odd ones; on the CPU the interpreter's small sizes.
+_GPU_HEAD_DIMS = [(64, 64), (128, 128), (256, 256), (192, 128), (128, 64), (64, 128),
+                  (128, 256), (96, 96), (80, 48), (32, 32)]  # fmt: skip
+_CPU_HEAD_DIMS = [(16, 16), (40, 24), (8, 32), (17, 5), (32, 32)]
+
+
+def random_call(seed: int, gpu: bool) -> RandomCall:
+    """A call with options drawn together at random (shapes, packing, GQA, head dims,
+    masks in both alignments, windows, every bias shape, ALiBi, softcap, scale, dropout,
+    determinism, layouts), so that combinations the feature grid does not spell out get
+    checked too. The same seed gives the same call. ``gpu``: sizes that fill a GPU's
+    tiles (up to ~1100 tokens a sequence, few-query calls against 4k+ keys for the
+    split-KV forward, mostly bf16/fp16 and the Hopper kernels' head dims); otherwise the
+    interpreter's small odd sizes in float32/float16."""
+    rng = random.Random(seed)
+    chance = rng.random
+    longest = 1100 if gpu else 40
+    dqk, dv = rng.choice(_GPU_HEAD_DIMS if gpu else _CPU_HEAD_DIMS)
+    if gpu:
+        dtype = rng.choice([torch.bfloat16] * 4 + [torch.float16] * 4 + [torch.float32])
+    else:
+        dtype = rng.choice([torch.float32, torch.float16])
+    kv_heads = rng.choice([1, 2, 3])
+    sizes = dict(heads=kv_heads * rng.choice([1, 2, 4]), kv_heads=kv_heads, dqk=dqk, dv=dv)
+
+    def length():
+        return 0 if chance() < 0.15 else rng.randint(1, longest)
+
+    if chance() < 0.3:
+        lengths_q = [length() for _ in range(rng.randint(1, 5))]
+        lengths_k = lengths_q if chance() < 0.5 else [length() for _ in lengths_q]
+        for lengths in (lengths_q, lengths_k):
+            if not any(lengths):  # something to check
+                lengths[0] = rng.randint(1, longest)
+        sizes.update(lengths_q=tuple(lengths_q), lengths_k=tuple(lengths_k))
+        batch = len(lengths_q)
+    elif gpu and chance() < 0.15:  # few queries, long keys: the split-KV forward
+        batch = rng.randint(1, 2)
+        sizes.update(batch=batch, seqlen_q=rng.randint(1, 64), seqlen_k=rng.randint(4096, 5000))
+    else:
+        batch = rng.randint(1, 3)
+        seqlen_q = rng.randint(1, longest)
+        seqlen_k = seqlen_q if chance() < 0.5 else rng.randint(1, longest)
+        sizes.update(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+
+    options = {}
+    if chance() < 0.4:
+        options["causal"] = True
+    if chance() < 0.25:
+        def side():
+            return rng.choice([-1, 0, rng.randint(1, longest // 2)])
+        options["window"] = (side(), side())
+    if options and chance() < 0.5:
+        options["align"] = "bottom_right"
+    if chance() < 0.2:
+        options["softcap"] = round(rng.uniform(1.0, 30.0), 2)
+    if chance() < 0.15:
+        options["scale"] = round(rng.uniform(0.05, 0.5), 3)
+    if chance() < 0.2:
+        options["dropout_p"] = rng.choice([0.1, 0.25])
+    if chance() < 0.2:
+        options["deterministic"] = True
+    bias = None
+    if chance() < 0.35:  # each dimension kept or broadcast, leading ones maybe left off
+        bias = "".join(c if chance() < 0.5 else "1" for c in "BHQK")
+        for _ in range(rng.randint(0, 2)):
+            bias = bias.removeprefix("1") or bias
+    alibi = rng.choice(["H", "BH"]) if chance() < 0.2 else None
+    layout = rng.choices(["contiguous", "transposed", "strided"], [8, 1, 1])[0]
+    case = Case(f"random {seed}", **sizes, bias=bias, alibi=alibi, layout=layout,
+                options=options)
+    return RandomCall(case, dtype, bias is not None and chance() < 0.7)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -27,14 +28,22 @@ def check(args) -> int:
 
     from . import check as checks
 
-    if device == "cuda":
-        cases = [checks.gpu_sized(c) for c in checks.FEATURE_CASES]
-        runs = [(run, [torch.bfloat16, torch.float16]) for run in checks.RUNS]
+    if args.random:  # (case, run, dtype, seed) for each of --random calls
+        calls = [(seed, checks.random_call(seed, gpu=device == "cuda"))
+                 for seed in range(args.seed, args.seed + args.random)]  # fmt: skip
+        jobs = [(c.case, run, c.dtype, seed)
+                for seed, c in calls
+                for run in (checks.check_forward,
+                            functools.partial(checks.check_backward, bias_grad=c.bias_grad))]
+    elif device == "cuda":
+        jobs = [(checks.gpu_sized(case), run, dtype, 0) for case in checks.FEATURE_CASES
+                for run in checks.RUNS for dtype in (torch.bfloat16, torch.float16)]
     else:  # the interpreter is slow: one batch, gradients in float32 only (the test
         # suite covers batch 2 and float16 gradients)
-        cases = [c if c.varlen else c.scaled(batch=1) for c in checks.FEATURE_CASES]
         runs = [(checks.check_forward, [torch.float32, torch.float16]),
                 (checks.check_backward, [torch.float32])]  # fmt: skip
+        jobs = [(case if case.varlen else case.scaled(batch=1), run, dtype, 0)
+                for case in checks.FEATURE_CASES for run, dtypes in runs for dtype in dtypes]
     console = Console()
     where = "GPU" if device == "cuda" else "Triton interpreter"
     table = Table(title=f"memattn check on {device} ({where})")
@@ -43,17 +52,15 @@ def check(args) -> int:
     failures = 0
     start = time.perf_counter()
     with console.status("checking...") as status:
-        for case in cases:
-            for run, dtypes in runs:
-                for dtype in dtypes:
-                    status.update(f"{case.name} {dtype}")
-                    for r in run(case, dtype, device):
-                        failures += not r.passed
-                        table.add_row(
-                            case.name, case.describe(), str(dtype).removeprefix("torch."),
-                            r.what, f"{r.error:.2e}", f"{r.allowed:.2e}",
-                            "[green]pass[/]" if r.passed else "[red]FAIL[/]",
-                        )  # fmt: skip
+        for case, run, dtype, seed in jobs:
+            status.update(f"{case.name} {dtype}")
+            for r in run(case, dtype, device, seed=seed):
+                failures += not r.passed
+                table.add_row(
+                    case.name, case.describe(), str(dtype).removeprefix("torch."),
+                    r.what, f"{r.error:.2e}", f"{r.allowed:.2e}",
+                    "[green]pass[/]" if r.passed else "[red]FAIL[/]",
+                )  # fmt: skip
     console.print(table)
     console.print(f"{failures} failed, {table.row_count - failures} passed "
                   f"in {time.perf_counter() - start:.0f} s")  # fmt: skip
@@ -157,7 +164,12 @@ def bench(args) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="memattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("check", help="check the kernels against the float64 reference")
+    p = sub.add_parser("check", help="check the kernels against the float64 reference")
+    p.add_argument("--random", type=int, default=0, metavar="N",
+                   help="N calls with options drawn together at random "
+                        "(memattn.check.random_call) instead of the feature grid")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the first random call's seed (the test suite's ids)")
     sub.add_parser("info", help="versions, device, features that run here, tuned configs")
     p = sub.add_parser("bench", help="time memattn against torch's attention backends")
     p.add_argument("--quick", action="store_true", help="a subset that runs in ~2 minutes")

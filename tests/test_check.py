@@ -1,0 +1,68 @@
+"""Random calls, options drawn together (check.random_call), through the public call
+against the float64 reference, forward and backward: combinations the feature grid does
+not spell out. The seed is the test's id; `memattn check --random N --seed S` draws the
+same calls.
+
+CPU (CI): a few at the interpreter's sizes. GPU (`pytest -m gpu`): many at sizes that
+fill the tiles, most on the Hopper kernels.
+"""
+
+import pytest
+import torch
+
+from memattn.check import check_backward, check_forward, random_call
+
+from .conftest import cpu_only
+
+
+def _check(seed: int, gpu: bool):
+    call = random_call(seed, gpu)
+    device = "cuda" if gpu else "cpu"
+    results = (check_forward(call.case, call.dtype, device, seed=seed)
+               + check_backward(call.case, call.dtype, device, seed=seed,
+                                bias_grad=call.bias_grad))  # fmt: skip
+    failed = [f"{r.what}: error {r.error:.3g} > allowed {r.allowed:.3g}"
+              for r in results if not r.passed]  # fmt: skip
+    assert not failed, f"{call}: " + "; ".join(failed)
+
+
+@cpu_only
+@pytest.mark.parametrize("seed", range(6))
+def test_random_calls_cpu(seed):
+    _check(seed, gpu=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(96))
+def test_random_calls_gpu(seed):
+    _check(seed, gpu=True)
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_random_calls_draw_every_option(gpu):
+    """Over a few hundred seeds every option comes up, alone and with others, and the
+    same seed draws the same call."""
+    calls = [random_call(seed, gpu) for seed in range(300)]
+    assert random_call(7, gpu) == calls[7]
+    options = [c.case.options for c in calls]
+    for name in ("causal", "window", "align", "softcap", "scale", "dropout_p",
+                 "deterministic"):  # fmt: skip
+        assert sum(name in o for o in options) >= 15, name
+    cases = [c.case for c in calls]
+    assert sum(c.varlen for c in cases) >= 50
+    assert sum(c.varlen and 0 in c.lengths_q for c in cases) >= 5  # empty sequences
+    assert sum(c.heads > c.kv_heads for c in cases) >= 100  # GQA/MQA
+    assert sum(c.dqk != c.dv for c in cases) >= 50
+    assert {c.layout for c in cases} == {"contiguous", "transposed", "strided"}
+    assert {c.alibi for c in cases} == {None, "H", "BH"}
+    biases = {c.bias for c in cases} - {None}
+    assert len(biases) >= 12 and any(len(b) < 4 for b in biases)
+    with_bias = [c.bias_grad for c in calls if c.case.bias]
+    assert any(with_bias) and not all(with_bias)  # gradients asked and not
+    assert sum(len(o) >= 3 for o in options) >= 20  # options together
+    dtypes = {c.dtype for c in calls}
+    assert dtypes == ({torch.bfloat16, torch.float16, torch.float32} if gpu
+                      else {torch.float32, torch.float16})  # fmt: skip
+    if gpu:  # few queries against long keys: the split-KV forward's calls
+        assert sum(not c.varlen and c.seqlen_q <= 64 and c.seqlen_k >= 4096
+                   for c in cases) >= 10  # fmt: skip
