@@ -137,6 +137,11 @@ GPU_DECODE = [
          lengths_k=(65536,) + (2048,) * 6 + (0,), heads=32, kv_heads=8, dqk=128, dv=128),
     Case("D256 window", batch=2, seqlen_q=8, seqlen_k=6000, heads=8, kv_heads=8, dqk=256,
          dv=256, options=dict(window=(1024, 0), align="bottom_right")),
+    # 36 rows a group at Dqk 192: in float32 no tile fitted shared memory (a random call)
+    Case("Dqk192 Dv128 H8/2 Sq9", batch=1, seqlen_q=9, seqlen_k=4276, heads=8, kv_heads=2,
+         dqk=192, dv=128),
+    Case("D256 H8/2 Sq16", batch=1, seqlen_q=16, seqlen_k=4200, heads=8, kv_heads=2,
+         dqk=256, dv=256),
 ]  # fmt: skip
 
 

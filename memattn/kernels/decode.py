@@ -245,6 +245,10 @@ def configs(spec: AttentionSpec, interpreting: bool) -> tuple[tuning.Config, ...
     if spec.dtype == torch.float32:  # twice the bytes a tile: H100, H32/8 D128, GB/s
         # at Sq=1 Sk=32768 / Sq=16: 32 keys 3 stages 2944 / 826, 64 keys 2 stages 2515 /
         # 711 (the tiles below, 4 stages, do not fit)
+        if max(spec.head_dim_qk, spec.head_dim_v) > 128:  # 64 rows of Dqk 192 / Dv 128
+            # asked 245760 bytes at 32 keys, 2 stages (sm_90 compile), D 256 262144
+            return (tuning.Config(block_m, 16, 4, 2), tuning.Config(min(block_m, 32), 16, 4, 2),
+                    tuning.Config(16, 16, 4, 1))
         return (tuning.Config(block_m, 32, 4, 3), tuning.Config(block_m, 32, 4, 2))
     block_n = 64 if max(spec.head_dim_qk, spec.head_dim_v) > 128 else 128
     fitting = (tuning.Config(block_m, 64, 4, 3), tuning.Config(block_m, 32, 4, 2))
