@@ -4,8 +4,12 @@ not spell out. The seed is the test's id; `memattn check --random N --seed S` dr
 same calls.
 
 CPU (CI): a few at the interpreter's sizes. GPU (`pytest -m gpu`): many at sizes that
-fill the tiles, most on the Hopper kernels.
+fill the tiles, most on the Hopper kernels; MEMATTN_RANDOM_SEEDS=FIRST:STOP draws
+others (a longer search for bugs: `MEMATTN_RANDOM_SEEDS=96:1000 pytest -m gpu -n 16
+tests/test_check.py`).
 """
+
+import os
 
 import pytest
 import torch
@@ -33,7 +37,8 @@ def test_random_calls_cpu(seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seed", range(96))
+@pytest.mark.parametrize("seed", range(*map(int, os.environ.get("MEMATTN_RANDOM_SEEDS",
+                                                                  "0:96").split(":"))))
 def test_random_calls_gpu(seed):
     _check(seed, gpu=True)
 
