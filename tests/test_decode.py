@@ -102,14 +102,34 @@ def test_packed_splits_follow_the_batchs_keys(decode_runs):
 def test_a_groups_64_rows_try_the_wide_rows_tile_first(decode_runs):
     """64 query rows a program (B8 Sq16 H32/8, D=128, bf16) on the GPU: the split kernel
     tries WIDE_ROWS_TILE first, then smaller tiles (where a bias's do not fit), each once,
-    the last of 32 keys."""
+    32 keys, then SMALLEST_TILE."""
     assert_results(check_forward(DECODE_CASES[0], torch.float32, "cpu", seed=1))
     spec = dataclasses.replace(decode_runs[0], batch=8, heads=32, kv_heads=8, seqlen_q=16,
                                seqlen_k=32768, head_dim_qk=128, head_dim_v=128,
                                dtype=torch.bfloat16, has_bias=False)  # fmt: skip
     tiles = decode.configs(spec, interpreting=False)
     assert tiles[0] == decode.WIDE_ROWS_TILE and tiles[0].block_m == 64
-    assert len(set(tiles)) == len(tiles) and tiles[-1].block_n == 32
+    assert len(set(tiles)) == len(tiles) and tiles[-2].block_n == 32
+    assert tiles[-1] == decode.SMALLEST_TILE
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128), (192, 128), (256, 256), (128, 256)])
+@pytest.mark.parametrize("rows", [1, 64])
+def test_every_call_ends_with_the_smallest_tile(dtype, dims, rows, decode_runs):
+    """Every call's tiles shrink to SMALLEST_TILE, which fits where larger ones do not
+    (float32 past 128 columns at 64 rows fitted none on an H100 before), each tried once,
+    largest first."""
+    assert_results(check_forward(DECODE_CASES[0], torch.float32, "cpu", seed=1))
+    spec = dataclasses.replace(decode_runs[0], batch=2, heads=32, kv_heads=8,
+                               seqlen_q=rows // 4 or 1, seqlen_k=8192, head_dim_qk=dims[0],
+                               head_dim_v=dims[1], dtype=dtype, has_bias=False)  # fmt: skip
+    tiles = decode.configs(spec, interpreting=False)
+    assert tiles[-1] == decode.SMALLEST_TILE and len(set(tiles)) == len(tiles)
+    # shared memory, elements: Q's tile and K's and V's rings
+    footprint = [t.block_m * dims[0] + t.num_stages * t.block_n * sum(dims) for t in tiles]
+    assert footprint == sorted(footprint, reverse=True)
 
 
 @cpu_only

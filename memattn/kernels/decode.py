@@ -226,6 +226,10 @@ WIDE_ROWS_TILE = tuning.Config(64, 64, 4, 3)
 # / 3984, three 3836 / 4253 / 3929, two 3499 / 4271 / 3921; 32 keys at three 4258 / 4216
 # / 3898; 128 keys at two 3808 / 3209 / 3152. None ahead by more than a point: kept.
 FEW_ROWS_TILE = (128, 4, 3)
+# Every call's last tile: one stage of 16 keys and 16 rows (49152 bytes at Dqk = Dv =
+# 256 in float32, sm_90 compile), for GPUs with less shared memory (an A100 has 163
+# KiB, consumer GPUs 99) where no larger tile fits.
+SMALLEST_TILE = tuning.Config(16, 16, 4, 1)
 
 try:  # on CUDA, launches go past JITFunction.run's per-call binding (hopper.Launcher)
     from . import hopper
@@ -247,11 +251,12 @@ def configs(spec: AttentionSpec, interpreting: bool) -> tuple[tuning.Config, ...
         # 711 (the tiles below, 4 stages, do not fit)
         if max(spec.head_dim_qk, spec.head_dim_v) > 128:  # 64 rows of Dqk 192 / Dv 128
             # asked 245760 bytes at 32 keys, 2 stages (sm_90 compile), D 256 262144
-            return (tuning.Config(block_m, 16, 4, 2), tuning.Config(min(block_m, 32), 16, 4, 2),
-                    tuning.Config(16, 16, 4, 1))
-        return (tuning.Config(block_m, 32, 4, 3), tuning.Config(block_m, 32, 4, 2))
+            tiles = (tuning.Config(block_m, 16, 4, 2), tuning.Config(min(block_m, 32), 16, 4, 2))
+        else:
+            tiles = (tuning.Config(block_m, 32, 4, 3), tuning.Config(block_m, 32, 4, 2))
+        return tuple(dict.fromkeys(tiles + (SMALLEST_TILE,)))
     block_n = 64 if max(spec.head_dim_qk, spec.head_dim_v) > 128 else 128
-    fitting = (tuning.Config(block_m, 64, 4, 3), tuning.Config(block_m, 32, 4, 2))
+    fitting = (tuning.Config(block_m, 64, 4, 3), tuning.Config(block_m, 32, 4, 2), SMALLEST_TILE)
     if block_n == 64:
         first = tuning.Config(block_m, 64, 4, 3)
     else:
