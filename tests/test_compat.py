@@ -1,7 +1,8 @@
 """The drop-in APIs of memattn.compat.
 
 scaled_dot_product_attention against torch.nn.functional.scaled_dot_product_attention on
-the same inputs (outputs, gradients, exception types); the flash-attn 2 wrappers against
+the same inputs (outputs, gradients, exception types; listed cases and random calls
+drawn by hypothesis); the flash-attn 2 wrappers against
 the float64 reference with bottom-right alignment. CPU (CI): Triton's interpreter at
 small odd sizes in float32. GPU (`pytest -m gpu`): bfloat16 at real sizes, with the
 project's tolerance (2x plain PyTorch's error in bfloat16 + 1e-4).
@@ -13,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import memattn
@@ -106,6 +109,86 @@ def test_sdpa_matches_torch(case):
         assert x.shape == x_ref.shape, what
         close(x, x_ref, what)
         err, torch_err = relative_error(x, x_exact), relative_error(x_ref, x_exact)
+        assert err <= 2 * torch_err + 2e-6, f"{what}: {err:.3g} > 2 * {torch_err:.3g} + 2e-6"
+
+
+@st.composite
+def sdpa_calls(draw):
+    """(q, k, v, attn_mask or None, keyword arguments, a seed for the gradient) of a call
+    torch's function takes:
+    leading batch dims that k and v may broadcast, heads grouped (enable_gqa) or
+    broadcast, masks bool or float of any shape that broadcasts, is_causal, scale."""
+    lead = draw(st.lists(st.integers(1, 2), max_size=2))
+    kv_heads = draw(st.sampled_from([1, 2]))
+    gqa = draw(st.booleans())
+    heads = kv_heads * draw(st.sampled_from([1, 2, 3])) if gqa else kv_heads
+    if not gqa and draw(st.booleans()):  # one K/V head broadcast over q's
+        heads, kv_heads = draw(st.sampled_from([2, 3])), 1
+    sq, sk = draw(st.integers(1, 12)), draw(st.integers(1, 12))
+    e, ev = draw(st.sampled_from([4, 8, 16])), draw(st.sampled_from([8, 16]))
+    seed = draw(st.integers(0, 2**16))
+
+    def broadcast(dims):  # each dim kept or 1
+        return [d if draw(st.booleans()) else 1 for d in dims]
+
+    q = randn(*lead, heads, sq, e, seed=seed)
+    k = randn(*broadcast(lead), kv_heads, sk, e, seed=seed + 1)
+    v = randn(*broadcast(lead), kv_heads, sk, ev, seed=seed + 2)
+    kwargs = {"enable_gqa": True} if gqa else {}
+    mask = None
+    kind = draw(st.sampled_from([None, "bool", "float"]))
+    if kind is not None:
+        full = [*lead, heads, sq, sk]
+        shape = broadcast(full[len(full) - draw(st.integers(1, len(full))):])
+        mask = (randn(*shape, seed=seed + 3) > -0.5 if kind == "bool"
+                else randn(*shape, seed=seed + 3))  # fmt: skip
+    elif draw(st.booleans()):
+        kwargs["is_causal"] = True
+    if draw(st.booleans()):
+        kwargs["scale"] = draw(st.floats(0.1, 1.0))
+    return q, k, v, mask, kwargs, seed + 4
+
+
+def sdpa_unnormalised(q, k, v, attn_mask=None, is_causal=False, scale=None,
+                      enable_gqa=False):  # fmt: skip
+    """SDPA with softmax's normaliser held constant (exp(s - lse), lse detached): its
+    gradients are the P * dP terms alone, before the normaliser's terms cancel them."""
+    if enable_gqa:
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
+    s = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if is_causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
+            else s + attn_mask  # fmt: skip
+    p = torch.exp(s - torch.logsumexp(s, -1, keepdim=True).detach())
+    return torch.nan_to_num(p, nan=0.0) @ v  # rows with no key: 0, as torch's
+
+
+@cpu_only
+@settings(max_examples=20, deadline=None)
+@given(sdpa_calls())
+def test_random_sdpa_calls_match_torch(call):
+    """Random calls: out and every gradient as close to torch's float64 result as twice
+    torch's float32 error (+2e-6), the project's tolerance; gradients whose terms cancel
+    (a row that sees one key has dS = 0) measured against the size of what was summed."""
+    q, k, v, mask, kwargs, grad_seed = call
+    tensors = [q, k, v] + ([mask] if mask is not None else [])
+    grad = randn(*torch_sdpa(*tensors, **kwargs).shape, seed=grad_seed)
+    ref, ref_grads = run_with_grads(torch_sdpa, tensors, grad, **kwargs)
+    out, grads = run_with_grads(compat.scaled_dot_product_attention, tensors, grad, **kwargs)
+    tensors64 = [t.double() if t.is_floating_point() else t for t in tensors]
+    exact, exact_grads = run_with_grads(torch_sdpa, tensors64, grad.double(), **kwargs)
+    _, terms = run_with_grads(sdpa_unnormalised, tensors64, grad.double(), **kwargs)
+    assert out.shape == ref.shape and len(grads) == len(ref_grads)
+    names = ("out", "dq", "dk", "dv", "dmask")
+    for what, x, x_ref, x_exact, term in zip(names, [out, *grads], [ref, *ref_grads],
+                                             [exact, *exact_grads], [None, *terms]):  # fmt: skip
+        assert x.shape == x_ref.shape, what
+        scale = 0.0 if what in ("out", "dv") else max(term.norm(), (term - x_exact).norm())
+        err = relative_error(x, x_exact, float(scale))
+        torch_err = relative_error(x_ref, x_exact, float(scale))
         assert err <= 2 * torch_err + 2e-6, f"{what}: {err:.3g} > 2 * {torch_err:.3g} + 2e-6"
 
 
