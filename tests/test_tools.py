@@ -85,3 +85,17 @@ def test_compile_report_counts_global_accesses_of_one_element(monkeypatch):
 \tld.shared.b32 %r13, [%r14];
 """
     assert compile_sm90.narrow_global_accesses(ptx) == (1, 2)
+
+
+def test_ab_moved_keeps_values_and_tensors_at_new_addresses(ab):
+    """--move-inputs: the tensors the calls hold keep their values, objects and
+    requires_grad, at new addresses."""
+    import torch
+
+    tensors = [torch.randn(3, 5, requires_grad=True), torch.randn(7)]
+    before = [(t.data_ptr(), t.detach().clone()) for t in tensors]
+    pads = ab.moved(tensors, 4096)
+    assert len(pads) == 2 and all(p.numel() == 4096 for p in pads)
+    assert tensors[0].requires_grad and not tensors[1].requires_grad
+    for t, (ptr, values) in zip(tensors, before):
+        assert t.data_ptr() != ptr and torch.equal(t.detach(), values)

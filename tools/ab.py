@@ -26,7 +26,10 @@ at a dense shape's end (before a bias) adds ALiBi ("128x4096a": the bench's alib
 "decode8q16k32768": B8 Sq16 Sk32768), rated in GB/s of K and V read once;
 "decode-skew8" and "decode-skew64" packed caches, one long beside short ones (SKEWED_DECODE).
 
---rounds N times the variants N times more, in turn, and prints each one's median.
+--rounds N times the variants N times more, in turn, and prints each one's median;
+--move-inputs (the forward) moves q, k, v and a bias to new addresses before each round
+and prints every round's figures: whether a variant's speed follows where its tensors
+lie (L2 slices and partitions are chosen by address).
 
     python tools/ab.py [--pass fwd|bwd] [--shapes 128x4096c,192/128x4096c,128x4096+1H1K,docs]
                        [--variants tile,default] [--rounds 5]
@@ -39,6 +42,7 @@ at the end to show the machine did not drift.
 """
 
 import argparse
+import random
 import statistics
 import time
 
@@ -292,9 +296,15 @@ def main():
                     help="time the variants this many times each, in turn (the bench's "
                          "round_order), and print the median with the range: a device's clock "
                          "drifts within a call, so a single pass favours whichever runs first")
+    ap.add_argument("--move-inputs", action="store_true",
+                    help="with --rounds, the forward: q, k, v and a bias at new addresses "
+                         "each round (moved()), every round's figures printed")
     args = ap.parse_args()
     names = args.variants.split(",")
     is_bwd = args.which == "bwd"
+    if args.move_inputs and (is_bwd or args.rounds < 2):
+        raise SystemExit("--move-inputs: the forward, with --rounds 2 or more (a backward's "
+                         "recorded graph keeps the tensors it saved where they were)")
     torch.manual_seed(0)
     print(f"{args.which}: {'shape':12s} {'variant':10s} {'error':>26s} {'bench':>6s} "
           f"{'GPU':>6s} {'host us':>8s}  (TFLOP/s; GB/s for decode)")
@@ -358,8 +368,21 @@ def main():
                       + " + ".join(f"{kernel[:40]} {us:.1f}" for kernel, us in kernels)
                       + f" + idle {window - busy:.1f} (< 0: kernels overlapping)", flush=True)
         if args.rounds > 1:
-            _rounds(args, shape, names, calls, flops)
+            movable = leaves[:3] + [kw["bias"]] * ("bias" in kw)
+            _rounds(args, shape, names, calls, flops, movable if args.move_inputs else [])
         use({})
+
+
+def moved(tensors, pad_bytes: int, device=None) -> list[torch.Tensor]:
+    """Moves each tensor's data to a new allocation, after a pad of ``pad_bytes`` (the
+    caching allocator then hands out other addresses): same values, same tensor objects
+    (the calls' closures keep them), ``requires_grad`` kept. Returns the pads, to keep
+    alive while the new addresses are wanted."""
+    pads = []
+    for t in tensors:
+        pads.append(torch.empty(pad_bytes, dtype=torch.uint8, device=device or t.device))
+        t.data = t.data.clone()
+    return pads
 
 
 FLUSH_MARKER = "FillFunctor<unsigned char>"  # profiled_window's flush, by its kernel's name
@@ -398,17 +421,27 @@ def kernel_windows(events) -> tuple[float, list[tuple[str, float]]]:
             [(name, statistics.median(times)) for (_, name), times in sorted(kernels.items())])
 
 
-def _rounds(args, shape, names, calls, flops) -> None:
+def _rounds(args, shape, names, calls, flops, movable) -> None:
     """Each variant timed args.rounds times, in turn, as the bench times a row: after
     SETTLE_S of the first variant's work (the board's power control runs the clock high
-    after an idle spell), over TIMING_REP_MS, in round_order's balanced orders."""
+    after an idle spell), over TIMING_REP_MS, in round_order's balanced orders. With
+    ``movable`` tensors, each round after the first moves them (moved(): pads of 1-64
+    MiB in 4 KiB steps, from a fixed seed) and prints its figures."""
     speeds = {name: [] for name in names}
     use(VARIANTS[names[0]])
     bench.keep_busy(calls[names[0]], [], bench.SETTLE_S, backward=False)  # calls[] is a pass
+    pick = random.Random(0)
+    pads = []
     for r in range(args.rounds):
+        if movable and r:
+            pads = moved(movable, 4096 * pick.randint(256, 16384))
         for name in bench.round_order(names, r):
             use(VARIANTS[name])
             speeds[name].append(flops / do_bench(calls[name], rep=bench.TIMING_REP_MS) / 1e9)
+        if movable:
+            print(f"{args.which}: {shape:12s} round {r}: "
+                  + " ".join(f"{name} {speeds[name][-1]:.0f}" for name in names), flush=True)
+    del pads
     for name in names:
         runs = sorted(speeds[name])
         print(f"{args.which}: {shape:12s} {name:10s} median of {args.rounds}: "
