@@ -323,19 +323,20 @@ def _softmax_terms(x: Inputs, grad: torch.Tensor, keep,
         d_p = reference._grouped(g_t, v_t) * kept
         out = reference._grouped(p * kept, v_t.transpose(-1, -2))
         delta_shift = (g_t * (out - out.to(dtype).double())).sum(-1, keepdim=True)
-        a = p * d_p
+        p_dp = p * d_p
         factor = 1.0
         if spec.softcap > 0:  # dS is times tanh's derivative
             raw = reference._grouped(q_b.transpose(1, 2), k_b.permute(0, 2, 3, 1)) * spec.scale
             factor = 1.0 - torch.tanh(raw / spec.softcap).square()
-        for i, term in enumerate((a, p * a.sum(-1, keepdim=True), p * delta_shift)):
+        for i, term in enumerate((p_dp, p * p_dp.sum(-1, keepdim=True), p * delta_shift)):
             term = term * factor
             sums["ds"][i] += term.square().sum().item()
             dq = reference._grouped(term, k_b.transpose(1, 2)) * spec.scale
             dk = term.transpose(-1, -2) @ q_b.transpose(1, 2) * spec.scale
             sums["dq"][i] += dq.square().sum().item()
             sums["dk"][i] += dk.square().sum().item()
-    return {name: (math.sqrt(max(a, b)), math.sqrt(c)) for name, (a, b, c) in sums.items()}
+    return {name: (math.sqrt(max(first, second)), math.sqrt(rounding))
+            for name, (first, second, rounding) in sums.items()}
 
 
 def _reduce_to(full: torch.Tensor, shape) -> torch.Tensor:
