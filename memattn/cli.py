@@ -21,6 +21,10 @@ def _prepare_device() -> str:
 
 
 def check(args) -> int:
+    if args.random < 0:
+        print(f"memattn check: --random must be >= 0 (0: the feature grid), got {args.random}",
+              file=sys.stderr)
+        return 2
     device = _prepare_device()
     import torch
     from rich.console import Console

@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+from memattn import cli
 from memattn.check import check_backward, check_forward, random_call
 
 from .conftest import cpu_only
@@ -71,3 +72,8 @@ def test_random_calls_draw_every_option(gpu):
     if gpu:  # few queries against long keys: the split-KV forward's calls
         assert sum(not c.varlen and c.seqlen_q <= 64 and c.seqlen_k >= 4096
                    for c in cases) >= 10  # fmt: skip
+
+
+def test_check_command_refuses_a_negative_count(capsys):
+    assert cli.main(["check", "--random", "-3"]) == 2
+    assert "--random must be >= 0 (0: the feature grid), got -3" in capsys.readouterr().err

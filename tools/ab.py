@@ -373,14 +373,14 @@ def main():
         use({})
 
 
-def moved(tensors, pad_bytes: int, device=None) -> list[torch.Tensor]:
+def moved(tensors, pad_bytes: int) -> list[torch.Tensor]:
     """Moves each tensor's data to a new allocation, after a pad of ``pad_bytes`` (the
     caching allocator then hands out other addresses): same values, same tensor objects
     (the calls' closures keep them), ``requires_grad`` kept. Returns the pads, to keep
     alive while the new addresses are wanted."""
     pads = []
     for t in tensors:
-        pads.append(torch.empty(pad_bytes, dtype=torch.uint8, device=device or t.device))
+        pads.append(torch.empty(pad_bytes, dtype=torch.uint8, device=t.device))
         t.data = t.data.clone()
     return pads
 
@@ -431,17 +431,15 @@ def _rounds(args, shape, names, calls, flops, movable) -> None:
     use(VARIANTS[names[0]])
     bench.keep_busy(calls[names[0]], [], bench.SETTLE_S, backward=False)  # calls[] is a pass
     pick = random.Random(0)
-    pads = []
     for r in range(args.rounds):
-        if movable and r:
-            pads = moved(movable, 4096 * pick.randint(256, 16384))
+        if movable and r:  # the pads live until the next round's
+            pads = moved(movable, 4096 * pick.randint(256, 16384))  # noqa: F841
         for name in bench.round_order(names, r):
             use(VARIANTS[name])
             speeds[name].append(flops / do_bench(calls[name], rep=bench.TIMING_REP_MS) / 1e9)
         if movable:
             print(f"{args.which}: {shape:12s} round {r}: "
                   + " ".join(f"{name} {speeds[name][-1]:.0f}" for name in names), flush=True)
-    del pads
     for name in names:
         runs = sorted(speeds[name])
         print(f"{args.which}: {shape:12s} {name:10s} median of {args.rounds}: "
