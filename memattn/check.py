@@ -85,10 +85,11 @@ def make_inputs(case: Case, dtype: torch.dtype, device, seed: int = 0) -> Inputs
     def randn(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen) * scale).to(device)
 
-    if case.varlen:
+    if case.varlen:  # a bias spans max_seqlen_q/k, which a call may give longer
         batch = len(case.lengths_q)
         tq, tk = sum(case.lengths_q), sum(case.lengths_k)
-        sq, sk = max(case.lengths_q, default=0), max(case.lengths_k, default=0)
+        sq = case.options.get("max_seqlen_q", max(case.lengths_q, default=0))
+        sk = case.options.get("max_seqlen_k", max(case.lengths_k, default=0))
         tokens_q, tokens_k = (tq,), (tk,)
     else:
         batch, sq, sk = case.batch, case.seqlen_q, case.seqlen_k
@@ -237,12 +238,13 @@ def reference_spec(x: Inputs):
 
 
 def check_backward(case: Case, dtype: torch.dtype, device, seed: int = 0,
-                   bias_grad: bool = True) -> list[Result]:  # fmt: skip
+                   bias_grad: bool = True, lse_grad: bool = False) -> list[Result]:  # fmt: skip
     """Runs forward and backward through memattn.attention's autograd on fresh inputs
     and compares dq, dk, dv (and dbias when the case has a bias and ``bias_grad``: a
     bias that asks none is only read) with float64 autograd through the reference,
-    against the tolerance set by the reference in ``dtype``. Dropout is checked with
-    the keep mask the call used (same torch seed)."""
+    against the tolerance set by the reference in ``dtype``. ``lse_grad``: the call
+    returns lse too and a gradient flows into it as well as into out. Dropout is
+    checked with the keep mask the call used (same torch seed)."""
     x = make_inputs(case, dtype, device, seed)
     leaves = {"dq": x.q, "dk": x.k, "dv": x.v}
     if "bias" in x.kwargs and bias_grad:
@@ -251,9 +253,18 @@ def check_backward(case: Case, dtype: torch.dtype, device, seed: int = 0,
         t.requires_grad_(True)
     gen = torch.Generator(device="cpu").manual_seed(seed + 1)
     torch.manual_seed(seed)  # the dropout state the call draws, drawn again below
-    out = attention(x.q, x.k, x.v, **x.kwargs)
+    outputs = attention(x.q, x.k, x.v, **x.kwargs, return_lse=lse_grad)
+    out, lse = outputs if lse_grad else (outputs, None)
     grad = torch.randn(out.shape, generator=gen).to(device=out.device, dtype=out.dtype)
-    grads = torch.autograd.grad(out, list(leaves.values()), grad)
+    grad_lse = None
+    if lse_grad:
+        grad_lse = torch.randn(lse.shape, generator=gen).to(lse.device)
+        grads = torch.autograd.grad((out, lse), list(leaves.values()), (grad, grad_lse))
+        # lse is -inf on a row that sees no key, whatever the inputs: what flows in
+        # there goes nowhere (the reference's autograd would make it NaN)
+        grad_lse = grad_lse.masked_fill(torch.isneginf(lse), 0.0)
+    else:
+        grads = torch.autograd.grad(out, list(leaves.values()), grad)
     keep = None
     if x.kwargs.get("dropout_p", 0.0) > 0:
         torch.manual_seed(seed)
@@ -268,8 +279,12 @@ def check_backward(case: Case, dtype: torch.dtype, device, seed: int = 0,
                 full = reference_spec(x).bias_shape
                 ls["dbias"] = kw["bias"].expand(full).clone().requires_grad_(True)
             kw["bias"] = ls["dbias"]
-        o = reference.attention(ls["dq"], ls["dk"], ls["dv"], **kw, dropout_keep=keep)
-        return list(torch.autograd.grad(o, list(ls.values()), grad.to(to)))
+        o, lse_ref = reference.attention(ls["dq"], ls["dk"], ls["dv"], **kw,
+                                         dropout_keep=keep, return_lse=True)  # fmt: skip
+        if grad_lse is None:
+            return list(torch.autograd.grad(o, list(ls.values()), grad.to(to)))
+        return list(torch.autograd.grad((o, lse_ref), list(ls.values()),
+                                        (grad.to(to), grad_lse.to(lse_ref.dtype))))
 
     exact = reference_grads(torch.float64, expand_bias=True)
     low = reference_grads(dtype)
@@ -281,7 +296,8 @@ def check_backward(case: Case, dtype: torch.dtype, device, seed: int = 0,
     # out they stored, rounded to ``dtype``, as every memory-efficient backward does:
     # the reference's autograd takes it from P, exactly where P is 1; what that rounding
     # adds is allowed besides (twice, as the reference's error).
-    terms = _softmax_terms(x, grad.double(), keep, dtype)
+    terms = _softmax_terms(x, grad.double(), keep, dtype,
+                           None if grad_lse is None else grad_lse.double())  # fmt: skip
     names = ["dq", "dk", "dv"] + ["ds"] * ("dbias" in leaves)
     if "dbias" in leaves:
         d_s = exact[-1]
@@ -300,25 +316,30 @@ def check_backward(case: Case, dtype: torch.dtype, device, seed: int = 0,
     return results
 
 
-def _softmax_terms(x: Inputs, grad: torch.Tensor, keep,
-                   dtype: torch.dtype) -> dict[str, tuple[float, float]]:  # fmt: skip
-    """For dS = P * dP - P * delta and the dq and dk made of it (dk per query head), in
-    float64: (the norm of the larger of what the two terms make alone, before they
-    cancel; the norm of what delta taken from out rounded to ``dtype`` changes)."""
+def _softmax_terms(x: Inputs, grad: torch.Tensor, keep, dtype: torch.dtype,
+                   grad_lse: torch.Tensor | None) -> dict[str, tuple[float, float]]:  # fmt: skip
+    """For dS = P * dP - P * delta (+ P * grad_lse) and the dq and dk made of it (dk per
+    query head), in float64: (the norm of the largest of what the terms make alone,
+    before they cancel; the norm of what delta taken from out rounded to ``dtype``
+    changes)."""
     spec = reference_spec(x)
     q, k, v = (t.detach().double() for t in (x.q, x.k, x.v))
     bias = x.kwargs.get("bias")
     bias = None if bias is None else bias.detach().double()
     cu = x.kwargs.get("cu_seqlens_q"), x.kwargs.get("cu_seqlens_k")
+    # grad_lse ((B, H, Sq) or (H, tokens)) rides as grad's last column, cut alike
+    lse_column = torch.zeros_like(grad[..., :1]) if grad_lse is None else (
+        grad_lse.movedim(-2, -1)[..., None])  # fmt: skip
     pieces = zip(
         reference._sequences(spec, q, k, v, bias, x.kwargs.get("alibi_slopes"), keep, *cu),
-        reference._sequences(spec, grad, k, v, None, None, None, *cu),
+        reference._sequences(spec, torch.cat([grad, lse_column], -1), k, v, None, None, None,
+                             *cu),
     )  # fmt: skip
-    sums = {name: [0.0, 0.0, 0.0] for name in ("dq", "dk", "ds")}
+    sums = {name: [0.0, 0.0, 0.0, 0.0] for name in ("dq", "dk", "ds")}
     for (_, q_b, k_b, v_b, bias_b, slopes_b, keep_b), (_, g_b, *_) in pieces:
         p, _ = reference._softmax(reference._scores(spec, q_b, k_b, bias_b, slopes_b))
         kept = 1.0 if keep_b is None else keep_b / (1.0 - spec.dropout_p)
-        g_t = g_b.transpose(1, 2)  # (B, H, Sq, Dv)
+        g_t, g_lse = g_b.transpose(1, 2).split([g_b.shape[-1] - 1, 1], -1)  # (B, H, Sq, Dv)
         v_t = v_b.permute(0, 2, 3, 1)  # (B, Hkv, Dv, Sk)
         d_p = reference._grouped(g_t, v_t) * kept
         out = reference._grouped(p * kept, v_t.transpose(-1, -2))
@@ -328,15 +349,16 @@ def _softmax_terms(x: Inputs, grad: torch.Tensor, keep,
         if spec.softcap > 0:  # dS is times tanh's derivative
             raw = reference._grouped(q_b.transpose(1, 2), k_b.permute(0, 2, 3, 1)) * spec.scale
             factor = 1.0 - torch.tanh(raw / spec.softcap).square()
-        for i, term in enumerate((p_dp, p * p_dp.sum(-1, keepdim=True), p * delta_shift)):
+        terms = (p_dp, p * p_dp.sum(-1, keepdim=True), p * g_lse, p * delta_shift)
+        for i, term in enumerate(terms):
             term = term * factor
             sums["ds"][i] += term.square().sum().item()
             dq = reference._grouped(term, k_b.transpose(1, 2)) * spec.scale
             dk = term.transpose(-1, -2) @ q_b.transpose(1, 2) * spec.scale
             sums["dq"][i] += dq.square().sum().item()
             sums["dk"][i] += dk.square().sum().item()
-    return {name: (math.sqrt(max(first, second)), math.sqrt(rounding))
-            for name, (first, second, rounding) in sums.items()}
+    return {name: (math.sqrt(max(sizes)), math.sqrt(rounding))
+            for name, (*sizes, rounding) in sums.items()}
 
 
 def _reduce_to(full: torch.Tensor, shape) -> torch.Tensor:
@@ -406,6 +428,7 @@ class RandomCall(NamedTuple):
     case: Case
     dtype: torch.dtype
     bias_grad: bool  # whether the bias asks for its gradient (check_backward's)
+    lse_grad: bool  # whether a gradient flows into lse too (check_backward's)
 
 
 # Head dims (Dqk, Dv) random calls draw: on the GPU those the Hopper kernels take
@@ -419,11 +442,12 @@ _CPU_HEAD_DIMS = [(16, 16), (40, 24), (8, 32), (17, 5), (32, 32)]
 def random_call(seed: int, gpu: bool) -> RandomCall:
     """A call with options drawn together at random (shapes, packing, GQA, head dims,
     masks in both alignments, windows, every bias shape, ALiBi, softcap, scale, dropout,
-    determinism, layouts), so that combinations the feature grid does not spell out get
-    checked too. The same seed gives the same call. ``gpu``: sizes that fill a GPU's
-    tiles (up to ~1100 tokens a sequence, few-query calls against 4k+ keys for the
-    split-KV forward, mostly bf16/fp16 and the Hopper kernels' head dims); otherwise the
-    interpreter's small odd sizes in float32/float16."""
+    determinism, layouts, max_seqlen given, a gradient into lse), so that combinations
+    the feature grid does not spell out get checked too. The same seed gives the same
+    call. ``gpu``: sizes that fill a GPU's tiles (up to ~1100 tokens a sequence,
+    few-query calls against 4k+ keys for the split-KV forward, mostly bf16/fp16 and the
+    Hopper kernels' head dims); otherwise the interpreter's small odd sizes in
+    float32/float16."""
     rng = random.Random(seed)
     chance = rng.random
     longest = 1100 if gpu else 40
@@ -479,6 +503,14 @@ def random_call(seed: int, gpu: bool) -> RandomCall:
             bias = bias.removeprefix("1") or bias
     alibi = rng.choice(["H", "BH"]) if chance() < 0.2 else None
     layout = rng.choices(["contiguous", "transposed", "strided"], [16, 2, 1])[0]
+    bias_grad = bias is not None and chance() < 0.7
+    # Drawn last, so that the earlier draws, and a seed's call without these, stay
+    # as they were.
+    lse_grad = chance() < 0.25
+    if "lengths_q" in sizes and chance() < 0.3:  # max_seqlen given, maybe past the longest
+        for name in ("q", "k"):
+            longest_here = max(sizes[f"lengths_{name}"])
+            options[f"max_seqlen_{name}"] = longest_here + rng.choice([0, rng.randint(1, 40)])
     case = Case(f"random {seed}", **sizes, bias=bias, alibi=alibi, layout=layout,
                 options=options)
-    return RandomCall(case, dtype, bias is not None and chance() < 0.7)
+    return RandomCall(case, dtype, bias_grad, lse_grad)
