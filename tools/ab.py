@@ -368,7 +368,7 @@ def main():
                       + " + ".join(f"{kernel[:40]} {us:.1f}" for kernel, us in kernels)
                       + f" + idle {window - busy:.1f} (< 0: kernels overlapping)", flush=True)
         if args.rounds > 1:
-            movable = leaves[:3] + [kw["bias"]] * ("bias" in kw)
+            movable = leaves[:3] + ([kw["bias"]] if "bias" in kw else [])
             _rounds(args, shape, names, calls, flops, movable if args.move_inputs else [])
         use({})
 
