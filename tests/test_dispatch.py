@@ -11,11 +11,12 @@ import torch
 
 import memattn
 from memattn import reference
-from memattn.check import FLOOR, relative_error
+from memattn.check import FLOOR, Case, check_backward, relative_error
 from memattn.kernels import dispatch
 from memattn.spec import check_call
 
 from .conftest import DEVICE
+from .test_forward import assert_results
 
 gluon = pytest.mark.skipif(dispatch.hopper is None, reason="Triton without Gluon's Hopper API")
 
@@ -1441,12 +1442,12 @@ def test_empty_calls_need_no_kernel(which, monkeypatch):
 
 @pytest.mark.parametrize("bias_shape", [(2, 1, 13, 1), (1, 1, 1, 1), (13, 1), ()])
 @pytest.mark.parametrize("through_lse", [False, True])
-def test_bias_constant_along_keys_has_zero_gradient(bias_shape, through_lse, monkeypatch):
+def test_bias_constant_along_keys_gradient_without_kernels(bias_shape, through_lse, monkeypatch):
     """A bias constant along the keys shifts each row's scores alike, which softmax
-    ignores: its gradient is exactly 0, given without asking the kernels for it (their
-    dS row sums would leave rounding). Through lse the bias counts: the kernels compute
-    its gradient then. dq, dk, dv (and that dbias) as the reference's autograd gives
-    them, within twice the float32 reference's error."""
+    ignores and lse follows: its gradient is exactly 0 through out, and through lse
+    grad_lse summed over what it broadcasts, given without asking the kernels for it
+    (their dS row sums would leave rounding). dq, dk, dv and dbias as the reference's
+    autograd gives them, within twice the float32 reference's error."""
     gen = torch.Generator().manual_seed(len(bias_shape))
 
     def randn(*shape):
@@ -1470,17 +1471,35 @@ def test_bias_constant_along_keys_has_zero_gradient(bias_shape, through_lse, mon
         return torch.autograd.grad(loss, leaves)
 
     got = gradients(memattn.attention, torch.float32)
-    assert asked == [(True, True, True, through_lse)]
+    assert asked == [(True, True, True, False)]
     exact = gradients(reference.attention, torch.float64)
     plain = gradients(reference.attention, torch.float32)
+    assert got[3].shape == bias_shape
     if not through_lse:
-        assert got[3].shape == bias_shape and not got[3].any()
+        assert not got[3].any()
         assert exact[3].abs().max() < 1e-12  # what the shortcut relies on
     d_s = gradients(reference.attention, torch.float64, expand_bias=True)[3]
     scales = [0.0, 0.0, 0.0, d_s.norm().item()]  # dbias's error against dS's size
     for g, ref, low, scale in zip(got, exact, plain, scales):
         allowed = 2 * relative_error(low, ref, scale) + FLOOR[torch.float32]
         assert relative_error(g, ref, scale) <= allowed
+
+
+@pytest.mark.parametrize("bias", ["BHQ1", "1HQ1", "Q1"])
+def test_packed_bias_constant_along_keys_gradient_through_lse(bias, monkeypatch):
+    """Packed sequences: grad_lse, (H, tokens), goes to each sequence's positions of the
+    bias's (B, H, max_seqlen_q, 1) rows; rows that see no key (a sequence without keys,
+    the first rows under a bottom-right mask) and positions past a sequence's end get 0.
+    Against float64 autograd through the reference, the kernels not asked for dbias."""
+    case = Case("packed row bias", lengths_q=(5, 0, 7, 4), lengths_k=(3, 4, 9, 0), bias=bias,
+                options=dict(causal=True, align="bottom_right", max_seqlen_q=9,
+                             max_seqlen_k=11))  # fmt: skip
+    asked = []
+    tiles = dispatch.tiles_backward.backward
+    monkeypatch.setattr(dispatch.tiles_backward, "backward",
+                        lambda *a: asked.append(a[-1]) or tiles(*a))  # fmt: skip
+    assert_results(check_backward(case, torch.float32, DEVICE, seed=3, lse_grad=True))
+    assert asked == [(True, True, True, False)]
 
 
 @gluon

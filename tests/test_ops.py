@@ -8,7 +8,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import memattn
-from memattn.check import FEATURE_CASES, FLOOR, Case, make_inputs, relative_error
+from memattn.check import FEATURE_CASES, FLOOR, Case, make_inputs, random_call, relative_error
 from memattn.ops import _op_options
 from memattn.spec import check_call
 
@@ -261,6 +261,55 @@ def test_compile_fullgraph_varlen_and_dropout_cpu():
     torch.manual_seed(1)
     b = compiled(x, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=13, max_seqlen_k=13)
     assert torch.equal(a, b), "dropout under compile repeats after the same seed"
+
+
+def _compiled_as_eager(seed: int, gpu: bool):
+    """A random call (check.random_call) compiled whole, against the same call eager:
+    out, lse and every gradient (into out and lse both where the call draws it) bit for
+    bit. The compiled call runs the same kernels through the ops' fake and autograd
+    paths, AOTAutograd's tangents (a zero grad_lse for an unused lse) and, on the GPU,
+    Inductor's handling of the custom ops; deterministic there, as dQ's adds are
+    unordered otherwise."""
+    call = random_call(seed, gpu)
+    x = make_inputs(call.case, call.dtype, DEVICE, seed)
+    kwargs = dict(x.kwargs, deterministic=True) if gpu else dict(x.kwargs)
+    if call.case.varlen:  # under compile cu_seqlens cannot be read
+        kwargs.setdefault("max_seqlen_q", max(call.case.lengths_q))
+        kwargs.setdefault("max_seqlen_k", max(call.case.lengths_k))
+    bias = kwargs.pop("bias", None)
+    leaves = [x.q, x.k, x.v] + [bias] * call.bias_grad
+    for t in leaves:
+        t.requires_grad_(True)
+
+    def fn(q, k, v, bias):
+        return memattn.attention(q, k, v, bias=bias, **kwargs, return_lse=call.lse_grad)
+
+    def run(f):
+        torch.manual_seed(seed)  # dropout's mask
+        outs = f(x.q, x.k, x.v, bias)
+        outs = outs if call.lse_grad else (outs,)
+        gen = torch.Generator().manual_seed(seed + 1)
+        grads = [torch.randn(o.shape, generator=gen).to(o) for o in outs]
+        return [o.detach() for o in outs] + list(torch.autograd.grad(outs, leaves, grads))
+
+    eager = run(fn)
+    torch._dynamo.reset()
+    compiled = run(torch.compile(fn, fullgraph=True, backend="inductor" if gpu else "aot_eager"))
+    names = ["out", "lse"][: 1 + call.lse_grad] + ["dq", "dk", "dv", "dbias"][: len(leaves)]
+    for name, e, c in zip(names, eager, compiled):
+        assert torch.equal(e, c), f"{call}: {name} differs, {relative_error(c, e):.3g}"
+
+
+@cpu_only
+@pytest.mark.parametrize("seed", range(5))
+def test_random_calls_compile_as_eager_cpu(seed):
+    _compiled_as_eager(seed, gpu=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(16))
+def test_random_calls_compile_as_eager_gpu(seed):
+    _compiled_as_eager(seed, gpu=True)
 
 
 @cpu_only

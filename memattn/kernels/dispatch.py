@@ -191,14 +191,11 @@ def backward(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, a
     if q.shape[0] == 0 or spec.heads == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0:
         return tuple(torch.zeros(t.shape, dtype=t.dtype, device=t.device) if need else None
                      for t, need in zip((q, k, v, bias), needs))  # fmt: skip
-    if needs[3] and grad_lse is None and (bias.dim() == 0 or bias.shape[-1] == 1):
-        # A bias constant along the keys shifts a row's scores alike, which softmax
-        # ignores: its gradient is exactly 0 (the kernels' would be the rounding of dS's
-        # row sums, delta taken from the stored out). Through lse it is grad_lse.
+    if needs[3] and (bias.dim() == 0 or bias.shape[-1] == 1):
         dq, dk, dv, _ = backward(spec, grad_out, grad_lse, q, k, v, out, lse, bias,
                                  alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state,
                                  (*needs[:3], False))  # fmt: skip
-        return dq, dk, dv, torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device)
+        return dq, dk, dv, _row_bias_gradient(spec, bias, lse, grad_lse, cu_seqlens_q)
     rng_state = rng_state if spec.dropout_p > 0 else None
     if gluon_backward(spec, q, k, v, grad_out, bias, alibi_slopes, needs):
         run, spec = backward_sm90.run, kernel_spec(spec, "backward")
@@ -206,3 +203,28 @@ def backward(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, a
         run = tiles_backward.backward
     return run(spec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q,
                cu_seqlens_k, rng_state, needs)  # fmt: skip
+
+
+def _row_bias_gradient(spec: AttentionSpec, bias, lse, grad_lse, cu_seqlens_q):
+    """The gradient of a bias constant along the keys, exactly. It shifts a row's scores
+    alike: softmax ignores that (out's part is 0; the kernels' would be the rounding of
+    dS's row sums, delta taken from the stored out) and lse moves with it (lse's part
+    is grad_lse, where the row sees a key), summed over what the bias broadcasts."""
+    if grad_lse is None:
+        return torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device)
+    rows = grad_lse.float().masked_fill(torch.isneginf(lse), 0.0)
+    if spec.varlen:  # (H, tokens) to (B, H, max_seqlen_q), by position in the sequence
+        token = torch.arange(rows.shape[1], device=rows.device)
+        starts = cu_seqlens_q.long()
+        sequence = torch.searchsorted(starts[1:], token, right=True)
+        full = rows.new_zeros(spec.batch, spec.seqlen_q, spec.heads)
+        full[sequence, token - starts[sequence]] = rows.T
+        rows = full.transpose(1, 2)
+    rows = rows[..., None]  # (B, H, Sq, 1)
+    lead = rows.dim() - bias.dim()
+    summed = [d for d in range(rows.dim())
+              if d < lead or (bias.shape[d - lead] == 1 and rows.shape[d] != 1)]  # fmt: skip
+    if summed:  # (sum over dim=[] would sum over every dimension)
+        rows = rows.sum(dim=summed, keepdim=True)
+    return rows.reshape(bias.shape).to(bias.dtype)
+
