@@ -184,12 +184,14 @@ def _backward_op(
 def _run_backward(spec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes,
                   cu_seqlens_q, cu_seqlens_k, rng_state, needs) -> tuple:  # fmt: skip
     """The backward op's body, given its checked spec: (dq, dk, dv, dbias), None for a
-    gradient not needed."""
+    gradient not needed, each contiguous whatever its input's layout, as the fake
+    declares (Inductor checks a custom op's strides against its fake's)."""
     require_runnable(spec.device)
     from .kernels import dispatch
 
-    return dispatch.backward(spec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes,
-                             cu_seqlens_q, cu_seqlens_k, rng_state, tuple(needs))  # fmt: skip
+    grads = dispatch.backward(spec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes,
+                              cu_seqlens_q, cu_seqlens_k, rng_state, tuple(needs))  # fmt: skip
+    return tuple(None if g is None else g.contiguous() for g in grads)
 
 
 def _skips_dispatcher(tensors) -> bool:
@@ -213,7 +215,7 @@ def _backward_fake(grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes, cu
     _op_spec(q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *options)
     like = (q, k, v, bias)
     return tuple(
-        torch.empty_like(t) if need and t is not None else q.new_empty(0)
+        t.new_empty(t.shape) if need and t is not None else q.new_empty(0)
         for t, need in zip(like, needs)
     )
 
