@@ -270,45 +270,61 @@ def test_compile_fullgraph_varlen_and_dropout_cpu():
     assert torch.equal(a, b), "dropout under compile repeats after the same seed"
 
 
-def _compiled_as_eager(seed: int, gpu: bool):
-    """A random call (check.random_call) compiled whole, against the same call eager:
-    out, lse and every gradient (into out and lse both where the call draws it) bit for
-    bit. The compiled call runs the same kernels through the ops' fake and autograd
-    paths, AOTAutograd's tangents (a zero grad_lse for an unused lse) and, on the GPU,
-    Inductor's handling of the custom ops (their outputs' strides checked against the
-    fakes'); deterministic there, as dQ's adds are unordered otherwise."""
+def _random_step(seed: int, gpu: bool):
+    """A random call (check.random_call) as a training step: (call, fn, step), step(f)
+    calling f(q, k, v, bias) in place of memattn.attention and returning out (and lse)
+    and every gradient (into out and lse both where the call draws it), dropout's seed
+    drawn after torch.manual_seed(seed) where ``reseed``. Deterministic on the GPU (dQ's
+    adds are unordered otherwise); max_seqlen given to packed calls, as under
+    torch.compile or a CUDA graph's capture, where cu_seqlens cannot be read."""
     call = random_call(seed, gpu)
     x = make_inputs(call.case, call.dtype, DEVICE, seed)
     kwargs = dict(x.kwargs, deterministic=True) if gpu else dict(x.kwargs)
-    if call.case.varlen:  # under compile cu_seqlens cannot be read
+    if call.case.varlen:
         kwargs.setdefault("max_seqlen_q", max(call.case.lengths_q))
         kwargs.setdefault("max_seqlen_k", max(call.case.lengths_k))
     bias = kwargs.pop("bias", None)
     leaves = [x.q, x.k, x.v] + [bias] * call.bias_grad
     for t in leaves:
         t.requires_grad_(True)
+    grads = []  # made at the first step, outside any capture
 
     def fn(q, k, v, bias):
         return memattn.attention(q, k, v, bias=bias, **kwargs, return_lse=call.lse_grad)
 
-    def run(f):
-        torch.manual_seed(seed)  # dropout's mask
+    def step(f, reseed=True):
+        if reseed:
+            torch.manual_seed(seed)
         outs = f(x.q, x.k, x.v, bias)
         outs = outs if call.lse_grad else (outs,)
-        gen = torch.Generator().manual_seed(seed + 1)
-        grads = [torch.randn(o.shape, generator=gen).to(o) for o in outs]
+        if not grads:
+            gen = torch.Generator().manual_seed(seed + 1)
+            grads.extend(torch.randn(o.shape, generator=gen).to(o) for o in outs)
         return [o.detach() for o in outs] + list(torch.autograd.grad(outs, leaves, grads))
 
-    eager = run(fn)
+    return call, fn, step
+
+
+def _assert_same(call, eager, other, how: str):
+    names = ["out", "lse"][: 1 + call.lse_grad] + ["dq", "dk", "dv", "dbias"]
+    for name, e, o in zip(names, eager, other):
+        assert torch.equal(e, o), f"{call}: {name} {how} differs, {relative_error(o, e):.3g}"
+
+
+def _compiled_as_eager(seed: int, gpu: bool):
+    """A random call compiled whole against the same call eager, bit for bit: the same
+    kernels through the ops' fake and autograd paths, AOTAutograd's tangents (a zero
+    grad_lse for an unused lse) and, on the GPU, Inductor's handling of the custom ops
+    (their outputs' strides checked against the fakes')."""
+    call, fn, step = _random_step(seed, gpu)
+    eager = step(fn)
     torch._dynamo.reset()
     # Inductor draws random numbers its own way unless told to fall back to eager's:
     # dropout's seed, drawn by torch.randint, would differ from the eager call's
     with torch._inductor.config.patch(fallback_random=True):
-        compiled = run(torch.compile(fn, fullgraph=True,
-                                     backend="inductor" if gpu else "aot_eager"))
-    names = ["out", "lse"][: 1 + call.lse_grad] + ["dq", "dk", "dv", "dbias"][: len(leaves)]
-    for name, e, c in zip(names, eager, compiled):
-        assert torch.equal(e, c), f"{call}: {name} differs, {relative_error(c, e):.3g}"
+        compiled = step(torch.compile(fn, fullgraph=True,
+                                      backend="inductor" if gpu else "aot_eager"))
+    _assert_same(call, eager, compiled, "compiled")
 
 
 @cpu_only
@@ -318,7 +334,7 @@ def test_random_calls_compile_as_eager_cpu(seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seed", range(16))
+@pytest.mark.parametrize("seed", range(10))  # a few: each compiles with Inductor
 def test_random_calls_compile_as_eager_gpu(seed):
     _compiled_as_eager(seed, gpu=True)
 
@@ -364,6 +380,21 @@ def test_compile_modes_match_eager_gpu(mode):
     assert relative_error(out, eager) < 1e-2
     for g, ge in zip(grads, g_eager):
         assert relative_error(g, ge) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(24))
+def test_random_calls_captured_as_eager_gpu(seed):
+    """A random call's whole step (forward and backward) captured in a CUDA graph: a
+    replay after the same torch.manual_seed gives the eager step's outputs and
+    gradients bit for bit (no host reads of device values, no allocation a replay
+    loses)."""
+    call, fn, step = _random_step(seed, gpu=True)
+    eager = step(fn)
+    graph, static = capture(lambda: step(fn, reseed=False))
+    torch.manual_seed(seed)
+    graph.replay()
+    _assert_same(call, eager, static, "replayed")
 
 
 @pytest.mark.gpu
