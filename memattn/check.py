@@ -511,6 +511,6 @@ def random_call(seed: int, gpu: bool) -> RandomCall:
         for name in ("q", "k"):
             longest_here = max(sizes[f"lengths_{name}"])
             options[f"max_seqlen_{name}"] = longest_here + rng.choice([0, rng.randint(1, 40)])
-    case = Case(f"random {seed}", **sizes, bias=bias, alibi=alibi, layout=layout,
-                options=options)
+    name = f"random {seed}" + " (gradient into lse too)" * lse_grad  # as the table shows it
+    case = Case(name, **sizes, bias=bias, alibi=alibi, layout=layout, options=options)
     return RandomCall(case, dtype, bias_grad, lse_grad)
