@@ -1485,6 +1485,22 @@ def test_bias_constant_along_keys_gradient_without_kernels(bias_shape, through_l
         assert relative_error(g, ref, scale) <= allowed
 
 
+def test_bias_constant_along_keys_alone_asking_runs_no_kernel(monkeypatch):
+    """Only such a bias asks for a gradient: it is computed without the kernels, and
+    nothing else runs (the preprocess neither)."""
+    def no_launch(*args):
+        raise AssertionError("a backward kernel ran")
+
+    monkeypatch.setattr(dispatch.tiles_backward, "backward", no_launch)
+    monkeypatch.setattr(dispatch.backward_sm90, "run", no_launch)
+    q, k, v = (torch.randn(2, 9, 2, 8, device=DEVICE) for _ in range(3))
+    bias = torch.randn(2, 1, 9, 1, device=DEVICE, requires_grad=True)
+    out, lse = memattn.attention(q, k, v, bias=bias, causal=True, return_lse=True)
+    g_lse = torch.randn_like(lse)
+    (dbias,) = torch.autograd.grad((out, lse), [bias], (torch.randn_like(out), g_lse))
+    assert torch.equal(dbias, g_lse.sum(1, keepdim=True)[..., None])
+
+
 @pytest.mark.parametrize("bias", ["BHQ1", "1HQ1", "Q1"])
 def test_packed_bias_constant_along_keys_gradient_through_lse(bias, monkeypatch):
     """Packed sequences: grad_lse, (H, tokens), goes to each sequence's positions of the

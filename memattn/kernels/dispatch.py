@@ -188,6 +188,8 @@ def backward(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, a
     """The gradients in ``needs`` (dq, dk, dv, dbias): (dq, dk, dv, dbias), None for
     those not needed. ``grad_lse``: a gradient flowing into lse, or None."""
     needs = (*needs[:3], needs[3] and bias is not None)
+    if not any(needs):  # (a bias constant along the keys, alone asking, comes here)
+        return None, None, None, None
     if q.shape[0] == 0 or spec.heads == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0:
         return tuple(torch.zeros(t.shape, dtype=t.dtype, device=t.device) if need else None
                      for t, need in zip((q, k, v, bias), needs))  # fmt: skip
