@@ -238,15 +238,18 @@ def reference_spec(x: Inputs):
 
 
 def check_backward(case: Case, dtype: torch.dtype, device, seed: int = 0,
-                   bias_grad: bool = True, lse_grad: bool = False) -> list[Result]:  # fmt: skip
+                   bias_grad: bool = True, lse_grad: bool = False,
+                   frozen: tuple[str, ...] = ()) -> list[Result]:  # fmt: skip
     """Runs forward and backward through memattn.attention's autograd on fresh inputs
     and compares dq, dk, dv (and dbias when the case has a bias and ``bias_grad``: a
     bias that asks none is only read) with float64 autograd through the reference,
     against the tolerance set by the reference in ``dtype``. ``lse_grad``: the call
-    returns lse too and a gradient flows into it as well as into out. Dropout is
-    checked with the keep mask the call used (same torch seed)."""
+    returns lse too and a gradient flows into it as well as into out. ``frozen``: of
+    "q", "k", "v", those that ask no gradient. Dropout is checked with the keep mask
+    the call used (same torch seed)."""
     x = make_inputs(case, dtype, device, seed)
-    leaves = {"dq": x.q, "dk": x.k, "dv": x.v}
+    inputs = {"dq": x.q, "dk": x.k, "dv": x.v}
+    leaves = {n: t for n, t in inputs.items() if n[1:] not in frozen}
     if "bias" in x.kwargs and bias_grad:
         leaves["dbias"] = x.kwargs["bias"]
     for t in leaves.values():
@@ -272,18 +275,20 @@ def check_backward(case: Case, dtype: torch.dtype, device, seed: int = 0,
         keep = dropout_mask(rng_state, x.kwargs["dropout_p"], *reference_spec(x).bias_shape)
 
     def reference_grads(to, expand_bias=False):
-        ls = {n: t.detach().to(to).requires_grad_(True) for n, t in leaves.items()}
+        ls = {n: t.detach().to(to).requires_grad_(n in leaves) for n, t in inputs.items()}
         kw = {k: (v.detach().to(to) if k == "bias" else v) for k, v in x.kwargs.items()}
-        if "dbias" in ls:
+        if "dbias" in leaves:
+            ls["dbias"] = kw["bias"].requires_grad_(True)
             if expand_bias:  # differentiate dS itself; reduced to the bias's shape below
                 full = reference_spec(x).bias_shape
                 ls["dbias"] = kw["bias"].expand(full).clone().requires_grad_(True)
             kw["bias"] = ls["dbias"]
         o, lse_ref = reference.attention(ls["dq"], ls["dk"], ls["dv"], **kw,
                                          dropout_keep=keep, return_lse=True)  # fmt: skip
-        if grad_lse is None:
-            return list(torch.autograd.grad(o, list(ls.values()), grad.to(to)))
-        return list(torch.autograd.grad((o, lse_ref), list(ls.values()),
+        wanted = [ls[n] for n in leaves]
+        if grad_lse is None or not lse_ref.requires_grad:  # (lse does not depend on v)
+            return list(torch.autograd.grad(o, wanted, grad.to(to)))
+        return list(torch.autograd.grad((o, lse_ref), wanted,
                                         (grad.to(to), grad_lse.to(lse_ref.dtype))))
 
     exact = reference_grads(torch.float64, expand_bias=True)
@@ -298,7 +303,7 @@ def check_backward(case: Case, dtype: torch.dtype, device, seed: int = 0,
     # adds is allowed besides (twice, as the reference's error).
     terms = _softmax_terms(x, grad.double(), keep, dtype,
                            None if grad_lse is None else grad_lse.double())  # fmt: skip
-    names = ["dq", "dk", "dv"] + ["ds"] * ("dbias" in leaves)
+    names = [{"dbias": "ds"}.get(n, n) for n in leaves]  # the terms each is made of
     if "dbias" in leaves:
         d_s = exact[-1]
         exact[-1] = _reduce_to(d_s, leaves["dbias"].shape)
@@ -429,6 +434,7 @@ class RandomCall(NamedTuple):
     dtype: torch.dtype
     bias_grad: bool  # whether the bias asks for its gradient (check_backward's)
     lse_grad: bool  # whether a gradient flows into lse too (check_backward's)
+    frozen: tuple[str, ...]  # of "q", "k", "v", those asking no gradient (check_backward's)
 
 
 # Head dims (Dqk, Dv) random calls draw: on the GPU those the Hopper kernels take
@@ -442,12 +448,12 @@ _CPU_HEAD_DIMS = [(16, 16), (40, 24), (8, 32), (17, 5), (32, 32)]
 def random_call(seed: int, gpu: bool) -> RandomCall:
     """A call with options drawn together at random (shapes, packing, GQA, head dims,
     masks in both alignments, windows, every bias shape, ALiBi, softcap, scale, dropout,
-    determinism, layouts, max_seqlen given, a gradient into lse), so that combinations
-    the feature grid does not spell out get checked too. The same seed gives the same
-    call. ``gpu``: sizes that fill a GPU's tiles (up to ~1100 tokens a sequence,
-    few-query calls against 4k+ keys for the split-KV forward, mostly bf16/fp16 and the
-    Hopper kernels' head dims); otherwise the interpreter's small odd sizes in
-    float32/float16."""
+    determinism, layouts, max_seqlen given, a gradient into lse, inputs that ask no
+    gradient), so that combinations the feature grid does not spell out get checked
+    too. The same seed gives the same call. ``gpu``: sizes that fill a GPU's tiles (up
+    to ~1100 tokens a sequence, few-query calls against 4k+ keys for the split-KV
+    forward, mostly bf16/fp16 and the Hopper kernels' head dims); otherwise the
+    interpreter's small odd sizes in float32/float16."""
     rng = random.Random(seed)
     chance = rng.random
     longest = 1100 if gpu else 40
@@ -511,6 +517,11 @@ def random_call(seed: int, gpu: bool) -> RandomCall:
         for name in ("q", "k"):
             longest_here = max(sizes[f"lengths_{name}"])
             options[f"max_seqlen_{name}"] = longest_here + rng.choice([0, rng.randint(1, 40)])
-    name = f"random {seed}" + " (gradient into lse too)" * lse_grad  # as the table shows it
+    frozen = ()
+    if chance() < 0.2:  # some of q, k and v ask no gradient (a frozen prefix or cache)
+        frozen = rng.choice([("q",), ("k",), ("v",), ("k", "v"), ("q", "k"), ("q", "v")]
+                            + [("q", "k", "v")] * (3 * bias_grad))  # fmt: skip
+    name = (f"random {seed}" + " (gradient into lse too)" * lse_grad
+            + f" ({', '.join(frozen)} frozen)" * bool(frozen))  # as the table shows it
     case = Case(name, **sizes, bias=bias, alibi=alibi, layout=layout, options=options)
-    return RandomCall(case, dtype, bias_grad, lse_grad)
+    return RandomCall(case, dtype, bias_grad, lse_grad, frozen)

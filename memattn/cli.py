@@ -39,7 +39,7 @@ def check(args) -> int:
                 for seed, c in calls
                 for run in (checks.check_forward,
                             functools.partial(checks.check_backward, bias_grad=c.bias_grad,
-                                              lse_grad=c.lse_grad))]
+                                              lse_grad=c.lse_grad, frozen=c.frozen))]
     elif device == "cuda":
         jobs = [(checks.gpu_sized(case), run, dtype, 0) for case in checks.FEATURE_CASES
                 for run in checks.RUNS for dtype in (torch.bfloat16, torch.float16)]

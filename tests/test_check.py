@@ -25,7 +25,8 @@ def _check(seed: int, gpu: bool):
     device = "cuda" if gpu else "cpu"
     results = (check_forward(call.case, call.dtype, device, seed=seed)
                + check_backward(call.case, call.dtype, device, seed=seed,
-                                bias_grad=call.bias_grad, lse_grad=call.lse_grad))  # fmt: skip
+                                bias_grad=call.bias_grad, lse_grad=call.lse_grad,
+                                frozen=call.frozen))  # fmt: skip
     failed = [f"{r.what}: error {r.error:.3g} > allowed {r.allowed:.3g}"
               for r in results if not r.passed]  # fmt: skip
     assert not failed, f"{call}: " + "; ".join(failed)
@@ -66,6 +67,9 @@ def test_random_calls_draw_every_option(gpu):
     with_bias = [c.bias_grad for c in calls if c.case.bias]
     assert any(with_bias) and not all(with_bias)  # gradients asked and not
     assert 40 <= sum(c.lse_grad for c in calls) <= 120
+    frozen = {c.frozen for c in calls} - {()}
+    assert len(frozen) >= 6 and ("q", "k", "v") in frozen  # the last with a bias gradient
+    assert all(c.bias_grad for c in calls if c.frozen == ("q", "k", "v"))
     given = [c for c in cases if "max_seqlen_q" in c.options]
     assert sum(c.options["max_seqlen_k"] > max(c.lengths_k) for c in given) >= 5  # padded
     assert sum(c.options["max_seqlen_q"] == max(c.lengths_q) for c in given) >= 2  # exact

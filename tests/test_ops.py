@@ -284,7 +284,9 @@ def _random_step(seed: int, gpu: bool):
         kwargs.setdefault("max_seqlen_q", max(call.case.lengths_q))
         kwargs.setdefault("max_seqlen_k", max(call.case.lengths_k))
     bias = kwargs.pop("bias", None)
-    leaves = [x.q, x.k, x.v] + [bias] * call.bias_grad
+    inputs = {"dq": x.q, "dk": x.k, "dv": x.v}
+    leaves = [t for name, t in inputs.items() if name[1:] not in call.frozen]
+    leaves += [bias] * call.bias_grad
     for t in leaves:
         t.requires_grad_(True)
     grads = []  # made at the first step, outside any capture
@@ -306,7 +308,8 @@ def _random_step(seed: int, gpu: bool):
 
 
 def _assert_same(call, eager, other, how: str):
-    names = ["out", "lse"][: 1 + call.lse_grad] + ["dq", "dk", "dv", "dbias"]
+    names = ["out", "lse"][: 1 + call.lse_grad] + [
+        f"d{n}" for n in "qkv" if n not in call.frozen] + ["dbias"]  # fmt: skip
     for name, e, o in zip(names, eager, other):
         assert torch.equal(e, o), f"{call}: {name} {how} differs, {relative_error(o, e):.3g}"
 
