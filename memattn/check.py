@@ -278,11 +278,9 @@ def check_backward(case: Case, dtype: torch.dtype, device, seed: int = 0,
         ls = {n: t.detach().to(to).requires_grad_(n in leaves) for n, t in inputs.items()}
         kw = {k: (v.detach().to(to) if k == "bias" else v) for k, v in x.kwargs.items()}
         if "dbias" in leaves:
-            ls["dbias"] = kw["bias"].requires_grad_(True)
             if expand_bias:  # differentiate dS itself; reduced to the bias's shape below
-                full = reference_spec(x).bias_shape
-                ls["dbias"] = kw["bias"].expand(full).clone().requires_grad_(True)
-            kw["bias"] = ls["dbias"]
+                kw["bias"] = kw["bias"].expand(reference_spec(x).bias_shape).clone()
+            ls["dbias"] = kw["bias"].requires_grad_(True)
         o, lse_ref = reference.attention(ls["dq"], ls["dk"], ls["dv"], **kw,
                                          dropout_keep=keep, return_lse=True)  # fmt: skip
         wanted = [ls[n] for n in leaves]

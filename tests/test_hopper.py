@@ -962,14 +962,14 @@ def test_bias_row_scores_is_what_the_kernels_start_from(shape, scale, monkeypatc
                          ids=["BH1K", "B11K", "1H1K", "H1K", "K"])
 def test_sum_to_bias_reduces_the_kernels_rows_to_the_bias(shape):
     """The Gluon backward leaves a key row bias's gradient as (B, H, Sk) fp32 sums over
-    each head's queries; sum_to_bias sums them over what the bias broadcasts over and
-    returns the bias's shape and dtype."""
+    each head's queries; common.sum_to_bias sums them over what the bias broadcasts over
+    and returns the bias's shape and dtype."""
     partial = torch.randn(3, 4, 9, dtype=torch.float32)
     bias = torch.zeros(shape, dtype=torch.bfloat16)
     padded = (1,) * (4 - len(shape)) + shape
     summed = [d for d in (0, 1) if padded[d] == 1]
     expected = partial.sum(dim=summed, keepdim=True) if summed else partial  # dim=[]: all
-    got = hopper.sum_to_bias(partial, bias)
+    got = common.sum_to_bias(partial.unsqueeze(2), bias)
     assert got.shape == bias.shape and got.dtype == bias.dtype
     torch.testing.assert_close(got, expected.reshape(shape).to(torch.bfloat16))
 

@@ -47,6 +47,7 @@ from .common import (
     query_range,
     row_block,
     sequence_bounds,
+    sum_to_bias,
     tile_span,
     visible,
 )
@@ -728,11 +729,7 @@ def backward(
         if dq_by_matmul:
             dq_from_ds(dq, db_buf, k, spec)
         if need_dbias:
-            shape = (1,) * (4 - bias.dim()) + tuple(bias.shape)
-            summed = [d for d in range(4) if shape[d] == 1 and db_buf.shape[d] != 1]
-            if summed:
-                db_buf = db_buf.sum(dim=summed, keepdim=True)
-            dbias = db_buf.reshape(bias.shape).to(bias.dtype)
+            dbias = sum_to_bias(db_buf, bias)
         if not need_dk:
             dk = None
         if not need_dv:

@@ -39,6 +39,16 @@ def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def sum_to_bias(grad: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """A bias's gradient from a 4-D one whose dimensions are (B, H, Sq, Sk) or 1: summed
+    over the dimensions the bias broadcasts over, in its shape and dtype."""
+    shape = (1,) * (4 - bias.dim()) + tuple(bias.shape)
+    summed = [d for d in range(4) if shape[d] == 1 and grad.shape[d] != 1]
+    if summed:  # (a sum over dim=[] would sum over every dimension)
+        grad = grad.sum(dim=summed, keepdim=True)
+    return grad.reshape(bias.shape).to(bias.dtype)
+
+
 def alibi_strides(alibi: torch.Tensor | None) -> tuple[int, int]:
     """(batch, head) strides of ALiBi's slopes, (H,) or (B, H); (0, 0) without."""
     if alibi is None:

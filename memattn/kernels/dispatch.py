@@ -44,7 +44,7 @@ from ..spec import AttentionSpec, output_shapes
 from . import backward as tiles_backward
 from . import decode
 from . import forward as tiles_forward
-from .common import new_output
+from .common import new_output, sum_to_bias
 
 try:  # Gluon's Hopper API (Triton 3.6); without it every call runs the tile kernels
     from . import backward_sm90, forward_sm90, hopper
@@ -222,11 +222,5 @@ def _row_bias_gradient(spec: AttentionSpec, bias, lse, grad_lse, cu_seqlens_q):
         full = rows.new_zeros(spec.batch, spec.seqlen_q, spec.heads)
         full[sequence, token - starts[sequence]] = rows.T
         rows = full.transpose(1, 2)
-    rows = rows[..., None]  # (B, H, Sq, 1)
-    lead = rows.dim() - bias.dim()
-    summed = [d for d in range(rows.dim())
-              if d < lead or (bias.shape[d - lead] == 1 and rows.shape[d] != 1)]  # fmt: skip
-    if summed:  # (sum over dim=[] would sum over every dimension)
-        rows = rows.sum(dim=summed, keepdim=True)
-    return rows.reshape(bias.shape).to(bias.dtype)
+    return sum_to_bias(rows[..., None], bias)
 

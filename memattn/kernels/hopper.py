@@ -97,16 +97,6 @@ def bias_row_strides(bias: torch.Tensor | None) -> tuple[int, int, int]:
     return tuple(0 if n == 1 else s for n, s in zip(shape[:2], strides[:2])) + (strides[3],)
 
 
-def sum_to_bias(partial: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """A row bias's gradient from the kernels' (B, H, Sk) fp32 sums over queries:
-    summed over the dimensions the bias broadcasts over, in its shape and dtype."""
-    shape, _ = _bias_4d(bias)
-    summed = [d for d in (0, 1) if shape[d] == 1 and partial.shape[d] != 1]
-    if summed:
-        partial = partial.sum(dim=summed, keepdim=True)
-    return partial.unsqueeze(2).reshape(bias.shape).to(bias.dtype)
-
-
 def bias_full(spec: AttentionSpec, bias: torch.Tensor) -> bool:
     """Whether a bias has one element per (batch, head, query, key): its gradient is
     then dS itself, with no sum over broadcast dimensions."""

@@ -50,6 +50,7 @@ from ..common import (
     packed_row_block,
     row_block,
     sequence_bounds,
+    sum_to_bias,
     visible,
 )
 from ..forward import dense_strides
@@ -414,8 +415,8 @@ def _launch_all(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias
                                                     *dq.stride(), hopper.aligned(cu_seqlens_q),
                                                     hopper.aligned(cu_seqlens_k)),
                               num_warps=4, **constexprs, launch_pdl=pdl)  # fmt: skip
-    if dbias_kind == "row":
-        dbias = hopper.sum_to_bias(dbias, bias)
+    if dbias_kind == "row":  # (B, H, Sk) fp32 sums over each head's queries
+        dbias = sum_to_bias(dbias.unsqueeze(2), bias)
     elif dbias_kind in SUMMED_GRADIENTS:
         summed, dbias = dbias, new_output(bias.shape, bias.dtype, bias.device)
         bias_grad_tiles(CONVERT, spec, summed, dbias, cu_seqlens_q, cu_seqlens_k)
