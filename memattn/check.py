@@ -31,8 +31,9 @@ class Case:
 
     ``bias`` spells the bias's shape with the letters B, H, Q, K (sizes B, H, Sq, Sk)
     and 1 (broadcast), e.g. "BHQK", "1H1K", "QK". ``alibi`` is "H" or "BH".
-    ``layout`` is "contiguous", "transposed" (q/k/v as (B, H, S, D).transpose) or
-    "strided" (last-dim stride 2, nothing contiguous).
+    ``layout`` is "contiguous", "transposed" (q/k/v as (B, H, S, D).transpose, a bias
+    with its last two dimensions swapped) or "strided" (last-dim stride 2, nothing
+    contiguous; a bias's too).
     """
 
     name: str
@@ -110,9 +111,16 @@ def make_inputs(case: Case, dtype: torch.dtype, device, seed: int = 0) -> Inputs
         for name, lengths in (("q", case.lengths_q), ("k", case.lengths_k)):
             cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
             kwargs[f"cu_seqlens_{name}"] = cu.to(device)
-    if case.bias is not None:
+    if case.bias is not None:  # laid out as q, k and v are: keys strided, not innermost
         sizes = {"B": batch, "H": case.heads, "Q": sq, "K": sk, "1": 1}
-        kwargs["bias"] = randn(*(sizes[c] for c in case.bias)).to(dtype)
+        shape = [sizes[c] for c in case.bias]
+        if case.layout == "transposed" and len(shape) >= 2:
+            bias = randn(*shape[:-2], shape[-1], shape[-2]).to(dtype).transpose(-1, -2)
+        elif case.layout == "strided":
+            bias = randn(*shape[:-1], 2 * shape[-1]).to(dtype)[..., ::2]
+        else:
+            bias = randn(*shape).to(dtype)
+        kwargs["bias"] = bias
     if case.alibi is not None:
         shape = (case.heads,) if case.alibi == "H" else (batch, case.heads)
         kwargs["alibi_slopes"] = torch.rand(*shape, generator=gen).to(device) * 0.5
@@ -395,7 +403,7 @@ FEATURE_CASES = [
     Case("MQA", heads=3, kv_heads=1),
     Case("MHA Dqk=Dv", kv_heads=4, dv=40),
     Case("head dims 1/17", dqk=1, dv=17),
-    Case("transposed layout", layout="transposed", options=dict(causal=True)),
+    Case("transposed layout", layout="transposed", bias="QK", options=dict(causal=True)),
     Case("strided layout", layout="strided", bias="1HQK"),
     Case("varlen", lengths_q=(5, 0, 37, 12), lengths_k=(9, 3, 53, 0)),
     Case("varlen causal bottom-right window", lengths_q=(5, 19, 1), lengths_k=(9, 7, 30),
