@@ -24,6 +24,7 @@ from memattn.check import (
     FLOOR,
     Case,
     check_backward,
+    check_forward,
     gpu_sized,
     make_inputs,
     relative_error,
@@ -646,6 +647,54 @@ def test_hopper_backward_bias_without_grad_gpu(name, dtype, hopper_backward_laun
     assert [r.what for r in results] == ["dq", "dk", "dv"]
     assert_results(results)
     assert hopper_backward_launches and orders == [(True, False)]
+
+
+# A bias whose rows TMA cannot read as they are, read by the Gluon kernels over a copy
+# (dispatch: common.aligned_bias): rows not whole 16 bytes (Sk not a multiple of 8, a
+# padded batch's mask), packed with a plane the sequences share, with dropout; keys
+# strided (a transposed bias) with its gradient, which the Gluon backward computes into
+# a buffer of its own. out, lse and the gradients against the reference; a gradient of
+# rows not whole 16 bytes keeps the tile backward (test_hopper_backward_gpu).
+COPIED_BIAS_CASES = [
+    Case("bias B1QK causal Sk=1001", seqlen_q=777, seqlen_k=1001, dqk=128, dv=128,
+         bias="B1QK", options=dict(causal=True)),
+    Case("bias 1HQK D64 dropout GQA", heads=4, kv_heads=2, seqlen_q=600, seqlen_k=907,
+         dqk=64, dv=64, bias="1HQK", options=dict(dropout_p=0.1)),
+    Case("bias 1HQK varlen window", lengths_q=(300, 0, 517), lengths_k=(401, 9, 515),
+         dqk=128, dv=128, bias="1HQK", options=dict(window=(200, 30))),
+    Case("bias BHQK Dqk192 Dv128 bottom-right", seqlen_q=300, seqlen_k=605, dqk=192, dv=128,
+         bias="BHQK", options=dict(causal=True, align="bottom_right")),
+    Case("bias BHQK transposed causal", seqlen_q=500, seqlen_k=704, dqk=128, dv=128,
+         bias="BHQK", layout="transposed", options=dict(causal=True)),
+    Case("bias 1HQK D64 transposed", seqlen_q=600, seqlen_k=904, dqk=64, dv=64,
+         bias="1HQK", layout="transposed"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("case", COPIED_BIAS_CASES, ids=lambda c: c.name)
+def test_hopper_kernels_read_a_copied_bias_gpu(case, dtype, hopper_backward_launches,
+                                               monkeypatch):  # fmt: skip
+    from memattn.kernels import dispatch, forward_sm90
+
+    copied, forwards = [], []
+    aligned, run = dispatch.aligned_bias, forward_sm90.forward
+
+    def aligned_bias(bias, elements):
+        read = aligned(bias, elements)
+        copied.append(read is not bias)
+        return read
+
+    monkeypatch.setattr(dispatch, "aligned_bias", aligned_bias)
+    monkeypatch.setattr(forward_sm90, "forward", lambda *a: forwards.append(1) or run(*a))
+    assert_results(check_forward(case, dtype, "cuda", seed=5))
+    assert forwards and copied == [True], "the Gluon forward did not read a copy"
+    grad = case.layout == "transposed"  # else rows not whole 16 bytes: the tile backward
+    results = check_backward(case, dtype, "cuda", seed=5, bias_grad=grad)
+    assert [r.what for r in results] == ["dq", "dk", "dv"] + ["dbias"] * grad
+    assert_results(results)
+    assert hopper_backward_launches and copied == [True] * 3  # two forwards, the backward
 
 
 # A bias past 128 columns (a padding mask from transformers at D=256, asking no

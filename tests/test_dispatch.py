@@ -13,6 +13,7 @@ import memattn
 from memattn import reference
 from memattn.check import FLOOR, Case, check_backward, relative_error
 from memattn.kernels import dispatch
+from memattn.kernels.common import rows_aligned
 from memattn.spec import check_call
 
 from .conftest import DEVICE
@@ -1413,6 +1414,45 @@ def test_deterministic_full_bias_gradient_takes_dq_from_ds(d, bias_shape, varlen
         assert dispatch._gluon_deterministic(spec, bias, True)
         assert not bsm.orders_dq(spec, kind)  # the writer's buffers have no room
     assert bsm.dq_from_full_bias(spec, None) is False  # no gradient asked of the bias
+
+
+def _half(*shape):
+    return torch.randn(*shape, device=DEVICE, dtype=torch.float16)
+
+
+@pytest.mark.parametrize(
+    "make, copied",
+    [(lambda: _half(2, 2, 16, 19)[..., :16], True),  # rows 19 elements apart
+     (lambda: _half(2, 2, 16, 32)[..., :16], False),  # 32 apart: read where they lie
+     (lambda: _half(2, 2, 16, 16).transpose(-1, -2), True),  # keys strided
+     (lambda: _half(16, 16).expand(2, 2, 16, 16), False),  # broadcast: strides 0
+     (lambda: _half(2 * 16 + 8)[1:33].view(2, 1, 1, 16), True),  # a base 2 bytes off
+     (lambda: _half(2, 1, 1, 16), False)],  # a key row
+    ids=["rows 19 apart", "rows 32 apart", "keys strided", "broadcast", "base unaligned",
+         "key row"],
+)  # fmt: skip
+def test_tile_kernels_read_biases_over_aligned_rows(make, copied, monkeypatch):
+    """The tile kernels load a bias 16 bytes at a time where its rows are aligned to
+    TILE_BIAS_ALIGNMENT elements: dispatch hands them, forward and backward, the bias
+    itself where they are, else a copy over aligned rows with the same values
+    (common.aligned_bias)."""
+    bias = make()
+    _, q, k, v, _ = spec_and_inputs(d=16)
+    spec = check_call(q, k, v, bias=bias)
+    read = []
+    forward, backward = dispatch.tiles_forward.forward, dispatch.tiles_backward.backward
+    monkeypatch.setattr(dispatch.tiles_forward, "forward",
+                        lambda *a: read.append(a[4]) or forward(*a))
+    monkeypatch.setattr(dispatch.tiles_backward, "backward",
+                        lambda *a: read.append(a[8]) or backward(*a))
+    out, lse = dispatch.forward(spec, q, k, v, bias, None, None, None, None)
+    dispatch.backward(spec, out, None, q, k, v, out, lse, bias, None, None, None, None,
+                      (True, True, True, False))  # fmt: skip
+    assert len(read) == 2, "a call ran another kernel family"
+    for r in read:
+        assert torch.equal(r, bias) and r.shape == bias.shape
+        assert (r.data_ptr() != bias.data_ptr()) == copied
+        assert rows_aligned(r, dispatch.TILE_BIAS_ALIGNMENT)
 
 
 @pytest.mark.parametrize("which", ["no queries", "no keys", "no batch"])

@@ -531,30 +531,41 @@ def _spec(bias, seqlen_q=40, seqlen_k=24, dtype=torch.bfloat16):
     return memattn.spec.check_call(q, k, k, bias=bias)
 
 
-def _empty(*shape):
-    return torch.empty(*shape, dtype=torch.bfloat16)
+def _bf16(*shape):
+    return torch.randn(*shape).to(torch.bfloat16)
 
 
 @pytest.mark.parametrize(
     "make, readable, full",
-    [(lambda: _empty(2, 4, 40, 24), True, True),
-     (lambda: _empty(4, 40, 24), True, False),  # broadcast over batches
-     (lambda: _empty(2, 1, 40, 24), True, False),  # over heads
-     (lambda: _empty(40, 24), True, False),
-     (lambda: _empty(2, 4, 24, 40).transpose(-1, -2), False, True),  # key stride 40
-     (lambda: _empty(2, 4, 40, 1).expand(2, 4, 40, 24), False, True),  # over keys
-     (lambda: _empty(2, 4, 1, 24), False, False),  # over queries
-     (lambda: _empty(2, 4, 40, 25)[..., :24], False, True),  # rows of 50 bytes
-     (lambda: _empty(2 * 4 * 40 * 24 + 1)[1:].view(2, 4, 40, 24), False, True)],
+    [(lambda: _bf16(2, 4, 40, 24), True, True),
+     (lambda: _bf16(4, 40, 24), True, False),  # broadcast over batches
+     (lambda: _bf16(2, 1, 40, 24), True, False),  # over heads
+     (lambda: _bf16(40, 24), True, False),
+     (lambda: _bf16(2, 4, 24, 40).transpose(-1, -2), False, True),  # key stride 40
+     (lambda: _bf16(2, 4, 40, 1).expand(2, 4, 40, 24), False, True),  # over keys
+     (lambda: _bf16(2, 4, 1, 24), False, False),  # over queries
+     (lambda: _bf16(2, 4, 40, 25)[..., :24], False, True),  # rows of 50 bytes
+     (lambda: _bf16(2 * 4 * 40 * 24 + 1)[1:].view(2, 4, 40, 24), False, True)],
     ids=["full", "HQK", "B1QK", "QK", "keys strided", "keys broadcast", "queries broadcast",
          "rows unaligned", "base unaligned"],
 )  # fmt: skip
 def test_which_biases_tma_reads(make, readable, full):
+    """bias_readable; and bias_readable_once_aligned, the biases it refuses for their
+    layout alone, which the Gluon kernels read over a copy (common.aligned_bias at
+    TMA_BIAS_ALIGNMENT: the same values, readable)."""
     bias = make()
     spec = _spec(bias)
     assert hopper.bias_readable(spec, bias) == readable
     assert hopper.bias_full(spec, bias) == full
     assert not hopper.bias_readable(spec, torch.empty(2, 4, 40, 24))  # not q's dtype
+    spans = bias.shape[-2] == 40  # every query (and key)
+    assert hopper.bias_readable_once_aligned(spec, bias) == spans
+    assert not hopper.bias_readable_once_aligned(spec, bias.float())  # not q's dtype
+    aligned = common.aligned_bias(bias, hopper.TMA_BIAS_ALIGNMENT)
+    assert (aligned is bias) == readable or not spans
+    assert torch.equal(aligned, bias)
+    if spans:
+        assert hopper.bias_readable(spec, aligned) and hopper.bias_full(spec, aligned) == full
 
 
 def test_which_biases_are_key_rows():
@@ -563,7 +574,7 @@ def test_which_biases_are_key_rows():
     assert not hopper.bias_row(spec, None)
     for shape, row in [((2, 1, 1, 24), True), ((1, 4, 1, 24), True), ((24,), True),
                        ((2, 4, 40, 24), False), ((2, 4, 1, 1), False)]:
-        bias = _empty(*shape)
+        bias = _bf16(*shape)
         assert hopper.bias_row(_spec(bias), bias) == row, shape
 
 

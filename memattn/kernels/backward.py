@@ -266,9 +266,12 @@ def _dkdv_tiles(
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         bias_t = qk_t  # placeholder, unused without a bias
         if HAS_BIAS:
-            bias_t = tl.load(bias_base + start_m64 * stride_bm + arange_m[None, :] * stride_bm
-                             + arange_n[:, None] * stride_bn,
-                             mask=row_ok[None, :] & col_ok[:, None], other=0.0)
+            b_ptrs = (bias_base + start_m64 * stride_bm + arange_m[None, :] * stride_bm
+                      + arange_n[:, None] * stride_bn)
+            if MASKED:
+                bias_t = tl.load(b_ptrs, mask=row_ok[None, :] & col_ok[:, None], other=0.0)
+            else:  # every query and key in range: aligned rows load 16 bytes at a time
+                bias_t = tl.load(b_ptrs)
             bias_t = bias_t.to(tl.float32)
         keep_t = qk_t  # placeholder, unused without dropout
         if HAS_DROPOUT:  # drawn keys-last, as the forward draws it
@@ -461,9 +464,13 @@ def _dq_tiles(
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         bias = qk  # placeholder, unused without a bias
         if HAS_BIAS:
-            bias = tl.load(bias_base + start_n64 * stride_bn + arange_m[:, None] * stride_bm
-                           + arange_n[None, :] * stride_bn,
-                           mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+            b_ptrs = (bias_base + start_n64 * stride_bn + arange_m[:, None] * stride_bm
+                      + arange_n[None, :] * stride_bn)
+            if MASKED:
+                b_mask = row_ok[:, None] & col_ok[None, :]
+            else:  # every key in range: rows alone, so aligned rows load 16 bytes at a time
+                b_mask = row_ok[:, None]
+            bias = tl.load(b_ptrs, mask=b_mask, other=0.0)
             bias = bias.to(tl.float32)
         keep = qk  # placeholder, unused without dropout
         if HAS_DROPOUT:

@@ -49,6 +49,26 @@ def sum_to_bias(grad: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return grad.reshape(bias.shape).to(bias.dtype)
 
 
+def rows_aligned(bias: torch.Tensor, elements: int) -> bool:
+    """Whether a bias's rows are aligned to ``elements``: a key stride of 1, a 16-byte
+    aligned base, and batch, head and query strides that ``elements`` divides (where
+    that dimension is not 1)."""
+    strides = zip(bias.shape[:-1], bias.stride()[:-1])
+    return (bias.stride(-1) == 1 and bias.data_ptr() % 16 == 0
+            and all(s % elements == 0 for n, s in strides if n > 1))
+
+
+def aligned_bias(bias: torch.Tensor | None, elements: int) -> torch.Tensor | None:
+    """The bias itself where its rows are aligned to ``elements`` (rows_aligned), else
+    a copy of it over rows padded to a multiple of ``elements``: the same shape and
+    values, the padding never read (as PyTorch pads its memory-efficient kernel's
+    bias). dispatch says why each kernel family wants which."""
+    if bias is None or bias.dim() == 0 or rows_aligned(bias, elements):
+        return bias
+    rows = bias.new_empty(*bias.shape[:-1], cdiv(bias.shape[-1], elements) * elements)
+    return rows[..., : bias.shape[-1]].copy_(bias)
+
+
 def alibi_strides(alibi: torch.Tensor | None) -> tuple[int, int]:
     """(batch, head) strides of ALiBi's slopes, (H,) or (B, H); (0, 0) without."""
     if alibi is None:

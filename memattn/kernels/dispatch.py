@@ -30,7 +30,9 @@ backward alike.
   this package's __init__ checks it is on).
 
 ``forward`` and ``backward`` here are what memattn.ops calls: they allocate the
-outputs, answer empty calls without a launch, and hand the call to one family.
+outputs, answer empty calls without a launch, and hand the call to one family, with a
+bias copied over aligned rows where that family would not read it at full width
+(TILE_BIAS_ALIGNMENT).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from ..spec import AttentionSpec, output_shapes
 from . import backward as tiles_backward
 from . import decode
 from . import forward as tiles_forward
-from .common import new_output, sum_to_bias
+from .common import aligned_bias, new_output, sum_to_bias
 
 try:  # Gluon's Hopper API (Triton 3.6); without it every call runs the tile kernels
     from . import backward_sm90, forward_sm90, hopper
@@ -66,9 +68,32 @@ def _gluon_takes(spec: AttentionSpec, q, k, v, bias) -> bool:
     if spec.positioned:  # not built: ALiBi and dropout at global positions
         return False
     if bias is not None and not hopper.bias_row(spec, bias):  # else by TMA tiles
-        if not hopper.bias_readable(spec, bias):
+        if not hopper.bias_readable_once_aligned(spec, bias):
             return False
     return all(hopper.tma_readable(t) for t in (q, k, v))
+
+
+# Each family reads a bias's rows at full width only where they are aligned, and
+# dispatch copies one whose rows are not (common.aligned_bias, elements): TMA reads rows
+# of whole 16 bytes (hopper.TMA_BIAS_ALIGNMENT); the tile kernels load 16 bytes at a
+# time where Triton knows that 16 divides the strides (it specialises an integer
+# argument so), else element by element. Most often Sk is not a multiple of 8 or 16: a
+# padded batch's mask from transformers. H200, tools/ab.py, B4 S4095 H16 (D=64: H32),
+# bias without its gradient, TFLOP/s fwd / bwd, before (the tile kernels over the
+# bias as given) -> the Gluon kernels over a copy: D128 (B, 1, Sq, Sk) 49 / 139 -> 448 /
+# 471 (S4096, no copy: 495 / 498), causal 43 / 122 -> 391 / 417, (B, H, Sq, Sk) 46 / 135
+# -> 157 / 274; D64 (1, H, Sq, Sk) 60 / 117 -> 197 / 283. The tile kernels over a copy:
+# 152 / 190, 139 / 172, 93 / 142, 85 / 122 (their unmasked tiles' bias loads drop the
+# key mask too, which Sk's divisibility decides as well).
+TILE_BIAS_ALIGNMENT = 16
+
+
+def _gluon_bias(spec: AttentionSpec, bias):
+    """The bias the Gluon kernels read: over rows TMA reads, but a key row (read by
+    pointer in any layout, the forward's from an fp32 copy of its own)."""
+    if hopper.bias_row(spec, bias):
+        return bias
+    return aligned_bias(bias, hopper.TMA_BIAS_ALIGNMENT)
 
 
 # Head dims the Gluon kernels are not built for run as the next wider ones where that
@@ -135,7 +160,7 @@ def gluon_backward_computes(spec: AttentionSpec, bias, need_dbias: bool) -> bool
         return False
     if not need_dbias or hopper.bias_row(spec, bias):
         return True
-    return hopper.bias_readable(spec, bias) and spec.seqlen_k % 8 == 0
+    return hopper.bias_readable_once_aligned(spec, bias) and spec.seqlen_k % 8 == 0
 
 
 def _gluon_deterministic(spec: AttentionSpec, bias, need_dbias: bool) -> bool:
@@ -176,9 +201,10 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_s
     if decode.takes(spec):
         run = decode.forward
     elif gluon_forward(spec, q, k, v, bias):
-        run, spec = forward_sm90.forward, kernel_spec(spec, "forward")
+        run, bias = forward_sm90.forward, _gluon_bias(spec, bias)
+        spec = kernel_spec(spec, "forward")
     else:
-        run = tiles_forward.forward
+        run, bias = tiles_forward.forward, aligned_bias(bias, TILE_BIAS_ALIGNMENT)
     run(spec, q, k, v, bias, alibi_slopes, rng_state, cu_seqlens_q, cu_seqlens_k, out, lse)
     return out, lse
 
@@ -200,9 +226,10 @@ def backward(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, a
         return dq, dk, dv, _row_bias_gradient(spec, bias, lse, grad_lse, cu_seqlens_q)
     rng_state = rng_state if spec.dropout_p > 0 else None
     if gluon_backward(spec, q, k, v, grad_out, bias, alibi_slopes, needs):
-        run, spec = backward_sm90.run, kernel_spec(spec, "backward")
+        run, bias = backward_sm90.run, _gluon_bias(spec, bias)
+        spec = kernel_spec(spec, "backward")
     else:
-        run = tiles_backward.backward
+        run, bias = tiles_backward.backward, aligned_bias(bias, TILE_BIAS_ALIGNMENT)
     return run(spec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_slopes, cu_seqlens_q,
                cu_seqlens_k, rng_state, needs)  # fmt: skip
 

@@ -70,7 +70,11 @@ def _fwd_tiles(
         bias = qk  # placeholder, unused without a bias
         if HAS_BIAS:
             b_ptrs = bias_rows[:, None] + (start_n64 + arange_n[None, :]) * stride_bn
-            bias = tl.load(b_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+            if MASKED:
+                b_mask = row_ok[:, None] & col_ok[None, :]
+            else:  # every key in range: rows alone, so aligned rows load 16 bytes at a time
+                b_mask = row_ok[:, None]
+            bias = tl.load(b_ptrs, mask=b_mask, other=0.0)
             bias = bias.to(tl.float32)
         s = capped_score_log2(qk, scale, softcap, HAS_SOFTCAP, k.dtype != tl.float32)
         s = add_bias_alibi_log2(s, offs_m[:, None], offs_n[None, :], off + pos_q - pos_k,

@@ -29,7 +29,7 @@ from triton.runtime import driver
 
 from ..spec import AttentionSpec
 from . import shares_sms
-from .common import cdiv, diagonal_offset, key_range, sequence_bounds
+from .common import cdiv, diagonal_offset, key_range, rows_aligned, sequence_bounds
 
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
@@ -51,15 +51,23 @@ def _bias_4d(bias: torch.Tensor) -> tuple[list[int], list[int]]:
     return [1] * pad + list(bias.shape), [0] * pad + list(bias.stride())
 
 
+# Elements of 2 bytes a bias's rows are aligned to for TMA (common.rows_aligned): rows
+# of whole 16 bytes.
+TMA_BIAS_ALIGNMENT = 8
+
+
+def bias_readable_once_aligned(spec: AttentionSpec, bias: torch.Tensor) -> bool:
+    """A bias the Gluon kernels read by TMA tiles once its rows are aligned
+    (bias_readable; dispatch copies one whose rows are not): q's dtype, every query and
+    key (broadcast over batch or heads at most)."""
+    shape, _ = _bias_4d(bias)
+    return bias.dtype == spec.dtype and shape[2:] == [spec.seqlen_q, spec.seqlen_k]
+
+
 def bias_readable(spec: AttentionSpec, bias: torch.Tensor) -> bool:
-    """A bias the Gluon kernels read by TMA: q's dtype, every query and key (broadcast
-    over batch or heads at most), a unit key stride and 16-byte aligned rows."""
-    shape, strides = _bias_4d(bias)
-    if bias.dtype != spec.dtype or shape[2:] != [spec.seqlen_q, spec.seqlen_k]:
-        return False
-    if strides[3] != 1 or bias.data_ptr() % 16:
-        return False
-    return all(s % 8 == 0 for n, s in zip(shape[:3], strides[:3]) if n > 1)
+    """A bias the Gluon kernels read by TMA as it is: readable once aligned, and rows
+    aligned to TMA_BIAS_ALIGNMENT."""
+    return bias_readable_once_aligned(spec, bias) and rows_aligned(bias, TMA_BIAS_ALIGNMENT)
 
 
 def bias_row(spec: AttentionSpec, bias: torch.Tensor | None) -> bool:
