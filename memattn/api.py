@@ -43,7 +43,9 @@ def attention(
                     -1 leaves a side unbounded. Combines with causal.
       bias:         additive float tensor broadcastable to (B, H, Sq, Sk); in varlen
                     mode to (B, H, max_seqlen_q, max_seqlen_k), indexed by positions
-                    inside each sequence. Read through zero strides, never expanded.
+                    inside each sequence. Read through zero strides, never expanded;
+                    rows not aligned (a row stride 8 does not divide on Hopper, 16
+                    elsewhere; keys strided) from an aligned copy, as SDPA does.
       alibi_slopes: float32 (H,) or (B, H): adds -slope * |i + off - j|.
       softcap:      > 0: s = softcap * tanh(s / softcap) on the scaled score, before
                     bias, ALiBi and masks.
