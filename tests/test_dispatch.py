@@ -13,7 +13,7 @@ import memattn
 from memattn import reference
 from memattn.check import FLOOR, Case, check_backward, relative_error
 from memattn.kernels import dispatch
-from memattn.kernels.common import rows_aligned
+from memattn.kernels.common import TILE_BIAS_ALIGNMENT, rows_aligned
 from memattn.spec import check_call
 
 from .conftest import DEVICE
@@ -1452,7 +1452,7 @@ def test_tile_kernels_read_biases_over_aligned_rows(make, copied, monkeypatch):
     for r in read:
         assert torch.equal(r, bias) and r.shape == bias.shape
         assert (r.data_ptr() != bias.data_ptr()) == copied
-        assert rows_aligned(r, dispatch.TILE_BIAS_ALIGNMENT)
+        assert rows_aligned(r, TILE_BIAS_ALIGNMENT)
 
 
 @pytest.mark.parametrize("which", ["no queries", "no keys", "no batch"])

@@ -23,6 +23,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
 import memattn.integrations.transformers as mt  # noqa: E402  (registers "memattn")
 from memattn.check import relative_error  # noqa: E402
+from memattn.kernels.common import TILE_BIAS_ALIGNMENT, rows_aligned  # noqa: E402
 
 from .conftest import cpu_only  # noqa: E402
 
@@ -153,6 +154,18 @@ def test_function_matches_sdpa_forward(case):
     ref, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
     assert weights is None and out.shape == (2, q_len, 4, 16)
     assert relative_error(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("kv_len", [9, 16, 33])
+def test_boolean_masks_become_biases_read_without_a_copy(kv_len):
+    """A boolean mask's bias lies over rows every kernel family reads as they are
+    (common.new_bias): memattn makes no copy of its own in each layer; broadcast
+    dimensions stay of size 1."""
+    mask = bool_mask(1, 5, kv_len).expand(3, 1, 5, kv_len)
+    bias = mt._mask_to_bias(mask, torch.float16, kv_len)
+    assert bias.shape == (1, 1, 5, kv_len) and rows_aligned(bias, TILE_BIAS_ALIGNMENT)
+    expected = torch.zeros(bias.shape, dtype=torch.float16).masked_fill(~mask[:1], float("-inf"))
+    assert torch.equal(bias, expected)
 
 
 @cpu_only

@@ -49,6 +49,22 @@ def sum_to_bias(grad: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return grad.reshape(bias.shape).to(bias.dtype)
 
 
+# Elements the tile kernels want a bias's rows aligned to (dispatch says why), a
+# multiple of TMA's (hopper.TMA_BIAS_ALIGNMENT): rows so aligned every family reads as
+# they are.
+TILE_BIAS_ALIGNMENT = 16
+
+
+def new_bias(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """A zero bias that every kernel family reads without a copy of its own
+    (aligned_bias): over rows padded to TILE_BIAS_ALIGNMENT elements, for a bias made
+    from something else (a boolean mask)."""
+    *lead, keys = shape
+    rows = torch.zeros(*lead, cdiv(keys, TILE_BIAS_ALIGNMENT) * TILE_BIAS_ALIGNMENT,
+                       dtype=dtype, device=device)  # fmt: skip
+    return rows[..., :keys]
+
+
 def rows_aligned(bias: torch.Tensor, elements: int) -> bool:
     """Whether a bias's rows are aligned to ``elements``: a key stride of 1, a 16-byte
     aligned base, and batch, head and query strides that ``elements`` divides (where

@@ -32,7 +32,7 @@ backward alike.
 ``forward`` and ``backward`` here are what memattn.ops calls: they allocate the
 outputs, answer empty calls without a launch, and hand the call to one family, with a
 bias copied over aligned rows where that family would not read it at full width
-(TILE_BIAS_ALIGNMENT).
+(common.aligned_bias).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from ..spec import AttentionSpec, output_shapes
 from . import backward as tiles_backward
 from . import decode
 from . import forward as tiles_forward
-from .common import aligned_bias, new_output, sum_to_bias
+from .common import TILE_BIAS_ALIGNMENT, aligned_bias, new_output, sum_to_bias
 
 try:  # Gluon's Hopper API (Triton 3.6); without it every call runs the tile kernels
     from . import backward_sm90, forward_sm90, hopper
@@ -74,18 +74,18 @@ def _gluon_takes(spec: AttentionSpec, q, k, v, bias) -> bool:
 
 
 # Each family reads a bias's rows at full width only where they are aligned, and
-# dispatch copies one whose rows are not (common.aligned_bias, elements): TMA reads rows
-# of whole 16 bytes (hopper.TMA_BIAS_ALIGNMENT); the tile kernels load 16 bytes at a
-# time where Triton knows that 16 divides the strides (it specialises an integer
-# argument so), else element by element. Most often Sk is not a multiple of 8 or 16: a
-# padded batch's mask from transformers. H200, tools/ab.py, B4 S4095 H16 (D=64: H32),
-# bias without its gradient, TFLOP/s fwd / bwd, before (the tile kernels over the
-# bias as given) -> the Gluon kernels over a copy: D128 (B, 1, Sq, Sk) 49 / 139 -> 448 /
-# 471 (S4096, no copy: 495 / 498), causal 43 / 122 -> 391 / 417, (B, H, Sq, Sk) 46 / 135
-# -> 157 / 274; D64 (1, H, Sq, Sk) 60 / 117 -> 197 / 283. The tile kernels over a copy:
+# dispatch copies one whose rows are not (common.aligned_bias): TMA reads rows of whole
+# 16 bytes (hopper.TMA_BIAS_ALIGNMENT); the tile kernels load 16 bytes at a time where
+# Triton knows that 16 divides the strides (it specialises an integer argument so;
+# common.TILE_BIAS_ALIGNMENT), else element by element. Most often Sk is not a multiple
+# of 8 or 16: a padded batch's mask (the transformers integration makes its biases
+# aligned: common.new_bias). H200, tools/ab.py, B4 S4095 H16 (D=64: H32), bias
+# without its gradient, TFLOP/s fwd / bwd, before (the tile kernels over the bias as
+# given) -> the Gluon kernels over a copy: D128 (B, 1, Sq, Sk) 49 / 139 -> 448 / 471
+# (S4096, no copy: 495 / 498), causal 43 / 122 -> 391 / 417, (B, H, Sq, Sk) 46 / 135 ->
+# 157 / 274; D64 (1, H, Sq, Sk) 60 / 117 -> 197 / 283. The tile kernels over a copy:
 # 152 / 190, 139 / 172, 93 / 142, 85 / 122 (their unmasked tiles' bias loads drop the
 # key mask too, which Sk's divisibility decides as well).
-TILE_BIAS_ALIGNMENT = 16
 
 
 def _gluon_bias(spec: AttentionSpec, bias):
