@@ -21,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import memattn
 from memattn import compat
 from memattn.check import relative_error
+from memattn.kernels.common import TILE_BIAS_ALIGNMENT, rows_aligned
 
 from .conftest import DEVICE, cpu_only
 
@@ -225,6 +226,27 @@ def test_sdpa_is_a_view_of_memattn_attention():
     direct = memattn.attention(q, k, v, causal=True)
     assert out.shape == (B, H, L, 8) and out.transpose(1, 2).is_contiguous()
     assert torch.equal(out.transpose(1, 2), direct)
+
+
+@cpu_only
+@pytest.mark.parametrize("mask_shape", [(B, H, L, S), (L, S), (B, 1, 1, S)], ids=str)
+def test_sdpa_boolean_masks_reach_memattn_over_aligned_rows(mask_shape, monkeypatch):
+    """A boolean attn_mask becomes a bias every kernel family reads as it is
+    (common.new_bias): memattn copies nothing, and the output is torch's."""
+    q, k, v = _qkv()
+    mask = torch.rand(*mask_shape, generator=torch.Generator().manual_seed(4)) > 0.3
+    mask[..., 0] = True
+    biases = []
+    attention = compat.attention
+
+    def spy(*args, bias=None, **kwargs):
+        biases.append(bias)
+        return attention(*args, bias=bias, **kwargs)
+
+    monkeypatch.setattr(compat, "attention", spy)
+    out = compat.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert len(biases) == 1 and rows_aligned(biases[0], TILE_BIAS_ALIGNMENT)
+    assert relative_error(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask)) <= 1e-5
 
 
 @cpu_only
