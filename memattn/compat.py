@@ -23,7 +23,6 @@ import torch
 from . import reference
 from .api import attention
 from .dropout import dropout_mask
-from .kernels.common import new_bias
 from .ops import forward
 
 __all__ = [
@@ -205,6 +204,8 @@ def _mask_to_bias(mask, dtype, score_shape, batch) -> torch.Tensor:
         # Convert only one element along each broadcast (zero-stride) dim, expand back.
         narrow = tuple(slice(0, 1) if st == 0 else slice(None) for st in mask.stride())
         small = mask[narrow]
+        from .kernels.common import new_bias  # (importing memattn imports no Triton)
+
         bias = new_bias(small.shape, dtype, mask.device)  # rows read without a copy
         mask = bias.masked_fill_(small.logical_not(), float("-inf")).expand(shape)
     if len(shape) <= 3:

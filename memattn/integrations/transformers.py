@@ -51,7 +51,6 @@ from transformers import AttentionInterface
 from transformers.utils import logging
 
 from ..api import attention
-from ..kernels.common import new_bias
 
 try:  # transformers >= 4.53: masks are built through a registry of mask functions
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -74,6 +73,8 @@ def _mask_to_bias(mask: torch.Tensor, dtype: torch.dtype, kv_length: int) -> tor
         if mask.stride(dim) == 0 and mask.shape[dim] > 1:
             mask = mask.narrow(dim, 0, 1)
     if mask.dtype == torch.bool:  # over rows memattn reads without a copy of its own
+        from ..kernels.common import new_bias  # (importing memattn imports no Triton)
+
         bias = new_bias(mask.shape, dtype, mask.device)
         return bias.masked_fill_(mask.logical_not(), float("-inf"))
     if not mask.is_floating_point():
