@@ -550,22 +550,21 @@ def _bf16(*shape):
          "rows unaligned", "base unaligned"],
 )  # fmt: skip
 def test_which_biases_tma_reads(make, readable, full):
-    """bias_readable; and bias_readable_once_aligned, the biases it refuses for their
-    layout alone, which the Gluon kernels read over a copy (common.aligned_bias at
-    TMA_BIAS_ALIGNMENT: the same values, readable)."""
+    """bias_readable: the biases the Gluon kernels read by TMA tiles, as they are where
+    their rows are aligned (common.rows_aligned at TMA_BIAS_ALIGNMENT), else over the
+    copy dispatch makes (common.aligned_bias: the same values, aligned)."""
     bias = make()
     spec = _spec(bias)
-    assert hopper.bias_readable(spec, bias) == readable
-    assert hopper.bias_full(spec, bias) == full
-    assert not hopper.bias_readable(spec, torch.empty(2, 4, 40, 24))  # not q's dtype
     spans = bias.shape[-2] == 40  # every query (and key)
-    assert hopper.bias_readable_once_aligned(spec, bias) == spans
-    assert not hopper.bias_readable_once_aligned(spec, bias.float())  # not q's dtype
+    assert hopper.bias_readable(spec, bias) == spans
+    assert not hopper.bias_readable(spec, bias.float())  # not q's dtype
+    assert hopper.bias_full(spec, bias) == full
+    as_is = common.rows_aligned(bias, hopper.TMA_BIAS_ALIGNMENT)
+    assert (spans and as_is) == readable
     aligned = common.aligned_bias(bias, hopper.TMA_BIAS_ALIGNMENT)
-    assert (aligned is bias) == readable or not spans
-    assert torch.equal(aligned, bias)
-    if spans:
-        assert hopper.bias_readable(spec, aligned) and hopper.bias_full(spec, aligned) == full
+    assert (aligned is bias) == as_is and torch.equal(aligned, bias)
+    assert common.rows_aligned(aligned, hopper.TMA_BIAS_ALIGNMENT)
+    assert hopper.bias_full(spec, aligned) == full
 
 
 def test_which_biases_are_key_rows():

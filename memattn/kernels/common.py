@@ -59,10 +59,7 @@ def new_bias(shape, dtype: torch.dtype, device) -> torch.Tensor:
     """A zero bias that every kernel family reads without a copy of its own
     (aligned_bias): over rows padded to TILE_BIAS_ALIGNMENT elements, for a bias made
     from something else (a boolean mask)."""
-    *lead, keys = shape
-    rows = torch.zeros(*lead, cdiv(keys, TILE_BIAS_ALIGNMENT) * TILE_BIAS_ALIGNMENT,
-                       dtype=dtype, device=device)  # fmt: skip
-    return rows[..., :keys]
+    return _padded_rows(shape, dtype, device, TILE_BIAS_ALIGNMENT).zero_()
 
 
 def rows_aligned(bias: torch.Tensor, elements: int) -> bool:
@@ -81,8 +78,15 @@ def aligned_bias(bias: torch.Tensor | None, elements: int) -> torch.Tensor | Non
     bias). dispatch says why each kernel family wants which."""
     if bias is None or bias.dim() == 0 or rows_aligned(bias, elements):
         return bias
-    rows = bias.new_empty(*bias.shape[:-1], cdiv(bias.shape[-1], elements) * elements)
-    return rows[..., : bias.shape[-1]].copy_(bias)
+    return _padded_rows(bias.shape, bias.dtype, bias.device, elements).copy_(bias)
+
+
+def _padded_rows(shape, dtype: torch.dtype, device, elements: int) -> torch.Tensor:
+    """An uninitialised tensor of ``shape`` over rows padded to a multiple of ``elements``
+    (the padding is never read)."""
+    *lead, keys = shape
+    return torch.empty(*lead, cdiv(keys, elements) * elements, dtype=dtype,
+                       device=device)[..., :keys]  # fmt: skip
 
 
 def alibi_strides(alibi: torch.Tensor | None) -> tuple[int, int]:

@@ -68,7 +68,7 @@ def _gluon_takes(spec: AttentionSpec, q, k, v, bias) -> bool:
     if spec.positioned:  # not built: ALiBi and dropout at global positions
         return False
     if bias is not None and not hopper.bias_row(spec, bias):  # else by TMA tiles
-        if not hopper.bias_readable_once_aligned(spec, bias):
+        if not hopper.bias_readable(spec, bias):
             return False
     return all(hopper.tma_readable(t) for t in (q, k, v))
 
@@ -160,7 +160,7 @@ def gluon_backward_computes(spec: AttentionSpec, bias, need_dbias: bool) -> bool
         return False
     if not need_dbias or hopper.bias_row(spec, bias):
         return True
-    return hopper.bias_readable_once_aligned(spec, bias) and spec.seqlen_k % 8 == 0
+    return hopper.bias_readable(spec, bias) and spec.seqlen_k % 8 == 0
 
 
 def _gluon_deterministic(spec: AttentionSpec, bias, need_dbias: bool) -> bool:
@@ -250,4 +250,3 @@ def _row_bias_gradient(spec: AttentionSpec, bias, lse, grad_lse, cu_seqlens_q):
         full[sequence, token - starts[sequence]] = rows.T
         rows = full.transpose(1, 2)
     return sum_to_bias(rows[..., None], bias)
-

@@ -29,7 +29,7 @@ from triton.runtime import driver
 
 from ..spec import AttentionSpec
 from . import shares_sms
-from .common import cdiv, diagonal_offset, key_range, rows_aligned, sequence_bounds
+from .common import cdiv, diagonal_offset, key_range, sequence_bounds
 
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
@@ -51,23 +51,16 @@ def _bias_4d(bias: torch.Tensor) -> tuple[list[int], list[int]]:
     return [1] * pad + list(bias.shape), [0] * pad + list(bias.stride())
 
 
-# Elements of 2 bytes a bias's rows are aligned to for TMA (common.rows_aligned): rows
-# of whole 16 bytes.
+# Elements of 2 bytes a bias's rows are aligned to for TMA: rows of whole 16 bytes.
 TMA_BIAS_ALIGNMENT = 8
 
 
-def bias_readable_once_aligned(spec: AttentionSpec, bias: torch.Tensor) -> bool:
-    """A bias the Gluon kernels read by TMA tiles once its rows are aligned
-    (bias_readable; dispatch copies one whose rows are not): q's dtype, every query and
-    key (broadcast over batch or heads at most)."""
+def bias_readable(spec: AttentionSpec, bias: torch.Tensor) -> bool:
+    """A bias the Gluon kernels read by TMA tiles, over rows aligned to
+    TMA_BIAS_ALIGNMENT (common.rows_aligned; dispatch copies one whose rows are not): q's
+    dtype, every query and key (broadcast over batch or heads at most)."""
     shape, _ = _bias_4d(bias)
     return bias.dtype == spec.dtype and shape[2:] == [spec.seqlen_q, spec.seqlen_k]
-
-
-def bias_readable(spec: AttentionSpec, bias: torch.Tensor) -> bool:
-    """A bias the Gluon kernels read by TMA as it is: readable once aligned, and rows
-    aligned to TMA_BIAS_ALIGNMENT."""
-    return bias_readable_once_aligned(spec, bias) and rows_aligned(bias, TMA_BIAS_ALIGNMENT)
 
 
 def bias_row(spec: AttentionSpec, bias: torch.Tensor | None) -> bool:
@@ -113,7 +106,7 @@ def bias_full(spec: AttentionSpec, bias: torch.Tensor) -> bool:
 
 def bias_descriptor(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
     """4-D (batch, head, query, key) descriptor over a bias (or its gradient) that
-    `bias_readable` accepted; one copy moves a rows x cols tile. A broadcast
+    `bias_readable` accepted, over aligned rows; one copy moves a rows x cols tile. A broadcast
     dimension's size is 1 and the kernels index it at 0; its stride, unused, is given a
     TMA-valid value."""
     shape, strides = _bias_4d(t)
