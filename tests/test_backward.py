@@ -610,10 +610,9 @@ def test_hopper_backward_gpu(case, dtype, hopper_backward_launches):
 
     assert_results(check_backward(case, dtype, "cuda", seed=7))
     dqk, dv = dispatch.kernel_head_dims(case.dqk, case.dv, "backward")  # D=96 as 128
-    # backward.py runs by design: a bias gradient of rows not whole 16 bytes, and past 128
-    # columns (q·k's or V's) softcap with a bias gradient (the suite's calls ask for it)
-    # or a deterministic gradient of a bias broadcast over batch or heads with queries
-    # (the wide kernels add it by atomics).
+    # backward.py runs by design: past 128 columns (q·k's or V's) softcap with a bias
+    # gradient (the suite's calls ask for it) or a deterministic gradient of a bias
+    # broadcast over batch or heads with queries (the wide kernels add it by atomics).
     softcap = case.options.get("softcap", 0) > 0
     split = (dqk, dv) in backward_sm90.shared.SPLIT_HEAD_DIM_PAIRS
     summed = case.bias not in (None, "BHQK", "HQK") and not bias_row(case)
@@ -621,11 +620,8 @@ def test_hopper_backward_gpu(case, dtype, hopper_backward_launches):
     wide_plain = max(dqk, dv) <= 128 or not (summed and deterministic
                                              or softcap and case.bias is not None)
     dims = (dqk, dv) in backward_sm90.shared.HEAD_DIM_PAIRS or split
-    keys = max(case.lengths_k) if case.varlen else case.seqlen_k
-    dbias = case.bias is None or bias_row(case) or keys % 8 == 0
-    gluon = wide_plain and dims and dbias
-    assert bool(hopper_backward_launches) == gluon, (
-        "the Gluon backward runs the bias gradients (rows of whole 16 bytes), and 128/64")
+    assert bool(hopper_backward_launches) == (wide_plain and dims), (
+        "the Gluon backward runs the bias gradients (of any key count), and 128/64")
 
 
 # A bias plane per head shared over the batch that asks no gradient: the key-block
@@ -652,9 +648,10 @@ def test_hopper_backward_bias_without_grad_gpu(name, dtype, hopper_backward_laun
 # A bias whose rows TMA cannot read as they are, read by the Gluon kernels over a copy
 # (dispatch: common.aligned_bias): rows not whole 16 bytes (Sk not a multiple of 8, a
 # padded batch's mask), packed with a plane the sequences share, with dropout; keys
-# strided (a transposed bias) with its gradient, which the Gluon backward computes into
-# a buffer of its own. out, lse and the gradients against the reference; a gradient of
-# rows not whole 16 bytes keeps the tile backward (test_hopper_backward_gpu).
+# strided (a transposed bias). Its gradient the Gluon backward computes into buffers of
+# its own, over padded rows where Sk is not a multiple of 8 (stored whole, added up by
+# TMA in fp32 or, the packed sequences' shared plane, in its dtype). out, lse and the
+# gradients against the reference.
 COPIED_BIAS_CASES = [
     Case("bias B1QK causal Sk=1001", seqlen_q=777, seqlen_k=1001, dqk=128, dv=128,
          bias="B1QK", options=dict(causal=True)),
@@ -668,6 +665,14 @@ COPIED_BIAS_CASES = [
          bias="BHQK", layout="transposed", options=dict(causal=True)),
     Case("bias 1HQK D64 transposed", seqlen_q=600, seqlen_k=904, dqk=64, dv=64,
          bias="1HQK", layout="transposed"),
+    Case("bias BHQK causal Sk=1001", seqlen_q=640, seqlen_k=1001, dqk=128, dv=128,
+         bias="BHQK", options=dict(causal=True)),
+    Case("bias BHQK varlen causal", lengths_q=(300, 0, 517), lengths_k=(401, 9, 515),
+         dqk=128, dv=128, bias="BHQK", options=dict(causal=True)),
+    Case("bias 11QK deterministic Sk=1003", seqlen_q=700, seqlen_k=1003, dqk=128, dv=128,
+         bias="QK", options=dict(deterministic=True)),
+    Case("bias BHQK D64 deterministic window", seqlen_q=500, seqlen_k=905, dqk=64, dv=64,
+         bias="BHQK", options=dict(window=(300, 0), deterministic=True)),
 ]
 
 
@@ -690,9 +695,8 @@ def test_hopper_kernels_read_a_copied_bias_gpu(case, dtype, hopper_backward_laun
     monkeypatch.setattr(forward_sm90, "forward", lambda *a: forwards.append(1) or run(*a))
     assert_results(check_forward(case, dtype, "cuda", seed=5))
     assert forwards and copied == [True], "the Gluon forward did not read a copy"
-    grad = case.layout == "transposed"  # else rows not whole 16 bytes: the tile backward
-    results = check_backward(case, dtype, "cuda", seed=5, bias_grad=grad)
-    assert [r.what for r in results] == ["dq", "dk", "dv"] + ["dbias"] * grad
+    results = check_backward(case, dtype, "cuda", seed=5)
+    assert [r.what for r in results] == ["dq", "dk", "dv", "dbias"]
     assert_results(results)
     assert hopper_backward_launches and copied == [True] * 3  # two forwards, the backward
 

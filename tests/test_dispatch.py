@@ -13,7 +13,7 @@ import memattn
 from memattn import reference
 from memattn.check import FLOOR, Case, check_backward, relative_error
 from memattn.kernels import dispatch
-from memattn.kernels.common import TILE_BIAS_ALIGNMENT, rows_aligned
+from memattn.kernels.common import TILE_BIAS_ALIGNMENT, copy_rows, padded_rows, rows_aligned
 from memattn.spec import check_call
 
 from .conftest import DEVICE
@@ -65,7 +65,7 @@ def test_cpu_calls_run_the_tile_kernels():
         (128, (1, 2, 16, 16), {}, True, True),  # one over the batch: TMA reduce-adds
         (64, (2, 1, 16, 16), {}, True, True),  # over the heads
         (128, (16, 16), {}, True, True),  # over both
-        (128, (1, 2, 16, 12), {}, True, False),  # (rows of whole 16 bytes for them)
+        (128, (1, 2, 16, 12), {}, True, True),  # (over padded rows where Sk % 8 != 0)
         (128, (1, 2, 16, 16), dict(varlen=True), True, True),  # packed sequences too
         (128, (2, 2, 16, 16), dict(varlen=True), True, True),  # (a full bias: stored)
         (128, (2, 2, 1, 16), {}, True, True),  # one over the queries: summed in registers
@@ -74,7 +74,7 @@ def test_cpu_calls_run_the_tile_kernels():
         (128, (2, 2, 16, 1), {}, True, False),  # one over the keys is not
         (256, (2, 1, 1, 16), {}, False, True),  # D=256: a key row read (by pointer)
         (256, (2, 1, 1, 16), {}, True, True),  # and its gradient (summed in registers)
-        (128, (2, 2, 16, 12), {}, True, False),  # rows of whole 16 bytes for TMA stores
+        (128, (2, 2, 16, 12), {}, True, True),  # TMA stores over padded rows, any Sk
         (64, (1, 2, 16, 16), dict(dropout_p=0.1), True, True),  # bias tiles beside dropout
         (128, (1, 2, 16, 16), dict(dropout_p=0.1), True, True),  # (128: bits through dS)
         (256, (1, 2, 16, 16), dict(dropout_p=0.1), True, True),  # (256: bits through P)
@@ -89,7 +89,7 @@ def test_cpu_calls_run_the_tile_kernels():
     ],
 )  # fmt: skip
 def test_gluon_backward_computes(d, bias_shape, options, need_dbias, computes):
-    sk = bias_shape[-1] if bias_shape else 16
+    sk = bias_shape[-1] if bias_shape and bias_shape[-1] > 1 else 16  # (…, 1): over keys
     spec, _, _, _, bias = spec_and_inputs(d=d, sk=sk, bias_shape=bias_shape, **options)
     assert dispatch.gluon_backward_computes(spec, bias, need_dbias) is computes
 
@@ -1453,6 +1453,35 @@ def test_tile_kernels_read_biases_over_aligned_rows(make, copied, monkeypatch):
         assert torch.equal(r, bias) and r.shape == bias.shape
         assert (r.data_ptr() != bias.data_ptr()) == copied
         assert rows_aligned(r, TILE_BIAS_ALIGNMENT)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: _half(2, 3, 17, 21),
+     lambda: _half(2, 3, 21, 17).transpose(-1, -2),  # keys strided
+     lambda: _half(17, 1).expand(2, 3, 17, 21),  # broadcast: strides 0
+     lambda: _half(3, 17, 21)[:, 1:9],  # 3-D, a view
+     lambda: _half(5, 1200)[:, 3:1100],  # 2-D, rows past one block of keys
+     lambda: _half(1 + 21)[1:],  # 1-D, a base 2 bytes off
+     lambda: _half(3, 2, 1037),  # contiguous, rows past FLAT_COPY_KEYS: in order
+     lambda: _half(2, 2, 3, 2048)],  # (rows of whole blocks)
+    ids=["4-D", "keys strided", "broadcast", "3-D view", "2-D long rows", "1-D",
+         "in order", "in order, whole blocks"],
+)  # fmt: skip
+def test_copy_rows_copies_any_layout_into_rows(make):
+    """common.copy_rows (Triton, the interpreter on CPU): a tensor in any strides into
+    rows padded to TILE_BIAS_ALIGNMENT (never writing the padding), and back from
+    those rows into a contiguous tensor: the same values. Contiguous rows of
+    FLAT_COPY_KEYS or more go in order (FLAT), the rest by rows."""
+    src = make()
+    padded = padded_rows(src.shape, src.dtype, src.device, TILE_BIAS_ALIGNMENT)
+    base = padded.as_strided((padded.untyped_storage().nbytes() // 2,), (1,), 0)
+    base.fill_(float("nan"))
+    assert copy_rows(src, padded) is padded and torch.equal(padded, src)
+    assert base.isnan().sum() == base.numel() - src.numel(), "the padding written"
+    back = copy_rows(padded, torch.full(src.shape, float("nan"), dtype=src.dtype,
+                                        device=src.device))  # fmt: skip
+    assert back.is_contiguous() and torch.equal(back, src)
 
 
 @pytest.mark.parametrize("which", ["no queries", "no keys", "no batch"])

@@ -996,15 +996,19 @@ BIAS_GRAD_CALLS = {  # name: (lengths q, lengths k (None: packed, the same tenso
 }  # fmt: skip
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["rows as keys", "padded rows"])
 @pytest.mark.parametrize("per_sequence", [False, True], ids=["shared bias", "a plane each"])
 @pytest.mark.parametrize("name", list(BIAS_GRAD_CALLS))
-def test_bias_grad_tiles_zero_convert_and_fill_what_no_query_sees(name, per_sequence,
+def test_bias_grad_tiles_zero_convert_and_fill_what_no_query_sees(name, per_sequence, padded,
                                                                    monkeypatch):  # fmt: skip
     """backward_sm90.bias_grad_tiles, run through Triton (the interpreter on CPU): the
     fp32 buffer of a summed bias gradient is zeroed wherever a pair is seen, and its
     conversion leaves the adds there and zeros everywhere else; a full gradient gets
     zeros at every pair no query sees and nothing else is written. Seen: the reference's
-    mask, each sequence's for a plane of its own, their union for a shared bias."""
+    mask, each sequence's for a plane of its own, their union for a shared bias. Padded:
+    the full gradient and the buffer over rows padded to whole 16 bytes (as the Gluon
+    backward makes them where Sk is not a multiple of 8: every call here), the
+    conversion's output contiguous; the padding is never written."""
     def launch(grid, *args, variant, **kwargs):
         backward_sm90._bias_grad_tiles_kernel[grid](*args, **kwargs)
 
@@ -1036,14 +1040,20 @@ def test_bias_grad_tiles_zero_convert_and_fill_what_no_query_sees(name, per_sequ
             mask = torch.ones(n_q, n_k, dtype=torch.bool)  # diagonals differ: all count
         seen[b if per_sequence else 0, :, :n_q, :n_k] |= mask
 
-    full = torch.full((planes, 2, sq, sk), float("nan"), dtype=torch.bfloat16)
+    row = common.cdiv(sk, 8) * 8 if padded else sk
+    assert row != sk or not padded, "a call here whose rows need no padding"
+    full_rows = torch.full((planes, 2, sq, row), float("nan"), dtype=torch.bfloat16)
+    full = full_rows[..., :sk]
     backward_sm90.bias_grad_tiles(backward_sm90.ZERO_UNSEEN, spec, None, full, cu_q, cu_k)
     assert torch.equal(full.isnan(), seen), "zeros exactly where no query sees"
     assert (full[~seen] == 0).all()
 
-    buf = torch.full((planes, 2, sq, sk), float("nan"))
+    buf_rows = torch.full((planes, 2, sq, row), float("nan"))
+    buf = buf_rows[..., :sk]
     backward_sm90.bias_grad_tiles(backward_sm90.ZERO_SEEN, spec, buf, None, cu_q, cu_k)
     assert (buf[seen] == 0).all()
+    for rows in (full_rows, buf_rows):
+        assert rows[..., sk:].isnan().all(), "the padding written"
     adds = torch.randn(buf.shape)
     buf[seen] += adds[seen]
     out = torch.full(buf.shape, float("nan"), dtype=torch.bfloat16)

@@ -85,7 +85,10 @@ def _gluon_takes(spec: AttentionSpec, q, k, v, bias) -> bool:
 # (S4096, no copy: 495 / 498), causal 43 / 122 -> 391 / 417, (B, H, Sq, Sk) 46 / 135 ->
 # 157 / 274; D64 (1, H, Sq, Sk) 60 / 117 -> 197 / 283. The tile kernels over a copy:
 # 152 / 190, 139 / 172, 93 / 142, 85 / 122 (their unmasked tiles' bias loads drop the
-# key mask too, which Sk's divisibility decides as well).
+# key mask too, which Sk's divisibility decides as well). Its gradient the Gluon backward
+# writes over padded rows too (backward_sm90._launch_all), backward, tile -> Gluon:
+# BHQK 123 -> 233 (S4096 456: two copies, 1.8 and 1.4 ms, beside a 2.6 ms kernel),
+# 1HQK causal 103 -> 254 (S4096 319), B1QK 148 -> 387, D64 1HQK 53 -> 190.
 
 
 def _gluon_bias(spec: AttentionSpec, bias):
@@ -149,7 +152,7 @@ def gluon_backward_computes(spec: AttentionSpec, bias, need_dbias: bool) -> bool
     """Whether the Gluon backward for this head dim computes these features, whatever the
     device: a bias gradient of a bias constant along queries (summed in registers), or
     of one read by tiles (every query and key; dS stored, or added up by TMA where the
-    bias broadcasts over batch or heads) with rows of whole 16 bytes for those copies;
+    bias broadcasts over batch or heads, into buffers over rows TMA writes);
     with a head dim past 128 (D=256, Dqk=192, V of 256 columns) those gradients from
     registers (stored, or added by atomics: no shared memory for tiles beside D=256's);
     bias tiles beside dropout (backward_sm90.keeps_bits_in_shared where shared memory is
@@ -160,7 +163,7 @@ def gluon_backward_computes(spec: AttentionSpec, bias, need_dbias: bool) -> bool
         return False
     if not need_dbias or hopper.bias_row(spec, bias):
         return True
-    return hopper.bias_readable(spec, bias) and spec.seqlen_k % 8 == 0
+    return hopper.bias_readable(spec, bias)
 
 
 def _gluon_deterministic(spec: AttentionSpec, bias, need_dbias: bool) -> bool:

@@ -43,6 +43,7 @@ from .. import backward as tiles
 from .. import hopper
 from ..common import (
     cdiv,
+    copy_rows,
     diagonal_offset,
     dq_tile,
     new_output,
@@ -228,16 +229,17 @@ _launch_delta = hopper.Launcher(tiles._delta_kernel)
 
 @triton.jit
 def _bias_grad_tiles_kernel(
-    Buf, Out, CuSeqQ, CuSeqK, batches, heads, seqlen_q, seqlen_k, tiles_k, window_left,
-    window_right, MODE: tl.constexpr,
+    Buf, Out, CuSeqQ, CuSeqK, batches, heads, seqlen_q, seqlen_k, buf_row, out_row, tiles_k,
+    window_left, window_right, MODE: tl.constexpr,
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, BAND: tl.constexpr,
     BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """One (query, key) tile of one (batch, head) plane of a contiguous bias gradient
-    (B', H', Sq, Sk). Seen: the (query, key) pairs some call's batch that the plane
-    serves sees (the causal or window band, BAND; with packed sequences and a bias plane
-    a sequence, that sequence's own lengths). MODE 0 zeroes the fp32 buffer Buf where a
+    """One (query, key) tile of one (batch, head) plane of a bias gradient (B', H', Sq,
+    Sk), contiguous but for its rows' length (buf_row, out_row: Buf's and Out's). Seen:
+    the (query, key) pairs some call's batch that the plane serves sees (the causal or
+    window band, BAND; with packed sequences and a bias plane a sequence, that
+    sequence's own lengths). MODE 0 zeroes the fp32 buffer Buf where a
     tile holds a seen pair, 1 converts those tiles of Buf into Out and writes zeros in
     the others, 2 writes zeros in Out wherever a pair is not seen."""
     pid = tl.program_id(0)
@@ -267,25 +269,26 @@ def _bias_grad_tiles_kernel(
     rows = tl.arange(0, BLOCK_Q)[:, None]
     cols = tl.arange(0, BLOCK_K)[None, :]
     inside = (r0 + rows < seqlen_q) & (c0 + cols < seqlen_k)
-    start = (bh.to(tl.int64) * seqlen_q + r0) * seqlen_k + c0
-    offs = rows * seqlen_k + cols
+    row0 = bh.to(tl.int64) * seqlen_q + r0
+    buf = Buf + row0 * buf_row + c0 + rows * buf_row + cols
+    out = Out + row0 * out_row + c0 + rows * out_row + cols
     if MODE == 0:
         if some:
-            tl.store(Buf + start + offs, tl.zeros([BLOCK_Q, BLOCK_K], tl.float32), mask=inside)
+            tl.store(buf, tl.zeros([BLOCK_Q, BLOCK_K], tl.float32), mask=inside)
     elif MODE == 1:
         x = tl.zeros([BLOCK_Q, BLOCK_K], tl.float32)
         if some:
-            x = tl.load(Buf + start + offs, mask=inside, other=0.0)
-        tl.store(Out + start + offs, x.to(Out.dtype.element_ty), mask=inside)
+            x = tl.load(buf, mask=inside, other=0.0)
+        tl.store(out, x.to(Out.dtype.element_ty), mask=inside)
     else:
         zeros = tl.zeros([BLOCK_Q, BLOCK_K], Out.dtype.element_ty)
-        if not some:  # stores masked by `inside` alone are vectorised (Sk % 16 == 0)
-            tl.store(Out + start + offs, zeros, mask=inside)
+        if not some:  # stores masked by `inside` alone are vectorised (out_row % 16 == 0)
+            tl.store(out, zeros, mask=inside)
         elif not every:  # a tile the band's edge or a sequence's end crosses
             seen = (r0 + rows < n_q) & visible(r0 + rows, c0 + cols, n_k, off, window_left,
                                                 window_right, BOUNDED_LEFT and BAND,
                                                 BOUNDED_RIGHT and BAND)  # fmt: skip
-            tl.store(Out + start + offs, zeros, mask=inside & ~seen)
+            tl.store(out, zeros, mask=inside & ~seen)
 
 
 _launch_bias_grad_tiles = hopper.Launcher(_bias_grad_tiles_kernel)
@@ -296,9 +299,11 @@ def bias_grad_tiles(mode: int, spec: AttentionSpec, buf, out, cu_seqlens_q,
                     cu_seqlens_k) -> None:  # fmt: skip
     """_bias_grad_tiles_kernel over a bias gradient in the bias's shape (buf: the fp32
     buffer a summed gradient is added into; out: the gradient; None where the mode takes
-    none), so that the pairs no query sees are neither zeroed, read nor written twice."""
+    none; either contiguous or over padded rows: padded_rows), so that the pairs no query
+    sees are neither zeroed, read nor written twice."""
     t = buf if out is None else out
     shape = [1] * (4 - t.dim()) + list(t.shape)
+    buf_row, out_row = ((t if x is None else x).stride(-2) for x in (buf, out))
     block_q, block_k = 32, 128
     tiles_k = cdiv(shape[3], block_k)
     # Packed sequences sharing a plane: bottom-right diagonals differ by each's lengths,
@@ -311,7 +316,7 @@ def bias_grad_tiles(mode: int, spec: AttentionSpec, buf, out, cu_seqlens_q,
                       BAND=band, BOUNDED_LEFT=spec.window_left >= 0,
                       BOUNDED_RIGHT=spec.window_right >= 0, BLOCK_Q=block_q,
                       BLOCK_K=block_k)  # fmt: skip
-    ints = (*shape, tiles_k, spec.window_left, spec.window_right)
+    ints = (*shape, buf_row, out_row, tiles_k, spec.window_left, spec.window_right)
     _launch_bias_grad_tiles(
         (shape[0] * shape[1] * cdiv(shape[2], block_q) * tiles_k,), t if buf is None else buf,
         t, cu_seqlens_q, cu_seqlens_k, *ints,
@@ -387,17 +392,21 @@ def _launch_all(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias
                None if grad_lse is None else (*grad_lse.stride(), hopper.aligned(grad_lse)))
     _launch_delta(grid, *args, variant=variant, **constexprs, launch_pdl=pdl)
     dbias = None
+    # A gradient by TMA tiles, over rows TMA writes (padded where Sk is not a multiple of
+    # 8, as the bias it reads: dispatch._gluon_bias), copied to rows of its own at the end;
+    # the wide kernels' by pointer, in any rows.
+    aligned = 1 if is_wide(spec) else hopper.TMA_BIAS_ALIGNMENT
     if dbias_kind == "row":  # dS summed over queries per (b, h, key), then over broadcast dims
         dbias = torch.zeros(spec.batch, spec.heads, spec.seqlen_k, dtype=torch.float32,
                             device=bias.device)
     elif dbias_kind in SUMMED_GRADIENTS:  # every (b, h)'s dS added in (in turns:
         # "ordered"), converted at the end
-        dbias = torch.empty(bias.shape, dtype=torch.float32, device=bias.device)
+        dbias = new_output(bias.shape, torch.float32, bias.device, aligned)
         bias_grad_tiles(ZERO_SEEN, spec, dbias, None, cu_seqlens_q, cu_seqlens_k)
     elif dbias_kind == "added":  # every sequence's dS added in
-        dbias = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device)
+        dbias = new_output(bias.shape, bias.dtype, bias.device, aligned).zero_()
     elif dbias_kind == "full":
-        dbias = new_output(bias.shape, bias.dtype, bias.device)
+        dbias = new_output(bias.shape, bias.dtype, bias.device, aligned)
         # tiles no query sees (past a sequence too) are never written; the D 64/128
         # kernel writes a dense batch's zeros itself (_zero_unseen_ds_tiles)
         masked = spec.window_left >= 0 or spec.window_right >= 0
@@ -420,4 +429,6 @@ def _launch_all(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias
     elif dbias_kind in SUMMED_GRADIENTS:
         summed, dbias = dbias, new_output(bias.shape, bias.dtype, bias.device)
         bias_grad_tiles(CONVERT, spec, summed, dbias, cu_seqlens_q, cu_seqlens_k)
+    elif dbias is not None and not dbias.is_contiguous():  # over padded rows: to its own
+        dbias = copy_rows(dbias, torch.empty(bias.shape, dtype=bias.dtype, device=bias.device))
     return dbias
