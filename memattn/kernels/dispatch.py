@@ -88,7 +88,7 @@ def _gluon_takes(spec: AttentionSpec, q, k, v, bias) -> bool:
 # key mask too, which Sk's divisibility decides as well). Its gradient the Gluon backward
 # writes over padded rows too (backward_sm90._launch_all), backward, tile -> Gluon:
 # BHQK 123 -> 233 (S4096 456: two copies, 1.8 and 1.4 ms, beside a 2.6 ms kernel),
-# 1HQK causal 103 -> 254 (S4096 319), B1QK 148 -> 387, D64 1HQK 53 -> 190.
+# 1HQK causal 103 -> 262 (S4096 321), B1QK 148 -> 387, D64 1HQK 53 -> 193.
 
 
 def _gluon_bias(spec: AttentionSpec, bias):

@@ -42,6 +42,7 @@ from ...spec import AttentionSpec
 from .. import backward as tiles
 from .. import hopper
 from ..common import (
+    TILE_BIAS_ALIGNMENT,
     cdiv,
     copy_rows,
     diagonal_offset,
@@ -272,13 +273,16 @@ def _bias_grad_tiles_kernel(
     row0 = bh.to(tl.int64) * seqlen_q + r0
     buf = Buf + row0 * buf_row + c0 + rows * buf_row + cols
     out = Out + row0 * out_row + c0 + rows * out_row + cols
+    # Buf's rows with their padding (never read but here): masks Triton knows aligned
+    # where Sk is not (16 divides buf_row), so 16 bytes a load or store
+    inside_buf = (r0 + rows < seqlen_q) & (c0 + cols < buf_row)
     if MODE == 0:
         if some:
-            tl.store(buf, tl.zeros([BLOCK_Q, BLOCK_K], tl.float32), mask=inside)
+            tl.store(buf, tl.zeros([BLOCK_Q, BLOCK_K], tl.float32), mask=inside_buf)
     elif MODE == 1:
         x = tl.zeros([BLOCK_Q, BLOCK_K], tl.float32)
         if some:
-            x = tl.load(buf, mask=inside, other=0.0)
+            x = tl.load(buf, mask=inside_buf, other=0.0)
         tl.store(out, x.to(Out.dtype.element_ty), mask=inside)
     else:
         zeros = tl.zeros([BLOCK_Q, BLOCK_K], Out.dtype.element_ty)
@@ -401,7 +405,8 @@ def _launch_all(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias
                             device=bias.device)
     elif dbias_kind in SUMMED_GRADIENTS:  # every (b, h)'s dS added in (in turns:
         # "ordered"), converted at the end
-        dbias = new_output(bias.shape, torch.float32, bias.device, aligned)
+        dbias = new_output(bias.shape, torch.float32, bias.device,
+                           TILE_BIAS_ALIGNMENT if aligned > 1 else 1)  # (bias_grad_tiles' masks)
         bias_grad_tiles(ZERO_SEEN, spec, dbias, None, cu_seqlens_q, cu_seqlens_k)
     elif dbias_kind == "added":  # every sequence's dS added in
         dbias = new_output(bias.shape, bias.dtype, bias.device, aligned).zero_()
