@@ -1464,9 +1464,10 @@ def test_tile_kernels_read_biases_over_aligned_rows(make, copied, monkeypatch):
      lambda: _half(5, 1200)[:, 3:1100],  # 2-D, rows past one block of keys
      lambda: _half(1 + 21)[1:],  # 1-D, a base 2 bytes off
      lambda: _half(3, 2, 1037),  # contiguous, rows past FLAT_COPY_KEYS: in order
-     lambda: _half(2, 2, 3, 2048)],  # (rows of whole blocks)
+     lambda: _half(2, 2, 3, 2048),  # (rows of whole blocks)
+     lambda: _half(2, 0, 5, 3).transpose(-1, -2)],  # empty: nothing to launch
     ids=["4-D", "keys strided", "broadcast", "3-D view", "2-D long rows", "1-D",
-         "in order", "in order, whole blocks"],
+         "in order", "in order, whole blocks", "empty"],
 )  # fmt: skip
 def test_copy_rows_copies_any_layout_into_rows(make):
     """common.copy_rows (Triton, the interpreter on CPU): a tensor in any strides into

@@ -132,6 +132,8 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     (4, 16, 4095, 4095) bf16 bias, µs into rows of 4096 / back: torch 2390 / 2377; here
     by rows 3380 (loads by element from rows not whole 16 bytes) / 1370, in order
     (FLAT) 1685 / -. Returns dst."""
+    if src.numel() == 0:
+        return dst
     shape = [1] * (4 - src.dim()) + list(src.shape)
     strides = [0] * (4 - src.dim()) + list(src.stride())
     rows, keys = shape[0] * shape[1] * shape[2], shape[3]
