@@ -1463,7 +1463,7 @@ def test_tile_kernels_read_biases_over_aligned_rows(make, copied, monkeypatch):
      lambda: _half(3, 17, 21)[:, 1:9],  # 3-D, a view
      lambda: _half(5, 1200)[:, 3:1100],  # 2-D, rows past one block of keys
      lambda: _half(1 + 21)[1:],  # 1-D, a base 2 bytes off
-     lambda: _half(3, 2, 1037),  # contiguous, rows past FLAT_COPY_KEYS: in order
+     lambda: _half(3, 2, 1037),  # contiguous, rows past COPY_BLOCK_KEYS: in order
      lambda: _half(2, 2, 3, 2048),  # (rows of whole blocks)
      lambda: _half(2, 0, 5, 3).transpose(-1, -2)],  # empty: nothing to launch
     ids=["4-D", "keys strided", "broadcast", "3-D view", "2-D long rows", "1-D",
@@ -1473,7 +1473,7 @@ def test_copy_rows_copies_any_layout_into_rows(make):
     """common.copy_rows (Triton, the interpreter on CPU): a tensor in any strides into
     rows padded to TILE_BIAS_ALIGNMENT (never writing the padding), and back from
     those rows into a contiguous tensor: the same values. Contiguous rows of
-    FLAT_COPY_KEYS or more go in order (FLAT), the rest by rows."""
+    COPY_BLOCK_KEYS or more go in order (FLAT), the rest by rows."""
     src = make()
     padded = padded_rows(src.shape, src.dtype, src.device, TILE_BIAS_ALIGNMENT)
     base = padded.as_strided((padded.untyped_storage().nbytes() // 2,), (1,), 0)

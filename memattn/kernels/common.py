@@ -93,6 +93,9 @@ def padded_rows(shape, dtype: torch.dtype, device, elements: int) -> torch.Tenso
                        device=device)[..., :keys]  # fmt: skip
 
 
+COPY_BLOCK_KEYS = 1024  # copy_rows' most keys a block (a power of 2)
+
+
 @triton.jit
 def _copy_rows_kernel(Src, Dst, heads, queries, keys, rows, stride_b, stride_h, stride_q,
                       stride_k, dst_row, FLAT: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -138,16 +141,13 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     strides = [0] * (4 - src.dim()) + list(src.stride())
     rows, keys = shape[0] * shape[1] * shape[2], shape[3]
     dst_row = dst.stride(-2) if dst.dim() > 1 else keys
-    flat = src.is_contiguous() and keys >= FLAT_COPY_KEYS
-    block_c = FLAT_COPY_KEYS if flat else min(1024, triton.next_power_of_2(keys))
+    flat = src.is_contiguous() and keys >= COPY_BLOCK_KEYS
+    block_c = min(COPY_BLOCK_KEYS, triton.next_power_of_2(keys))
     block_r = 1 if flat else 4096 // block_c
     grid = (cdiv(rows * keys, block_c),) if flat else (cdiv(rows, block_r), cdiv(keys, block_c))
     _copy_rows_kernel[grid](src, dst, shape[1], shape[2], keys, rows, *strides, dst_row,
                             FLAT=flat, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
     return dst
-
-
-FLAT_COPY_KEYS = 1024  # copy_rows' FLAT block (a power of 2)
 
 
 def alibi_strides(alibi: torch.Tensor | None) -> tuple[int, int]:
