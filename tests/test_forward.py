@@ -9,6 +9,10 @@ import zlib
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import memattn
 from memattn.check import (
@@ -166,6 +170,57 @@ def test_cpu_without_interpreter_is_refused(monkeypatch):
     q = torch.randn(1, 4, 1, 8)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         memattn.attention(q, q, q)
+
+
+@triton.jit
+def _spans_kernel(Out, seqlen_q, seqlen_k, off, window_left, window_right,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BOUNDED_LEFT: tl.constexpr,
+                  BOUNDED_RIGHT: tl.constexpr, KEYS: tl.constexpr):  # fmt: skip
+    """(lo, full_lo, full_hi, hi) of program i's block, as the kernels clamp them:
+    key_range for query block i (KEYS), else query_range for key block i."""
+    i = tl.program_id(0)
+    if KEYS:
+        lo, full_lo, full_hi, hi = common.key_range(
+            i * BLOCK_M, seqlen_k, off, window_left, window_right, BLOCK_M, BLOCK_N,
+            BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+    else:
+        lo, full_lo, full_hi, hi = common.query_range(
+            i * BLOCK_N, seqlen_q, seqlen_k, off, window_left, window_right, BLOCK_M, BLOCK_N,
+            BOUNDED_LEFT, BOUNDED_RIGHT)  # fmt: skip
+    full_lo = tl.minimum(full_lo, hi)
+    full_hi = tl.minimum(full_hi, hi)
+    tl.store(Out + i * 4, lo)
+    tl.store(Out + i * 4 + 1, full_lo)
+    tl.store(Out + i * 4 + 2, full_hi)
+    tl.store(Out + i * 4 + 3, hi)
+
+
+@cpu_only
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 700), st.integers(1, 700), st.booleans(), st.integers(-1, 300),
+       st.integers(-1, 300), st.sampled_from([16, 32, 64, 128]),
+       st.sampled_from([16, 32, 64, 128]))
+@example(4095, 4095, False, -1, -1, 128, 64)
+@example(1001, 1001, False, -1, 0, 64, 128)
+@example(300, 1000, True, 100, 0, 128, 64)
+def test_tile_spans_start_on_tiles(seqlen_q, seqlen_k, bottom_right, left, right, block_m,
+                                   block_n):  # fmt: skip
+    """Every span of tiles common.key_range and query_range give a block (masked left,
+    unmasked, masked right) that holds a tile starts on a multiple of the tile: the
+    tile loops tell Triton so (common.tile_start), and a wrong hint would make its
+    loads misaligned."""
+    off = seqlen_k - seqlen_q if bottom_right else 0
+    for keys in (True, False):
+        blocks = -(-(seqlen_q if keys else seqlen_k) // (block_m if keys else block_n))
+        out = torch.full((blocks, 4), -7, dtype=torch.int32)
+        _spans_kernel[(blocks,)](out, seqlen_q, seqlen_k, off, left, right, BLOCK_M=block_m,
+                                 BLOCK_N=block_n, BOUNDED_LEFT=left >= 0,
+                                 BOUNDED_RIGHT=right >= 0, KEYS=keys)  # fmt: skip
+        tile = block_n if keys else block_m
+        for lo, full_lo, full_hi, hi in out.tolist():
+            assert lo <= full_lo <= full_hi <= hi, (lo, full_lo, full_hi, hi)
+            for start, end in ((lo, full_lo), (full_lo, full_hi), (full_hi, hi)):
+                assert start == end or start % tile == 0, (keys, start, end)
 
 
 # ---------------------------------------------------------------- GPU, real sizes

@@ -49,6 +49,7 @@ from .common import (
     sequence_bounds,
     sum_to_bias,
     tile_span,
+    tile_start,
     visible,
 )
 from .forward import (
@@ -247,7 +248,7 @@ def _dkdv_tiles(
     for start_m in tl.range(lo, hi, BLOCK_M):
         offs_m = start_m + arange_m
         row_ok = offs_m < seqlen_q
-        start_m64 = tl.cast(start_m, tl.int64)
+        start_m64 = tile_start(start_m, BLOCK_M)
         if MASKED:
             q_mask = row_ok[:, None] & (offs_dqk[None, :] < DQK)
             do_mask = row_ok[:, None] & (offs_dv[None, :] < DV)
@@ -301,7 +302,9 @@ def _dkdv_tiles(
             else:
                 db_ptrs = (dbias_base + start_m64 * stride_dbm
                            + arange_m[None, :] * stride_dbm + arange_n[:, None] * stride_dbn)
-                db_mask = row_ok[None, :] & col_ok[:, None]
+                db_mask = None  # every query and key in range: stores 16 bytes wide
+                if MASKED:
+                    db_mask = row_ok[None, :] & col_ok[:, None]
                 if DBIAS_ATOMIC:
                     tl.atomic_add(db_ptrs, ds_t, mask=db_mask, sem="relaxed")
                 else:
@@ -449,7 +452,7 @@ def _dq_tiles(
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + arange_n
         col_ok = offs_n < seqlen_k
-        start_n64 = tl.cast(start_n, tl.int64)
+        start_n64 = tile_start(start_n, BLOCK_N)
         if MASKED:
             k_mask = col_ok[:, None] & (offs_dqk[None, :] < DQK)
             v_mask = col_ok[:, None] & (offs_dv[None, :] < DV)

@@ -28,6 +28,7 @@ from .common import (
     row_block,
     sequence_bounds,
     tile_span,
+    tile_start,
     visible,
 )
 
@@ -57,7 +58,7 @@ def _fwd_tiles(
         offs_n = start_n + arange_n
         col_ok = offs_n < seqlen_k
         # 64-bit: start_n * stride can pass 2**31 on long sequences; the in-tile part can't.
-        start_n64 = tl.cast(start_n, tl.int64)
+        start_n64 = tile_start(start_n, BLOCK_N)
         k_ptrs = (k_base + start_n64 * stride_kn
                   + arange_n[None, :] * stride_kn + offs_dqk[:, None] * stride_kd)
         if MASKED:
