@@ -90,36 +90,51 @@ def test_varlen_bias_gradient_and_empty_sequences_cpu():
 
 
 @cpu_only
-@settings(max_examples=6, deadline=None)
-@given(st.lists(st.integers(0, 150), min_size=1, max_size=7).filter(lambda ls: sum(ls) > 0))
-@example([130, 0, 77, 301, 6, 1])
-@example([1, 0, 700, 1, 1])  # one long among short ones: most of a block grid's programs idle
-def test_packed_row_stats_for_hopper_cpu(lengths):
-    """The preprocess lays packed sequences' row statistics out for the Gluon backward's
-    TMA (backward_sm90.shared.row_stats_buffer): sequence b's rows from common.packed_stats_start
-    on, a multiple of 4 tokens past the previous sequence's slack, lse * log2(e) (+inf
-    where lse is -inf) and delta - grad_lse there, then STATS_SLACK rows of +inf and 0
-    (a tile's rows past the sequence get P = 0), nothing else read."""
-    from memattn.kernels import backward_sm90
-    from memattn.kernels.common import STATS_SLACK
+@settings(max_examples=8, deadline=None)
+@given(st.lists(st.integers(0, 150), min_size=1, max_size=7).filter(lambda ls: sum(ls) > 0),
+       st.booleans())
+@example([130, 0, 77, 301, 6, 1], True)
+@example([1, 0, 700, 1, 1], True)  # one long among short ones: most of a block grid's programs idle
+@example([77, 77, 77], False)  # a dense batch: rows of 77 + slack, padded to 16
+@example([1], False)
+def test_row_stats_cpu(lengths, packed):
+    """The preprocess fills the backward's row statistics (common.row_stats_buffer), for
+    packed sequences or a dense batch (``lengths`` all the first one's): sequence b's rows
+    from common.packed_stats_start on (a dense batch's from 0 in its own plane), a
+    multiple of 4 tokens past the previous sequence's slack, lse * log2(e) (+inf where
+    lse is -inf) and delta - grad_lse there, then STATS_SLACK rows of +inf and 0 (a
+    tile's rows past the sequence get P = 0), in rows whose stride 16 divides; nothing
+    else read."""
+    from memattn.kernels.common import STATS_SLACK, row_stats_buffer
 
-    gen = torch.Generator().manual_seed(len(lengths))
+    gen = torch.Generator().manual_seed(len(lengths) + 100 * packed)
+    if not packed:
+        lengths = [lengths[0] or 1] * len(lengths)
     tokens, heads, dv = sum(lengths), 3, 24
     q = torch.randn(tokens, heads, 32, generator=gen)
     out, grad_out = (torch.randn(tokens, heads, dv, generator=gen) for _ in range(2))
     lse, grad_lse = (torch.randn(heads, tokens, generator=gen) for _ in range(2))
     lse[1, tokens // 2] = float("-inf")
     cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
-    spec = memattn.spec.check_call(q, q, out, cu_seqlens_q=cu, cu_seqlens_k=cu,
-                                   max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
-    stats = backward_sm90.shared.row_stats_buffer(spec, lse).fill_(float("nan"))  # poisoned
-    lse2, delta = stats[:, 0]
-    grid, args, constexprs = backward_kernels.delta_launch(spec, out, grad_out, lse, grad_lse,
-                                                           cu, delta, lse2)  # fmt: skip
+    if packed:
+        spec = memattn.spec.check_call(q, q, out, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                       max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
+        call = (out, grad_out, lse, grad_lse, cu)
+    else:  # (B, S, H, D) and lse (B, H, S): the same tokens, a sequence a batch
+        batch, seqlen = len(lengths), lengths[0]
+        dense = [t.view(batch, seqlen, heads, -1) for t in (q, out, grad_out)]
+        spec = memattn.spec.check_call(dense[0], dense[0], dense[1])
+        call = (dense[1], dense[2], *(t.view(heads, batch, seqlen).transpose(0, 1)
+                                      for t in (lse, grad_lse)), None)
+    stats = row_stats_buffer(call[2], packed, len(lengths)).fill_(float("nan"))  # poisoned
+    assert stats.stride(-2) % 16 == 0
+    grid, args, constexprs = backward_kernels.delta_launch(spec, *call, stats)
     backward_kernels._delta_kernel[grid](*args, **constexprs)
 
-    read = torch.zeros(stats.shape[-1], dtype=torch.bool)  # the rows the backward reads
-    want_lse2 = torch.zeros_like(stats[0, 0])
+    planes = stats.flatten(1, 2) if not packed else stats[:, 0]  # (2, [B ×] H, rows)
+    rows = planes.shape[-1]
+    read = torch.zeros(len(lengths), rows, dtype=torch.bool)  # rows the backward reads
+    want_lse2 = torch.zeros(len(lengths), heads, rows)
     want_delta = torch.zeros_like(want_lse2, dtype=torch.float64)  # exact
     bound = torch.zeros_like(want_delta)  # delta's rounding; 0 in the slack: zeros there
     products = out.double() * grad_out.double()
@@ -131,20 +146,27 @@ def test_packed_row_stats_for_hopper_cpu(lengths):
     row_lse2 = torch.where(lse == float("-inf"), float("inf"), lse * math.log2(math.e))
     end = 0
     for b, (first, length) in enumerate(zip(cu.tolist(), lengths)):
-        start = (first + (STATS_SLACK.value + 4) * b + 3) // 4 * 4
+        start = (first + (STATS_SLACK.value + 4) * b + 3) // 4 * 4 if packed else 0
         assert start % 4 == 0 and start >= end, "aligned, after the previous sequence"
         end = start + length
-        want_lse2[:, start:end] = row_lse2[:, first : first + length]
-        want_delta[:, start:end] = row_delta[:, first : first + length]
-        bound[:, start:end] = row_bound[:, first : first + length]
-        read[start:end] = True
+        want_lse2[b, :, start:end] = row_lse2[:, first : first + length]
+        want_delta[b, :, start:end] = row_delta[:, first : first + length]
+        bound[b, :, start:end] = row_bound[:, first : first + length]
+        read[b, start:end] = True
         if length:  # rows past the end: P = 0 (delta 0, so that dS = 0 dP is 0 too)
-            want_lse2[:, end : end + STATS_SLACK.value] = float("inf")
-            read[end : end + STATS_SLACK.value] = True
+            want_lse2[b, :, end : end + STATS_SLACK.value] = float("inf")
+            read[b, end : end + STATS_SLACK.value] = True
             end += STATS_SLACK.value
-    assert end <= stats.shape[-1]
-    torch.testing.assert_close(stats[0, 0][:, read], want_lse2[:, read], rtol=1e-6, atol=0)
-    assert ((stats[1, 0].double() - want_delta).abs() <= bound)[:, read].all()
+        assert end <= rows
+        if not packed:
+            end = 0
+    # every sequence's statistics where the backward reads them: packed ones in the one
+    # plane, dense ones in their batch's
+    for b in range(len(lengths)):
+        got = planes[:, b * heads : (b + 1) * heads] if not packed else planes
+        mask = read[b]
+        torch.testing.assert_close(got[0][:, mask], want_lse2[b][:, mask], rtol=1e-6, atol=0)
+        assert ((got[1].double() - want_delta[b]).abs() <= bound[b])[:, mask].all()
 
 
 def _tile_spec(head_dim, lengths, batch, seqlen):
@@ -166,7 +188,7 @@ def test_packed_preprocess_grid_grows_with_tokens():
     sequences (a grid over each sequence's blocks to the longest: 256 sequences, one of
     16384 tokens, would launch 256 * 256 programs a head, almost all idle)."""
     from memattn.kernels import backward_sm90
-    from memattn.kernels.common import packed_items
+    from memattn.kernels.common import packed_items, row_stats_buffer
 
     lengths = [16384] + [64] * 255
     tokens, heads = sum(lengths), 2
@@ -175,9 +197,8 @@ def test_packed_preprocess_grid_grows_with_tokens():
     spec = memattn.spec.check_call(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                    max_seqlen_q=16384, max_seqlen_k=16384)
     lse = torch.empty(heads, tokens)
-    stats = backward_sm90.shared.row_stats_buffer(spec, lse)
-    grid, _, _ = backward_kernels.delta_launch(spec, q, q, lse, None, cu, stats[:, 0, 1],
-                                               stats[:, 0, 0])  # fmt: skip
+    stats = row_stats_buffer(lse, True, len(lengths))
+    grid, _, _ = backward_kernels.delta_launch(spec, q, q, lse, None, cu, stats)
     assert grid == (packed_items(256, tokens, heads, 64),) == (heads * (tokens // 64 + 256),)
     buffer = backward_sm90.shared.dq_tiles(spec, tokens, 64, "cpu")
     grid, _, _ = backward_sm90.dq_from_tiles_launch(spec, buffer, 64, q, cu)
@@ -272,6 +293,7 @@ def test_preprocess_zeroes_dq_tiles_cpu(head_dim, rows, lengths, batch, seqlen):
     """The preprocess zeroes every dQ tile the Gluon backward adds into (_tiles_of, as
     common.dq_tile numbers them), in a buffer that held NaN."""
     from memattn.kernels import backward_sm90
+    from memattn.kernels.common import row_stats_buffer
 
     if head_dim > 64 and rows == 128:
         rows = 64
@@ -279,11 +301,10 @@ def test_preprocess_zeroes_dq_tiles_cpu(head_dim, rows, lengths, batch, seqlen):
     out, grad_out = torch.randn_like(q), torch.randn_like(q)
     lse = (torch.randn(spec.heads, q.shape[0]) if cu is not None
            else torch.randn(batch, spec.heads, seqlen))  # fmt: skip
-    stats = backward_sm90.shared.row_stats_buffer(spec, lse)
-    lse2, delta = stats[:, 0] if cu is not None else stats.unbind(0)
+    stats = row_stats_buffer(lse, cu is not None, spec.batch)
     buffer = backward_sm90.shared.dq_tiles(spec, q.shape[0], rows, "cpu").fill_(float("nan"))
     grid, args, constexprs = backward_kernels.delta_launch(
-        spec, out, grad_out, lse, None, cu, delta, lse2, buffer, rows)
+        spec, out, grad_out, lse, None, cu, stats, buffer, rows)
     backward_kernels._delta_kernel[grid](*args, **constexprs)
     plane = buffer.flatten(2)
     for b, h, tile, _, _ in _tiles_of(spec, cu, seqs, rows):

@@ -10,6 +10,7 @@ from memattn.check import Case, check_backward, check_forward
 from memattn.kernels import backward as backward_kernels
 from memattn.kernels import forward as forward_kernels
 from memattn.kernels import tuning
+from memattn.kernels.common import STATS_SLACK
 from memattn.spec import check_call
 
 from .conftest import DEVICE
@@ -67,6 +68,10 @@ def test_table_then_smaller_fallbacks(monkeypatch, head_dim, options):
     ):  # fmt: skip
         assert configs[0] == first and len(set(configs)) == len(configs)
         assert set(configs[1:]) <= set(fallbacks)
+    # the backward's query tiles read row statistics past a sequence's end from its
+    # slack alone (common.row_stats_buffer), unmasked
+    for c in (*tuning.backward_configs(spec), tuning.INTERPRETER_BACKWARD):
+        assert max(c.block_m_dkdv, c.block_m_dq) <= STATS_SLACK.value, c
 
 
 class _TooBigFor:

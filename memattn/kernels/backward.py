@@ -46,7 +46,9 @@ from .common import (
     philox_key,
     query_range,
     row_block,
+    row_stats_buffer,
     sequence_bounds,
+    stats_planes,
     sum_to_bias,
     tile_span,
     tile_start,
@@ -71,15 +73,15 @@ def _delta_kernel(
     stride_eb, stride_eh, stride_em,
     CuSeqQ, H, seqlen_q, num_m_blocks, num_seqs,
     DV: tl.constexpr, DQK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, FOR_SM90: tl.constexpr, ZERO_DQ: tl.constexpr,
+    IS_VARLEN: tl.constexpr, ZERO_DQ: tl.constexpr,
     DQ_BLOCK_M: tl.constexpr, HAS_GRAD_LSE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """delta = rowsum(dO * O), minus grad_lse where a gradient flows into lse (it adds
-    P * grad_lse to dS). FOR_SM90 (the Gluon backward's inputs): also
-    lse2 = lse * log2(e) (+inf for rows that see no key, so their P is 0, not NaN),
-    stored beside delta (strides stride_d*), packed sequences' at packed_stats_start,
-    each followed by STATS_SLACK rows of lse2 = +inf and delta = 0;
-    with ZERO_DQ, zeros for the fp32 dQ accumulator (backward_sm90.shared.dq_tiles: DQ_BLOCK_M
+    """The backward's row statistics (common.row_stats_buffer, strides stride_d*):
+    delta = rowsum(dO * O), minus grad_lse where a gradient flows into lse (it adds
+    P * grad_lse to dS), and lse2 = lse * log2(e) (+inf for rows that see no key, so
+    their P is 0, not NaN), packed sequences' at packed_stats_start, each sequence's
+    followed by STATS_SLACK rows of lse2 = +inf and delta = 0. With ZERO_DQ, zeros for
+    the Gluon backward's fp32 dQ accumulator (backward_sm90.shared.dq_tiles: DQ_BLOCK_M
     rows a tile, each zeroed whole by the program at its first row). Packed sequences
     take packed_items' grid over their tokens (a grid over each sequence's blocks to
     the longest holds mostly empty programs where the lengths differ). PDL: launched as
@@ -109,23 +111,21 @@ def _delta_kernel(
     if HAS_GRAD_LSE:
         delta -= tl.load(GradLse + b64 * stride_eb + h64 * stride_eh + (row0 + rows) * stride_em,
                          mask=row_ok, other=0.0)
-    stats_row0 = row0
-    if FOR_SM90 and IS_VARLEN:
+    stats_row0 = tl.cast(start_m, tl.int64)
+    if IS_VARLEN:
         stats_row0 = tl.cast(packed_stats_start(q_start, b) + start_m, tl.int64)
     d_off = b64 * stride_db + h64 * stride_dh + (stats_row0 + rows) * stride_dm
     tl.store(Delta + d_off, delta, mask=row_ok)
-    if FOR_SM90:
-        lse = tl.load(Lse + b64 * stride_lb + h64 * stride_lh + (row0 + rows) * stride_lm,
-                      mask=row_ok, other=0.0)
-        tl.store(Lse2 + d_off, tl.where(lse == float("-inf"), float("inf"), lse * LOG2E),
-                 mask=row_ok)
-        if IS_VARLEN:  # the block holding the sequence's end: the slack past it
-            if (start_m < seqlen_q) & (seqlen_q <= start_m + BLOCK_M):
-                slack = tl.arange(0, STATS_SLACK)
-                s_off = (b64 * stride_db + h64 * stride_dh
-                         + (stats_row0 + seqlen_q - start_m + slack) * stride_dm)
-                tl.store(Lse2 + s_off, tl.full([STATS_SLACK], float("inf"), tl.float32))
-                tl.store(Delta + s_off, tl.zeros([STATS_SLACK], tl.float32))
+    lse = tl.load(Lse + b64 * stride_lb + h64 * stride_lh + (row0 + rows) * stride_lm,
+                  mask=row_ok, other=0.0)
+    tl.store(Lse2 + d_off, tl.where(lse == float("-inf"), float("inf"), lse * LOG2E),
+             mask=row_ok)
+    if (start_m < seqlen_q) & (seqlen_q <= start_m + BLOCK_M):  # the block holding the
+        slack = tl.arange(0, STATS_SLACK)  # sequence's end: the slack past it
+        s_off = (b64 * stride_db + h64 * stride_dh
+                 + (stats_row0 + seqlen_q - start_m + slack) * stride_dm)
+        tl.store(Lse2 + s_off, tl.full([STATS_SLACK], float("inf"), tl.float32))
+        tl.store(Delta + s_off, tl.zeros([STATS_SLACK], tl.float32))
     if ZERO_DQ:
         if (start_m % DQ_BLOCK_M == 0) & (start_m < seqlen_q):
             tile = dq_tile(start_m, q_start, b, DQ_BLOCK_M, IS_VARLEN)
@@ -144,16 +144,16 @@ def _delta_kernel(
 _DELTA_BLOCK_M = 64
 
 
-def delta_launch(spec: AttentionSpec, out, grad_out, lse, grad_lse, cu_seqlens_q, delta,
-                 lse2=None, dq_acc=None, dq_block_m=0,
-                 pdl=False) -> tuple[tuple, tuple, dict]:  # fmt: skip
-    """_delta_kernel's (grid, arguments, constexprs): delta (laid out as lse; for the
-    Gluon backward, lse2 given, as backward_sm90.shared.row_stats_buffer) minus grad_lse where
-    given, lse2, and zeros in dq_acc where given (backward_sm90.shared.dq_tiles, tiles of
-    dq_block_m rows). pdl: the kernel waits for the one before it, then lets the next
-    launch (it must be launched with launch_pdl then). The tile backward launches it
-    here, backward_sm90 through its launcher."""
+def delta_launch(spec: AttentionSpec, out, grad_out, lse, grad_lse, cu_seqlens_q, stats,
+                 dq_acc=None, dq_block_m=0, pdl=False) -> tuple[tuple, tuple, dict]:  # fmt: skip
+    """_delta_kernel's (grid, arguments, constexprs): the row statistics into ``stats``
+    (common.row_stats_buffer's), and zeros in dq_acc where given
+    (backward_sm90.shared.dq_tiles, tiles of dq_block_m rows). pdl: the kernel waits
+    for the one before it, then lets the next launch (it must be launched with
+    launch_pdl then). The tile backward launches it here, backward_sm90 through its
+    launcher."""
     zero_dq = dq_acc is not None
+    lse2, delta = stats_planes(stats, spec.varlen)
     num_m = cdiv(spec.seqlen_q, _DELTA_BLOCK_M)
     programs = (packed_items(spec.batch, out.shape[0], spec.heads, _DELTA_BLOCK_M)
                 if spec.varlen else num_m * spec.batch * spec.heads)
@@ -172,8 +172,7 @@ def delta_launch(spec: AttentionSpec, out, grad_out, lse, grad_lse, cu_seqlens_q
     constexprs = dict(
         DV=out.shape[-1], DQK=spec.head_dim_qk, BLOCK_M=_DELTA_BLOCK_M,
         BLOCK_DV=tuning.padded_head_dim(out.shape[-1]), IS_VARLEN=spec.varlen,
-        FOR_SM90=lse2 is not None, ZERO_DQ=zero_dq, DQ_BLOCK_M=dq_block_m,
-        HAS_GRAD_LSE=grad_lse is not None, PDL=pdl,
+        ZERO_DQ=zero_dq, DQ_BLOCK_M=dq_block_m, HAS_GRAD_LSE=grad_lse is not None, PDL=pdl,
     )  # fmt: skip
     return (programs,), args, constexprs
 
@@ -221,7 +220,7 @@ def _grad_scores(
 @triton.jit
 def _dkdv_tiles(
     dk, dv, dbias_rows, k, v,
-    q_base, do_base, lse_base, delta_base, bias_base, dbias_base, dq_base,
+    q_base, do_base, lse2_base, delta_base, bias_base, dbias_base, dq_base,
     stride_qm, stride_qd, stride_gm, stride_gd, stride_lm,
     stride_bm, stride_bn, stride_dbm, stride_dbn, stride_dqm, stride_dqd,
     start_n, offs_n, offs_dqk, offs_dv, lo, hi,
@@ -235,7 +234,8 @@ def _dkdv_tiles(
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Accumulates query tiles [lo, hi) into dK, dV (and the bias gradient, and with
-    DQ_ATOMIC dQ) of one key block for one query head.
+    DQ_ATOMIC dQ) of one key block for one query head; lse2_base and delta_base: the
+    head's row statistics (common.row_stats_buffer) from the sequence's first query.
 
     The tiles are transposed, (keys, queries), as in FlashAttention's dK/dV loop: P^T
     and dS^T come out of their matmuls in the layout the dV and dK matmuls take them
@@ -259,10 +259,9 @@ def _dkdv_tiles(
                     + offs_dqk[None, :] * stride_qd, mask=q_mask, other=0.0)
         do = tl.load(do_base + start_m64 * stride_gm + arange_m[:, None] * stride_gm
                      + offs_dv[None, :] * stride_gd, mask=do_mask, other=0.0)
-        lse = tl.load(lse_base + (start_m64 + arange_m) * stride_lm, mask=row_ok,
-                      other=float("inf"))  # padded rows: P = 0
-        delta = tl.load(delta_base + (start_m64 + arange_m) * stride_lm, mask=row_ok, other=0.0)
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+        # rows past the sequence read its slack (row_stats_buffer): P = 0, dS = 0
+        lse2 = tl.load(lse2_base + (start_m64 + arange_m) * stride_lm)
+        delta = tl.load(delta_base + (start_m64 + arange_m) * stride_lm)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         bias_t = qk_t  # placeholder, unused without a bias
@@ -314,7 +313,7 @@ def _dkdv_tiles(
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DOut, Lse, Delta, Bias, DBias, Alibi, Rng, CuSeqQ, CuSeqK, DK, DV_, DQAcc,
+    Q, K, V, DOut, Lse2, Delta, Bias, DBias, Alibi, Rng, CuSeqQ, CuSeqK, DK, DV_, DQAcc,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -356,6 +355,9 @@ def _dkdv_kernel(
     hk64 = tl.cast(hk, tl.int64)
     col0 = tl.cast(k_start + start_n, tl.int64)
     q_row0 = tl.cast(q_start, tl.int64)
+    stats_row0 = tl.cast(0, tl.int64)  # the sequence's row statistics' first row
+    if IS_VARLEN:
+        stats_row0 = tl.cast(packed_stats_start(q_start, b), tl.int64)
     arange_n = tl.arange(0, BLOCK_N)
     offs_n = start_n + arange_n
     offs_dqk = tl.arange(0, BLOCK_DQK)
@@ -384,8 +386,8 @@ def _dkdv_kernel(
         bh = b * H + h
         q_base = Q + b64 * stride_qb + h64 * stride_qh + q_row0 * stride_qm
         do_base = DOut + b64 * stride_gb + h64 * stride_gh + q_row0 * stride_gm
-        lse_base = Lse + b64 * stride_lb + h64 * stride_lh + q_row0 * stride_lm
-        delta_base = Delta + b64 * stride_lb + h64 * stride_lh + q_row0 * stride_lm
+        lse2_base = Lse2 + b64 * stride_lb + h64 * stride_lh + stats_row0 * stride_lm
+        delta_base = Delta + b64 * stride_lb + h64 * stride_lh + stats_row0 * stride_lm
         dq_base = DQAcc
         if DQ_ATOMIC:
             dq_base = DQAcc + b64 * stride_dqb + h64 * stride_dqh + q_row0 * stride_dqm
@@ -405,7 +407,7 @@ def _dkdv_kernel(
             # Masked query tiles at the window's edges, unmasked ones between them.
             span_lo, span_hi = tile_span(span, lo, full_lo, full_hi, hi)
             dk, dv, dbias_rows = _dkdv_tiles(
-                dk, dv, dbias_rows, k, v, q_base, do_base, lse_base, delta_base, bias_base,
+                dk, dv, dbias_rows, k, v, q_base, do_base, lse2_base, delta_base, bias_base,
                 dbias_base, dq_base, stride_qm, stride_qd, stride_gm, stride_gd, stride_lm,
                 stride_bm, stride_bn, stride_dbm, stride_dbn, stride_dqm, stride_dqd,
                 start_n, offs_n, offs_dqk, offs_dv, span_lo, span_hi,
@@ -491,7 +493,7 @@ def _dq_tiles(
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DOut, Lse, Delta, Bias, Alibi, Rng, CuSeqQ, CuSeqK, DQ,
+    Q, K, V, DOut, Lse2, Delta, Bias, Alibi, Rng, CuSeqQ, CuSeqK, DQ,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -550,10 +552,15 @@ def _dq_kernel(
     do = tl.load(DOut + b64 * stride_gb + h64 * stride_gh + row0 * stride_gm
                  + arange_m[:, None] * stride_gm + offs_dv[None, :] * stride_gd,
                  mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-    l_ptrs = b64 * stride_lb + h64 * stride_lh + row0 * stride_lm + arange_m * stride_lm
-    lse = tl.load(Lse + l_ptrs, mask=row_ok, other=float("inf"))  # padded rows: P = 0
-    delta = tl.load(Delta + l_ptrs, mask=row_ok, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    # the row statistics (common.row_stats_buffer); rows past the sequence read its
+    # slack: P = 0, dS = 0
+    stats_row0 = start_m
+    if IS_VARLEN:
+        stats_row0 = packed_stats_start(q_start, b) + start_m
+    l_ptrs = (b64 * stride_lb + h64 * stride_lh
+              + (tl.cast(stats_row0, tl.int64) + arange_m) * stride_lm)
+    lse2 = tl.load(Lse2 + l_ptrs)
+    delta = tl.load(Delta + l_ptrs)
 
     lo, full_lo, full_hi, hi = key_range(
         start_m, seqlen_k, off, window_left, window_right,
@@ -692,10 +699,12 @@ def backward(
     qkv_strides = (*dense_strides(q, spec.varlen), *dense_strides(k, spec.varlen),
                    *dense_strides(v, spec.varlen), *dense_strides(grad_out, spec.varlen))
     configs = tuning.backward_configs(spec)
-    delta = torch.empty_like(lse)
+    stats = row_stats_buffer(lse, spec.varlen, spec.batch)
     grid, args, constexprs = delta_launch(spec, out, grad_out, lse, grad_lse, cu_seqlens_q,
-                                          delta)  # fmt: skip
+                                          stats)  # fmt: skip
     _delta_kernel[grid](*args, **constexprs)
+    lse2, delta = stats_planes(stats, spec.varlen)
+    stats_strides = lse_strides(lse2, spec.varlen)
 
     # dQ takes one of three paths: from the dS the bias gradient already wrote (a
     # matmul), accumulated with fp32 atomics inside the dK/dV kernel (5 matmuls per
@@ -720,9 +729,9 @@ def backward(
             programs = (packed_items(spec.batch, k.shape[0], spec.kv_heads, c.block_n_dkdv)
                         if spec.varlen else num_n * spec.batch * spec.kv_heads)
             _dkdv_kernel[(programs,)](
-                q, k, v, grad_out, lse, delta, bias, db_buf, alibi_slopes, rng_state,
+                q, k, v, grad_out, lse2, delta, bias, db_buf, alibi_slopes, rng_state,
                 cu_seqlens_q, cu_seqlens_k, dk, dv, dq_acc, *qkv_strides,
-                *lse_strides(lse, spec.varlen), *bias_strides(bias, spec), *db_strides,
+                *stats_strides, *bias_strides(bias, spec), *db_strides,
                 *alibi_strides(alibi_slopes), *dense_strides(dk, spec.varlen),
                 *dense_strides(dv, spec.varlen),
                 *(dense_strides(dq_acc, spec.varlen) if dq_atomic else (0, 0, 0, 0)),
@@ -752,8 +761,8 @@ def backward(
             programs = (packed_items(spec.batch, q.shape[0], spec.heads, c.block_m_dq)
                         if spec.varlen else num_m * spec.batch * spec.heads)
             _dq_kernel[(programs,)](
-                q, k, v, grad_out, lse, delta, bias, alibi_slopes, rng_state, cu_seqlens_q,
-                cu_seqlens_k, dq, *qkv_strides, *lse_strides(lse, spec.varlen),
+                q, k, v, grad_out, lse2, delta, bias, alibi_slopes, rng_state, cu_seqlens_q,
+                cu_seqlens_k, dq, *qkv_strides, *stats_strides,
                 *bias_strides(bias, spec), *alibi_strides(alibi_slopes),
                 *dense_strides(dq, spec.varlen),
                 spec.heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_m, spec.batch,

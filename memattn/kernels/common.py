@@ -14,8 +14,8 @@ import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
-# Rows past a packed sequence's end that the Gluon backward's query tiles (up to 128
-# rows) read: their statistics give P = 0 (packed_stats_start).
+# Rows past a sequence's end that the backward's query tiles (up to 128 rows, both
+# families) read: their statistics give P = 0 (row_stats_buffer).
 STATS_SLACK = tl.constexpr(128)
 
 
@@ -249,12 +249,40 @@ def philox_key(Rng, HAS_DROPOUT: tl.constexpr):
 
 @triton.jit
 def packed_stats_start(q_start, b):
-    """Where packed sequence b's row statistics start in the Gluon backward's stats
-    buffer (backward_sm90.shared.row_stats_buffer): its first token rounded up to a multiple
-    of 4 (16 bytes of fp32, where a TMA box must start) after STATS_SLACK + 4 tokens for
-    each earlier sequence, so that each sequence's rows and the STATS_SLACK rows past
-    its end (+inf lse: a tile's rows past the sequence get P = 0) overlap no other's."""
+    """Where packed sequence b's row statistics start in the backward's stats buffer
+    (row_stats_buffer): its first token rounded up to a multiple of 4 (16 bytes of fp32,
+    where a TMA box must start) after STATS_SLACK + 4 tokens for each earlier sequence,
+    so that each sequence's rows and the STATS_SLACK rows past its end (+inf lse: a
+    tile's rows past the sequence get P = 0) overlap no other's."""
     return (q_start + (STATS_SLACK + 4) * b + 3) // 4 * 4
+
+
+def row_stats_buffer(lse: torch.Tensor, varlen: bool, batch: int) -> torch.Tensor:
+    """The backward's row statistics, which the preprocess (backward._delta_kernel)
+    fills for both kernel families: one float32 tensor, [0] lse * log2(e) (+inf where
+    lse is -inf: P = 0, not NaN) and [1] delta, (2, B, H, Sq') for lse (B, H, Sq), each
+    row from 0; packed sequences (lse (H, Tq), ``batch`` of them) one batch, (2, 1, H,
+    Tq'), each sequence's rows from packed_stats_start on. Every sequence's rows are
+    followed by STATS_SLACK rows of +inf and 0, so that a query tile's rows past its
+    end get P = 0 and dS = 0: no kernel masks its loads of the statistics, and rows of
+    a multiple of 16 floats (a stride Triton's specialisation sees) keep them 16 bytes
+    wide. (Masked by Sq, the tile kernels' went one element at a time wherever 16 did
+    not divide Sq, and the dK/dV kernel spilled 392 bytes: H200 B4 H16 D128 S4095, its
+    time 3009 -> 1905 us, 2080 -> 1953 at S4096.) Nothing reads the rest of a row."""
+    slack = STATS_SLACK.value
+    if varlen:
+        heads, tokens = lse.shape
+        padded = cdiv(tokens + (slack + 4) * batch + slack, 16) * 16  # packed_stats_start's
+        return torch.empty(2, 1, heads, padded, dtype=torch.float32, device=lse.device)
+    batches, heads, seqlen = lse.shape
+    padded = cdiv(seqlen, 16) * 16 + slack
+    return torch.empty(2, batches, heads, padded, dtype=torch.float32, device=lse.device)
+
+
+def stats_planes(stats: torch.Tensor, varlen: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """row_stats_buffer's (lse2, delta) planes, laid out as lse: (B, H, Sq') each, or
+    packed sequences' (H, Tq')."""
+    return (stats[0, 0], stats[1, 0]) if varlen else (stats[0], stats[1])
 
 
 @triton.jit

@@ -1,5 +1,5 @@
 """The Hopper backward, in Gluon: `run` is the pass. backward.py's preprocess (its delta
-kernel) fills the row statistics (lse * log2(e) and delta: row_stats_buffer) and zeroes
+kernel) fills the row statistics (lse * log2(e) and delta: common.row_stats_buffer) and zeroes
 dQ's fp32 buffer where the kernel adds into one (dq_tiles); one kernel, by the head
 dims (`backward`); then _dq_from_tiles_kernel converts dQ (for masked and packed calls
 head by head, as narrow.py's kernel counts each head's key blocks done:
@@ -51,6 +51,7 @@ from ..common import (
     packed_items,
     packed_row_block,
     row_block,
+    row_stats_buffer,
     sequence_bounds,
     sum_to_bias,
     visible,
@@ -70,7 +71,6 @@ from .shared import (
     fuses_split_dq,
     is_wide,
     keeps_bits_in_shared,
-    row_stats_buffer,
     takes_head_dims,
 )
 
@@ -222,7 +222,7 @@ def dq_from_tiles_launch(
     return (programs,), args, constexprs
 
 
-# The preprocess (backward.py's delta kernel, FOR_SM90), launched past JITFunction.run
+# The preprocess (backward.py's delta kernel), launched past JITFunction.run
 # (hopper.Launcher): on the device's host that run() cost ~80 us a call, more than the
 # kernel at 16k tokens.
 _launch_delta = hopper.Launcher(tiles._delta_kernel)
@@ -349,7 +349,7 @@ def run(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias, alibi_
     _, need_dk, need_dv, need_dbias = needs
     dbias_kind = dbias_kind_of(spec, bias) if need_dbias else None
     dq_by_matmul = dq_from_full_bias(spec, dbias_kind)  # the kernel adds no dQ
-    stats = row_stats_buffer(spec, lse)
+    stats = row_stats_buffer(lse, spec.varlen, spec.batch)
     dq_acc, rows = None, 0
     if dq_in_fp32(spec):  # dQ tiles in their registers' order (dq_tiles)
         rows = block_m(spec, hopper.bias_row(spec, bias))
@@ -383,13 +383,11 @@ def _launch_all(spec: AttentionSpec, grad_out, grad_lse, q, k, v, out, lse, bias
                 dq_acc, rows, heads_done, dq, dk, dv):  # fmt: skip
     """run's launches into its buffers (dq_acc: dq_tiles' fp32 buffer, None where the
     kernels write dq itself; rows its tiles'); returns the bias gradient (None without)."""
-    # (B, H, Sq padded) planes, packed sequences' (H, padded): lse * log2(e), delta
-    lse2, delta = stats[:, 0] if spec.varlen else stats.unbind(0)
     dq_by_matmul = dq_from_full_bias(spec, dbias_kind)
     zeroed, zeroed_rows = (None, 0) if dq_by_matmul else (dq_acc, rows)
     pdl = shared.DEPENDENT_LAUNCHES
     grid, args, constexprs = tiles.delta_launch(
-        spec, out, grad_out, lse, grad_lse, cu_seqlens_q, delta, lse2, zeroed, zeroed_rows, pdl)
+        spec, out, grad_out, lse, grad_lse, cu_seqlens_q, stats, zeroed, zeroed_rows, pdl)
     # the stats and dq_acc fresh: what the spec does not fix is here
     variant = (spec, zeroed_rows, pdl, out.shape[-1], *out.stride(), *grad_out.stride(),
                *lse.stride(), *map(hopper.aligned, (out, grad_out, lse, cu_seqlens_q)),

@@ -18,7 +18,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ...spec import AttentionSpec
 from .. import hopper
 from ..common import (
-    STATS_SLACK,
     cdiv,
     diagonal_offset,
     dq_tile,
@@ -341,7 +340,7 @@ def _key_block(
         if start_n >= seqlen_k:
             n_tiles = 0
         if not BOUNDED_LEFT:  # the last query tile's rows past the sequence get P = 0
-            if start_n + BLOCK_N <= seqlen_k:  # from their statistics (row_stats_buffer)
+            if start_n + BLOCK_N <= seqlen_k:  # from their statistics (common.row_stats_buffer)
                 full_hi = hi
     return (b, hk, start_n, q_start, k_start, seqlen_q, seqlen_k, off, lo, full_lo, full_hi,
             n_tiles)
@@ -491,28 +490,9 @@ def converts_dq_by_head(spec: AttentionSpec) -> bool:
                                              or folds_short_causal(spec)))))
 
 
-def row_stats_buffer(spec: AttentionSpec, lse: torch.Tensor) -> torch.Tensor:
-    """One (2, B, H, Sq') float32 tensor for the row statistics the preprocess fills,
-    [0] lse * log2(e) and [1] delta, rows padded to 16 bytes as TMA needs (the padding
-    is never written or read: the descriptor's rows end at Sq). TMA reads past Sq give
-    zeros, harmless: those rows have Q = dO = 0, so P·dO and dS vanish. Packed
-    sequences (lse (H, Tq)) are one batch, (2, 1, H, Tq'), each sequence's rows from
-    common.packed_stats_start on, then STATS_SLACK rows of +inf lse and zero delta (a
-    query tile's rows past a sequence's end, the next one's, get P = 0 from them, so
-    the tile needs no mask); nothing reads the rest."""
-    if spec.varlen:
-        heads, tokens = lse.shape
-        slack = STATS_SLACK.value
-        padded = cdiv(tokens + (slack + 4) * spec.batch + slack, 4) * 4  # packed_stats_start's
-        return torch.empty(2, 1, heads, padded, dtype=torch.float32, device=lse.device)
-    batch, heads, seqlen = lse.shape
-    padded = cdiv(seqlen, 4) * 4
-    return torch.empty(2, batch, heads, padded, dtype=torch.float32, device=lse.device)
-
-
 def _row_stats_descriptor(stats: torch.Tensor, rows: int,
                           block_m: int = BLOCK_M) -> TensorDescriptor:  # fmt: skip
-    """One descriptor over row_stats_buffer's tensor: [0, b, h, rows] is lse2,
+    """One descriptor over common.row_stats_buffer's tensor: [0, b, h, rows] is lse2,
     [1, b, h, rows] delta, block_m rows a box. rows: Sq, or the packed buffer's whole
     length."""
     block = (1, 1, 1, block_m)
