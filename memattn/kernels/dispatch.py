@@ -83,12 +83,13 @@ def _gluon_takes(spec: AttentionSpec, q, k, v, bias) -> bool:
 # without its gradient, TFLOP/s fwd / bwd, before (the tile kernels over the bias as
 # given) -> the Gluon kernels over a copy: D128 (B, 1, Sq, Sk) 49 / 139 -> 448 / 471
 # (S4096, no copy: 495 / 498), causal 43 / 122 -> 391 / 417, (B, H, Sq, Sk) 46 / 135 ->
-# 157 / 274; D64 (1, H, Sq, Sk) 60 / 117 -> 197 / 283. The tile kernels over a copy:
-# 152 / 190, 139 / 172, 93 / 142, 85 / 122 (their unmasked tiles' bias loads drop the
-# key mask too, which Sk's divisibility decides as well). Its gradient the Gluon backward
-# writes over padded rows too (backward_sm90._launch_all), backward, tile -> Gluon:
-# BHQK 123 -> 233 (S4096 456: two copies, 1.8 and 1.4 ms, beside a 2.6 ms kernel),
-# 1HQK causal 103 -> 262 (S4096 321), B1QK 148 -> 387, D64 1HQK 53 -> 193.
+# 157 / 274; D64 (1, H, Sq, Sk) 60 / 117 -> 197 / 283. The tile kernels over a copy,
+# D128 (1, H, Sq, Sk): 264 / 225 (their unmasked tiles load it without the key mask,
+# from a first key Triton is told is aligned: common.tile_start). Its gradient the
+# Gluon backward writes over padded rows too (backward_sm90._launch_all), backward,
+# tile -> Gluon: BHQK 123 -> 233 (S4096 456: two copies, 1.8 and 1.4 ms, beside a
+# 2.6 ms kernel), 1HQK causal 103 -> 262 (S4096 321), B1QK 148 -> 387, D64 1HQK 53 ->
+# 193.
 
 
 def _gluon_bias(spec: AttentionSpec, bias):
