@@ -529,7 +529,7 @@ def _keep(seed, rng_offset, bh, row0, start_n, BLOCK_N: gl.constexpr,
 def _dropped(p, keep, dropout_p, HAS_DROPOUT: gl.constexpr):
     """P with the dropped entries zeroed (the 1 / (1 - p) goes into the output)."""
     if HAS_DROPOUT:
-        p = hopper.dropped(p, keep, dropout_p)
+        p = hopper.dropped(p, keep, dropout_p, True)
     return p
 
 
