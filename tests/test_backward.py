@@ -1360,6 +1360,18 @@ def test_gradients_float32_gpu(case):
         torch.backends.cuda.matmul.allow_tf32 = old
 
 
+@pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="known gap (README, Correctness): the float32 "
+                   "backward's IEEE scores past 128 columns against the forward's 3xTF32 lse")
+def test_gradients_float32_wide_large_scores_gpu():
+    """float32 at Dqk 256 / Dv 128 with scores of std ~3 (scale 0.241): dV off by the
+    forward's lse error (H200: 1.43x its tolerance). Strict: passing means the gap is
+    closed, and this test and the README's line go."""
+    case = Case("fp32 D256/128 scale 0.241", batch=3, seqlen_q=719, seqlen_k=719, heads=3,
+                kv_heads=3, dqk=256, dv=128, layout="transposed", options=dict(scale=0.241))
+    assert_results(check_backward(case, torch.float32, "cuda", seed=105))
+
+
 @pytest.mark.parametrize(
     "head_dim, options, rows",
     [(64, {}, 128), (64, dict(causal=True), 128), (64, dict(bias="row"), 128),
