@@ -59,6 +59,7 @@ from .forward import (
     dense_strides,
     feature_switches,
     lse_strides,
+    rescored_lse,
 )
 
 
@@ -699,6 +700,9 @@ def backward(
     qkv_strides = (*dense_strides(q, spec.varlen), *dense_strides(k, spec.varlen),
                    *dense_strides(v, spec.varlen), *dense_strides(grad_out, spec.varlen))
     configs = tuning.backward_configs(spec)
+    rescored = rescored_lse(spec, q, k, v, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, lse)
+    if rescored is not None:  # P over this backward's scores: the lse of its own dots
+        lse = rescored
     stats = row_stats_buffer(lse, spec.varlen, spec.batch)
     grid, args, constexprs = delta_launch(spec, out, grad_out, lse, grad_lse, cu_seqlens_q,
                                           stats)  # fmt: skip

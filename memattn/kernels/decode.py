@@ -144,7 +144,7 @@ def _split_kv_kernel(
         seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
         seed, rng_offset, bh, dropout_p, 0, 0,
         DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, True, BOUNDED_LEFT,
-        BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
+        BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION, True)
 
     out, lse = normalised(acc, m_i, l_i, dropout_p, HAS_DROPOUT)
     out_mask = row_ok[:, None] & (offs_dv[None, :] < DV)

@@ -22,6 +22,7 @@ from .common import (
     diagonal_offset,
     dropout_keep,
     key_range,
+    new_output,
     packed_items,
     packed_row_block,
     philox_key,
@@ -44,9 +45,10 @@ def _fwd_tiles(
     BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASKED: tl.constexpr, BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, WITH_OUT: tl.constexpr,
 ):  # fmt: skip
-    """Accumulates key tiles [lo, hi) into (acc, m_i, l_i). MASKED tiles apply the
+    """Accumulates key tiles [lo, hi) into (acc, m_i, l_i) (without WITH_OUT, the row
+    statistics alone: no V, acc untouched). MASKED tiles apply the
     visibility mask; the others are known to be fully visible and skip it. offs_m: each
     row's query position; bias_rows: a pointer to each row's bias row (key 0); slope and
     bh: ALiBi's slope and dropout's head, a scalar or one per row, (BLOCK_M, 1); pos_q
@@ -92,19 +94,20 @@ def _fwd_tiles(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if HAS_DROPOUT:
-            keep = dropout_keep(seed, rng_offset, bh, offs_m + pos_q, start_n + pos_k,
-                                dropout_p, BLOCK_N)
-            p = tl.where(keep, p, 0.0)
-
-        v_ptrs = (v_base + start_n64 * stride_vn
-                  + arange_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd)
-        if MASKED:
-            v_mask = col_ok[:, None] & (offs_dv[None, :] < DV)
-        else:
-            v_mask = offs_dv[None, :] < DV
-        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if WITH_OUT:
+            if HAS_DROPOUT:
+                keep = dropout_keep(seed, rng_offset, bh, offs_m + pos_q, start_n + pos_k,
+                                    dropout_p, BLOCK_N)
+                p = tl.where(keep, p, 0.0)
+            v_ptrs = (v_base + start_n64 * stride_vn
+                      + arange_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd)
+            if MASKED:
+                v_mask = col_ok[:, None] & (offs_dv[None, :] < DV)
+            else:
+                v_mask = offs_dv[None, :] < DV
+            v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
+                                                input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -140,7 +143,7 @@ def _fwd_kernel(
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     BOUNDED_LEFT: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, WITH_OUT: tl.constexpr,
 ):  # fmt: skip
     # One program per (query block, batch * head), on a 1-D grid: no 65,535 limit on
     # batch * heads. Query blocks of one head run back to back, last block first: with
@@ -209,11 +212,13 @@ def _fwd_kernel(
             seqlen_q, seqlen_k, off, scale, softcap, slope, window_left, window_right,
             seed, rng_offset, bh, dropout_p, pos_q, pos_k,
             DQK, DV, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, span != 1, BOUNDED_LEFT,
-            BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION)
+            BOUNDED_RIGHT, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION,
+            WITH_OUT)
 
     out, lse = normalised(acc, m_i, l_i, dropout_p, HAS_DROPOUT)
-    tl.store(o_base + arange_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
-             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    if WITH_OUT:
+        tl.store(o_base + arange_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
+                 out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
     tl.store(l_base + arange_m * stride_lm, lse, mask=row_ok)
 
 
@@ -232,9 +237,9 @@ def dot_precision(spec: AttentionSpec, kernel: str = "forward") -> str:
     split-KV, H32/8 D128, GB/s: Sq=1 Sk=32768 665 against 2789, Sq=16 17 against 763).
     The backward past 128 columns keeps them (IEEE_FLOAT32_PAST): at every tile
     tools/sweep.py tried there 3xTF32 ran 1 TFLOP/s against IEEE's 4 (D=256; its dK/dV
-    kernel spills 42-48 KB in an sm_90 compile, IEEE's 144 bytes). Plain
-    TF32 was 4x less accurate than torch's own TF32 matmul (Triton truncates to TF32,
-    which biases P downwards). Other dtypes: unused."""
+    kernel spills 42-48 KB in an sm_90 compile, IEEE's 144 bytes), and takes an lse of
+    their scores (rescored_lse). Plain TF32 was 4x less accurate than torch's own TF32
+    matmul (Triton truncates to TF32, which biases P downwards). Other dtypes: unused."""
     if spec.dtype != torch.float32:
         return "tf32"
     if tuning.padded_width(spec) > IEEE_FLOAT32_PAST.get(kernel, 1 << 30):
@@ -283,6 +288,32 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
             cu_seqlens_k, out, lse) -> None:  # fmt: skip
     """Launches the forward kernel: fills out (q's layout, Dv) and lse (float32) of a
     call with queries; rng_state: dropout's [seed, offset], None without dropout."""
+    _launch(spec, q, k, v, bias, alibi_slopes, rng_state, cu_seqlens_q, cu_seqlens_k, out,
+            lse, tuning.forward_configs(spec), feature_switches(spec), True)
+
+
+def rescored_lse(spec: AttentionSpec, q, k, v, bias, alibi_slopes, cu_seqlens_q,
+                 cu_seqlens_k, lse) -> torch.Tensor | None:  # fmt: skip
+    """The backward's own lse where its score dots are not the forward's (float32 past
+    128 columns: IEEE against 3xTF32), made with its dots and the forward's masks and
+    score terms, no P·V; None where they are the same. P = exp(S - lse) over scores of
+    the backward's making and the forward's lse put every P of a row off by the lse's
+    error (H200, float32 D=256/128, scale 0.241: dV 1.43x its tolerance; 0.32x so, for
+    +18 % of the backward's time: tuning.RESCORE_CONFIG)."""
+    precision = dot_precision(spec, "backward")
+    if precision == dot_precision(spec):
+        return None
+    rescored = new_output(lse.shape, lse.dtype, lse.device)
+    _launch(spec, q, k, v, bias, alibi_slopes, None, cu_seqlens_q, cu_seqlens_k, q, rescored,
+            tuning.rescore_configs(spec),
+            dict(feature_switches(spec), HAS_DROPOUT=False, DOT_PRECISION=precision), False)
+    return rescored
+
+
+def _launch(spec, q, k, v, bias, alibi_slopes, rng_state, cu_seqlens_q, cu_seqlens_k, out,
+            lse, configs, switches, with_out):  # fmt: skip
+    """_fwd_kernel over ``configs`` (the first that fits); without ``with_out`` lse alone
+    (``out`` a stand-in, never written)."""
 
     def launch(cfg: tuning.Config):
         num_m_blocks = cdiv(spec.seqlen_q, cfg.block_m)
@@ -297,8 +328,8 @@ def forward(spec: AttentionSpec, q, k, v, bias, alibi_slopes, rng_state, cu_seql
             spec.heads, spec.group, spec.seqlen_q, spec.seqlen_k, num_m_blocks, spec.batch,
             spec.scale, spec.softcap, spec.window_left, spec.window_right, spec.dropout_p,
             spec.position_q, spec.position_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **feature_switches(spec),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, WITH_OUT=with_out,
+            **switches,
         )  # fmt: skip
 
-    tuning.launch_fitting("forward", spec, tuning.forward_configs(spec), launch)
+    tuning.launch_fitting("forward" if with_out else "rescore", spec, configs, launch)
