@@ -146,8 +146,9 @@ def forward_configs(spec: AttentionSpec) -> tuple[Config, ...]:
 
 # forward.rescored_lse's tile (float32 past 128 columns, IEEE dots, no P·V); an sm_90
 # compile at D 256/128 and 192/128: 32x64 8 warps 120 registers, 32x32 8 warps 146, no
-# spills; 64-row tiles spill 2.5-23 KB. H200, causal B2 S2048 H16, the backward without
-# it / with 32x64 / 32x32: D 256/128 31.2 / 36.7 / 41.0 ms, 256/256 41.4 / 47.1 / 51.3.
+# spills (but softcap's: 2.5 KB at 128 registers); 64-row tiles spill 2.5-23 KB. H200,
+# causal B2 S2048 H16, the backward without it / with 32x64 / 32x32: D 256/128 31.2 /
+# 36.7 / 41.0 ms, 256/256 41.4 / 47.1 / 51.3.
 RESCORE_CONFIG = Config(32, 64, 8, 1)
 
 
